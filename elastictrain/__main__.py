@@ -1,0 +1,4 @@
+from elastictrain.cli import main
+
+if __name__ == "__main__":
+    main(prog_name="elastictrain")

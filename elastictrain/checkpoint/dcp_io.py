@@ -1,0 +1,196 @@
+"""DCP storage plumbing: a writer that checksums every byte as it is written, and a reader whose
+``.metadata`` is loaded with the restricted unpickler.
+
+The writer plugs a :class:`HashingFileSystem` (a DCP ``FileSystemBase`` over fsspec) into DCP's stock
+``FileSystemWriter``, so DCP keeps doing planning, dedup of replicated tensors and the file layout, while
+every stream it opens is wrapped: SHA-256 and size are computed on the fly (no read-back) and recorded per
+file. Local/Lustre files are fsync'ed on close (we run DCP with ``sync_files=False`` because its fallback for
+streams without a file descriptor is a machine-wide ``os.sync()``).
+
+On S3 there are two ways to get a stream's bytes out (``s3_mode``):
+* ``"buffer"`` (default): keep the file in memory and upload it on close with ``fs.pipe``, which for large
+  files runs a multipart upload with ``max_concurrency`` parts in flight;
+* ``"stream"``: s3fs's buffered file, which uploads one part at a time as the buffer fills (less memory,
+  one part in flight). ``benchmarks/checkpoint.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import fsspec
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from elastictrain.checkpoint import storage
+from elastictrain.checkpoint.manifest import FileInfo
+from elastictrain.checkpoint.safe_metadata import loads_metadata
+
+S3Mode = Literal["buffer", "stream"]
+
+
+class _HashingStream(io.RawIOBase):
+    """Write-only stream: every byte goes through SHA-256 and on to ``sink``; ``tell`` counts bytes."""
+
+    def __init__(self, sink: Any) -> None:
+        super().__init__()
+        self._sink = sink
+        self._hash = hashlib.sha256()
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._hash.update(view)
+        self._sink.write(view)
+        self._pos += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+    def info(self) -> FileInfo:
+        return FileInfo(self._pos, self._hash.hexdigest())
+
+
+class HashingFileSystem(FileSystemBase):
+    """DCP file system over fsspec that records ``{relpath: FileInfo}`` for every file it writes.
+
+    ``base`` is the step directory (fsspec path); ``uri`` is its URI, used in error messages only.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, base: str, uri: str, s3_mode: S3Mode = "buffer") -> None:
+        self.fs = fs
+        self.base = base.rstrip("/")
+        self.uri = uri
+        self.s3_mode = s3_mode
+        self._local = storage.is_local(fs)
+        self._lock = threading.Lock()
+        self.written: dict[str, FileInfo] = {}
+
+    def _rel(self, path: str | os.PathLike) -> str:
+        p = os.fspath(path)
+        prefix = self.base + "/"
+        return p[len(prefix) :] if p.startswith(prefix) else p
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        if "r" in mode:
+            with self.fs.open(path, mode) as f:
+                yield f
+            return
+        try:
+            stream = self._write_stream(path)
+            with stream as (hashing, finish):
+                yield hashing
+                finish()
+        except BaseException:
+            # a partial file must not look like a finished one to a later verify
+            try:
+                self.fs.rm_file(path)
+            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+                pass
+            raise
+        with self._lock:
+            self.written[self._rel(path)] = hashing.info()
+
+    @contextmanager
+    def _write_stream(self, path: str) -> Generator[tuple[_HashingStream, Any], None, None]:
+        if self._local:
+            with open(path, "wb", buffering=4 * 2**20) as f:
+                hashing = _HashingStream(f)
+
+                def finish() -> None:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+                yield hashing, finish
+        elif self.s3_mode == "stream":
+            with self.fs.open(path, "wb") as f:
+                yield _HashingStream(f), lambda: None
+        else:
+            buf = io.BytesIO()
+            hashing = _HashingStream(buf)
+
+            def upload() -> None:
+                self.fs.pipe(path, buf.getvalue())
+
+            yield hashing, upload
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return storage.join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        src, dst = os.fspath(path), os.fspath(new_path)
+        if self._local:
+            os.rename(src, dst)
+            storage.fsync_dir(os.path.dirname(dst))
+        else:
+            self.fs.mv(src, dst)
+        with self._lock:
+            info = self.written.pop(self._rel(src), None)
+            if info is not None:
+                self.written[self._rel(dst)] = info
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.fs.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.fs.rm_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return self.fs.ls(os.fspath(path), detail=False)
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP ``FileSystemWriter`` writing through a :class:`HashingFileSystem`; one file per rank."""
+
+    def __init__(self, hfs: HashingFileSystem) -> None:
+        super().__init__(path=hfs.base, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self.fs = hfs
+        self.path = hfs.base
+
+    @property
+    def written(self) -> dict[str, FileInfo]:
+        return dict(self.fs.written)
+
+
+class SafeReader(FsspecReader):
+    """DCP ``FsspecReader`` that never unpickles arbitrary code from ``.metadata``."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(uri, **(storage_options or {}))
+        self._uri = uri
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        where = storage.join(self._uri, os.path.basename(os.fspath(path)))
+        data = storage.guarded("reading", where, lambda: self.fs.fs.cat_file(os.fspath(path)))
+        metadata = loads_metadata(data, where)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -1,0 +1,103 @@
+"""Worker side load: a committed checkpoint into a (possibly different) number of ranks.
+
+DCP reshards on load: the metadata records each tensor's global shape and chunks, every rank asks for what
+its own state dict holds. For DDP (replicated tensors) that means every rank reads every tensor, whatever
+world size wrote them. ``.metadata`` goes through the restricted unpickler; tensors through DCP's
+``torch.load(weights_only=True)``.
+
+Optimizer state: a fresh ``Adam`` has an empty ``state`` so a plain ``optimizer.state_dict()`` gives DCP
+nothing to load into. :func:`app_state` uses ``get_state_dict``, which materialises the optimizer state and
+keys it by parameter name (identical for a plain module and its DDP wrapper); :func:`apply_app_state` puts
+the loaded values back with ``set_state_dict``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from elastictrain.checkpoint import storage
+from elastictrain.checkpoint.dcp_io import SafeReader
+from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.manifest import Manifest, step_dir_name
+
+_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def checkpoint_dir(manifest: Manifest, root_uri: str | None) -> str:
+    """The step directory of ``manifest``: where it was read from, else ``<root_uri>/step_...``."""
+    if manifest.location:
+        return manifest.location
+    if not root_uri:
+        raise CheckpointError(f"manifest of step {manifest.step} has no location and no root_uri was given")
+    return storage.join(root_uri, step_dir_name(manifest.step))
+
+
+def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` keyed by parameter names, for saving or as a load target.
+
+    Works for a plain module and a DDP-wrapped one (the ``module.`` prefix is dropped), and initialises
+    the state of a fresh optimizer so that a load has tensors to fill.
+    """
+    if optimizer is None:
+        model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
+        return {"model": model_sd}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def apply_app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Load ``state`` (as built by :func:`app_state`, then filled by :func:`load_checkpoint`) into the
+    live model and optimizer. Raises ``KeyError`` if ``state`` lacks ``"model"``."""
+    if optimizer is None or "optim" not in state:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_OPTIONS)
+        return
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+
+
+def load_checkpoint(
+    manifest: Manifest,
+    root_uri: str | None,
+    state: dict[str, Any],
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Fill ``state`` in place from the checkpoint of ``manifest`` (collective: every rank of
+    ``process_group`` calls it). ``state`` keys absent from the checkpoint raise CheckpointError.
+
+    Verify the manifest first (``CheckpointStore.resolve``/``verify``): this reads without checksumming.
+    """
+    uri = checkpoint_dir(manifest, root_uri)
+    reader = SafeReader(uri, storage_options)
+    no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
+    try:
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps rank failures in CheckpointException; name the URI
+        raise CheckpointError(f"loading checkpoint {uri} failed: {type(e).__name__}: {e}") from e
+
+
+def load_full(step_uri: str, key: str | None = "model", storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a whole checkpoint (or its ``key`` subtree) into one process as a nested dict of full CPU
+    tensors, without a model to load into (consolidation/export). Single process, no collectives."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    planner = _EmptyStateDictLoadPlanner(keys={key} if key else None)
+    try:
+        _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"reading checkpoint {step_uri} failed: {type(e).__name__}: {e}") from e
+    if key:
+        if key not in state:
+            raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; top-level keys: {sorted(state)}")
+        return state[key]
+    return state

@@ -1,0 +1,100 @@
+"""Staging: copy a nested state dict into host memory so training may mutate its tensors right away.
+
+The copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
+:class:`StagingPool` keeps the buffers of finished saves and hands them to the next save with the same
+tensor layout, which makes a steady-state stage a plain ``memcpy`` into already-faulted-in memory (fresh
+allocations would pay a page fault per 4 KiB). Buffers for CUDA sources are pinned so that the device
+-> host copy is a DMA that can run non-blocking.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass
+class Staged:
+    """A staged copy: ``state`` (same nesting as the source, tensors replaced by host copies) and the
+    flat list of host buffers backing it, to hand back to the pool when the save is done."""
+
+    state: Any
+    buffers: list[torch.Tensor]
+    signature: Signature
+    nbytes: int
+
+
+def _tensors_in_order(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_in_order(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors_in_order(v, out)
+
+
+def _rebuild(obj: Any, buffers: list[torch.Tensor], pos: list[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        buf = buffers[pos[0]]
+        pos[0] += 1
+        return buf
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, buffers, pos) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v, buffers, pos) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, buffers, pos) for v in obj)
+    # python scalars, strings, None: immutable or small; a deep copy keeps later mutation out of the save
+    return copy.deepcopy(obj)
+
+
+class StagingPool:
+    """Hands out host buffers for staging and takes them back; thread-safe. Keeps at most ``keep`` idle
+    buffer sets (one per save that may be in flight)."""
+
+    def __init__(self, keep: int = 1) -> None:
+        if keep < 1:
+            raise ValueError(f"StagingPool keep must be >= 1, got {keep}")
+        self._keep = keep
+        self._idle: list[tuple[Signature, list[torch.Tensor]]] = []
+        self._lock = threading.Lock()
+
+    def _take(self, signature: Signature, pin: bool) -> list[torch.Tensor]:
+        with self._lock:
+            for i, (sig, bufs) in enumerate(self._idle):
+                if sig == signature:
+                    return self._idle.pop(i)[1]
+        return [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in signature]
+
+    def stage(self, state: Any) -> Staged:
+        """Copy every tensor of ``state`` to host memory; returns when the copy is complete."""
+        sources: list[torch.Tensor] = []
+        _tensors_in_order(state, sources)
+        signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
+        on_cuda = any(t.is_cuda for t in sources)
+        buffers = self._take(signature, pin=on_cuda)
+        with torch.no_grad():
+            for dst, src in zip(buffers, sources):
+                dst.copy_(src.detach(), non_blocking=on_cuda)
+        if on_cuda:
+            torch.cuda.synchronize()  # the caller may overwrite the sources as soon as we return
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        return Staged(_rebuild(state, buffers, [0]), buffers, signature, nbytes)
+
+    def release(self, staged: Staged) -> None:
+        """Return a finished save's buffers for reuse (the oldest idle set is dropped beyond ``keep``)."""
+        with self._lock:
+            self._idle.append((staged.signature, staged.buffers))
+            del self._idle[: max(0, len(self._idle) - self._keep)]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()

@@ -1,0 +1,199 @@
+"""Controller side: the commit authority over ``<checkpoint.uri>/<run stable id>/step_<n>/``.
+
+Commit protocol: workers write shards and report (:class:`ShardReport`); when every rank of the generation
+reported success for a step, :meth:`CheckpointStore.commit` writes ``manifest.json`` LAST and create-only.
+A step directory without a manifest is not a checkpoint (an abandoned or crashed save); a manifest is never
+overwritten. Verification recomputes sizes and SHA-256 of the listed files; resume takes the newest
+committed checkpoint that verifies and says why newer ones were skipped. No torch.distributed here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from elastictrain.checkpoint import storage
+from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardReport,
+    build_manifest,
+    check_relpath,
+    manifest_from_json,
+    parse_step_dir,
+    step_dir_name,
+)
+from elastictrain.checkpoint.retention import retention_plan
+
+
+class CheckpointStore:
+    """Checkpoints of one run under ``root_uri`` (= ``<checkpoint.uri>/<run stable id>``)."""
+
+    def __init__(self, root_uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.root_uri = root_uri.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._fs, self._root = storage.open_fs(self.root_uri, self.storage_options)
+
+    # ------------------------------------------------------------------------------------------- paths
+
+    def step_uri(self, step: int) -> str:
+        return storage.join(self.root_uri, step_dir_name(step))
+
+    def _step_path(self, step: int) -> str:
+        return storage.join(self._root, step_dir_name(step))
+
+    # ------------------------------------------------------------------------------------------ commit
+
+    def commit(self, step: int, reports: list[ShardReport], meta: dict[str, Any]) -> Manifest:
+        """Write the manifest of ``step`` from all ranks' reports; returns it.
+
+        ``meta`` must hold ``world_size`` (int) plus whatever resume needs (plan, global_batch, seed,
+        dataset_len, config, samples_seen...). Raises CheckpointError if a report failed, is for another
+        step, a rank is missing or duplicated, a reported file is absent, or the step is already committed.
+        """
+        world = meta.get("world_size")
+        if not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"commit of {self.step_uri(step)}: meta['world_size'] must be an int >= 1, got {world!r}")
+        self._check_reports(step, world, reports)
+        manifest = build_manifest(step, world, reports, meta, time.time())
+        self._check_files_present(manifest)
+        where = storage.join(self.step_uri(step), MANIFEST_NAME)
+        data = manifest.to_json().encode()
+        try:
+            storage.write_atomic(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), data, create_only=True, uri=where)
+        except FileExistsError:
+            raise CheckpointError(f"{where} already exists: step {step} is committed and is never overwritten") from None
+        return Manifest(**{**manifest.__dict__, "location": self.step_uri(step)})
+
+    def _check_reports(self, step: int, world: int, reports: list[ShardReport]) -> None:
+        uri = self.step_uri(step)
+        failed = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
+        if failed:
+            raise CheckpointError(f"not committing {uri}: " + "; ".join(failed))
+        wrong = sorted({r.step for r in reports if r.step != step})
+        if wrong:
+            raise CheckpointError(f"not committing {uri}: reports for other steps {wrong} were passed")
+        ranks = [r.rank for r in reports]
+        missing = sorted(set(range(world)) - set(ranks))
+        extra = sorted(set(ranks) - set(range(world)))
+        dups = sorted({r for r in ranks if ranks.count(r) > 1})
+        if missing or extra or dups:
+            raise CheckpointError(
+                f"not committing {uri}: world_size={world} but ranks missing={missing} unknown={extra} "
+                f"duplicated={dups}; wait for every rank of the generation"
+            )
+
+    def _check_files_present(self, manifest: Manifest) -> None:
+        uri = self.step_uri(manifest.step)
+        sizes = storage.list_sizes(self._fs, self._step_path(manifest.step), uri)
+        absent = [p for p, info in manifest.files.items() if sizes.get(p) != info.size]
+        if absent:
+            raise CheckpointError(f"not committing {uri}: reported files absent or of another size: {sorted(absent)}")
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def _steps_on_storage(self) -> list[int]:
+        names = storage.list_dirs(self._fs, self._root, self.root_uri)
+        return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``; FileNotFoundError if uncommitted, ManifestError if it does not parse."""
+        where = storage.join(self.step_uri(step), MANIFEST_NAME)
+        data = storage.read_bytes(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), where)
+        manifest = manifest_from_json(data, where, location=self.step_uri(step))
+        if manifest.step != step:
+            raise ManifestError(f"{where}: says step {manifest.step} but lies in {step_dir_name(step)}")
+        return manifest
+
+    def _scan(self) -> tuple[list[Manifest], dict[int, str]]:
+        """(manifests that parse, sorted by step; {step: why not} for step dirs without a usable one)."""
+        good, bad = [], {}
+        for step in self._steps_on_storage():
+            try:
+                good.append(self.read_manifest(step))
+            except FileNotFoundError:
+                bad[step] = f"{self.step_uri(step)}: no {MANIFEST_NAME} (save never committed: crashed or abandoned)"
+            except ManifestError as e:
+                bad[step] = str(e)
+        return good, bad
+
+    def committed(self) -> list[Manifest]:
+        """Committed checkpoints whose manifest parses, oldest first (no checksums: cheap)."""
+        return self._scan()[0]
+
+    def verify(self, manifest: Manifest, checksums: bool = True) -> list[str]:
+        """Problems with the files of ``manifest`` (missing, size, SHA-256); ``[]`` means intact."""
+        base_uri = manifest.location or self.step_uri(manifest.step)
+        fs, base = storage.open_fs(base_uri, self.storage_options)
+        sizes = storage.list_sizes(fs, base, base_uri)
+        problems = []
+        for rel, info in sorted(manifest.files.items()):
+            check_relpath(rel, base_uri)
+            uri = storage.join(base_uri, rel)
+            if rel not in sizes:
+                problems.append(f"{uri}: missing")
+            elif sizes[rel] != info.size:
+                problems.append(f"{uri}: size {sizes[rel]} != {info.size} recorded (truncated or overwritten)")
+            elif checksums and storage.sha256_of(fs, storage.join(base, rel), uri) != info.sha256:
+                problems.append(f"{uri}: SHA-256 mismatch (contents changed after the save)")
+        return problems
+
+    def latest_valid(self) -> tuple[Manifest | None, list[str]]:
+        """Newest committed checkpoint that verifies, and why each newer step dir was skipped."""
+        good, bad = self._scan()
+        candidates = {m.step: m for m in good}
+        skipped: list[str] = []
+        for step in sorted(set(candidates) | set(bad), reverse=True):
+            if step in bad:
+                skipped.append(bad[step])
+                continue
+            problems = self.verify(candidates[step])
+            if not problems:
+                return candidates[step], skipped
+            skipped.append(f"{self.step_uri(step)}: " + "; ".join(problems))
+        return None, skipped
+
+    def resolve(self, resume: str) -> Manifest | None:
+        """``"auto"`` -> newest valid (or None), ``"never"`` -> None, else an explicit checkpoint URI
+        (a step dir or its ``manifest.json``) -> its verified manifest. Raises CheckpointError."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self.latest_valid()[0]
+        return self._resolve_explicit(resume)
+
+    def _resolve_explicit(self, uri: str) -> Manifest:
+        step_uri = uri.rstrip("/").removesuffix("/" + MANIFEST_NAME)
+        fs, path = storage.open_fs(step_uri, self.storage_options)
+        where = storage.join(step_uri, MANIFEST_NAME)
+        try:
+            data = storage.read_bytes(fs, storage.join(path, MANIFEST_NAME), where)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint.resume={uri!r}: {where} does not exist (not a committed checkpoint); "
+                "point it at a step directory with a manifest, or use resume=auto"
+            ) from None
+        manifest = manifest_from_json(data, where, location=step_uri)
+        problems = self.verify(manifest)
+        if problems:
+            raise CheckpointError(f"checkpoint.resume={uri!r} is damaged: " + "; ".join(problems))
+        return manifest
+
+    # ----------------------------------------------------------------------------------------- retention
+
+    def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset()) -> list[int]:
+        """Delete what :func:`retention_plan` says; returns the deleted steps.
+
+        A committed checkpoint loses its manifest first, so a crash half-way leaves an uncommitted dir
+        (swept next time), never a committed checkpoint with missing files."""
+        good, bad = self._scan()
+        delete = retention_plan([m.step for m in good], sorted(bad), keep_last, keep_every, frozenset(in_use))
+        committed = {m.step for m in good}
+        for step in delete:
+            if step in committed:
+                storage.remove_file(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), self.step_uri(step))
+            storage.remove_tree(self._fs, self._step_path(step), self.step_uri(step))
+        return delete

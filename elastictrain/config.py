@@ -1,0 +1,297 @@
+"""The one typed job config, loaded and validated once at the edge.
+
+Every section is a frozen pydantic model with ``extra="forbid"``; each component receives only its own
+slice. :func:`load_config` turns YAML plus ``--set dotted.key=value`` overrides into a :class:`JobConfig`
+or raises :class:`ConfigError` with one readable message per problem (field, value, rule, fix).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run. The message names the field, the value, the rule and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """Built-in GPT size. Ignored by user tasks that bring their own module."""
+
+    seq_len: int = Field(64, ge=2)
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(2, ge=1)
+    d_model: int = Field(64, ge=8)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
+                "pick a head count that divides d_model"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    """Where samples come from: ``builtin:pydoc`` or a Parquet path / URL (local, s3://...)."""
+
+    source: str = "builtin:pydoc"
+    column: str = "text"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    warmup_steps: int = Field(10, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class TaskConfig(_Section):
+    """The built-in task. User tasks passed to :class:`elastictrain.Trainer` replace it."""
+
+    kind: Literal["tiny_gpt"] = "tiny_gpt"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+
+class TrainConfig(_Section):
+    steps: int = Field(50, ge=1)
+    seed: int = Field(0, ge=0)
+    global_batch: int = Field(16, ge=1, description="samples per optimizer step, constant for the whole run")
+    micro_batch: int = Field(4, ge=1, description="samples per forward/backward on one worker")
+    log_every: int = Field(1, ge=1, description="steps between progress lines on the console")
+    audit_samples: bool = Field(False, description="record every step's sample ids in its step event")
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> TrainConfig:
+        if self.global_batch % self.micro_batch:
+            raise ValueError(
+                f"train.global_batch={self.global_batch} is not a multiple of train.micro_batch="
+                f"{self.micro_batch}; set micro_batch to a divisor of global_batch"
+            )
+        return self
+
+
+class WorkersConfig(_Section):
+    min: int = Field(1, ge=1)
+    max: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> WorkersConfig:
+        if self.min > self.max:
+            raise ValueError(f"workers.min={self.min} exceeds workers.max={self.max}; set min <= max")
+        return self
+
+
+class ParallelConfig(_Section):
+    plan: Literal["ddp"] = "ddp"
+
+
+class CheckpointConfig(_Section):
+    uri: str | None = Field(None, description="local/Lustre path or s3://bucket/prefix; null disables")
+    every_steps: int = Field(0, ge=0, description="0 disables periodic checkpoints")
+    keep_last: int = Field(3, ge=1)
+    keep_every: int = Field(0, ge=0, description="also keep every M-th step; 0 disables")
+    resume: str = Field("auto", description="auto | never | an explicit checkpoint URI")
+    max_in_flight: int = Field(1, ge=1)
+    when_busy: Literal["skip", "wait"] = "skip"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
+    memory_every_steps: int = Field(1, ge=0, description="in-memory replica cadence; 0 disables")
+
+
+class RecoveryConfig(_Section):
+    mode: Literal["elastic", "strict"] = "elastic"
+    max_failures: int = Field(10, ge=0)
+    max_failures_per_rank: int = Field(3, ge=1)
+    min_workers_wait_s: float = Field(60.0, gt=0)
+    straggler_factor: float = Field(2.0, gt=1.0)
+    straggler_window: int = Field(8, ge=2)
+    evict_stragglers: bool = False
+
+
+class TimeoutsConfig(_Section):
+    """All timeouts in one place; their ordering is validated."""
+
+    collective_s: float = Field(30.0, gt=0, description="a torch.distributed collective")
+    step_watchdog_cap_s: float = Field(60.0, gt=0, description="hang bound cap (bound adapts to step times)")
+    watchdog_factor: float = Field(10.0, gt=1.0, description="hang bound = factor x median step time")
+    watchdog_floor_s: float = Field(3.0, gt=0)
+    poll_s: float = Field(120.0, gt=0, description="a controller->worker call")
+    restart_grace_s: float = Field(300.0, gt=0, description="a worker start-up, imports and model build")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TimeoutsConfig:
+        chain = [
+            ("timeouts.watchdog_floor_s", self.watchdog_floor_s),
+            ("timeouts.step_watchdog_cap_s", self.step_watchdog_cap_s),
+        ]
+        if not self.watchdog_floor_s <= self.step_watchdog_cap_s:
+            raise ValueError(_order_message(chain))
+        chain = [
+            ("timeouts.collective_s", self.collective_s),
+            ("timeouts.step_watchdog_cap_s", self.step_watchdog_cap_s),
+            ("timeouts.poll_s", self.poll_s),
+            ("timeouts.restart_grace_s", self.restart_grace_s),
+        ]
+        values = [v for _, v in chain]
+        if values != sorted(values) or len(set(values)) != len(values):
+            raise ValueError(_order_message(chain))
+        return self
+
+
+def _order_message(chain: list[tuple[str, float]]) -> str:
+    shown = " < ".join(f"{k}={v:g}" for k, v in chain)
+    return f"timeouts must be strictly increasing in this order: {shown}; adjust them so that each is larger"
+
+
+class FaultConfig(_Section):
+    """One injected fault, addressed by (rank, step, point). For tests and chaos drills."""
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    point: Literal["before_step", "mid_step", "after_step"] = "mid_step"
+    kind: Literal["kill", "hang", "raise", "slow"] = "kill"
+    seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step; for hang: how long")
+    repeat: bool = Field(False, description="fire again whenever that rank reaches that step (crash loops)")
+    generation: int | None = Field(0, description="only in this membership generation; null = any")
+
+
+class JobConfig(_Section):
+    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    run_id: str | None = Field(None, description="stable id for checkpoint resume; defaults to name")
+    task: TaskConfig = TaskConfig()
+    train: TrainConfig = TrainConfig()
+    workers: WorkersConfig = WorkersConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    faults: list[FaultConfig] = Field(default_factory=list)
+
+    @property
+    def stable_id(self) -> str:
+        return self.run_id or self.name
+
+    @model_validator(mode="after")
+    def _layout_possible(self) -> JobConfig:
+        from elastictrain.data.cursor import valid_world_sizes
+
+        g, m = self.train.global_batch, self.train.micro_batch
+        valid = valid_world_sizes(g, m, self.workers.max)
+        bad = [w for w in (self.workers.min, self.workers.max) if w not in valid]
+        if bad:
+            raise ValueError(
+                f"world size {bad[0]} cannot split train.global_batch={g} into micro batches of "
+                f"train.micro_batch={m} (global_batch must be a multiple of world_size * micro_batch); "
+                f"valid world sizes up to workers.max={self.workers.max}: {valid or 'none'}; "
+                "change workers.min/max or the batch sizes"
+            )
+        for f in self.faults:
+            if f.rank >= self.workers.max:
+                raise ValueError(f"faults: rank {f.rank} does not exist with workers.max={self.workers.max}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, dotted + "."))
+    return keys
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+    if err["type"] == "extra_forbidden":
+        known = _all_keys(JobConfig)
+        hint = difflib.get_close_matches(loc, known, n=1, cutoff=0.6)
+        if not hint:
+            last = loc.rsplit(".", 1)[-1]
+            hint = [k for k in known if k.rsplit(".", 1)[-1] == last][:1] or difflib.get_close_matches(
+                last, [k.rsplit(".", 1)[-1] for k in known], n=1
+            )
+        tip = f"; did you mean '{hint[0]}'?" if hint else ""
+        return f"unknown key '{loc}'{tip} (see docs/config.md for every key)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("value_error", "assertion_error") and not err["loc"]:
+        return msg
+    return f"{loc}: {msg} (got {err.get('input')!r})"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a","b","c"], yaml-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value, e.g. --set train.steps=100")
+    key, _, raw = text.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {e}") from None
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {'.'.join(parts)}: '{p}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = "<config>") -> JobConfig:
+    """Validate a mapping (plus overrides) into a :class:`JobConfig`; raise :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = dict(data)
+    for text in overrides:
+        _apply_override(data, *parse_override(text))
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [_format_error(err) for err in e.errors()]
+        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Read YAML at ``path``, apply ``--set`` overrides, validate. Raises :class:`ConfigError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p} (pass a YAML job file, e.g. jobs/tiny_gpt.yaml)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    return build_config(data, overrides, source=str(p))

@@ -1,0 +1,132 @@
+"""The worker group: a placement group with one bundle per slot (``workers.max`` slots) and at most one
+actor per slot. A slot whose actor died gets a new actor in the same bundle: Ray re-places a bundle lost
+with its node when capacity exists, so a replacement waits for capacity instead of failing.
+
+Mechanism only: who joins which generation is the controller's decision.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastictrain.config import JobConfig
+from elastictrain.task import Task
+from elastictrain.worker.actor import worker_actor_class
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"  # actor created, setup() in flight
+    READY = "ready"        # set up, not in the current generation
+    MEMBER = "member"      # in the current generation
+    DEAD = "dead"          # failed or killed; a replacement may be started
+
+
+@dataclass
+class Slot:
+    index: int
+    actor: Any = None
+    state: SlotState = SlotState.DEAD
+    setup_ref: Any = None
+    info: dict[str, Any] = field(default_factory=dict)  # pid, node_id, ip from setup()
+    has_state: bool = False  # holds trained state (a survivor), not a fresh joiner
+    rank: int | None = None
+    started_at: float = 0.0
+    incarnation: int = 0
+
+
+class WorkerGroup:
+    def __init__(self, config: JobConfig, task: Task) -> None:
+        self.config = config
+        self.task = task
+        w = config.workers
+        bundle: dict[str, float] = {"CPU": w.cpus_per_worker}
+        if w.use_gpu:
+            bundle["GPU"] = 1
+        self.pg = placement_group([dict(bundle) for _ in range(w.max)], strategy=w.placement_strategy)
+        self.slots = [Slot(i) for i in range(w.max)]
+        self._actor_cls = worker_actor_class()
+
+    def wait_placed(self, timeout: float) -> bool:
+        """Wait until every bundle is placed (False: not enough capacity yet; slots stay pending)."""
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+        return bool(ready)
+
+    def spawn(self, index: int) -> Slot:
+        """Start a (new) actor in slot ``index`` and its set-up. Non-blocking."""
+        slot = self.slots[index]
+        w = self.config.workers
+        slot.actor = self._actor_cls.options(
+            num_cpus=w.cpus_per_worker, num_gpus=1 if w.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=index),
+            max_restarts=0, max_task_retries=0,
+        ).remote(self.config, self.task, index)
+        slot.setup_ref = slot.actor.setup.remote()
+        slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
+        slot.started_at = time.time()
+        slot.incarnation += 1
+        return slot
+
+    def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
+        """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
+        returned too, with ``info['error']`` set."""
+        pending = {s.setup_ref: s for s in self.slots if s.state is SlotState.STARTING}
+        if not pending:
+            return []
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        out = []
+        for ref in done:
+            slot = pending[ref]
+            slot.setup_ref = None
+            try:
+                slot.info = ray.get(ref)
+                slot.state = SlotState.READY
+            except Exception as e:  # noqa: BLE001 - set-up error becomes a slot failure
+                slot.info = {"error": f"{type(e).__name__}: {e}"}
+                self.kill(slot)
+            out.append(slot)
+        return out
+
+    def kill(self, slot: Slot) -> None:
+        """Kill the slot's actor. A stopped (SIGSTOP) process may not answer Ray's kill RPC, so on this node
+        the process is also sent SIGKILL by pid."""
+        pid = slot.info.get("pid")
+        if pid and slot.info.get("ip") == ray.util.get_node_ip_address():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        slot.actor, slot.setup_ref, slot.state, slot.rank, slot.has_state = None, None, SlotState.DEAD, None, False
+
+    def by_state(self, *states: SlotState) -> list[Slot]:
+        return [s for s in self.slots if s.state in states]
+
+    def members(self) -> list[Slot]:
+        return sorted(self.by_state(SlotState.MEMBER), key=lambda s: s.rank)
+
+    def shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.actor is not None and slot.state in (SlotState.MEMBER, SlotState.READY):
+                try:
+                    ray.get(slot.actor.shutdown.remote(), timeout=10)
+                except Exception:
+                    pass
+            self.kill(slot)
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass

@@ -1,0 +1,101 @@
+"""Bookkeeping of a run on the driver: step records into ``step`` events, the world size history, the
+goodput breakdown (it adds up to wall time) and ``summary.json``."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from elastictrain.events import EventLog
+from elastictrain.worker.loop import StepRecord
+
+
+class Ledger:
+    def __init__(self, events: EventLog, total_steps: int, global_batch: int) -> None:
+        self.events = events
+        self.total_steps = total_steps
+        self.global_batch = global_batch
+        self.t0 = time.time()
+        self.last_step = 0
+        self.last_loss: float | None = None
+        self.last_progress = time.time()  # last time any step completed (the watchdog's reference)
+        self.step_times: list[float] = []
+        self.compute_times: dict[int, list[float]] = defaultdict(list)  # by rank
+        self.world_size_history: list[dict[str, Any]] = []
+        self.failures = 0
+        self.recoveries = 0
+        self.lost_steps = 0
+        self.goodput: dict[str, float] = defaultdict(float)
+        self._pending: dict[int, dict[int, StepRecord]] = defaultdict(dict)
+        self._world = 0
+        self._first_step_at: float | None = None
+
+    def new_generation(self, generation: int, world_size: int, accum: int) -> None:
+        self._world = world_size
+        self.world_size_history.append(
+            {"generation": generation, "world_size": world_size, "accum": accum, "from_step": self.last_step,
+             "time": time.time()})
+
+    def add(self, rank: int, record: StepRecord) -> list[dict[str, Any]]:
+        """Take one rank's record; emit ``step`` events for steps that every rank has reported."""
+        self._pending[record.step][rank] = record
+        self.compute_times[rank].append(record.compute_s)
+        out = []
+        for step in sorted(self._pending):
+            if len(self._pending[step]) < self._world or step <= self.last_step:
+                if step <= self.last_step:
+                    del self._pending[step]
+                    continue
+                break
+            out.append(self._emit(step, self._pending.pop(step), complete=True))
+        return out
+
+    def flush_partial(self) -> None:
+        """At a generation's end: steps some survivor completed are kept (their state is broadcast)."""
+        for step in sorted(self._pending):
+            if step > self.last_step:
+                self._emit(step, self._pending[step], complete=False)
+        self._pending.clear()
+
+    def _emit(self, step: int, records: dict[int, StepRecord], complete: bool) -> dict[str, Any]:
+        first = records[min(records)]
+        now = time.time()
+        interval = max(1e-9, first.finished_at - self.last_progress) if self.last_step else first.step_s
+        if self._first_step_at is None:
+            self._first_step_at = now
+            self.goodput["startup_s"] += max(0.0, first.finished_at - first.step_s - self.t0)
+        self.step_times.append(first.step_s)
+        self.goodput["productive_s"] += first.step_s
+        self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
+        rate = self.global_batch / max(1e-9, min(interval, first.step_s * 4))
+        recent = self.step_times[-20:]
+        eta = (self.total_steps - step) * (sum(recent) / len(recent))
+        fields: dict[str, Any] = {
+            "step": step, "loss": first.loss, "world_size": first.world_size, "accum": first.accum,
+            "samples_per_s": round(self.global_batch / max(1e-9, interval), 3), "step_s": round(first.step_s, 6),
+            "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
+        }
+        del rate
+        if not complete:
+            fields["complete"] = False
+        ids = [i for r in sorted(records) for i in records[r].sample_ids]
+        if ids:
+            fields["sample_ids"] = ids
+        return self.events.emit("step", **fields)
+
+    def add_time(self, bucket: str, seconds: float) -> None:
+        self.goodput[bucket + "_s"] += max(0.0, seconds)
+
+    def summary(self, state: str, extra: dict[str, Any]) -> dict[str, Any]:
+        wall = time.time() - self.t0
+        buckets = {k: round(v, 6) for k, v in self.goodput.items()}
+        buckets["other_s"] = round(max(0.0, wall - sum(self.goodput.values())), 6)
+        return {
+            "state": state, "final_step": self.last_step, "final_loss": self.last_loss, "wall_s": round(wall, 3),
+            "world_size_history": self.world_size_history, "failures": self.failures,
+            "recoveries": self.recoveries, "lost_steps": self.lost_steps,
+            "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,
+                        **buckets},
+            **extra,
+        }

@@ -1,0 +1,231 @@
+"""A tiny GPT-style decoder whose dropout is a pure function of (seed, step, global sample id).
+
+Why: an elastic job must produce the same training trajectory whatever the world size. The data
+cursor already makes *which* samples a step sees independent of the world size; this model makes
+*what happens to each sample* independent of it too. Every dropout mask of row ``b`` comes from a
+fresh ``torch.Generator`` seeded with ``mix(sample_seeds[b], site)``, so a sample gets the same masks
+whichever rank or micro-batch position processes it. No stateful RNG and no rank enters the masks.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "dropout_seed",
+    "param_count",
+    "per_sample_loss",
+    "sample_seed",
+    "sample_seeds",
+]
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+# Distinguishes sample seeds from other hashes built on the same mixer (arbitrary odd constant).
+_SAMPLE_DOMAIN = 0x5EED_5A3F_1E00_0001
+
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finaliser: a bijective 64-bit mixer with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix(*parts: int) -> int:
+    """Hash a sequence of non-negative ints into 63 bits (fits int64 and torch.Generator seeds)."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ _splitmix64(part & _MASK64))
+    return h & _MASK63
+
+
+def _check_nonneg(name: str, value: int) -> int:
+    # operator.index admits numpy / torch integer scalars (what the cursor hands out) but not floats.
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return number
+
+
+def sample_seed(seed: int, step: int, sample_id: int) -> int:
+    """The 63-bit randomness seed of one sample at one step: a pure hash of its arguments."""
+    return _mix(
+        _SAMPLE_DOMAIN,
+        _check_nonneg("seed", seed),
+        _check_nonneg("step", step),
+        _check_nonneg("sample_id", sample_id),
+    )
+
+
+def sample_seeds(seed: int, step: int, sample_ids: Iterable[int]) -> torch.Tensor:
+    """``sample_seed`` of each id, as the int64 tensor ``GPT.forward`` takes (on CPU)."""
+    return torch.tensor([sample_seed(seed, step, i) for i in sample_ids], dtype=torch.int64)
+
+
+def dropout_seed(sample_seed_value: int, site: int) -> int:
+    """Seed of the mask that dropout site ``site`` draws for a sample with the given sample seed."""
+    return _mix(_check_nonneg("sample_seed", sample_seed_value), _check_nonneg("site", site))
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model. ``seq_len`` is the longest input accepted (learned positions)."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+class SampleDropout(nn.Module):
+    """Inverted dropout whose mask for row ``b`` is drawn from ``dropout_seed(sample_seeds[b], site)``.
+
+    Identity in eval mode, when ``p == 0`` or when ``sample_seeds`` is None. Masks are drawn in
+    float32 on the input's device, so they do not depend on the activation dtype (they do depend on
+    the device type: CPU and CUDA generators produce different streams).
+    """
+
+    def __init__(self, p: float, site: int) -> None:
+        super().__init__()
+        self.p = p
+        self.site = site
+
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or seeds is None:
+            return x
+        masks = []
+        for row_seed in seeds.tolist():
+            gen = torch.Generator(device=x.device)
+            gen.manual_seed(dropout_seed(row_seed, self.site))
+            masks.append(torch.rand(x.shape[1:], generator=gen, device=x.device) >= self.p)
+        keep = torch.stack(masks).to(x.dtype)
+        return x * keep / (1.0 - self.p)
+
+
+class _Block(nn.Module):
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+
+    def __init__(self, cfg: GPTConfig, first_site: int) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.attn_out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.drop_attn = SampleDropout(cfg.dropout, first_site)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.mlp_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop_mlp = SampleDropout(cfg.dropout, first_site + 1)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # dropout_p=0: SDPA's internal dropout uses the global RNG, which would break determinism.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        return self.attn_out(y.transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.drop_attn(self._attention(self.ln_attn(x)), seeds)
+        h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
+        return x + self.drop_mlp(h, seeds)
+
+
+class GPT(nn.Module):
+    """Decoder-only LM: token + learned position embeddings, pre-LN blocks, untied output head.
+
+    Dropout sites: 0 = embeddings, ``1 + 2*l`` / ``2 + 2*l`` = attention / MLP output of block ``l``.
+    Parameters are initialised from torch's default generator: call ``torch.manual_seed`` first
+    for reproducible weights.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop_emb = SampleDropout(cfg.dropout, 0)
+        self.blocks = nn.ModuleList(_Block(cfg, 1 + 2 * layer) for layer in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, input_ids: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab_size)`` for ``input_ids`` ``(B, T)`` with ``T <= cfg.seq_len``.
+
+        ``sample_seeds`` (int64, shape ``(B,)``, see ``sample_seed``) enables dropout in training mode;
+        without it the forward is deterministic. Rows never interact, so a row's output does not
+        depend on the rest of the batch.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(
+                f"input_ids must be an int64 tensor of shape (B, T), got {input_ids.dtype} "
+                f"{tuple(input_ids.shape)}"
+            )
+        b, t = input_ids.shape
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        if sample_seeds is not None and (
+            sample_seeds.shape != (b,) or sample_seeds.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"sample_seeds must be an int64 tensor of shape ({b},), got {sample_seeds.dtype} "
+                f"{tuple(sample_seeds.shape)}"
+            )
+        positions = torch.arange(t, device=input_ids.device)
+        x = self.drop_emb(self.tok_emb(input_ids) + self.pos_emb(positions), sample_seeds)
+        for block in self.blocks:
+            x = block(x, sample_seeds)
+        return self.head(self.ln_f(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2 style: small normal weights keep initial logits near uniform (loss ~ ln(vocab)).
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sample: shape ``(B,)`` from ``(B, T, V)`` and ``(B, T)``."""
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits (B, T, V) and targets (B, T), got {tuple(logits.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    b, t, v = logits.shape
+    losses = F.cross_entropy(logits.reshape(b * t, v).float(), targets.reshape(b * t), reduction="none")
+    return losses.view(b, t).mean(dim=1)
+
+
+def param_count(model: nn.Module) -> int:
+    """Number of distinct parameters (shared tensors counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,178 @@
+"""The Python API: ``Trainer(config, task).fit()`` runs a job on Ray and returns its summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from elastictrain.config import ConfigError, JobConfig, build_config, load_config
+from elastictrain.events import EventLog, write_summary
+from elastictrain.task import Task, builtin_task
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_PREEMPTED = 0, 1, 2, 3, 75
+
+
+class CheckpointUnavailable(RuntimeError):
+    """The configured resume checkpoint cannot be used (message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    summary: dict[str, Any]
+    run_dir: Path
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+
+def default_run_dir(config: JobConfig, base: str | Path = "runs") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(base) / f"{config.name}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(base) / f"{config.name}-{stamp}-{n}"
+    return path
+
+
+class Trainer:
+    """Run a job: ``Trainer(config, task=None).fit()``.
+
+    ``config`` is a :class:`JobConfig`, a path to a YAML job file, or a mapping. ``task`` is a
+    :class:`Task`; ``None`` uses the built-in task named in ``config.task``. ``ray_address`` is passed to
+    ``ray.init`` when Ray is not initialised yet (``None``: ``RAY_ADDRESS`` or a new local Ray).
+    """
+
+    def __init__(self, config: JobConfig | str | Path | dict, task: Task | None = None, *,
+                 run_dir: str | Path | None = None, console: TextIO | None = sys.stdout,
+                 ray_address: str | None = None) -> None:
+        if isinstance(config, (str, Path)):
+            config = load_config(config)
+        elif isinstance(config, dict):
+            config = build_config(config)
+        self.config: JobConfig = config
+        self.task = task or builtin_task(config)
+        self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
+        self.console = console
+        self.ray_address = ray_address
+        self.controller: Any = None
+
+    def fit(self) -> RunResult:
+        store, manifest = self._resolve_resume()  # before any Ray resource is requested
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
+        tb = _tensorboard(self.run_dir, events)
+        if self.console is not None:
+            print(f"elastictrain: run directory {self.run_dir}", file=self.console, flush=True)
+        events.emit("run_started", name=self.config.name, run_id=self.config.stable_id, run_dir=str(self.run_dir),
+                    workers_min=self.config.workers.min, workers_max=self.config.workers.max,
+                    plan=self.config.parallel.plan, steps=self.config.train.steps,
+                    global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri)
+        self._init_ray()
+        from elastictrain.controller.controller import Controller
+
+        self.controller = Controller(self.config, self.task, events, store=store, resume_manifest=manifest)
+        restore = _install_signal_handlers(self.controller)
+        try:
+            summary = self.controller.run()
+        finally:
+            restore()
+        write_summary(self.run_dir, summary)
+        events.emit("run_finished", state=summary["state"], final_step=summary["final_step"],
+                    final_loss=summary["final_loss"], wall_s=summary["wall_s"], exit_code=summary["exit_code"])
+        if tb is not None:
+            tb.close()
+        events.close()
+        return RunResult(summary, self.run_dir, summary["exit_code"])
+
+    def _resolve_resume(self) -> tuple[Any, Any]:
+        c = self.config.checkpoint
+        if c.uri is None:
+            return None, None
+        from elastictrain.checkpoint import CheckpointError, CheckpointStore
+
+        root = c.uri.rstrip("/") + "/" + self.config.stable_id
+        try:
+            store = CheckpointStore(root, dict(c.storage_options))
+            manifest = store.resolve(c.resume)
+        except CheckpointError as e:
+            raise CheckpointUnavailable(str(e)) from None
+        if manifest is not None:
+            _check_compatible(self.config, manifest)
+        return store, manifest
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = self.ray_address or os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            w = self.config.workers
+            cpus = max(os.cpu_count() or 1, int(w.max * w.cpus_per_worker + 0.999))
+            ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+
+
+def _check_compatible(config: JobConfig, manifest: Any) -> None:
+    saved = getattr(manifest, "meta", {}) or {}
+    for key, now in (("global_batch", config.train.global_batch), ("seed", config.train.seed)):
+        then = saved.get(key)
+        if then is not None and then != now:
+            raise CheckpointUnavailable(
+                f"checkpoint at step {manifest.step} was written with train.{key}={then} but this job has "
+                f"train.{key}={now}: resuming would silently change the data order. Use the same value, "
+                "or start fresh with checkpoint.resume=never or a new run_id")
+
+
+def _tensorboard(run_dir: Path, events: EventLog) -> Any:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional: the run works without it
+        return None
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def on_event(record: dict[str, Any]) -> None:
+        if record["event"] == "step":
+            writer.add_scalar("train/loss", record["loss"], record["step"])
+            writer.add_scalar("train/samples_per_s", record["samples_per_s"], record["step"])
+            writer.add_scalar("train/world_size", record["world_size"], record["step"])
+
+    events.listeners.append(on_event)
+    return writer
+
+
+def _install_signal_handlers(controller: Any) -> Any:
+    """SIGTERM (``ray job stop``, Kubernetes) and SIGINT: stop at a step boundary, checkpoint, exit 75."""
+    previous = {}
+
+    def handler(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if controller.preempt_reason and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        controller.request_preemption(f"received {name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
+__all__ = ["Trainer", "RunResult", "ConfigError", "CheckpointUnavailable"]

@@ -1,0 +1,119 @@
+"""Shared fixtures and helpers for the checkpoint tests: a real moto S3 server, tiny models, 2-rank gloo.
+
+Import the fixtures into a test module with ``from checkpoint_fixtures import s3_server, s3_bucket``.
+Credentials are dummy values passed through storage_options (never read from or written to the env).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+DUMMY_KEY, DUMMY_SECRET = "testing-key", "testing-secret"
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    server: Any
+
+    def options(self, **extra: Any) -> dict[str, Any]:
+        # one attempt, no s3fs retries: a stopped server must fail fast in tests
+        opts = {
+            "key": DUMMY_KEY,
+            "secret": DUMMY_SECRET,
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+            "retries": 1,
+            "skip_instance_cache": True,
+        }
+        opts.update(extra)
+        return opts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(port: int) -> Any:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> S3Server:
+    port = free_port()
+    server = start_moto(port)
+    box = S3Server(f"http://127.0.0.1:{port}", server)
+    yield box
+    box.server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A fresh bucket; returns its ``s3://`` URI."""
+    import s3fs
+
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**s3_server.options()).mkdir(name)
+    return f"s3://{name}"
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+
+
+def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+
+def trained(seed: int = 0, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed + 100)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed=99)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def same_state(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: tuple[torch.nn.Module, torch.optim.Optimizer]) -> bool:
+    ma, oa = a
+    mb, ob = b
+    if not all(torch.equal(x, y) for x, y in zip(ma.state_dict().values(), mb.state_dict().values())):
+        return False
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    if sa.keys() != sb.keys():
+        return False
+    return all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 10.0) -> Any:
+    """Default gloo group on 127.0.0.1 plus a dedicated checkpoint group (both with a timeout)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
