@@ -327,6 +327,8 @@ class Controller:
         done = [ref for ref in self.run_refs if _is_ready(ref)]
         for ref in done:
             slot = self.run_refs[ref]
+            if slot.state is SlotState.DEAD:
+                continue
             try:
                 res = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - the actor died
@@ -392,7 +394,7 @@ class Controller:
 
     # ------------------------------------------------------------------ failures
     def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
-        if any(f.slot == slot.index for f in self.pending_failures):
+        if slot.state is SlotState.DEAD or any(f.slot == slot.index for f in self.pending_failures):
             return
         self.pending_failures.append(Failure(slot.index, slot.rank, kind, reason, time.time(),
                                              self.ledger.last_progress))
@@ -421,6 +423,8 @@ class Controller:
             alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             kind = "node_lost" if f.kind == "process_died" and node and node not in alive_nodes else f.kind
             self.group.kill(slot)
+            self.run_refs = {ref: s for ref, s in self.run_refs.items() if s is not slot}
+            self.poll_refs.pop(slot.index, None)
             self.ledger.failures += 1
             self.failures_by_slot[f.slot] = self.failures_by_slot.get(f.slot, 0) + 1
             self.ledger.add_time("detection", f.detected_at - f.last_progress)

@@ -33,6 +33,7 @@ class Ledger:
 
     def new_generation(self, generation: int, world_size: int, accum: int) -> None:
         self._world = world_size
+        self.compute_times.clear()  # ranks are renumbered and the accumulation changes: start afresh
         self.world_size_history.append(
             {"generation": generation, "world_size": world_size, "accum": accum, "from_step": self.last_step,
              "time": time.time()})
@@ -40,7 +41,7 @@ class Ledger:
     def add(self, rank: int, record: StepRecord) -> list[dict[str, Any]]:
         """Take one rank's record; emit ``step`` events for steps that every rank has reported."""
         self._pending[record.step][rank] = record
-        self.compute_times[rank].append(record.compute_s)
+        self.compute_times[rank].append(record.compute_s / max(1, record.accum))  # per micro-batch
         out = []
         for step in sorted(self._pending):
             if len(self._pending[step]) < self._world or step <= self.last_step:
@@ -68,7 +69,6 @@ class Ledger:
         self.step_times.append(first.step_s)
         self.goodput["productive_s"] += first.step_s
         self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
-        rate = self.global_batch / max(1e-9, min(interval, first.step_s * 4))
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * (sum(recent) / len(recent))
         fields: dict[str, Any] = {
@@ -76,7 +76,6 @@ class Ledger:
             "samples_per_s": round(self.global_batch / max(1e-9, interval), 3), "step_s": round(first.step_s, 6),
             "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
         }
-        del rate
         if not complete:
             fields["complete"] = False
         ids = [i for r in sorted(records) for i in records[r].sample_ids]
