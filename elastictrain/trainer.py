@@ -85,6 +85,10 @@ class Trainer:
             summary = self.controller.run()
         finally:
             restore()
+        if self.controller.final_state is not None:
+            import torch
+
+            torch.save(self.controller.final_state, self.run_dir / "final_model.pt")
         write_summary(self.run_dir, summary)
         events.emit("run_finished", state=summary["state"], final_step=summary["final_step"],
                     final_loss=summary["final_loss"], wall_s=summary["wall_s"], exit_code=summary["exit_code"])

@@ -28,9 +28,8 @@ class S3Server:
         opts = {
             "key": DUMMY_KEY,
             "secret": DUMMY_SECRET,
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            "client_kwargs": {"endpoint_url": self.endpoint},
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
-            "retries": 1,
             "skip_instance_cache": True,
         }
         opts.update(extra)

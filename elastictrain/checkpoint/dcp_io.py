@@ -149,7 +149,10 @@ class HashingFileSystem(FileSystemBase):
                 self.written[self._rel(dst)] = info
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        self.fs.makedirs(os.fspath(path), exist_ok=True)
+        # object stores have no directories, and s3fs.makedirs would CREATE a missing bucket (a typo in
+        # checkpoint.uri must fail loudly, not make a bucket)
+        if self._local:
+            self.fs.makedirs(os.fspath(path), exist_ok=True)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

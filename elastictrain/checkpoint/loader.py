@@ -18,14 +18,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import SafeReader
-from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import Manifest, step_dir_name
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _describe(exc: BaseException, uri: str, action: str) -> str:
+    causes = root_causes(exc)
+    for _, cause in causes:
+        if isinstance(cause, CheckpointError):
+            return str(cause)  # already says what and where (e.g. unsafe metadata)
+    texts = [storage.describe_error(cause, uri, action) for _, cause in causes]
+    return f"{action} checkpoint {uri} failed: " + "; ".join(texts)
 
 
 def checkpoint_dir(manifest: Manifest, root_uri: str | None) -> str:
@@ -78,8 +88,8 @@ def load_checkpoint(
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps rank failures in CheckpointException; name the URI
-        raise CheckpointError(f"loading checkpoint {uri} failed: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures; name the URI
+        raise CheckpointError(_describe(e, uri, "loading")) from None
 
 
 def load_full(step_uri: str, key: str | None = "model", storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -94,8 +104,8 @@ def load_full(step_uri: str, key: str | None = "model", storage_options: dict[st
         _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options), planner=planner, no_dist=True)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"reading checkpoint {step_uri} failed: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(_describe(e, step_uri, "reading")) from None
     if key:
         if key not in state:
             raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; top-level keys: {sorted(state)}")

@@ -97,6 +97,10 @@ class CheckpointStore:
 
     def _steps_on_storage(self) -> list[int]:
         names = storage.list_dirs(self._fs, self._root, self.root_uri)
+        if not names and not storage.is_local(self._fs):
+            # "nothing here" and "bucket missing" look the same to a listing; resume=auto must not
+            # silently start from scratch because of a typo in checkpoint.uri
+            storage.ensure_writable_root(self._fs, self._root, self.root_uri)
         return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
 
     def read_manifest(self, step: int) -> Manifest:

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import HashingFileSystem, HashingWriter, S3Mode
-from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import MANIFEST_NAME, ShardReport, step_dir_name
 from elastictrain.checkpoint.staging import Staged, StagingPool
 from elastictrain.config import CheckpointConfig
@@ -43,6 +44,15 @@ class _Entry:
 
 
 _CLOSE = object()
+
+
+def _describe_failure(exc: BaseException, step: int, step_uri: str) -> str:
+    """One line per failed rank, storage errors in words (disk full, bucket missing...)."""
+    parts = []
+    for rank, cause in root_causes(exc):
+        who = f"rank {rank}: " if rank is not None else ""
+        parts.append(who + storage.describe_error(cause, step_uri, "writing"))
+    return f"save of step {step} failed: " + "; ".join(parts)
 
 
 class CheckpointWriter:
@@ -176,8 +186,8 @@ class CheckpointWriter:
                 writer = HashingWriter(hfs)
                 dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                 files = writer.written
-        except Exception as e:  # noqa: BLE001 - any failure of a save is reported, never raised into training
-            refusal = f"save of step {entry.step} to {step_uri} failed: {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, never raised into training
+            refusal = _describe_failure(e, entry.step, step_uri)
         return ShardReport(entry.step, self._rank, files if refusal is None else {}, refusal, entry.stage_s,
                            time.perf_counter() - t0)
 

@@ -66,6 +66,8 @@ class Controller:
         self.final_error: str | None = None
         self.exit_code = 0
         self.reported_stragglers: set[int] = set()
+        self.final_state: dict[str, Any] | None = None
+        self.final_digest: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -226,6 +228,7 @@ class Controller:
     def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None) -> bool:
         """Rendezvous ``chosen`` (in rank order) as a new generation, sync state from the most advanced
         survivor, and start the step loop. False if a member failed on the way (recorded as a failure)."""
+        self._poll_members_blocking()
         self.ledger.flush_partial()
         self.generation += 1
         gen, world = self.generation, len(chosen)
@@ -265,7 +268,6 @@ class Controller:
                          source_rank=src, reason=reason)
         self._close_recovery(source="peer" if reason != "start" else None)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
-        self.poll_refs.clear()
         return True
 
     def _slot_step(self, slot: Slot) -> int:
@@ -354,12 +356,22 @@ class Controller:
         return results
 
     def _poll_members_blocking(self) -> None:
+        """Take every outstanding poll, then poll each live member once more: no record is dropped."""
+        timeout = self.config.timeouts.poll_s
+        outstanding, self.poll_refs = self.poll_refs, {}
+        for idx, (ref, _) in outstanding.items():
+            slot = self.group.slots[idx]
+            if slot.state is SlotState.DEAD:
+                continue
+            try:
+                self._take_poll(slot, ray.get(ref, timeout=timeout))
+            except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
+                pass
         for slot in self.group.members():
             try:
-                self._take_poll(slot, ray.get(slot.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+                self._take_poll(slot, ray.get(slot.actor.poll.remote(), timeout=timeout))
             except Exception:  # noqa: BLE001
                 pass
-        self.poll_refs.clear()
 
     def _watchdog(self) -> None:
         if not self.run_refs:
@@ -506,6 +518,12 @@ class Controller:
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
+            members = self.group.members()
+            if members:
+                rank0 = members[0].actor
+                self.final_digest = ray.get(rank0.digest.remote(), timeout=self.config.timeouts.poll_s)
+                if self.config.train.save_final_model:
+                    self.final_state = ray.get(rank0.parameters.remote(), timeout=self.config.timeouts.poll_s)
         self.exit_code = code
         self.sm.to(state, reason)
 
@@ -521,6 +539,7 @@ class Controller:
         return self.ledger.summary(self.sm.state.value, {
             "error": self.final_error, "exit_code": self.exit_code, "generations": self.generation + 1,
             "checkpoints_committed": self.committer.committed_steps,
+            "final_model_sha256": (self.final_digest or {}).get("sha256"),
         })
 
 

@@ -78,7 +78,7 @@ class Ledger:
         }
         if not complete:
             fields["complete"] = False
-        ids = [i for r in sorted(records) for i in records[r].sample_ids]
+        ids = first.sample_ids  # gathered from every rank of the step (audit mode)
         if ids:
             fields["sample_ids"] = ids
         return self.events.emit("step", **fields)

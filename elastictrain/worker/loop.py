@@ -121,6 +121,10 @@ class StepRunner:
         # step s knows every rank finished its backward, so "completed steps" always matches the parameters.
         stats = torch.stack([loss_sum, torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)])
         dist.all_reduce(stats)
+        if self.audit:  # ids as fed by every rank, so any survivor's record holds the whole step
+            gathered: list[list[int]] = [[] for _ in range(w)]
+            dist.all_gather_object(gathered, seen)
+            seen = [i for part in gathered for i in part]
         self._set_phase("idle")
         self._apply_optimizer(s)
         self.step = number

@@ -1,0 +1,551 @@
+"""Recovery benchmark: elastictrain against Ray Train V2 on the same model, data, schedule and kill.
+
+One process, one Ray instance, three scenarios (2 CPU workers, tiny GPT, builtin:pydoc, global batch 32,
+micro batch 8):
+
+A. elastictrain, rank 1 SIGKILLed mid-step at step K: once through the injected fault (``faults``), once
+   by an external ``os.kill`` of the pid from the ``worker_started`` event (not only the injected path).
+B. Ray Train V2 ``TorchTrainer``, the loop a Ray Train user writes: ``prepare_model``, a checkpoint every
+   ``ckpt_every`` steps through ``ray.train.report``, ``ray.train.get_checkpoint()`` on start. Rank 1
+   SIGKILLs itself at the same point of step K on the first attempt only.
+C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interval_s`` over a ~100 s run,
+   compared with a failure-free run of the same steps.
+
+Metrics, the same definitions for both systems:
+
+- time to next step: from the kill to the first completed step of the recovered run. Exact kill time for
+  Ray Train and for external kills; for the injected elastictrain kill the last step completion before
+  the kill is used (an upper bound: the kill happens one micro-batch forward later). elastictrain step
+  times are the controller's ``step`` event times, which lag the worker by up to one poll (0.2 s): the
+  figure is conservative for elastictrain.
+- lost steps: steps completed before the kill that were run again (last completed step before the kill
+  minus the step the recovered run started from).
+- goodput: failure-free-equivalent time / wall time over the training window (first to last completed
+  step; the one-off initial start-up is left out for both): ``steps x median failure-free step time /
+  (t_last - t_first + median step time)``. Scenario C compares with a measured failure-free run instead.
+
+Usage::
+
+    python benchmarks/recovery.py            # full run, about 6-7 minutes
+    python benchmarks/recovery.py --quick    # smoke run, about 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Ray Train V2 is chosen by this variable, read when ray.train is first imported.
+os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+
+Record = dict[str, Any]
+
+SEED = 0
+GLOBAL_BATCH = 32
+MICRO_BATCH = 8
+WORKERS = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each scenario runs. ``kill_step`` is 1-based, as in ``step`` events."""
+
+    steps: int = 60
+    kill_step: int = 26
+    ckpt_every: int = 10
+    chaos_s: float = 100.0
+    chaos_interval_s: float = 20.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(steps=30, kill_step=16, ckpt_every=10, chaos_s=24.0, chaos_interval_s=8.0)
+
+
+@dataclass
+class Outcome:
+    """One scenario's figures."""
+
+    name: str
+    time_to_next_step_s: float | None
+    lost_steps: int | None
+    goodput: float | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def goodput(times: list[float], n_steps: int, step_s: float) -> float:
+    """Failure-free-equivalent time over the training window (first to last completed step)."""
+    window = max(times) - min(times) + step_s
+    return n_steps * step_s / window
+
+
+def job_config(plan: Plan, steps: int, faults: list[Record] | None = None) -> Any:
+    """The elastictrain job every scenario uses (Ray Train's loop copies its model and optimizer)."""
+    from elastictrain import build_config
+
+    return build_config({
+        "name": "recovery-bench",
+        "train": {"steps": steps, "seed": SEED, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
+                  "log_every": 10_000},
+        "workers": {"min": 1, "max": WORKERS, "cpus_per_worker": 1},
+        "recovery": {"max_failures": 20, "max_failures_per_rank": 20},
+        "faults": faults or [],
+    })
+
+
+# ------------------------------------------------------------------------------------ following a run
+
+
+class EventTail:
+    """Follows ``run_dir/events.jsonl`` from a thread so that other threads can wait on conditions over
+    the records seen so far. Observes only: it never touches the run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "events.jsonl"
+        self.records: list[Record] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="event-tail", daemon=True)
+
+    def __enter__(self) -> EventTail:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _follow(self) -> None:
+        buf, handle = "", None
+        try:
+            while not self._stop.is_set():
+                if handle is None and self.path.exists():
+                    handle = self.path.open()
+                chunk = handle.read() if handle else ""
+                if not chunk:
+                    self._stop.wait(0.01)  # a file has no change notification here: poll it
+                    continue
+                buf += chunk
+                *lines, buf = buf.split("\n")
+                with self._cond:
+                    self.records.extend(json.loads(line) for line in lines if line.strip())
+                    self._cond.notify_all()
+        finally:
+            if handle:
+                handle.close()
+            with self._cond:
+                self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[list[Record]], Any], timeout: float) -> Any:
+        """The first truthy ``predicate(records)`` within ``timeout`` seconds; None on timeout or once the
+        run finished without it."""
+        with self._cond:
+            self._cond.wait_for(lambda: predicate(self.records) or self._finished(), timeout)
+            return predicate(self.records) or None
+
+    def finished_within(self, timeout: float) -> bool:
+        """True if the run finishes within ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(self._finished, timeout)
+
+    def _finished(self) -> bool:
+        return self._stop.is_set() or any(r["event"] in ("run_finished", "run_failed") for r in self.records)
+
+
+def member_rank1_pid(records: list[Record], killed: set[int]) -> int | None:
+    """The pid of the rank-1 worker of the current generation, once that generation has two members."""
+    pid, joined = None, False
+    for r in records:
+        if r["event"] == "worker_started" and r["rank"] == 1:
+            pid, joined = r["pid"], False
+        elif r["event"] == "generation_started":
+            joined = r["world_size"] == WORKERS
+    return pid if joined and pid not in killed else None
+
+
+def sigkill(pid: int) -> float:
+    now = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return now
+
+
+# ------------------------------------------------------------------------------------ elastictrain runs
+
+
+def run_elastictrain(config: Any, run_dir: Path, killer: Callable[[EventTail], None] | None = None) -> list[Record]:
+    """Run one job to the end (``killer`` runs in a thread beside it); return its event records."""
+    from elastictrain import Trainer
+    from elastictrain.events import read_events
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with EventTail(run_dir) as tail:
+        thread = threading.Thread(target=killer, args=(tail,), daemon=True) if killer else None
+        if thread:
+            thread.start()
+        result = Trainer(config, run_dir=run_dir, console=None).fit()
+    if thread:
+        thread.join(timeout=10)
+    if not result.ok:
+        raise RuntimeError(f"elastictrain run in {run_dir} failed: {result.summary.get('error')}")
+    return read_events(run_dir)
+
+
+def recovery_after(records: list[Record], t_kill: float) -> tuple[int, int, float] | None:
+    """For the first recovery after ``t_kill``: (steps completed before the kill, step the recovered
+    generation starts from, time of its first completed step).
+
+    Step events lag the workers by a poll, so "completed before the kill" is every step the controller
+    had recorded before it formed the recovery generation: no step can complete while a rank is dead,
+    so all of them completed before the kill."""
+    i = next((i for i, r in enumerate(records) if r["event"] == "generation_started"
+              and r["reason"] == "recover" and r["time"] >= t_kill), None)
+    if i is None:
+        return None
+    resumed = records[i]["step"]
+    done = max((r["step"] for r in records[:i] if r["event"] == "step"), default=0)
+    nxt = next((r for r in records[i:] if r["event"] == "step" and r["step"] > resumed), None)
+    return done, resumed, (nxt["time"] if nxt else float("nan"))
+
+
+def elastictrain_outcome(name: str, records: list[Record], t_kill: float, summary: Record,
+                         n_steps: int) -> Outcome:
+    steps = [r for r in records if r["event"] == "step"]
+    done_before, resumed, t_next = recovery_after(records, t_kill) or (0, None, float("nan"))
+    step_s = statistics.median(r["step_s"] for r in steps if r["world_size"] == WORKERS)
+    failure = next((r for r in records if r["event"] == "failure"), {})
+    recovered = next((r for r in records if r["event"] == "recovered"), {})
+    return Outcome(
+        name, t_next - t_kill, None if resumed is None else max(0, done_before - resumed),
+        goodput([r["time"] for r in steps], n_steps, step_s),
+        {"killed_during_step": done_before + 1, "resumed_from_step": resumed, "median_step_s": round(step_s, 4),
+         "failure_detected_after_s": failure.get("detected_after_s"),
+         "recovered_downtime_s": recovered.get("downtime_s"), "summary_lost_steps": summary.get("lost_steps"),
+         "summary_goodput": summary.get("goodput", {}).get("fraction"), "wall_s": summary.get("wall_s")})
+
+
+def scenario_injected(plan: Plan, base: Path) -> Outcome:
+    fault = {"rank": 1, "step": plan.kill_step, "point": "mid_step", "kind": "kill"}
+    run_dir = base / "et-injected"
+    records = run_elastictrain(job_config(plan, plan.steps, [fault]), run_dir)
+    recovered = next(r for r in records if r["event"] == "recovered")
+    t_kill = recovered["time"] - recovered["downtime_s"]  # last progress before the kill: an upper bound
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return elastictrain_outcome("elastictrain injected kill", records, t_kill, summary, plan.steps)
+
+
+def scenario_external(plan: Plan, base: Path) -> Outcome:
+    kills: list[float] = []
+
+    def killer(tail: EventTail) -> None:
+        def armed(recs: list[Record]) -> int | None:
+            if not any(r["event"] == "step" and r["step"] >= plan.kill_step - 1 for r in recs):
+                return None
+            return member_rank1_pid(recs, set())
+        pid = tail.wait_for(armed, timeout=300)
+        if pid:
+            kills.append(sigkill(pid))
+
+    run_dir = base / "et-external"
+    records = run_elastictrain(job_config(plan, plan.steps), run_dir, killer)
+    if not kills:
+        raise RuntimeError("the external kill never fired")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return elastictrain_outcome("elastictrain external SIGKILL", records, kills[0], summary, plan.steps)
+
+
+# ------------------------------------------------------------------------------------ Ray Train V2
+
+
+def ray_train_loop(cfg: dict[str, Any]) -> None:
+    """The per-worker loop a Ray Train user writes for this model: same model, data order, loss scaling,
+    optimizer and schedule as elastictrain's built-in task; checkpoints through ``ray.train.report``."""
+    import torch
+    import ray.train
+    from ray.train.torch import prepare_model
+
+    from elastictrain.data.cursor import rank_micro_batches
+    from elastictrain.data.datasets import TokenWindows, collate, load_text_tokens
+    from elastictrain.models.gpt import GPT, GPTConfig, per_sample_loss, sample_seeds
+    from elastictrain.task import warmup_cosine
+
+    torch.set_num_threads(1)  # as elastictrain's workers.cpus_per_worker=1
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    m, o, steps, g, mb = cfg["model"], cfg["optimizer"], cfg["steps"], cfg["global_batch"], cfg["micro_batch"]
+    torch.manual_seed(cfg["seed"])
+    model = GPT(GPTConfig(vocab_size=256, seq_len=m["seq_len"], n_layer=m["n_layer"], n_head=m["n_head"],
+                          d_model=m["d_model"], dropout=m["dropout"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]),
+                            weight_decay=o["weight_decay"], foreach=False)
+    data = TokenWindows(load_text_tokens("builtin:pydoc"), m["seq_len"])
+    start = _load_checkpoint(model, opt)
+    log = Path(cfg["log_path"])
+    if rank == 0:
+        _append(log, f"start,{start},{time.time()},0")
+    ddp = prepare_model(model)
+    for s in range(start, steps):
+        t0 = time.perf_counter()
+        micro = rank_micro_batches(s, rank, world, mb, g, cfg["seed"], len(data))
+        for k, ids in enumerate(micro):
+            batch = collate([data[int(i)] for i in ids])
+            with ddp.no_sync() if k < len(micro) - 1 else _nullcontext():
+                loss = per_sample_loss(ddp(batch["input"], sample_seeds=sample_seeds(cfg["seed"], s, ids)),
+                                       batch["target"])
+                if rank == 1 and s + 1 == cfg["kill_step"] and k == 0:
+                    _kill_once(Path(cfg["marker"]))
+                (loss.sum() * (world / g)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"], foreach=False)
+        for group in opt.param_groups:
+            group["lr"] = o["lr"] * warmup_cosine(s, o["warmup_steps"], steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            _append(log, f"step,{s + 1},{time.time()},{time.perf_counter() - t0}")
+        if (s + 1) % cfg["ckpt_every"] == 0 or s + 1 == steps:
+            _report(s + 1, model, opt, rank)
+
+
+def _nullcontext() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _kill_once(marker: Path) -> None:
+    """SIGKILL this worker the first time only: the marker survives the restart."""
+    if marker.exists():
+        return
+    marker.write_text(f"{time.time()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _append(path: Path, line: str) -> None:
+    with path.open("a") as f:
+        f.write(line + "\n")
+
+
+def _load_checkpoint(model: Any, opt: Any) -> int:
+    import torch
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def _report(step: int, model: Any, opt: Any, rank: int) -> None:
+    import torch
+    import ray.train
+    from ray.train import Checkpoint
+
+    metrics = {"step": step}
+    if rank != 0:
+        ray.train.report(metrics)  # a barrier: every rank reports the same number of times
+        return
+    with tempfile.TemporaryDirectory() as d:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                   Path(d) / "state.pt")
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+
+def scenario_ray_train(plan: Plan, base: Path) -> Outcome:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    work = base / "ray-train"
+    work.mkdir(parents=True, exist_ok=True)
+    config = job_config(plan, plan.steps)
+    cfg = {"model": config.task.model.model_dump(), "optimizer": config.task.optimizer.model_dump(),
+           "steps": plan.steps, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seed": SEED,
+           "kill_step": plan.kill_step, "ckpt_every": plan.ckpt_every, "log_path": str(work / "steps.csv"),
+           "marker": str(work / "killed")}
+    t0 = time.time()
+    TorchTrainer(
+        ray_train_loop, train_loop_config=cfg, scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
+        run_config=RunConfig(name="recovery-bench", storage_path=str(work / "storage"),
+                             failure_config=FailureConfig(max_failures=3)),
+    ).fit()
+    wall = time.time() - t0
+    return ray_outcome(plan, work, wall)
+
+
+def ray_outcome(plan: Plan, work: Path, wall: float) -> Outcome:
+    rows = [line.split(",") for line in (work / "steps.csv").read_text().splitlines()]
+    t_kill = float((work / "killed").read_text())
+    starts = [(int(r[1]), float(r[2])) for r in rows if r[0] == "start"]
+    steps = [(int(r[1]), float(r[2]), float(r[3])) for r in rows if r[0] == "step"]
+    resumed = next(s for s, t in starts if t > t_kill)
+    t_next = next(t for s, t, _ in steps if t > t_kill and s > resumed)
+    done_before = max(s for s, t, _ in steps if t <= t_kill)
+    step_s = statistics.median(d for s, t, d in steps if t <= t_kill)
+    persisted = persisted_checkpoint_step(work / "storage", t_kill)
+    return Outcome(
+        "Ray Train V2", t_next - t_kill, max(0, done_before - resumed),
+        goodput([t for _, t, _ in steps], plan.steps, step_s),
+        {"killed_during_step": done_before + 1, "resumed_from_step": resumed, "median_step_s": round(step_s, 4),
+         "attempts": len(starts), "ckpt_every": plan.ckpt_every, "persisted_ckpt_step_at_kill": persisted,
+         "lost_if_resumed_from_persisted": max(0, done_before - persisted), "wall_s": round(wall, 3)})
+
+
+def persisted_checkpoint_step(storage: Path, t_kill: float) -> int:
+    """The newest step whose checkpoint was fully in storage before the kill, registered by Ray Train's
+    controller or not (a reported checkpoint is registered only when the controller next polls every
+    worker, every 2 s by default)."""
+    import torch
+
+    found = [0]
+    for f in storage.glob("*/checkpoint_*/state.pt"):
+        if f.stat().st_mtime <= t_kill:
+            found.append(int(torch.load(f, weights_only=True)["step"]))
+    return max(found)
+
+
+# ------------------------------------------------------------------------------------ scenario C
+
+
+def scenario_chaos(plan: Plan, base: Path, step_s: float) -> Outcome:
+    """Kill the current rank-1 worker every ``chaos_interval_s`` over ~``chaos_s`` of training, and
+    compare with a failure-free run of the same steps."""
+    n_steps = max(plan.kill_step, round(plan.chaos_s / step_s))
+    free = run_elastictrain(job_config(plan, n_steps), base / "et-free")
+    kills: list[float] = []
+    chaos = run_elastictrain(job_config(plan, n_steps), base / "et-chaos",
+                             lambda tail: _chaos_killer(tail, plan.chaos_interval_s, kills))
+    return chaos_outcome(n_steps, free, chaos, kills, base)
+
+
+def _chaos_killer(tail: EventTail, interval: float, kills: list[float]) -> None:
+    first = tail.wait_for(lambda recs: next((r for r in recs if r["event"] == "step"), None), timeout=300)
+    if not first:
+        return
+    next_at, killed = first["time"] + interval, set()
+    while True:
+        if tail.finished_within(max(0.0, next_at - time.time())):
+            return
+        pid = tail.wait_for(lambda recs: member_rank1_pid(recs, killed), timeout=120)
+        if not pid:
+            return
+        killed.add(pid)
+        kills.append(sigkill(pid))
+        next_at = kills[-1] + interval
+
+
+def _window(records: list[Record]) -> float:
+    times = [r["time"] for r in records if r["event"] == "step"]
+    return max(times) - min(times)
+
+
+def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: list[float],
+                  base: Path) -> Outcome:
+    nexts, lost = [], []
+    for t_kill in kills:
+        found = recovery_after(chaos, t_kill)
+        if found is None:
+            continue
+        done_before, resumed, t_next = found
+        nexts.append(t_next - t_kill)
+        lost.append(max(0, done_before - resumed))
+    free_s, chaos_s = (json.loads((base / d / "summary.json").read_text()) for d in ("et-free", "et-chaos"))
+    return Outcome(
+        "elastictrain chaos", max(nexts) if nexts else None, sum(lost), _window(free) / _window(chaos),
+        {"steps": n_steps, "kills": len(kills), "time_to_next_step_each_s": [round(x, 3) for x in nexts],
+         "lost_steps_each": lost, "window_free_s": round(_window(free), 2),
+         "window_chaos_s": round(_window(chaos), 2), "wall_free_s": free_s["wall_s"],
+         "wall_chaos_s": chaos_s["wall_s"], "goodput_wall_ratio": round(free_s["wall_s"] / chaos_s["wall_s"], 4),
+         "summary_goodput_chaos": chaos_s["goodput"]["fraction"], "failures": chaos_s["failures"],
+         "final_loss_free": free_s["final_loss"], "final_loss_chaos": chaos_s["final_loss"]})
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.3f}{unit}" if isinstance(x, float) else f"{x}{unit}"
+
+
+def report(outcomes: list[Outcome], out: Path) -> bool:
+    print("\n== results ==")
+    for o in outcomes:
+        print(f"{o.name:32s} time-to-next-step {_fmt(o.time_to_next_step_s, ' s'):>10s}  "
+              f"lost steps {_fmt(o.lost_steps):>4s}  goodput {_fmt(o.goodput):>6s}")
+        print(f"{'':32s} {json.dumps(o.detail)}")
+    by = {o.name: o for o in outcomes}
+    ray_o, checks = by.get("Ray Train V2"), []
+    for name in ("elastictrain injected kill", "elastictrain external SIGKILL"):
+        et = by.get(name)
+        if et is None or ray_o is None:
+            continue
+        ratio_t = et.time_to_next_step_s / ray_o.time_to_next_step_s
+        print(f"{name} / Ray Train: time-to-next-step x{ratio_t:.3f}, lost steps {et.lost_steps} vs "
+              f"{ray_o.lost_steps}, goodput x{et.goodput / ray_o.goodput:.3f}")
+        checks += [(f"{name}: time-to-next-step <= 1/10 of Ray Train's", ratio_t <= 0.1),
+                   (f"{name}: time-to-next-step < 1 s", et.time_to_next_step_s < 1.0),
+                   (f"{name}: at most 1 step lost", (et.lost_steps or 0) <= 1)]
+    if "elastictrain chaos" in by:
+        checks.append(("chaos: goodput vs failure-free >= 0.9", by["elastictrain chaos"].goodput >= 0.9))
+    for text, ok in checks:
+        print(f"  [{'PASS' if ok else 'FAIL'}] {text}")
+    (out / "results.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
+    print(f"results: {out / 'results.json'}")
+    return all(ok for _, ok in checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short smoke run (~2 minutes)")
+    p.add_argument("--out", type=Path, help="keep run directories here (default: a temporary directory)")
+    p.add_argument("--only", choices=["A", "B", "C"], action="append", help="run only these scenarios")
+    p.add_argument("--verbose", action="store_true", help="show worker logs")
+    args = p.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+    out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    only = set(args.only or "ABC")
+
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose)
+    outcomes: list[Outcome] = []
+    try:
+        t0 = time.time()
+        if "A" in only:
+            outcomes.append(scenario_injected(plan, out))
+            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+            outcomes.append(scenario_external(plan, out))
+            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+        if "B" in only:
+            outcomes.append(scenario_ray_train(plan, out))
+            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+        if "C" in only:
+            step_s = next((o.detail["median_step_s"] for o in outcomes if o.name.startswith("elastictrain")), 0.1)
+            outcomes.append(scenario_chaos(plan, out, step_s))
+            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+        print(f"total {time.time() - t0:.0f}s; run directories under {out}")
+    finally:
+        ray.shutdown()
+    return 0 if report(outcomes, out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

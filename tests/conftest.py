@@ -1,0 +1,123 @@
+"""Shared fixtures: one local Ray for the session (multi-node tests start their own cluster), and helpers
+to run small jobs and read what they wrote."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from elastictrain import Trainer, build_config
+from elastictrain.events import read_events
+
+# A small but real job: the byte-level GPT on Python's docs, 2 workers, seconds per run on 2 CPU cores.
+BASE_JOB: dict[str, Any] = {
+    "name": "t",
+    "task": {"model": {"seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
+             "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
+    "train": {"steps": 20, "seed": 0, "global_batch": 16, "micro_batch": 4, "log_every": 100},
+    "workers": {"min": 1, "max": 2},
+    "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 90,
+                 "watchdog_floor_s": 2},
+}
+
+
+def job(**sections: Any) -> dict[str, Any]:
+    """BASE_JOB with sections merged one level deep, e.g. job(train={"steps": 5})."""
+    out = copy.deepcopy(BASE_JOB)
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _ensure_local_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture
+def ray_local():
+    """A local Ray shared by the session (re-created if a multi-node test shut it down)."""
+    _ensure_local_ray()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+class Run:
+    """A finished run: its result, events and summary."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.dir: Path = result.run_dir
+        self.events = read_events(self.dir)
+        self.summary = json.loads((self.dir / "summary.json").read_text())
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+    def losses(self) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in self.of("step")}
+
+    def final_params(self) -> dict[str, Any]:
+        import torch
+
+        return torch.load(self.dir / "final_model.pt", weights_only=True)
+
+
+def run_job(tmp_path: Path, spec: dict[str, Any], task: Any = None, name: str = "run") -> Run:
+    result = Trainer(build_config(spec), task, run_dir=tmp_path / name, console=None).fit()
+    return Run(result)
+
+
+class BackgroundRun:
+    """A job running in a thread, so a test can inject real faults from outside while it trains."""
+
+    def __init__(self, tmp_path: Path, spec: dict[str, Any], name: str = "bg") -> None:
+        import threading
+
+        self.dir = tmp_path / name
+        self.trainer = Trainer(build_config(spec), run_dir=self.dir, console=None)
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.result = self.trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised in finish()
+            self.error = e
+
+    def wait_for(self, predicate: Any, timeout: float = 60.0) -> dict[str, Any]:
+        """Block until an event satisfying ``predicate`` is in events.jsonl; return it."""
+        import time
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            path = self.dir / "events.jsonl"
+            if path.exists():
+                for e in read_events(self.dir):
+                    if predicate(e):
+                        return e
+            if not self.thread.is_alive():
+                break
+            self.thread.join(0.05)
+        raise AssertionError(f"no matching event within {timeout}s in {self.dir}")
+
+    def finish(self, timeout: float = 120.0) -> Run:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "run did not finish"
+        if self.error:
+            raise self.error
+        return Run(self.result)

@@ -1,0 +1,76 @@
+"""Bad config files get one clear line naming the problem and the fix, before Ray is touched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain import ConfigError, build_config, load_config
+from tests.conftest import job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "elastictrain", "run", str(path), *args],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def test_shipped_job_is_valid():
+    cfg = load_config(REPO / "jobs" / "tiny_gpt.yaml")
+    assert cfg.workers.max == 2 and cfg.parallel.plan == "ddp"
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stpes'.*did you mean 'train.steps'"):
+        build_config(job(train={"stpes": 3}))
+
+
+def test_impossible_world_size_lists_valid_sizes():
+    with pytest.raises(ConfigError, match=r"valid world sizes up to workers.max=3: \[1, 2\]"):
+        build_config(job(workers={"min": 1, "max": 3}, train={"global_batch": 16, "micro_batch": 4}))
+
+
+def test_timeouts_must_be_ordered():
+    with pytest.raises(ConfigError, match="strictly increasing.*collective_s=50"):
+        build_config(job(timeouts={"collective_s": 50, "step_watchdog_cap_s": 20}))
+
+
+def test_override_parses_yaml_values():
+    cfg = load_config(REPO / "jobs" / "tiny_gpt.yaml", ["train.steps=7", "workers.use_gpu=false"])
+    assert cfg.train.steps == 7
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(REPO / "jobs" / "tiny_gpt.yaml", ["train.steps"])
+
+
+def test_config_is_frozen():
+    cfg = build_config(job())
+    with pytest.raises(Exception):
+        cfg.train.steps = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("train: {stpes: 3}\n", "did you mean 'train.steps'"),
+    ("train: {steps: -1}\n", "train.steps"),
+    ("train: [unclosed\n", "not valid YAML at line"),
+    ("workers: {min: 3, max: 2}\n", "workers.min=3 exceeds workers.max=2"),
+    ("- just\n- a list\n", "top level must be a mapping"),
+    ("parallel: {plan: zero7}\n", "parallel.plan"),
+])
+def test_cli_reports_bad_config_in_one_line(tmp_path, text, needle):
+    proc = _cli(tmp_path, text)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_cli_missing_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(tmp_path / "nope.yaml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "config file not found" in proc.stderr
