@@ -525,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose)
+    # address="local": always a private instance, never a cluster another process started on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=args.verbose)
     outcomes: list[Outcome] = []
     try:
         t0 = time.time()

@@ -433,7 +433,8 @@ class Controller:
             slot = self.group.slots[f.slot]
             node = slot.info.get("node_id")
             alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            kind = "node_lost" if f.kind == "process_died" and node and node not in alive_nodes else f.kind
+            lost = node is not None and node not in alive_nodes
+            kind = "node_lost" if lost and f.kind in ("process_died", "hang") else f.kind
             self.group.kill(slot)
             self.run_refs = {ref: s for ref, s in self.run_refs.items() if s is not slot}
             self.poll_refs.pop(slot.index, None)
