@@ -53,6 +53,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats-allreduce", action="store_true",
+                   help="ablation: also all-reduce (loss, stop flag) before each optimizer step, as elastictrain does")
     return p.parse_args(argv)
 
 
@@ -92,6 +94,9 @@ def main(argv: list[str]) -> int:
                 per_sample = per_sample_loss(ddp(batch["input"], sample_seeds=seeds), batch["target"])
                 (per_sample.sum() * (world / g)).backward()
             local += float(per_sample.detach().sum())
+        if a.stats_allreduce:  # not what a user would write: isolates the cost of elastictrain's extra collective
+            stats = torch.tensor([local, 0.0], dtype=torch.float64)
+            dist.all_reduce(stats)
         torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip, foreach=False)
         for group in opt.param_groups:
             group["lr"] = a.lr * warmup_cosine(step, a.warmup_steps, a.steps)

@@ -26,7 +26,7 @@ Metrics, the same definitions for both systems:
 
 Usage::
 
-    python benchmarks/recovery.py            # full run, about 6-7 minutes
+    python benchmarks/recovery.py            # full run, about 5-6 minutes
     python benchmarks/recovery.py --quick    # smoke run, about 2 minutes
 """
 
@@ -454,6 +454,19 @@ def _window(records: list[Record]) -> float:
     return max(times) - min(times)
 
 
+def _degraded_spans(records: list[Record]) -> list[float]:
+    """Seconds spent below full size after each failure: from the recovery generation to the regrow."""
+    spans, since = [], None
+    for r in records:
+        if r["event"] == "generation_started":
+            if r["world_size"] < WORKERS and since is None:
+                since = r["time"]
+            elif r["world_size"] == WORKERS and since is not None:
+                spans.append(round(r["time"] - since, 2))
+                since = None
+    return spans
+
+
 def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: list[float],
                   base: Path) -> Outcome:
     nexts, lost = [], []
@@ -468,7 +481,10 @@ def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: 
     return Outcome(
         "elastictrain chaos", max(nexts) if nexts else None, sum(lost), _window(free) / _window(chaos),
         {"steps": n_steps, "kills": len(kills), "time_to_next_step_each_s": [round(x, 3) for x in nexts],
-         "lost_steps_each": lost, "window_free_s": round(_window(free), 2),
+         "lost_steps_each": lost, "world1_s_each": _degraded_spans(chaos),
+         "replacement_setup_s_each": [round(r["setup_s"], 2) for r in chaos
+                                      if r["event"] == "worker_started" and r["generation"] > 0],
+         "window_free_s": round(_window(free), 2),
          "window_chaos_s": round(_window(chaos), 2), "wall_free_s": free_s["wall_s"],
          "wall_chaos_s": chaos_s["wall_s"], "goodput_wall_ratio": round(free_s["wall_s"] / chaos_s["wall_s"], 4),
          "summary_goodput_chaos": chaos_s["goodput"]["fraction"], "failures": chaos_s["failures"],
@@ -529,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=args.verbose)
     outcomes: list[Outcome] = []
+    load_before = os.getloadavg()  # other processes on the machine skew every timing: say how busy it was
     try:
         t0 = time.time()
         if "A" in only:
@@ -543,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             step_s = next((o.detail["median_step_s"] for o in outcomes if o.name.startswith("elastictrain")), 0.1)
             outcomes.append(scenario_chaos(plan, out, step_s))
             print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
-        print(f"total {time.time() - t0:.0f}s; run directories under {out}")
+        print(f"total {time.time() - t0:.0f}s; run directories under {out}; load average "
+              f"{load_before} -> {os.getloadavg()} on {os.cpu_count()} CPUs")
     finally:
         ray.shutdown()
     return 0 if report(outcomes, out) else 1

@@ -1,6 +1,6 @@
 """Steady-state training throughput: elastictrain DDP vs a hand-written torchrun DDP script.
 
-Run: ``python benchmarks/throughput.py [--steps N] [--rounds R] [--warmup W]``
+Run: ``python benchmarks/throughput.py [--steps N] [--rounds R] [--warmup W] [--ablation]``
 
 Both sides train the built-in tiny GPT with the same global batch, micro batch, step count, optimizer,
 grad clip, LR schedule, dataset and one intra-op thread per worker, on 2 CPU workers. Rounds alternate
@@ -21,7 +21,11 @@ are late by up to one poll interval. The table also shows the worker-clock figur
 over the window gives rank 0's own elapsed time, measured exactly like the plain script measures its.
 
 Honesty note: elastictrain all-reduces (loss, stop flag) every step; the plain script does not (a user logs
-rank 0's local loss). That extra collective is part of what is measured.
+rank 0's local loss). That extra collective is part of what is measured; ``--ablation`` adds a third run per
+round (plain DDP plus that all-reduce, ``plain_ddp.py --stats-allreduce``) to show what it costs alone.
+
+The machine is shared: the ``load`` column is the 1-minute load average after each pair of runs; on 2 cores,
+a value well above 2 means other processes took CPU from the workers and the round is noisy.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Measure:
     samples_per_s: float          # steady-state figure as defined in the module docstring
     worker_clock_samples_per_s: float | None = None  # elastictrain only: rank 0's clock
     wall_s: float = 0.0           # whole run, start-up included (for information)
+    robust_samples_per_s: float = 0.0  # G / median step interval over the same window (rank 0's clock)
+    load: float = 0.0             # 1-minute load average right after the run: >2 means others shared the cores
     note: str = ""
 
 
@@ -70,6 +76,14 @@ def steady_state(times: list[float], warmup: int, global_batch: int) -> float:
     if elapsed <= 0:
         raise ValueError(f"non-positive window duration {elapsed!r}s")
     return (n - warmup) * global_batch / elapsed
+
+
+def steady_state_robust(times: list[float], warmup: int, global_batch: int) -> float:
+    """``G / median(t[s] - t[s-1])`` over the same window: insensitive to a few steps that another process
+    on the shared cores stretched (it measures the typical step, not the average)."""
+    steady_state(times, warmup, global_batch)  # same validation
+    window = times[warmup - 1:]
+    return global_batch / statistics.median(b - a for a, b in zip(window, window[1:]))
 
 
 # ------------------------------------------------------------------------------------------ elastictrain
@@ -112,20 +126,23 @@ def run_elastictrain(steps: int, global_batch: int, micro_batch: int, warmup: in
         t += global_batch / e["samples_per_s"]
         worker_times.append(t)
     return Measure(steady_state(times, warmup, global_batch),
-                   steady_state(worker_times, warmup, global_batch), wall, note)
+                   steady_state(worker_times, warmup, global_batch), wall,
+                   steady_state_robust(worker_times, warmup, global_batch), os.getloadavg()[0], note)
 
 
 # ------------------------------------------------------------------------------------------ plain DDP
 
 
-def run_plain(steps: int, global_batch: int, micro_batch: int, warmup: int) -> Measure:
+def run_plain(steps: int, global_batch: int, micro_batch: int, warmup: int, stats_allreduce: bool = False) -> Measure:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_port", "0", str(PLAIN_SCRIPT), "--steps", str(steps), "--global-batch", str(global_batch),
+           "--standalone", str(PLAIN_SCRIPT), "--steps", str(steps), "--global-batch", str(global_batch),
            "--micro-batch", str(micro_batch), "--seed", str(SEED)]
     for key, value in MODEL.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     for key, value in OPTIM.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if stats_allreduce:
+        cmd.append("--stats-allreduce")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -137,31 +154,58 @@ def run_plain(steps: int, global_batch: int, micro_batch: int, warmup: int) -> M
     out = json.loads(lines[-1][len(RESULT_PREFIX):])
     if out["world_size"] != WORLD or out["threads"] != 1 or len(out["times"]) != steps:
         raise RuntimeError(f"plain DDP ran an unexpected layout: {({k: v for k, v in out.items() if k != 'times'})}")
-    return Measure(steady_state(out["times"], warmup, global_batch), None, wall)
+    return Measure(steady_state(out["times"], warmup, global_batch), None, wall,
+                   steady_state_robust(out["times"], warmup, global_batch), os.getloadavg()[0])
 
 
 # ------------------------------------------------------------------------------------------ report
 
 
-def _table(rows: list[tuple[int, Measure, Measure]]) -> str:
-    head = (f"{'round':>5}  {'elastictrain':>12}  {'(worker clk)':>12}  {'plain DDP':>10}  "
-            f"{'ratio':>6}  {'ratio(wclk)':>11}  {'et wall s':>9}  {'plain wall s':>12}")
-    lines = [head, "-" * len(head)]
-    for i, et, pl in rows:
-        lines.append(f"{i:>5}  {et.samples_per_s:>12.1f}  {et.worker_clock_samples_per_s:>12.1f}  "
-                     f"{pl.samples_per_s:>10.1f}  {et.samples_per_s / pl.samples_per_s:>6.3f}  "
-                     f"{et.worker_clock_samples_per_s / pl.samples_per_s:>11.3f}  {et.wall_s:>9.1f}  "
-                     f"{pl.wall_s:>12.1f}" + (f"  [{et.note}]" if et.note else ""))
-    et_med = statistics.median(r[1].samples_per_s for r in rows)
-    wc_med = statistics.median(r[1].worker_clock_samples_per_s for r in rows)
-    pl_med = statistics.median(r[2].samples_per_s for r in rows)
-    lines.append("-" * len(head))
-    lines.append(f"{'med':>5}  {et_med:>12.1f}  {wc_med:>12.1f}  {pl_med:>10.1f}  {et_med / pl_med:>6.3f}  "
-                 f"{wc_med / pl_med:>11.3f}")
-    verdict = "meets" if et_med / pl_med >= TARGET_RATIO else "BELOW"
-    lines.append(f"\nratio of medians elastictrain/plain = {et_med / pl_med:.3f} ({verdict} target "
-                 f"{TARGET_RATIO}); worker-clock ratio = {wc_med / pl_med:.3f}")
-    return "\n".join(lines)
+@dataclass(frozen=True)
+class Round:
+    index: int
+    et: Measure
+    plain: Measure
+    ablation: Measure | None = None  # plain DDP + elastictrain's per-step (loss, stop) all-reduce
+
+
+def _table(rows: list[Round]) -> str:
+    abl = all(r.ablation is not None for r in rows)
+    cols = ["round", "elastictrain", "et(wrk clk)", "plain DDP"] + (["plain+AR"] if abl else []) + [
+        "ratio", "ratio(wclk)", "et med-step", "plain med-step", "ratio(med)", "et wall s", "plain wall s", "load"]
+    widths = [max(7, len(c)) for c in cols]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    def cells(label: str, et: float, wc: float, pl: float, ab: float | None, erb: float, prb: float,
+              walls: tuple[str, ...]) -> list[str]:
+        out = [label, f"{et:.1f}", f"{wc:.1f}", f"{pl:.1f}"] + ([f"{ab:.1f}"] if abl else [])
+        return out + [f"{et / pl:.3f}", f"{wc / pl:.3f}", f"{erb:.1f}", f"{prb:.1f}", f"{erb / prb:.3f}", *walls]
+
+    head = line(cols)
+    out = [head, "-" * len(head)]
+    for r in rows:
+        ab = r.ablation.samples_per_s if abl else None
+        out.append(line(cells(str(r.index), r.et.samples_per_s, r.et.worker_clock_samples_per_s,
+                              r.plain.samples_per_s, ab, r.et.robust_samples_per_s,
+                              r.plain.robust_samples_per_s, (f"{r.et.wall_s:.1f}", f"{r.plain.wall_s:.1f}", f"{max(r.et.load, r.plain.load):.1f}")))
+                   + (f"  [{r.et.note}]" if r.et.note else ""))
+    med = statistics.median
+    et_m = med(r.et.samples_per_s for r in rows)
+    wc_m = med(r.et.worker_clock_samples_per_s for r in rows)
+    pl_m = med(r.plain.samples_per_s for r in rows)
+    ab_m = med(r.ablation.samples_per_s for r in rows) if abl else None
+    erb_m = med(r.et.robust_samples_per_s for r in rows)
+    prb_m = med(r.plain.robust_samples_per_s for r in rows)
+    out += ["-" * len(head), line(cells("median", et_m, wc_m, pl_m, ab_m, erb_m, prb_m, ("", "", "")))]
+    verdict = "meets" if et_m / pl_m >= TARGET_RATIO else "BELOW"
+    out.append(f"\nelastictrain/plain (ratio of medians, event times) = {et_m / pl_m:.3f}: {verdict} the "
+               f"target {TARGET_RATIO}; with rank 0's worker clock = {wc_m / pl_m:.3f}; "
+               f"typical step (G / median step interval) = {erb_m / prb_m:.3f}")
+    if abl:
+        out.append(f"plain+AR/plain = {ab_m / pl_m:.3f}: the cost of the per-step (loss, stop) all-reduce alone")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -171,29 +215,39 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=30, help="steps skipped before the steady-state window")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--ablation", action="store_true",
+                   help="also run plain DDP plus elastictrain's per-step (loss, stop) all-reduce each round")
     a = p.parse_args()
     if a.steps <= a.warmup + 1 or a.warmup < 1 or a.rounds < 1:
         p.error("need --rounds >= 1, --warmup >= 1 and --steps > --warmup + 1")
 
     import ray
 
-    # Started once and reused: Trainer only initialises Ray when it is not yet initialised. Ray's
-    # daemons stay up during the plain rounds too, so both sides share the same background load.
-    ray.init(num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # Started once and reused: Trainer only initialises Ray when it is not yet initialised. Ray's daemons
+    # stay up during the plain rounds too, so both sides share the same background load.
+    # address="local": always a private instance, never a Ray cluster someone else started on this machine.
+    ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
     print(f"steps={a.steps} warmup={a.warmup} global_batch={a.global_batch} micro_batch={a.micro_batch} "
-          f"seq_len={MODEL['seq_len']} world=2 threads/worker=1 cores={os.cpu_count()}", flush=True)
-    rows = []
+          f"seq_len={MODEL['seq_len']} world={WORLD} threads/worker=1 cores={os.cpu_count()} "
+          f"load avg={os.getloadavg()[0]:.2f}", flush=True)
+    rows: list[Round] = []
+    shape = (a.steps, a.global_batch, a.micro_batch, a.warmup)
     try:
         for i in range(1, a.rounds + 1):
-            et = run_elastictrain(a.steps, a.global_batch, a.micro_batch, a.warmup)
+            et = run_elastictrain(*shape)
             print(f"round {i}: elastictrain {et.samples_per_s:.1f} samples/s "
-                  f"(worker clock {et.worker_clock_samples_per_s:.1f})", flush=True)
-            pl = run_plain(a.steps, a.global_batch, a.micro_batch, a.warmup)
+                  f"(rank 0 clock {et.worker_clock_samples_per_s:.1f})", flush=True)
+            pl = run_plain(*shape)
             print(f"round {i}: plain DDP    {pl.samples_per_s:.1f} samples/s", flush=True)
-            rows.append((i, et, pl))
+            ab = None
+            if a.ablation:
+                ab = run_plain(*shape, stats_allreduce=True)
+                print(f"round {i}: plain + AR   {ab.samples_per_s:.1f} samples/s", flush=True)
+            rows.append(Round(i, et, pl, ab))
     finally:
         ray.shutdown()
-    print()
+    print(f"\nload avg at the end={os.getloadavg()[0]:.2f}\n")
     print(_table(rows))
     return 0
 

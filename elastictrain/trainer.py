@@ -125,7 +125,9 @@ class Trainer:
         else:
             w = self.config.workers
             cpus = max(os.cpu_count() or 1, int(w.max * w.cpus_per_worker + 0.999))
-            ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+            # A private local Ray: never attach by accident to another instance on this machine
+            # (`--ray-address auto` does that on purpose).
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
 
 
 def _check_compatible(config: JobConfig, manifest: Any) -> None:

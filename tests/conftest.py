@@ -39,7 +39,7 @@ def job(**sections: Any) -> dict[str, Any]:
 
 def _ensure_local_ray() -> None:
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture

@@ -57,7 +57,6 @@ def test_save_commit_load_roundtrip_with_fresh_optimizer(tmp_path: Path) -> None
 
 def test_commit_is_create_only_and_refuses_bad_reports(tmp_path: Path) -> None:
     store, (m,) = save_steps(str(tmp_path / "run"), [1])
-    reports = [type("R", (), {})]  # placeholder, replaced below
     from elastictrain.checkpoint import ShardReport
 
     reports = [ShardReport(1, 0, dict(m.files), None, 0, 0)]

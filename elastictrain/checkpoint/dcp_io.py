@@ -21,6 +21,7 @@ import io
 import os
 import threading
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -36,12 +37,21 @@ from elastictrain.checkpoint.safe_metadata import loads_metadata
 S3Mode = Literal["buffer", "stream"]
 
 
-class _HashingStream(io.RawIOBase):
-    """Write-only stream: every byte goes through SHA-256 and on to ``sink``; ``tell`` counts bytes."""
+# chunks at least this big are hashed on a helper thread while the sink writes them (both release the
+# GIL); smaller ones are not worth the hand-off
+_PARALLEL_HASH_MIN = 256 * 1024
 
-    def __init__(self, sink: Any) -> None:
+
+class _HashingStream(io.RawIOBase):
+    """Write-only stream: every byte goes through SHA-256 and on to ``sink``; ``tell`` counts bytes.
+
+    With ``hasher`` (a one-thread executor) a large chunk is hashed concurrently with its write; ``write``
+    returns only when both are done, so the caller's buffer is never used after ``write`` returns."""
+
+    def __init__(self, sink: Any, hasher: ThreadPoolExecutor | None = None) -> None:
         super().__init__()
         self._sink = sink
+        self._hasher = hasher
         self._hash = hashlib.sha256()
         self._pos = 0
 
@@ -50,8 +60,15 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        self._hash.update(view)
-        self._sink.write(view)
+        if self._hasher is not None and len(view) >= _PARALLEL_HASH_MIN:
+            pending = self._hasher.submit(self._hash.update, view)
+            try:
+                self._sink.write(view)
+            finally:
+                pending.result()
+        else:
+            self._hash.update(view)
+            self._sink.write(view)
         self._pos += len(view)
         return len(view)
 
@@ -78,7 +95,12 @@ class HashingFileSystem(FileSystemBase):
         self.s3_mode = s3_mode
         self._local = storage.is_local(fs)
         self._lock = threading.Lock()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
         self.written: dict[str, FileInfo] = {}
+
+    def close(self) -> None:
+        """Stop the hashing helper thread (the owner calls this when the save is over)."""
+        self._hasher.shutdown(wait=True)
 
     def _rel(self, path: str | os.PathLike) -> str:
         p = os.fspath(path)
@@ -111,7 +133,7 @@ class HashingFileSystem(FileSystemBase):
     def _write_stream(self, path: str) -> Generator[tuple[_HashingStream, Any], None, None]:
         if self._local:
             with open(path, "wb", buffering=4 * 2**20) as f:
-                hashing = _HashingStream(f)
+                hashing = _HashingStream(f, self._hasher)
 
                 def finish() -> None:
                     f.flush()
@@ -120,10 +142,10 @@ class HashingFileSystem(FileSystemBase):
                 yield hashing, finish
         elif self.s3_mode == "stream":
             with self.fs.open(path, "wb") as f:
-                yield _HashingStream(f), lambda: None
+                yield _HashingStream(f, self._hasher), lambda: None
         else:
             buf = io.BytesIO()
-            hashing = _HashingStream(buf)
+            hashing = _HashingStream(buf, self._hasher)
 
             def upload() -> None:
                 self.fs.pipe(path, buf.getvalue())

@@ -183,9 +183,12 @@ class CheckpointWriter:
             refusal = self._agree(entry, refusal)
             if refusal is None:
                 hfs = HashingFileSystem(self._fs, step_path, step_uri, self._s3_mode)
-                writer = HashingWriter(hfs)
-                dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
-                files = writer.written
+                try:
+                    writer = HashingWriter(hfs)
+                    dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+                    files = writer.written
+                finally:
+                    hfs.close()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, never raised into training
             refusal = _describe_failure(e, entry.step, step_uri)
         return ShardReport(entry.step, self._rank, files if refusal is None else {}, refusal, entry.stage_s,

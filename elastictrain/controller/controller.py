@@ -27,17 +27,20 @@ from elastictrain.task import Task
 
 log = logging.getLogger("elastictrain.controller")
 
-POLL_INTERVAL_S = 0.2
+# Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
+# and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
+POLL_INTERVAL_S = 0.5
 
 
 @dataclass
 class Failure:
     slot: int
     rank: int | None
-    kind: str  # process_died | hang | exception | node_lost | setup_failed
+    kind: str  # process_died | hang | exception | node_lost | setup_failed | straggler
     reason: str
     detected_at: float
     last_progress: float
+    last_step: int  # the most advanced step any rank had completed when the failure was seen
 
 
 class Controller:
@@ -48,7 +51,7 @@ class Controller:
         self.events = events
         self.sm = StateMachine()
         self.group = WorkerGroup(config, task)
-        self.ledger = Ledger(events, config.train.steps, config.train.global_batch)
+        self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
@@ -68,6 +71,7 @@ class Controller:
         self.reported_stragglers: set[int] = set()
         self.final_state: dict[str, Any] | None = None
         self.final_digest: dict[str, Any] | None = None
+        self.recovery_source = "peer"
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -204,7 +208,12 @@ class Controller:
         self.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
-        if not self._form_generation(chosen, reason=reason):
+        resume = None
+        if not any(s.has_state for s in chosen):
+            resume = self._durable_fallback()
+            if self.sm.state is State.FAILED:
+                return
+        if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
@@ -214,6 +223,22 @@ class Controller:
                                                 self.world_size), step=self.ledger.last_step,
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
+
+    def _durable_fallback(self) -> Any:
+        """No live worker holds training state: the last resort is the newest committed checkpoint; without
+        one the run restarts from step 0, said loudly in the events."""
+        manifest = None
+        if self.store is not None:
+            manifest, skipped = self.store.latest_valid()
+            for why in skipped:
+                self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+        if manifest is None:
+            self.events.emit("worker_lost", world_size=0, step=0,
+                             reason="every worker holding training state was lost and no committed checkpoint "
+                                    "exists: restarting from step 0")
+            self.ledger.last_step = 0
+            self.recovery_source = "scratch"
+        return manifest
 
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
@@ -245,6 +270,7 @@ class Controller:
                 ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
                 for s in chosen:
                     s.has_state = True
+                self.recovery_source = "checkpoint"
                 self.ledger.last_step = int(resume.step)
                 self.events.emit("resumed", step=int(resume.step), world_size=world,
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
@@ -266,23 +292,30 @@ class Controller:
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
         self.events.emit("generation_started", generation=gen, world_size=world, accum=accum, step=steps[0],
                          source_rank=src, reason=reason)
-        self._close_recovery(source="peer" if reason != "start" else None)
+        if reason == "start":
+            self.recovery_source = "peer"
+        else:
+            self._close_recovery(start_step=steps[0])
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
 
     def _slot_step(self, slot: Slot) -> int:
         return int(slot.info.get("step", 0))
 
-    def _close_recovery(self, source: str | None) -> None:
-        if self.open_failure is None or source is None:
+    def _close_recovery(self, start_step: int) -> None:
+        """The new generation stands: account the recovery. ``lost_steps`` counts completed steps that must
+        be redone (0 when a survivor held the newest state); the step in flight is lost time, not a step."""
+        source, self.recovery_source = self.recovery_source, "peer"
+        if self.open_failure is None:
             return
         f, now = self.open_failure, time.time()
+        lost = max(0, f.last_step - start_step)
         self.ledger.recoveries += 1
+        self.ledger.lost_steps += lost
         self.ledger.add_time("recovery", now - f.detected_at)
-        self.events.emit("recovered", source=source, downtime_s=round(now - f.last_progress, 3),
-                         recovery_s=round(now - f.detected_at, 3), lost_steps=1, step=self.ledger.last_step,
-                         world_size=self.world_size)
-        self.ledger.lost_steps += 1
+        self.events.emit("recovered", source=source,
+                         recovery_s=round(now - f.detected_at, 3), downtime_s=round(now - f.last_progress, 3),
+                         lost_steps=lost, step=start_step, world_size=self.world_size)
         self.open_failure = None
         self.recovery_started = None
 
@@ -304,7 +337,7 @@ class Controller:
             if slot.index not in self.poll_refs:
                 self.poll_refs[slot.index] = (slot.actor.poll.remote(), now)
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.05)
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             idx = refs[ref]
             del self.poll_refs[idx]
@@ -408,8 +441,9 @@ class Controller:
     def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
         if slot.state is SlotState.DEAD or any(f.slot == slot.index for f in self.pending_failures):
             return
+        known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
         self.pending_failures.append(Failure(slot.index, slot.rank, kind, reason, time.time(),
-                                             self.ledger.last_progress))
+                                             self.ledger.last_progress, known))
 
     def _detect_dead(self, slots: list[Slot], reason: str) -> None:
         """After a failed collective call: find which of ``slots`` is dead or unresponsive."""
@@ -490,8 +524,11 @@ class Controller:
     # ------------------------------------------------------------------ checkpoints and endings
     def _checkpoint_meta(self) -> dict[str, Any]:
         c = self.config
+        config = c.model_dump(mode="json")
+        for section in (config["checkpoint"], config["task"]["data"]):  # credentials never reach storage
+            section["storage_options"] = {k: "<redacted>" for k in section["storage_options"]}
         return {"plan": c.parallel.plan, "global_batch": c.train.global_batch, "seed": c.train.seed,
-                "config": c.model_dump(mode="json"), "run_id": c.stable_id}
+                "config": config, "run_id": c.stable_id}
 
     def _save_now(self, members: list[Slot], step: int) -> bool:
         t = self.config.timeouts

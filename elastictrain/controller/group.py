@@ -1,4 +1,4 @@
-"""The worker group: a placement group with one bundle per slot (``workers.max`` slots) and at most one
+"""The worker group: a placement group with one bundle per slot (``workers.max + workers.spares``) and one
 actor per slot. A slot whose actor died gets a new actor in the same bundle: Ray re-places a bundle lost
 with its node when capacity exists, so a replacement waits for capacity instead of failing.
 
@@ -51,8 +51,9 @@ class WorkerGroup:
         bundle: dict[str, float] = {"CPU": w.cpus_per_worker}
         if w.use_gpu:
             bundle["GPU"] = 1
-        self.pg = placement_group([dict(bundle) for _ in range(w.max)], strategy=w.placement_strategy)
-        self.slots = [Slot(i) for i in range(w.max)]
+        slots = w.max + w.spares  # spares hold a bundle too, so a replacement never waits for capacity
+        self.pg = placement_group([dict(bundle) for _ in range(slots)], strategy=w.placement_strategy)
+        self.slots = [Slot(i) for i in range(slots)]
         self._actor_cls = worker_actor_class()
 
     def wait_placed(self, timeout: float) -> bool:

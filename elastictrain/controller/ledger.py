@@ -12,8 +12,9 @@ from elastictrain.worker.loop import StepRecord
 
 
 class Ledger:
-    def __init__(self, events: EventLog, total_steps: int, global_batch: int) -> None:
+    def __init__(self, events: EventLog, total_steps: int, global_batch: int, max_workers: int) -> None:
         self.events = events
+        self.max_workers = max_workers
         self.total_steps = total_steps
         self.global_batch = global_batch
         self.t0 = time.time()
@@ -67,7 +68,10 @@ class Ledger:
             self._first_step_at = now
             self.goodput["startup_s"] += max(0.0, first.finished_at - first.step_s - self.t0)
         self.step_times.append(first.step_s)
-        self.goodput["productive_s"] += first.step_s
+        # A step at a smaller world size is only partly productive: the rest of its time is "degraded".
+        full = first.step_s * min(1.0, first.world_size / self.max_workers)
+        self.goodput["productive_s"] += full
+        self.goodput["degraded_s"] += first.step_s - full
         self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * (sum(recent) / len(recent))
@@ -75,6 +79,7 @@ class Ledger:
             "step": step, "loss": first.loss, "world_size": first.world_size, "accum": first.accum,
             "samples_per_s": round(self.global_batch / max(1e-9, interval), 3), "step_s": round(first.step_s, 6),
             "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
+            "finished_at": round(first.finished_at, 6),
         }
         if not complete:
             fields["complete"] = False

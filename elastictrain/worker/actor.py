@@ -176,7 +176,8 @@ class Worker:
             return
         from elastictrain.checkpoint import CheckpointWriter
 
-        self._writer = CheckpointWriter(self.config.checkpoint, root, rank, world_size, self._ckpt_group)
+        self._writer = CheckpointWriter(self.config.checkpoint, root, rank, world_size, self._ckpt_group,
+                                        storage_options=dict(self.config.checkpoint.storage_options))
 
     def _after_step(self, step: int) -> None:
         every = self.config.checkpoint.every_steps

@@ -103,6 +103,9 @@ class StepRunner:
             sync = contextlib.nullcontext() if last else self.ddp.no_sync()
             with sync:
                 per_sample = self.task.loss_fn(self.ddp, batch, seeds)
+                loss_sum += per_sample.detach().sum().double()
+                if self.audit:
+                    seen.extend(int(i) for i in ids)
                 delay = self.faults.extra_delay(rank=self.rank, step=number, generation=self.generation)
                 if delay:
                     time.sleep(delay)
@@ -111,16 +114,17 @@ class StepRunner:
                 if last:  # the last backward overlaps DDP's all-reduce: not purely local work
                     compute_s += time.perf_counter() - c0
                     self._set_phase("collective")
+                    # Loss and stop flag travel together, overlapped with the last backward (issued in the
+                    # same order on every rank, before DDP's buckets).
+                    flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)
+                    stats = torch.stack([loss_sum, flag])
+                    work = dist.all_reduce(stats, async_op=True)
                 (per_sample.sum() * (w / g)).backward()
             if not last:
                 compute_s += time.perf_counter() - c0
-            loss_sum += per_sample.detach().sum().double()
-            if self.audit:
-                seen.extend(int(i) for i in ids)
-        # Loss and the stop flag travel together. Waited for BEFORE the optimizer step: a rank that applies
-        # step s knows every rank finished its backward, so "completed steps" always matches the parameters.
-        stats = torch.stack([loss_sum, torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)])
-        dist.all_reduce(stats)
+        # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
+        # backward, so "completed steps" always matches the parameters.
+        work.wait()
         if self.audit:  # ids as fed by every rank, so any survivor's record holds the whole step
             gathered: list[list[int]] = [[] for _ in range(w)]
             dist.all_gather_object(gathered, seen)

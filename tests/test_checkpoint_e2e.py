@@ -1,0 +1,115 @@
+"""Checkpoints inside real training runs: periodic async saves, preemption with a just-in-time save,
+resume on a fresh start (also at another world size), corrupt checkpoints skipped, S3 through moto."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastictrain.checkpoint import CheckpointStore
+from tests.checkpoint_fixtures import DUMMY_SECRET, s3_bucket, s3_server  # noqa: F401 - fixtures
+from tests.conftest import job, run_job
+
+SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
+
+
+def _ckpt(tmp_path: Path, **extra) -> dict:
+    return {"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2, "resume": "auto", **extra}
+
+
+def test_periodic_checkpoints_commit_and_retain(tmp_path, ray_local):
+    run = run_job(tmp_path, job(name="per", train={"steps": 20}, checkpoint=_ckpt(tmp_path)))
+    saved = [e["step"] for e in run.of("checkpoint_saved")]
+    assert saved == [5, 10, 15, 20], run.of("checkpoint_failed")
+    store = CheckpointStore(str(tmp_path / "ckpt" / "per"))
+    assert [m.step for m in store.committed()] == [15, 20]  # keep_last=2
+    newest, skipped = store.latest_valid()
+    assert newest.step == 20 and not skipped and newest.world_size == 2
+    assert not store.verify(newest)
+
+
+def _write_job(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local):
+    spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0))
+    path = _write_job(tmp_path, spec)
+    cmd = [sys.executable, "-m", "elastictrain", "run", str(path), "--run-dir"]
+    proc = subprocess.Popen(cmd + [str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    events = tmp_path / "a" / "events.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if events.exists() and any(json.loads(line).get("step", 0) >= 12 for line in events.read_text().splitlines()
+                                   if '"step"' in line):
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # what `ray job stop` and Kubernetes send
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-2000:]
+    first = [json.loads(line) for line in events.read_text().splitlines()]
+    (pre,) = [e for e in first if e["event"] == "preempted"]
+    assert pre["checkpoint"] is True and pre["step"] >= 12
+    # Resubmit the same job (a new cluster would do the same): resume: auto picks up the committed step.
+    again = subprocess.run(cmd + [str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    second = [json.loads(line) for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines()]
+    (resumed,) = [e for e in second if e["event"] == "resumed"]
+    assert resumed["step"] == pre["step"]
+    assert [e["step"] for e in second if e["event"] == "step"][0] == pre["step"] + 1
+    clean = run_job(tmp_path, {**spec, "checkpoint": {"uri": None}}, name="clean")
+    resumed_summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert resumed_summary["final_model_sha256"] == clean.summary["final_model_sha256"]
+
+
+def test_resume_at_another_world_size_and_skip_corrupt(tmp_path, ray_local):
+    ck = _ckpt(tmp_path, keep_last=5)
+    run_job(tmp_path, job(name="rs", train={"steps": 10}, checkpoint=ck), name="two")
+    store = CheckpointStore(str(tmp_path / "ckpt" / "rs"))
+    newest = store.committed()[-1]
+    assert newest.step == 10
+    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/*") if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte
+    shard.write_bytes(bytes(data))
+    one = run_job(tmp_path, job(name="rs", train={"steps": 15}, workers={"min": 1, "max": 1}, checkpoint=ck),
+                  name="one")
+    (resumed,) = one.of("resumed")
+    assert resumed["step"] == 5 and resumed["world_size"] == 1 and resumed["from_world_size"] == 2
+    assert one.summary["final_step"] == 15 and one.result.exit_code == 0
+
+
+def test_explicit_corrupt_checkpoint_is_a_clear_error(tmp_path, ray_local):
+    ck = _ckpt(tmp_path)
+    run_job(tmp_path, job(name="bad", train={"steps": 5}, checkpoint=ck))
+    step_dir = next((tmp_path / "ckpt" / "bad").glob("step_*5"))
+    (step_dir / "manifest.json").write_text("{not json")
+    spec = job(name="bad", train={"steps": 8}, checkpoint={**ck, "resume": str(step_dir)})
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(_write_job(tmp_path, spec))],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "checkpoint error" in proc.stderr and str(step_dir) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_checkpoints_to_s3(tmp_path, ray_local, s3_server, s3_bucket):
+    opts = s3_server.options()
+    ck = {"uri": f"{s3_bucket}/runs", "every_steps": 4, "storage_options": opts, "resume": "auto",
+          "when_busy": "wait"}
+    run = run_job(tmp_path, job(name="s3", train={"steps": 8}, checkpoint=ck))
+    assert [e["step"] for e in run.of("checkpoint_saved")] == [4, 8], run.of("checkpoint_failed")
+    store = CheckpointStore(f"{s3_bucket}/runs/s3", opts)
+    newest, _ = store.latest_valid()
+    assert newest.step == 8
+    # Credentials never reach the events or the manifest.
+    assert DUMMY_SECRET not in (run.dir / "events.jsonl").read_text()
+    assert DUMMY_SECRET not in json.dumps(newest.meta)
