@@ -169,6 +169,7 @@ def list_sizes(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> dict[str, 
     """relpath -> size of every file under ``path`` (recursive, one listing). Missing dir -> {}."""
 
     def run() -> dict[str, int]:
+        fs.invalidate_cache(path)  # a commit must see storage as it is now, not a cached listing
         if not fs.exists(path):
             return {}
         found = fs.find(path, detail=True)
