@@ -74,3 +74,13 @@ def test_cli_missing_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "config file not found" in proc.stderr
+
+
+def test_every_config_key_is_documented():
+    from elastictrain.config import JobConfig, _all_keys
+
+    text = (REPO / "docs" / "config.md").read_text()
+    keys = _all_keys(JobConfig)
+    leaves = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]
+    missing = [k for k in leaves if f"`{k}`" not in text]
+    assert not missing, f"document these keys in docs/config.md: {missing}"

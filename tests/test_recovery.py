@@ -103,3 +103,25 @@ def test_crash_loop_stops_with_clear_error(tmp_path, ray_local):
     (failed,) = run.of("run_failed")
     assert "crash loop" in failed["reason"] and "slot 1" in failed["reason"]
     assert run.summary["state"] == "failed" and run.summary["failures"] == 3
+
+
+def test_all_workers_lost_recovers_from_memory_replica(tmp_path, ray_local):
+    """Both workers die at once: no survivor holds state, so the keeper's in-memory copy is used, not
+    storage (none is configured), and the run ends bitwise equal to one without the failure."""
+    both = [{"rank": r, "step": 8, "point": "mid_step", "kind": "kill"} for r in (0, 1)]
+    spec = job(train={"steps": 16}, checkpoint={"memory_every_steps": 1}, recovery={"mode": "strict"})
+    faulty = run_job(tmp_path, {**spec, "faults": both}, name="f")
+    clean = run_job(tmp_path, spec, name="clean")
+    (recovered,) = faulty.of("recovered")
+    assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1
+    assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
+
+
+def test_spare_replaces_a_failed_worker_without_shrinking(tmp_path, ray_local):
+    kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
+    run = run_job(tmp_path, job(train={"steps": 14}, workers={"spares": 1}, faults=[kill]))
+    assert not run.of("resized") and {e["world_size"] for e in run.of("step")} == {2}
+    (recovered,) = run.of("recovered")
+    assert recovered["lost_steps"] == 0 and recovered["world_size"] == 2
+    joined = [e for e in run.of("worker_started") if e["generation"] == 1]
+    assert [e["slot"] for e in joined] == [2]  # the pre-started spare took the place

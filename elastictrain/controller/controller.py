@@ -30,6 +30,7 @@ log = logging.getLogger("elastictrain.controller")
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
+MEMORY_BUDGET = 4 << 30  # bytes the in-memory replica keeper may hold
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Controller:
         self.final_state: dict[str, Any] | None = None
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
+        self.keeper = self._start_keeper()
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -224,14 +226,39 @@ class Controller:
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
+    def _start_keeper(self) -> Any:
+        """The in-memory replica tier: a keeper actor on the driver's node (not a worker's)."""
+        if not self.config.checkpoint.memory_every_steps:
+            return None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastictrain.checkpoint import ShardKeeper
+
+        here = ray.get_runtime_context().get_node_id()
+        return ShardKeeper.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(MEMORY_BUDGET)
+
+    def _memory_snapshot(self) -> dict[str, Any] | None:
+        if self.keeper is None:
+            return None
+        try:
+            got = ray.get(self.keeper.get.remote(0), timeout=self.config.timeouts.poll_s)
+        except Exception as e:  # noqa: BLE001 - the keeper is a cache; durable storage remains
+            self.events.emit("worker_lost", world_size=0, reason=f"in-memory replica unavailable: {e}")
+            return None
+        return None if got is None else got[1]
+
     def _durable_fallback(self) -> Any:
-        """No live worker holds training state: the last resort is the newest committed checkpoint; without
-        one the run restarts from step 0, said loudly in the events."""
+        """No live worker holds training state: take the newest of the in-memory replica and the newest
+        committed checkpoint; with neither the run restarts from step 0, said loudly in the events."""
         manifest = None
         if self.store is not None:
             manifest, skipped = self.store.latest_valid()
             for why in skipped:
                 self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+        snapshot = self._memory_snapshot()
+        if snapshot is not None and (manifest is None or snapshot["step"] >= manifest.step):
+            return snapshot
         if manifest is None:
             self.events.emit("worker_lost", world_size=0, step=0,
                              reason="every worker holding training state was lost and no committed checkpoint "
@@ -265,7 +292,12 @@ class Controller:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
             ray.get([s.actor.join.remote(gen, r, world, host, port) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
-            if resume is not None:
+            if isinstance(resume, dict):  # an in-memory replica: rank 0 takes it, sync spreads it
+                step = ray.get(chosen[0].actor.load_snapshot.remote(resume), timeout=t.restart_grace_s)
+                chosen[0].has_state, chosen[0].info["step"] = True, step
+                self.recovery_source = "memory"
+                self.ledger.last_step = step
+            elif resume is not None:
                 root = self.ckpt_root
                 ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
                 for s in chosen:
@@ -296,6 +328,8 @@ class Controller:
             self.recovery_source = "peer"
         else:
             self._close_recovery(start_step=steps[0])
+        if self.keeper is not None:
+            ray.get([s.actor.attach_keeper.remote(self.keeper) for s in chosen], timeout=t.poll_s)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
 

@@ -50,6 +50,7 @@ class Worker:
         self._records: collections.deque = collections.deque()
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
+        self._replicator: Any = None
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -183,6 +184,26 @@ class Worker:
         every = self.config.checkpoint.every_steps
         if self._writer is not None and every and step % every == 0:
             self.save(step)
+        k = self.config.checkpoint.memory_every_steps
+        if self._replicator is not None and self.runner.rank == 0 and k and step % k == 0:
+            # Replicated (DDP) state: rank 0's copy is everyone's. ray.put copies it before returning.
+            r = self.runner
+            self._replicator.push_async(step, {"step": step, "model": r.model.state_dict(),
+                                               "optim": r.optimizer.state_dict()})
+
+    def attach_keeper(self, keeper: Any) -> None:
+        """Use ``keeper`` (a ShardKeeper on another node) as the in-memory replica tier."""
+        from elastictrain.checkpoint import MemoryReplicator
+
+        self._replicator = MemoryReplicator(keeper, rank=0)
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> int:
+        """Take state from an in-memory replica (the keeper's copy). Only this rank; peers get it by sync."""
+        r = self.runner
+        r.model.load_state_dict(snapshot["model"])
+        r.optimizer.load_state_dict(snapshot["optim"])
+        r.step = int(snapshot["step"])
+        return r.step
 
     def save(self, step: int | None = None) -> bool:
         """Start an asynchronous checkpoint of the current state (collective over the group)."""

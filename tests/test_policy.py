@@ -1,0 +1,208 @@
+"""Pure unit tests of the controller's decisions (elastictrain/controller/policy.py): no Ray, no clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastictrain.config import RecoveryConfig, TimeoutsConfig
+from elastictrain.controller.policy import (
+    decide_membership,
+    failure_verdict,
+    find_stragglers,
+    hang_bound,
+    pick_source,
+)
+from elastictrain.data.cursor import valid_world_sizes
+
+T = TimeoutsConfig(watchdog_floor_s=3.0, step_watchdog_cap_s=60.0, watchdog_factor=10.0)
+
+
+# ------------------------------------------------------------------------------------------ hang_bound
+def test_hang_bound_before_any_step_is_the_cap() -> None:
+    assert hang_bound([], T) == 60.0
+
+
+@pytest.mark.parametrize(("times", "expected"), [
+    ([0.5, 0.5, 0.5], 5.0),       # factor x median
+    ([0.01, 0.02, 0.01], 3.0),    # clamped up to the floor
+    ([100.0, 100.0], 60.0),       # clamped down to the cap
+    ([0.1, 0.5, 99.0], 5.0),      # the median, not the mean: one slow step does not inflate it
+])
+def test_hang_bound_clamps(times: list[float], expected: float) -> None:
+    assert hang_bound(times, T) == pytest.approx(expected)
+
+
+def test_hang_bound_uses_recent_steps_only() -> None:
+    # 100 slow steps long ago, then 32 fast ones: only the last 32 count.
+    assert hang_bound([5.0] * 100 + [0.5] * 32, T) == pytest.approx(5.0)
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), max_size=80))
+def test_hang_bound_always_within_floor_and_cap(times: list[float]) -> None:
+    assert T.watchdog_floor_s <= hang_bound(times, T) <= T.step_watchdog_cap_s
+
+
+# ----------------------------------------------------------------------------------- decide_membership
+def _decide(**kw):
+    args = dict(available=2, current=2, mode="elastic", min_workers=1, max_workers=4, global_batch=16,
+                micro_batch=2, waiting_since=None, now=1000.0, wait_limit_s=60.0)
+    args.update(kw)
+    return decide_membership(**args)
+
+
+def test_elastic_takes_largest_valid_world_size() -> None:
+    # G=16, m=2: valid sizes 1, 2, 4, 8; with 3 available the largest that fits is 2 (3 does not divide).
+    d = _decide(available=3, max_workers=8)
+    assert (d.action, d.world_size) == ("go", 2)
+    assert "3 workers available" in d.reason
+
+
+def test_elastic_never_exceeds_max() -> None:
+    d = _decide(available=16, max_workers=4)
+    assert (d.action, d.world_size) == ("go", 4)
+
+
+def test_elastic_respects_min_workers() -> None:
+    # min 4: one or two workers are not enough, even though 1 and 2 divide the batch.
+    d = _decide(available=2, min_workers=4, max_workers=8)
+    assert (d.action, d.world_size) == ("wait", 4)
+    assert "2 available, 4 needed" in d.reason
+
+
+def test_elastic_waits_for_the_smallest_valid_size_above_min() -> None:
+    # G=12, m=1, min=5: valid sizes >= 5 are 6 and 12; need 6.
+    d = _decide(available=5, min_workers=5, max_workers=12, global_batch=12, micro_batch=1)
+    assert (d.action, d.world_size) == ("wait", 6)
+
+
+def test_strict_keeps_the_world_size() -> None:
+    assert (_decide(mode="strict", available=4, current=2).world_size) == 2
+    d = _decide(mode="strict", available=3, current=4)
+    assert (d.action, d.world_size) == ("wait", 4)
+
+
+def test_wait_clock() -> None:
+    """Waiting starts at ``waiting_since``; at exactly ``wait_limit_s`` the verdict turns into fail."""
+    kw = dict(available=1, min_workers=2, wait_limit_s=60.0, now=1000.0)
+    assert _decide(waiting_since=None, **kw).action == "wait"           # not waiting yet: clock at 0
+    assert _decide(waiting_since=1000.0 - 59.9, **kw).action == "wait"
+    d = _decide(waiting_since=1000.0 - 60.0, **kw)
+    assert (d.action, d.world_size) == ("fail", 2)
+    assert "min_workers_wait_s=60" in d.reason and "lower workers.min" in d.reason
+    assert _decide(mode="strict", current=2, waiting_since=900.0, **{**kw, "min_workers": 1}).action == "fail"
+
+
+def test_enough_workers_go_even_after_a_long_wait() -> None:
+    assert _decide(available=2, min_workers=2, waiting_since=0.0, now=1e6).action == "go"
+
+
+@st.composite
+def _layouts(draw):
+    micro = draw(st.integers(1, 8))
+    global_batch = micro * draw(st.integers(1, 48))
+    max_workers = draw(st.integers(1, 16))
+    valid = valid_world_sizes(global_batch, micro, max_workers)
+    if not valid:  # no config this small validates; the controller never asks
+        max_workers = 1
+        valid = [1]
+    min_workers = draw(st.sampled_from(valid))
+    current = draw(st.sampled_from([w for w in valid if w >= min_workers]))
+    return dict(global_batch=global_batch, micro_batch=micro, max_workers=max_workers,
+                min_workers=min_workers, current=current)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=_layouts(), available=st.integers(0, 40), mode=st.sampled_from(["elastic", "strict"]),
+       waited=st.one_of(st.none(), st.floats(0, 200)), limit=st.floats(0.1, 100))
+def test_membership_invariants(layout, available, mode, waited, limit) -> None:
+    now = 10_000.0
+    d = decide_membership(available=available, mode=mode, waiting_since=None if waited is None else now - waited,
+                          now=now, wait_limit_s=limit, **layout)
+    g, m = layout["global_batch"], layout["micro_batch"]
+    assert d.action in ("go", "wait", "fail")
+    assert g % (d.world_size * m) == 0, d
+    assert layout["min_workers"] <= d.world_size <= layout["max_workers"], d
+    assert d.reason
+    if d.action == "go":
+        assert d.world_size <= available
+        if mode == "strict":
+            assert d.world_size == layout["current"]
+        else:  # the largest valid size that fits
+            assert all(w <= d.world_size or w > available for w in valid_world_sizes(g, m, layout["max_workers"]))
+    else:
+        assert available < d.world_size  # wait/fail only when too few workers
+        assert (d.action == "fail") == (waited is not None and waited >= limit)
+
+
+# ------------------------------------------------------------------------------------- failure_verdict
+R = RecoveryConfig(max_failures=5, max_failures_per_rank=2)
+
+
+def test_failures_within_budget_keep_recovering() -> None:
+    assert failure_verdict(0, {}, R) is None
+    assert failure_verdict(5, {0: 2, 1: 2, 2: 1}, R) is None  # limits are inclusive
+
+
+def test_failure_budget_spent() -> None:
+    why = failure_verdict(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}, R)
+    assert why is not None and "recovery.max_failures=5" in why and "6 failures" in why
+
+
+def test_crash_loop_names_the_slot() -> None:
+    why = failure_verdict(4, {0: 1, 3: 3}, R)
+    assert why is not None and "slot 3" in why and "crash loop" in why and "max_failures_per_rank=2" in why
+
+
+def test_crash_loop_reports_lowest_slot_first() -> None:
+    assert "slot 1 " in failure_verdict(5, {4: 3, 1: 3}, R)
+
+
+# ------------------------------------------------------------------------------------ find_stragglers
+def test_straggler_found() -> None:
+    times = {0: [1.0] * 8, 1: [1.1] * 8, 2: [3.5] * 8}
+    out = find_stragglers(times, factor=2.0, window=8)
+    assert set(out) == {2}
+    assert "rank 2" in out[2] and "straggler_factor=2" in out[2]
+
+
+def test_no_straggler_at_exactly_the_factor() -> None:
+    assert find_stragglers({0: [1.0] * 4, 1: [2.0] * 4}, factor=2.0, window=4) == {}
+
+
+def test_stragglers_need_a_full_window_and_peers() -> None:
+    assert find_stragglers({0: [1.0] * 8, 1: [9.0] * 7}, factor=2.0, window=8) == {}  # rank 1: window not full
+    assert find_stragglers({0: [9.0] * 8}, factor=2.0, window=8) == {}
+    assert find_stragglers({}, factor=2.0, window=8) == {}
+
+
+def test_stragglers_judge_the_recent_window() -> None:
+    # rank 1 was slow long ago and is fast now; rank 0 became slow.
+    times = {0: [1.0] * 10 + [5.0] * 4, 1: [9.0] * 10 + [1.0] * 4, 2: [1.0] * 14}
+    assert set(find_stragglers(times, factor=2.0, window=4)) == {0}
+
+
+def test_zero_peer_times_flag_nobody() -> None:
+    assert find_stragglers({0: [0.0] * 4, 1: [0.0] * 4, 2: [1.0] * 4}, factor=2.0, window=4) == {}
+
+
+# ----------------------------------------------------------------------------------------- pick_source
+def test_pick_source_most_advanced() -> None:
+    assert pick_source({0: 10, 1: 12, 2: 11}) == 1
+
+
+def test_pick_source_ties_go_to_lowest_rank() -> None:
+    assert pick_source({3: 7, 1: 7, 2: 7, 0: 5}) == 1
+
+
+def test_pick_source_needs_a_rank() -> None:
+    with pytest.raises(ValueError, match="no rank holds training state"):
+        pick_source({})
+
+
+@given(st.dictionaries(st.integers(0, 64), st.integers(0, 1000), min_size=1))
+def test_pick_source_property(steps: dict[int, int]) -> None:
+    r = pick_source(steps)
+    assert steps[r] == max(steps.values())
+    assert all(q > r for q, s in steps.items() if s == steps[r] and q != r)
