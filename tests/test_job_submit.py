@@ -27,12 +27,14 @@ def _free_port() -> int:
 def test_ray_job_submit_runs_the_default_job(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # head and client must agree (Ray 2.60 token auth)
     env.pop("RAY_ADDRESS", None)
-    gcs, dash = _free_port(), _free_port()
+    # Every port its own: the session's local Ray already holds the default agent port (52365).
+    gcs, dash, agent = _free_port(), _free_port(), _free_port()
     # Its own temp dir: other local Ray instances (the session's) live under /tmp/ray. Kept short for the
     # unix socket path limit.
     temp_dir = tempfile.mkdtemp(prefix="etray", dir="/tmp")
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+         f"--dashboard-agent-listen-port={agent}",
          "--dashboard-host=127.0.0.1", "--num-cpus=3", "--include-dashboard=true", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -65,3 +65,28 @@ def test_too_few_workers_for_too_long_fails_clearly(tmp_path, cluster):
     (failed,) = run.of("run_failed")
     assert "recovery.min_workers_wait_s=3" in failed["reason"] and "lower workers.min" in failed["reason"]
     assert time.time() - t0 < 60
+
+
+def test_drain_notice_preempts_with_checkpoint(tmp_path, cluster):
+    """A Ray drain notice (what the autoscaler sends before a spot node goes) for a node with a worker:
+    stop at a step boundary, commit a just-in-time checkpoint, exit 75."""
+    from ray.core.generated import autoscaler_pb2
+
+    from elastictrain.checkpoint import CheckpointStore
+
+    c, nodes = cluster
+    spec = job(name="drain", train={"steps": 400}, faults=SLOW,
+               checkpoint={"uri": str(tmp_path / "ck"), "resume": "never"})
+    bg = BackgroundRun(tmp_path, spec, name="drain")
+    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+    gcs = ray._raylet.GcsClient(address=c.address)
+    accepted, why = gcs.drain_node(victim["node_id"],
+                                   autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "spot instance reclaimed", int(time.time() * 1000) + 60_000)
+    assert accepted, why
+    run = bg.finish(timeout=120)
+    assert run.result.exit_code == 75 and run.summary["state"] == "preempted"
+    (pre,) = run.of("preempted")
+    assert pre["checkpoint"] is True and victim["node_id"] in pre["reason"]
+    assert CheckpointStore(str(tmp_path / "ck" / "drain")).latest_valid()[0].step == pre["step"]

@@ -118,8 +118,10 @@ def _layouts(draw):
        waited=st.one_of(st.none(), st.floats(0, 200)), limit=st.floats(0.1, 100))
 def test_membership_invariants(layout, available, mode, waited, limit) -> None:
     now = 10_000.0
-    d = decide_membership(available=available, mode=mode, waiting_since=None if waited is None else now - waited,
-                          now=now, wait_limit_s=limit, **layout)
+    since = None if waited is None else now - waited
+    waited = None if since is None else now - since  # what the policy sees, after float rounding
+    d = decide_membership(available=available, mode=mode, waiting_since=since, now=now, wait_limit_s=limit,
+                          **layout)
     g, m = layout["global_batch"], layout["micro_batch"]
     assert d.action in ("go", "wait", "fail")
     assert g % (d.world_size * m) == 0, d

@@ -18,6 +18,7 @@ import ray
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
+from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.state import State, StateMachine
@@ -74,6 +75,7 @@ class Controller:
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
         self.keeper = self._start_keeper()
+        self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -152,6 +154,8 @@ class Controller:
         if self.preempt_reason:
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
         self._regroup(reason="grow")
+        if self.sm.state is State.RESIZING:  # told to wait (a joiner vanished): wait where the clock runs
+            self.sm.to(State.RECOVERING, "growing had to wait for workers")
 
     def _recovering(self) -> None:
         now = time.time()
@@ -364,6 +368,7 @@ class Controller:
         self._check_runs()
         self._watchdog()
         self._check_stragglers()
+        self._check_drains()
 
     def _poll_members(self) -> None:
         now = time.time()
@@ -457,6 +462,14 @@ class Controller:
         for slot in suspects:
             self._add_failure(slot, "hang", f"no progress for {now - self.ledger.last_progress:.1f}s "
                                             f"(bound {bound:.1f}s from observed step times)")
+
+    def _check_drains(self) -> None:
+        """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
+        just-in-time checkpoint, exit 75 (the job is resubmitted and resumes)."""
+        draining = self.drains.draining()
+        hit = sorted({s.info.get("node_id") for s in self.group.members()} & draining)
+        if hit:
+            self.request_preemption(f"Ray drain notice for node {', '.join(hit)}")
 
     def _check_stragglers(self) -> None:
         r = self.config.recovery
