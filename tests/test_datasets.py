@@ -12,6 +12,7 @@ import torch
 
 from elastictrain.data.corpus import builtin_corpus_bytes, byte_tokens
 from elastictrain.data.datasets import TokenWindows, collate, load_text_tokens
+from tests.checkpoint_fixtures import s3_bucket, s3_server  # noqa: F401 - fixtures
 
 
 def test_builtin_corpus_is_real_and_deterministic() -> None:
@@ -119,3 +120,18 @@ def test_parquet_error_messages(tmp_path: Path) -> None:
     _write(nulls, pa.table({"text": pa.array([None], type=pa.string())}))
     with pytest.raises(ValueError, match="no text found"):
         load_text_tokens(str(nulls))
+
+
+def test_parquet_from_s3_through_moto(s3_server, s3_bucket):
+    """The same loader reads Parquet from s3:// (a real S3 endpoint: moto's server on 127.0.0.1)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    opts = s3_server.options()
+    fs = s3fs.S3FileSystem(**opts)
+    table = pa.table({"text": ["hello from s3", "second row"]})
+    with fs.open(f"{s3_bucket}/corpus/part-0.parquet", "wb") as f:
+        pq.write_table(table, f)
+    tokens = load_text_tokens(f"{s3_bucket}/corpus/part-0.parquet", storage_options=opts)
+    assert bytes(tokens.to(torch.uint8).tolist()) == b"hello from s3\nsecond row"

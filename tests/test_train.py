@@ -52,11 +52,10 @@ def test_sample_audit_every_sample_once(tmp_path, ray_local):
     from elastictrain.data.cursor import step_sample_ids
 
     run = run_job(tmp_path, job(train={"steps": 6, "audit_samples": True}))
-    n = run.result.summary and None
+    n = _dataset_len()
     for e in run.of("step"):
-        expected = step_sample_ids(e["step"] - 1, 16, 0, _dataset_len())
+        expected = step_sample_ids(e["step"] - 1, 16, 0, n)
         assert sorted(e["sample_ids"]) == sorted(expected.tolist())
-    del n
 
 
 def _dataset_len() -> int:

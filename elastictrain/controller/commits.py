@@ -63,9 +63,3 @@ class Committer:
             self.store.retain(c.keep_last, c.keep_every)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"retention failed (checkpoint kept): {e}")
-
-    def abandon_incomplete(self, reason: str) -> None:
-        """Forget steps that cannot complete any more (their ranks left)."""
-        for step in sorted(self._reports):
-            self.events.emit("checkpoint_failed", step=step, reason=f"not committed: {reason}")
-        self._reports.clear()

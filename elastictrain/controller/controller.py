@@ -65,7 +65,6 @@ class Controller:
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
-        self.recovery_started: float | None = None
         self.open_failure: Failure | None = None
         self.preempt_reason: str | None = None
         self.final_error: str | None = None
@@ -158,9 +157,6 @@ class Controller:
             self.sm.to(State.RECOVERING, "growing had to wait for workers")
 
     def _recovering(self) -> None:
-        now = time.time()
-        if self.recovery_started is None:
-            self.recovery_started = now
         self._handle_failures()
         if self.sm.state is not State.RECOVERING:
             return
@@ -355,7 +351,6 @@ class Controller:
                          recovery_s=round(now - f.detected_at, 3), downtime_s=round(now - f.last_progress, 3),
                          lost_steps=lost, step=start_step, world_size=self.world_size)
         self.open_failure = None
-        self.recovery_started = None
 
     # ------------------------------------------------------------------ observing workers
     def _pump(self, timeout: float) -> None:
