@@ -549,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.quick() if args.quick else Plan()
     out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):  # stale markers and logs of an earlier run would corrupt every figure
+        p.error(f"--out {out} is not empty; give a new directory")
     only = set(args.only or "ABC")
 
     import ray

@@ -157,13 +157,12 @@ class Controller:
             self.sm.to(State.RECOVERING, "growing had to wait for workers")
 
     def _recovering(self) -> None:
-        self._handle_failures()
-        if self.sm.state is not State.RECOVERING:
-            return
+        killed = self._kill_failed()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
-        if self.pending_failures:
-            return  # a survivor failed as well: handle it in the next iteration
+        self._account_failures(killed)
+        if self.sm.state is not State.RECOVERING or self.pending_failures:
+            return  # failed, or a survivor failed as well: handled in the next iteration
         for slot in self.group.collect_ready(timeout=0):
             self._on_setup_done(slot)
         if self.preempt_reason:
@@ -355,8 +354,12 @@ class Controller:
     # ------------------------------------------------------------------ observing workers
     def _pump(self, timeout: float) -> None:
         """Wait a little for run results, poll members, turn records into events, watch for hangs."""
-        if self.run_refs:
-            ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
+        refs = list(self.run_refs)
+        ended, running = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        if running and not ended:  # wake at the first run that ends (a death, a failed step) or at `timeout`
+            ray.wait(running, num_returns=1, timeout=timeout)
+        elif ended and running:  # some ranks left the loop: the rest follow within a step; don't spin
+            ray.wait(running, num_returns=len(running), timeout=min(timeout, 0.05))
         self._poll_members()
         for slot in self.group.collect_ready(timeout=0):
             self._on_setup_done(slot)
@@ -407,6 +410,10 @@ class Controller:
             slot.info["result"] = res
             if res["status"] == "error":
                 self._add_failure(slot, "exception", res["error"])
+            elif res["status"] == "peer_failed":  # a peer broke the step: find it without waiting for Ray
+                for peer in self.run_refs.values():
+                    if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
+                        self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
 
     def _finished_runs(self) -> list[dict[str, Any]] | None:
         """All members' run results, once every one has returned (else None)."""
@@ -503,33 +510,48 @@ class Controller:
         if not self.pending_failures and slots:
             self._add_failure(slots[0], "exception", reason)
 
-    def _handle_failures(self) -> None:
+    def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
+        """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
+        Returns (failure, kind, node) for accounting once the survivors' last records are in."""
         failures, self.pending_failures = self.pending_failures, []
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if failures else set()
+        out = []
         for f in failures:
             slot = self.group.slots[f.slot]
             node = slot.info.get("node_id")
-            alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             lost = node is not None and node not in alive_nodes
             kind = "node_lost" if lost and f.kind in ("process_died", "hang") else f.kind
+            pid = slot.info.get("pid")
             self.group.kill(slot)
+            slot.info.update(pid=pid, node_id=node)  # kept for the event
             self.run_refs = {ref: s for ref, s in self.run_refs.items() if s is not slot}
             self.poll_refs.pop(slot.index, None)
+            out.append((f, kind, node))
+        return out
+
+    def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
+        """Emit the failure events (timed from the true last progress, now that the survivors' records
+        are in), apply the failure budget, and start the replacements."""
+        for f, kind, node in killed:
+            slot = self.group.slots[f.slot]
+            f.last_progress = min(f.detected_at, max(f.last_progress, self.ledger.latest_record_at))
             self.ledger.failures += 1
             self.failures_by_slot[f.slot] = self.failures_by_slot.get(f.slot, 0) + 1
             self.ledger.add_time("detection", f.detected_at - f.last_progress)
             self.events.emit("failure", kind=kind, rank=f.rank, slot=f.slot, node_id=node,
                              pid=slot.info.get("pid"), detected_after_s=round(f.detected_at - f.last_progress, 3),
-                             step=self.ledger.last_step, reason=f.reason)
+                             step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
             if self.open_failure is None:
                 self.open_failure = f
         verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
         if verdict:
             return self._fail(verdict)
-        for f in failures:
+        for f, _, _ in killed:
             self.group.spawn(f.slot)  # the replacement starts while the survivors carry on
 
     def _drain_runs(self, timeout: float) -> None:
-        """Wait for every member's ``run`` to return; a member that does not is treated as hung."""
+        """Wait for every member's ``run`` to return and take their last records; a member that does not
+        return is recorded as hung (handled by the next recovery iteration)."""
         if not self.run_refs:
             return
         ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
@@ -539,8 +561,6 @@ class Controller:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
         self._poll_members_blocking()
         self.run_refs = {}
-        if self.pending_failures:
-            self._handle_failures()
 
     def _stop_members(self) -> None:
         for slot in self.group.members():

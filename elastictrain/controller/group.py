@@ -113,6 +113,19 @@ class WorkerGroup:
                 pass
         slot.actor, slot.setup_ref, slot.state, slot.rank, slot.has_state = None, None, SlotState.DEAD, None, False
 
+    def process_gone(self, slot: Slot) -> bool:
+        """True if the slot's worker process is known dead on this node (gone, or a zombie not yet reaped).
+        Faster than Ray's actor-death notice; False when unknown (another node: Ray's notice decides)."""
+        pid = slot.info.get("pid")
+        if not pid or slot.info.get("ip") != ray.util.get_node_ip_address():
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return True
+        return state in ("Z", "X")
+
     def by_state(self, *states: SlotState) -> list[Slot]:
         return [s for s in self.slots if s.state in states]
 

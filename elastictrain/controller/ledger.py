@@ -31,6 +31,8 @@ class Ledger:
         self._pending: dict[int, dict[int, StepRecord]] = defaultdict(dict)
         self._world = 0
         self._first_step_at: float | None = None
+        self.latest_record_at = 0.0
+        self.latest_record_step = 0
 
     def new_generation(self, generation: int, world_size: int, accum: int) -> None:
         self._world = world_size
@@ -42,6 +44,9 @@ class Ledger:
     def add(self, rank: int, record: StepRecord) -> list[dict[str, Any]]:
         """Take one rank's record; emit ``step`` events for steps that every rank has reported."""
         self._pending[record.step][rank] = record
+        # Progress as any rank saw it: a dead rank's last records die with it, so complete steps lag.
+        if record.finished_at > self.latest_record_at:
+            self.latest_record_at, self.latest_record_step = record.finished_at, record.step
         self.compute_times[rank].append(record.compute_s / max(1, record.accum))  # per micro-batch
         out = []
         for step in sorted(self._pending):
