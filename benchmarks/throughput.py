@@ -119,12 +119,8 @@ def run_elastictrain(steps: int, global_batch: int, micro_batch: int, warmup: in
     if any(e["world_size"] != WORLD for e in steps_ev):
         raise RuntimeError("a step ran at a world size other than 2: the comparison would be meaningless")
     note = ", ".join(sorted({e["event"] for e in bad}))
-    times = [e["time"] for e in steps_ev]
-    # Rank 0's clock: finished_at[s] - finished_at[s-1] = G / samples_per_s (see module docstring).
-    worker_times, t = [], 0.0
-    for e in steps_ev:
-        t += global_batch / e["samples_per_s"]
-        worker_times.append(t)
+    times = [e["time"] for e in steps_ev]  # when the driver wrote the event: batched by its polling
+    worker_times = [e["finished_at"] for e in steps_ev]  # rank 0's clock, as the plain script times itself
     return Measure(steady_state(times, warmup, global_batch),
                    steady_state(worker_times, warmup, global_batch), wall,
                    steady_state_robust(worker_times, warmup, global_batch), os.getloadavg()[0], note)
@@ -199,10 +195,11 @@ def _table(rows: list[Round]) -> str:
     erb_m = med(r.et.robust_samples_per_s for r in rows)
     prb_m = med(r.plain.robust_samples_per_s for r in rows)
     out += ["-" * len(head), line(cells("median", et_m, wc_m, pl_m, ab_m, erb_m, prb_m, ("", "", "")))]
-    verdict = "meets" if et_m / pl_m >= TARGET_RATIO else "BELOW"
-    out.append(f"\nelastictrain/plain (ratio of medians, event times) = {et_m / pl_m:.3f}: {verdict} the "
-               f"target {TARGET_RATIO}; with rank 0's worker clock = {wc_m / pl_m:.3f}; "
-               f"typical step (G / median step interval) = {erb_m / prb_m:.3f}")
+    verdict = "meets" if wc_m / pl_m >= TARGET_RATIO else "BELOW"
+    out.append(f"\nelastictrain/plain (ratio of medians, rank 0's worker clock, timed like the plain script) = "
+               f"{wc_m / pl_m:.3f}: {verdict} the target {TARGET_RATIO}; typical step (G / median step "
+               f"interval) = {erb_m / prb_m:.3f}; driver event times (batched by polling, not a measure) = "
+               f"{et_m / pl_m:.3f}")
     if abl:
         out.append(f"plain+AR/plain = {ab_m / pl_m:.3f}: the cost of the per-step (loss, stop) all-reduce alone")
     return "\n".join(out)
