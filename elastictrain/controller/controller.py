@@ -73,6 +73,7 @@ class Controller:
         self.final_state: dict[str, Any] | None = None
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
+        self.generation_started_at, self.generation_start_step = 0.0, 0
         self.keeper = self._start_keeper()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -318,6 +319,7 @@ class Controller:
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
         self.world_size = world
+        self.generation_started_at, self.generation_start_step = time.time(), steps[0]
         accum = check_layout(self.config.train.global_batch, self.config.train.micro_batch, world)
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
@@ -451,8 +453,12 @@ class Controller:
         if not self.run_refs:
             return
         now = time.time()
-        bound = policy.hang_bound(self.ledger.step_times, self.config.timeouts)
-        if now - self.ledger.last_progress < bound:
+        # Progress as any rank reports it, and never before this generation began; until the generation
+        # completed a step (DDP rebuild, warm-up) the bound is the cap, not one derived from steady steps.
+        progress = max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
+        warm = self.ledger.latest_record_step > self.generation_start_step
+        bound = policy.hang_bound(self.ledger.step_times if warm else [], self.config.timeouts)
+        if now - progress < bound:
             return
         suspects = [self.group.slots[i] for i, (_, since) in self.poll_refs.items() if now - since > bound]
         if not suspects:  # all answer: the one stuck outside a collective while others wait is hung
@@ -462,7 +468,7 @@ class Controller:
                 suspects = [s for s in members if s.info.get("phase") == "compute"
                             and now - s.info.get("phase_since", now) > bound]
         for slot in suspects:
-            self._add_failure(slot, "hang", f"no progress for {now - self.ledger.last_progress:.1f}s "
+            self._add_failure(slot, "hang", f"no progress for {now - progress:.1f}s "
                                             f"(bound {bound:.1f}s from observed step times)")
 
     def _check_drains(self) -> None:
