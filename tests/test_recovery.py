@@ -125,3 +125,14 @@ def test_spare_replaces_a_failed_worker_without_shrinking(tmp_path, ray_local):
     assert recovered["lost_steps"] == 0 and recovered["world_size"] == 2
     joined = [e for e in run.of("worker_started") if e["generation"] == 1]
     assert [e["slot"] for e in joined] == [2]  # the pre-started spare took the place
+
+
+def test_straggler_eviction_replaces_the_slow_rank(tmp_path, ray_local):
+    slow1 = {"rank": 1, "step": 1, "kind": "slow", "seconds": 0.05}  # generation 0 only: the replacement is fast
+    spec = job(train={"steps": 60}, faults=[slow1], recovery={"straggler_window": 4, "evict_stragglers": True})
+    run = run_job(tmp_path, spec)
+    (straggler,) = run.of("straggler")
+    assert straggler["rank"] == 1 and straggler["evicted"] is True
+    (failure,) = run.of("failure")
+    assert failure["kind"] == "straggler" and failure["rank"] == 1
+    assert run.summary["final_step"] == 60 and run.result.exit_code == 0
