@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Sequence
 
 from elastictrain.config import FaultConfig

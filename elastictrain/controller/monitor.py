@@ -1,0 +1,252 @@
+"""How the controller watches its workers: polling progress, noticing deaths, hangs, stragglers and drain
+notices, and turning them into failures; killing failed workers and accounting for them.
+
+A mixin of :class:`elastictrain.controller.controller.Controller` (it uses the controller's group, ledger,
+committer and events); kept apart so each module holds one concern.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from elastictrain.controller import policy
+from elastictrain.controller.group import Slot, SlotState
+
+
+@dataclass
+class Failure:
+    slot: int
+    rank: int | None
+    kind: str  # process_died | hang | exception | node_lost | setup_failed | straggler
+    reason: str
+    detected_at: float
+    last_progress: float
+    last_step: int  # the most advanced step any rank had completed when the failure was seen
+
+
+class WorkerMonitor:
+    """Observation and failure handling for the controller (see module docstring)."""
+
+    # ------------------------------------------------------------------ observing workers
+    def _pump(self, timeout: float) -> None:
+        """Wait a little for run results, poll members, turn records into events, watch for hangs."""
+        refs = list(self.run_refs)
+        ended, running = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        if running and not ended:  # wake at the first run that ends (a death, a failed step) or at `timeout`
+            ray.wait(running, num_returns=1, timeout=timeout)
+        elif ended and running:  # some ranks left the loop: the rest follow within a step; don't spin
+            ray.wait(running, num_returns=len(running), timeout=min(timeout, 0.05))
+        self._poll_members()
+        for slot in self.group.collect_ready(timeout=0):
+            self._on_setup_done(slot)
+        self._check_runs()
+        self._watchdog()
+        self._check_stragglers()
+        self._check_drains()
+
+    def _poll_members(self) -> None:
+        now = time.time()
+        for slot in self.group.members():
+            if slot.index not in self.poll_refs:
+                self.poll_refs[slot.index] = (slot.actor.poll.remote(), now)
+        refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in done:
+            idx = refs[ref]
+            del self.poll_refs[idx]
+            slot = self.group.slots[idx]
+            try:
+                result = ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead actor is found by its run ref
+                continue
+            self._take_poll(slot, result)
+
+    def _take_poll(self, slot: Slot, result: dict[str, Any]) -> None:
+        slot.info["step"] = result["step"]
+        slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
+        for record in result["records"]:
+            if slot.rank is not None:
+                for ev in self.ledger.add(slot.rank, record):
+                    self.committer.expect(ev["step"], ev["world_size"])
+        for item in result["ckpt"]:
+            self.committer.take(slot.rank if slot.rank is not None else -1, item)
+
+    def _check_runs(self) -> None:
+        done = [ref for ref in self.run_refs if _is_ready(ref)]
+        for ref in done:
+            slot = self.run_refs[ref]
+            if slot.state is SlotState.DEAD:
+                continue
+            try:
+                res = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the actor died
+                self._add_failure(slot, "process_died", f"worker process died: {type(e).__name__}")
+                continue
+            slot.info["step"] = res["step"]
+            slot.info["result"] = res
+            if res["status"] == "error":
+                self._add_failure(slot, "exception", res["error"])
+            elif res["status"] == "peer_failed":  # a peer broke the step: find it without waiting for Ray
+                for peer in self.run_refs.values():
+                    if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
+                        self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
+
+    def _finished_runs(self) -> list[dict[str, Any]] | None:
+        """All members' run results, once every one has returned (else None)."""
+        if not self.run_refs or not all(_is_ready(r) for r in self.run_refs):
+            return None
+        results = []
+        for ref, slot in self.run_refs.items():
+            try:
+                results.append(ray.get(ref))
+            except Exception:  # noqa: BLE001
+                return None
+        self._poll_members_blocking()
+        self.run_refs = {}
+        return results
+
+    def _poll_members_blocking(self) -> None:
+        """Take every outstanding poll, then poll each live member once more: no record is dropped."""
+        timeout = self.config.timeouts.poll_s
+        outstanding, self.poll_refs = self.poll_refs, {}
+        for idx, (ref, _) in outstanding.items():
+            slot = self.group.slots[idx]
+            if slot.state is SlotState.DEAD:
+                continue
+            try:
+                self._take_poll(slot, ray.get(ref, timeout=timeout))
+            except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
+                pass
+        for slot in self.group.members():
+            try:
+                self._take_poll(slot, ray.get(slot.actor.poll.remote(), timeout=timeout))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _watchdog(self) -> None:
+        if not self.run_refs:
+            return
+        now = time.time()
+        # Progress as any rank reports it, and never before this generation began; until the generation
+        # completed a step (DDP rebuild, warm-up) the bound is the cap, not one derived from steady steps.
+        progress = max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
+        warm = self.ledger.latest_record_step > self.generation_start_step
+        bound = policy.hang_bound(self.ledger.step_times if warm else [], self.config.timeouts)
+        if now - progress < bound:
+            return
+        suspects = [self.group.slots[i] for i, (_, since) in self.poll_refs.items() if now - since > bound]
+        if not suspects:  # all answer: the one stuck outside a collective while others wait is hung
+            members = self.group.members()
+            waiting = [s for s in members if s.info.get("phase") == "collective"]
+            if waiting:
+                suspects = [s for s in members if s.info.get("phase") == "compute"
+                            and now - s.info.get("phase_since", now) > bound]
+        for slot in suspects:
+            self._add_failure(slot, "hang", f"no progress for {now - progress:.1f}s "
+                                            f"(bound {bound:.1f}s from observed step times)")
+
+    def _check_drains(self) -> None:
+        """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
+        just-in-time checkpoint, exit 75 (the job is resubmitted and resumes)."""
+        draining = self.drains.draining()
+        hit = sorted({s.info.get("node_id") for s in self.group.members()} & draining)
+        if hit:
+            self.request_preemption(f"Ray drain notice for node {', '.join(hit)}")
+
+    def _check_stragglers(self) -> None:
+        r = self.config.recovery
+        found = policy.find_stragglers(self.ledger.compute_times, r.straggler_factor, r.straggler_window)
+        for rank, reason in found.items():
+            if rank in self.reported_stragglers:
+                continue
+            self.reported_stragglers.add(rank)
+            slot = next((s for s in self.group.members() if s.rank == rank), None)
+            node = slot.info.get("node_id") if slot else None
+            self.events.emit("straggler", rank=rank, node_id=node, evicted=r.evict_stragglers, reason=reason)
+            if r.evict_stragglers and slot is not None and self.world_size > self.config.workers.min:
+                self._add_failure(slot, "straggler", reason)
+
+    # ------------------------------------------------------------------ failures
+    def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
+        if slot.state is SlotState.DEAD or any(f.slot == slot.index for f in self.pending_failures):
+            return
+        known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
+        self.pending_failures.append(Failure(slot.index, slot.rank, kind, reason, time.time(),
+                                             self.ledger.last_progress, known))
+
+    def _detect_dead(self, slots: list[Slot], reason: str) -> None:
+        """After a failed collective call: find which of ``slots`` is dead or unresponsive."""
+        refs = {s.actor.poll.remote(): s for s in slots if s.actor is not None}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
+        for ref, slot in refs.items():
+            ok = ref in done
+            if ok:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001
+                    ok = False
+            if not ok:
+                self._add_failure(slot, "process_died", reason)
+        if not self.pending_failures and slots:
+            self._add_failure(slots[0], "exception", reason)
+
+    def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
+        """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
+        Returns (failure, kind, node) for accounting once the survivors' last records are in."""
+        failures, self.pending_failures = self.pending_failures, []
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if failures else set()
+        out = []
+        for f in failures:
+            slot = self.group.slots[f.slot]
+            node = slot.info.get("node_id")
+            lost = node is not None and node not in alive_nodes
+            kind = "node_lost" if lost and f.kind in ("process_died", "hang") else f.kind
+            pid = slot.info.get("pid")
+            self.group.kill(slot)
+            slot.info.update(pid=pid, node_id=node)  # kept for the event
+            self.run_refs = {ref: s for ref, s in self.run_refs.items() if s is not slot}
+            self.poll_refs.pop(slot.index, None)
+            out.append((f, kind, node))
+        return out
+
+    def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
+        """Emit the failure events (timed from the true last progress, now that the survivors' records
+        are in), apply the failure budget, and start the replacements."""
+        for f, kind, node in killed:
+            slot = self.group.slots[f.slot]
+            f.last_progress = min(f.detected_at, max(f.last_progress, self.ledger.latest_record_at))
+            self.ledger.failures += 1
+            self.failures_by_slot[f.slot] = self.failures_by_slot.get(f.slot, 0) + 1
+            self.ledger.add_time("detection", f.detected_at - f.last_progress)
+            self.events.emit("failure", kind=kind, rank=f.rank, slot=f.slot, node_id=node,
+                             pid=slot.info.get("pid"), detected_after_s=round(f.detected_at - f.last_progress, 3),
+                             step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
+            if self.open_failure is None:
+                self.open_failure = f
+        verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
+        if verdict:
+            return self._fail(verdict)
+        for f, _, _ in killed:
+            self.group.spawn(f.slot)  # the replacement starts while the survivors carry on
+
+    def _drain_runs(self, timeout: float) -> None:
+        """Wait for every member's ``run`` to return and take their last records; a member that does not
+        return is recorded as hung (handled by the next recovery iteration)."""
+        if not self.run_refs:
+            return
+        ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
+        self._check_runs()
+        for ref, slot in list(self.run_refs.items()):
+            if not _is_ready(ref) and slot.state is SlotState.MEMBER:
+                self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
+        self._poll_members_blocking()
+        self.run_refs = {}
+
+
+def _is_ready(ref: Any) -> bool:
+    done, _ = ray.wait([ref], timeout=0)
+    return bool(done)
