@@ -26,11 +26,9 @@ class Committer:
         self._world.setdefault(step, world_size)
 
     def take(self, rank: int, item: Any) -> None:
-        """One item from a worker's poll: a staging note or a ShardReport."""
+        """One item from a worker's poll: a staging note (``{"staged", "stall_s"}``) or a ShardReport."""
         if isinstance(item, dict):
-            if "skipped" in item:
-                self.events.emit("checkpoint_skipped", step=item["skipped"], reason=item["reason"])
-            elif "staged" in item and rank == 0:
+            if rank == 0:
                 self.stall_s += item["stall_s"]
             return
         self._reports[item.step][item.rank] = item
@@ -44,7 +42,10 @@ class Committer:
         del self._reports[step]
         errors = [f"rank {r.rank}: {r.error}" for r in reports.values() if r.error]
         if errors:
-            self.events.emit("checkpoint_failed", step=step, reason="; ".join(errors))
+            # A save skipped because storage is slower than the interval (when_busy=skip) is policy, not a fault.
+            skipped = any(r.error.startswith("skipped") for r in reports.values() if r.error)
+            self.events.emit("checkpoint_skipped" if skipped else "checkpoint_failed", step=step,
+                             reason="; ".join(errors))
             return
         try:
             manifest = self.store.commit(step, list(reports.values()), {**self.meta, "world_size": world})

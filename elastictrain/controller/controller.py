@@ -377,22 +377,26 @@ class Controller(WorkerMonitor):
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
             self.committer.expect(step, len(members))
-            for s in members:
-                for report in ray.get(s.actor.flush_checkpoints.remote(), timeout=t.poll_s):
-                    self.committer.take(s.rank, report)
+            self._collect_reports(members)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")
             return False
         return step in self.committer.committed_steps
 
+    def _collect_reports(self, members: list[Slot]) -> None:
+        """Wait for the members' in-flight saves and hand every report to the committer."""
+        for s in members:
+            for report in ray.get(s.actor.flush_checkpoints.remote(), timeout=self.config.timeouts.poll_s):
+                self.committer.take(s.rank, report)
+
     def _flush_checkpoints(self) -> None:
-        for s in self.group.members():
-            try:
-                for report in ray.get(s.actor.flush_checkpoints.remote(), timeout=self.config.timeouts.poll_s):
-                    self.committer.take(s.rank, report)
+        members = self.group.members()
+        try:
+            self._collect_reports(members)
+            for s in members:
                 self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
-            except Exception as e:  # noqa: BLE001
-                self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
+        except Exception as e:  # noqa: BLE001
+            self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
     def _finish(self, state: State, reason: str, code: int = 0) -> None:
         if state is State.FINISHED:

@@ -214,9 +214,7 @@ class Worker:
         step = self.runner.step if step is None else step
         t0 = time.perf_counter()
         started = self._writer.save_async(step, app_state(self.runner.model, self.runner.optimizer))
-        if not started:
-            self._ckpt_events.append({"skipped": step, "reason": "previous save still in flight"})
-        else:
+        if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
 
@@ -231,8 +229,7 @@ class Worker:
         """Wait for in-flight saves and return their reports (used before exit)."""
         if self._writer is None:
             return []
-        out = list(self._writer.wait(timeout=self.config.timeouts.poll_s))
-        return out
+        return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
 
     def load(self, manifest: Any, root_uri: str) -> int:
         """Load a committed checkpoint into model and optimizer (collective; reshards as needed)."""
