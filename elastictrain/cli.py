@@ -28,10 +28,11 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
 
     try:
         config = load_config(job, list(overrides))
+        config, task = _prepare(config)
     except ConfigError as e:
         _die(f"config error: {e}", EXIT_CONFIG)
     try:
-        result = Trainer(config, run_dir=run_dir, ray_address=ray_address).fit()
+        result = Trainer(config, task, run_dir=run_dir, ray_address=ray_address).fit()
     except CheckpointUnavailable as e:
         _die(f"checkpoint error: {e}", EXIT_CHECKPOINT)
     s = result.summary
@@ -41,6 +42,33 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
     else:
         click.echo(f"elastictrain: {s['state']} at step {s['final_step']}: {s.get('error') or s['state']}", err=True)
     sys.exit(result.exit_code)
+
+
+def _prepare(config):  # noqa: ANN001, ANN202 - JobConfig in, (JobConfig, Task) out
+    """Edge decisions before any Ray resource: run id (ELASTICTRAIN_RUN_ID), checkpoint URI, the task."""
+    import os
+
+    from elastictrain.jobenv import resolve_for_driver
+    from elastictrain.task_loader import task_from_config
+
+    config, notes = resolve_for_driver(config, os.environ)
+    for note in notes:
+        click.echo(f"elastictrain: {note}", err=True)
+    return config, task_from_config(config)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the HTML file to write (default: RUN_DIR/report.html; the PNG goes beside it)")
+@click.option("--no-png", is_flag=True, help="skip the PNG (it needs a headless Chromium)")
+def report(run_dir: Path, out: Path | None, no_png: bool) -> None:
+    """Write RUN_DIR/report.html (self-contained) and report.png: loss, throughput, workers, checkpoints."""
+    from elastictrain.report import write_report
+
+    written = write_report(run_dir, out, png=not no_png)
+    for kind, path in written.items():
+        click.echo(f"elastictrain: {kind} {path}")
 
 
 def _die(message: str, code: int) -> None:

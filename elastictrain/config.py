@@ -60,12 +60,32 @@ class OptimizerConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """The built-in task. User tasks passed to :class:`elastictrain.Trainer` replace it."""
+    """What to train: ``tiny_gpt`` (built in) or ``python`` (``entry`` names a function returning a Task).
 
-    kind: Literal["tiny_gpt"] = "tiny_gpt"
+    User tasks passed to :class:`elastictrain.Trainer` replace it. With ``kind: python`` the ``model``,
+    ``data`` and ``optimizer`` sections are not used; ``args`` goes to the entry function as keywords.
+    """
+
+    kind: Literal["tiny_gpt", "python"] = "tiny_gpt"
+    entry: str | None = Field(None, description='"package.module:function" returning a Task (kind: python)')
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the entry function")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+
+    @model_validator(mode="after")
+    def _entry_matches_kind(self) -> TaskConfig:
+        import re
+
+        if self.kind == "python":
+            if not self.entry or not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.entry):
+                raise ValueError(
+                    f"task.entry={self.entry!r}: task.kind=python needs task.entry as \"package.module:function\" "
+                    "(a function returning an elastictrain.Task), e.g. \"examples.hf_causal_lm:make_task\"")
+        elif self.entry is not None or self.args:
+            raise ValueError(f"task.entry/task.args are only used with task.kind=python (task.kind={self.kind!r}); "
+                             "set task.kind: python or remove them")
+        return self
 
 
 class TrainConfig(_Section):

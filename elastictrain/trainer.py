@@ -13,7 +13,8 @@ from typing import Any, TextIO
 
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
-from elastictrain.task import Task, builtin_task
+from elastictrain.task import Task
+from elastictrain.task_loader import task_from_config
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_PREEMPTED = 0, 1, 2, 3, 75
 
@@ -59,7 +60,7 @@ class Trainer:
         elif isinstance(config, dict):
             config = build_config(config)
         self.config: JobConfig = config
-        self.task = task or builtin_task(config)
+        self.task = task or task_from_config(config)  # ConfigError before any Ray resource
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
         self.console = console
         self.ray_address = ray_address

@@ -1,0 +1,1 @@
+"""Example tasks; `task.entry: "examples.<module>:<function>"` in a job file imports them from here."""
