@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
+from elastictrain.metrics import RunMetrics
 from elastictrain.task import Task
 from elastictrain.task_loader import task_from_config
 
@@ -71,6 +72,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)
+        events.listeners.append(RunMetrics(self.config.stable_id))  # Prometheus, through Ray's metrics agent
         if self.console is not None:
             print(f"elastictrain: run directory {self.run_dir}", file=self.console, flush=True)
         events.emit("run_started", name=self.config.name, run_id=self.config.stable_id, run_dir=str(self.run_dir),

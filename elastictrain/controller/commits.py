@@ -58,6 +58,7 @@ class Committer:
             "checkpoint_saved", step=step, world_size=world, files=len(files),
             bytes=sum(getattr(f, "size", 0) for f in files.values()),
             write_s=round(max((r.write_s for r in reports.values()), default=0.0), 4),
+            stall_s=round(max((r.stage_s for r in reports.values()), default=0.0), 4),
         )
         c = self.config.checkpoint
         try:
