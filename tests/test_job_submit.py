@@ -53,7 +53,7 @@ class LocalCluster:
         for _ in range(2):
             node = self._start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1"])
             self.procs.append(node)
-            deadline = time.time() + 90
+            deadline = time.time() + 60
             while time.time() < deadline and node.poll() is None and self.alive_nodes() < 2:
                 time.sleep(1)
             if self.alive_nodes() >= 2:
@@ -70,7 +70,7 @@ class LocalCluster:
                                 start_new_session=True)
 
     @staticmethod
-    def _wait_for(predicate, message: str, timeout: float = 120) -> None:
+    def _wait_for(predicate, message: str, timeout: float = 240) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if predicate():
@@ -79,8 +79,7 @@ class LocalCluster:
         pytest.fail(message)
 
     def alive_nodes(self) -> int:
-        probe = subprocess.run(["ray", "list", "nodes", "--address", self.address, "--format", "json"],
-                               env=self.env, capture_output=True, text=True)
+        probe = self.ray("list", "nodes", "--format", "json")
         if probe.returncode:
             return 0
         try:
@@ -89,8 +88,10 @@ class LocalCluster:
             return 0
 
     def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(["ray", *args, "--address", self.address], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        # `ray job submit ... -- ENTRYPOINT`: options must come before `--`, so --address goes right after the
+        # two words of the subcommand ("job submit", "job stop", "list nodes").
+        argv = ["ray", *args[:2], "--address", self.address, *args[2:]]
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def submit(self, job_args: list[str], *, runtime_env: dict | None = None, wait: bool = True
                ) -> subprocess.CompletedProcess:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.config import JobConfig
+from elastictrain.logs import configure_worker_logging, one_line, set_worker_rank
 from elastictrain.task import Task
 from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.loop import StepRunner
@@ -51,6 +52,7 @@ class Worker:
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
         self._replicator: Any = None
+        self._log = configure_worker_logging(slot)  # one line each, "[rank r/w slot s gen g]" prefixed
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -79,6 +81,7 @@ class Worker:
         """Leave the old process group (if any) and join generation ``generation``. Collective over the
         new members: all of them must call it concurrently."""
         self._leave_group()
+        set_worker_rank(rank, world_size, generation)
         timeout = datetime.timedelta(seconds=self.config.timeouts.collective_s)
         store = self._stores.get(generation) if rank == 0 else None
         if store is None:
@@ -128,11 +131,15 @@ class Worker:
                     record, stop = r.run_step(self._stop.is_set())
                 except InjectedFault as e:
                     r.discard_partial_step()
+                    self._log.warning("step %d discarded: %s", r.step + 1, e)
                     return self._result("error", str(e))
                 except Exception as e:  # noqa: BLE001 - classified below, reported to the controller
                     in_collective = r.phase == "collective"
                     r.discard_partial_step()
-                    return self._result("peer_failed" if in_collective else "error", f"{type(e).__name__}: {e}")
+                    # One line: torch's collective errors carry pages of C++ frames, not news to anyone.
+                    self._log.warning("step %d discarded (%s): %s", r.step + 1,
+                                      "peer failed" if in_collective else "error", one_line(e))
+                    return self._result("peer_failed" if in_collective else "error", one_line(e))
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:
