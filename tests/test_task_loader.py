@@ -90,3 +90,15 @@ def test_hf_causal_lm_job_trains(ray_local, tmp_path: Path, monkeypatch: pytest.
     assert sorted(losses) == list(range(1, 9))
     assert run.summary["world_size_history"][0]["world_size"] == 2
     assert losses[8] < losses[1] - 0.5, losses  # starts near ln(256) = 5.5 and learns byte statistics
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_job_file_loads_with_its_task(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `ray job submit --working-dir . -- python -m elastictrain run jobs/<job>.yaml` does first."""
+    from elastictrain import load_config
+
+    monkeypatch.chdir(REPO)
+    config = load_config(path)
+    if config.task.kind == "python" and importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (optional extra: pip install 'elastictrain[hf]')")
+    assert isinstance(task_from_config(config), Task)
