@@ -1,4 +1,4 @@
-"""`ray job submit` against a real `ray start --head` plus a second local node (`ray start --address`):
+"""`ray job submit` against a real `ray start --head` (plus, for one test, a second local node):
 the default job runs unchanged; `ray job stop` makes the driver stop at a step boundary, commit a
 just-in-time checkpoint and exit 75; a resubmission with a new submission id continues the same run
 (ELASTICTRAIN_RUN_ID) from the committed step and ends with the loss of an uninterrupted run; a relative
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def _free_port() -> int:
 
 
 class LocalCluster:
-    """`ray start --head` and one more node, every port its own (the session's local Ray holds the defaults)."""
+    """`ray start --head` (and on demand one more node), every port its own (the session's local Ray holds the
+    defaults)."""
 
     def __init__(self) -> None:
         # RAY_JOB_STOP_WAIT_TIME_S is read by the job supervisor on the head: time between `ray job stop`'s
@@ -47,18 +49,34 @@ class LocalCluster:
         self.procs = [self._start(["--head", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1"])]
         self._wait_for(lambda: self.ray("job", "list").returncode == 0, "ray head did not come up")
-        # A second node. Ray gives a raylet a fixed 30 s to register; on a loaded machine that can fail: try
-        # twice, then carry on with one node (the tests that need two skip and say why).
+        self.gcs = gcs
         self.nodes = 1
+
+    def add_node(self) -> bool:
+        """Start a second node (``ray start --address``). Ray gives a raylet a fixed 30 s to register; on a
+        loaded machine that can fail: try twice, then report False (the caller skips and says why)."""
         for _ in range(2):
-            node = self._start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1"])
+            node = self._start([f"--address=127.0.0.1:{self.gcs}", "--num-cpus=1"])
             self.procs.append(node)
             deadline = time.time() + 60
             while time.time() < deadline and node.poll() is None and self.alive_nodes() < 2:
                 time.sleep(1)
             if self.alive_nodes() >= 2:
                 self.nodes = 2
-                break
+                return True
+        return False
+
+    def remove_nodes(self) -> None:
+        """Stop every node but the head. Two nodes on one machine share the head's runtime_resources
+        directory, and one node's runtime-env agent may delete a working_dir package the other still runs
+        from: the jobs that train run on the head alone."""
+        for proc in self.procs[1:]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+        del self.procs[1:]
+        self._wait_for(lambda: self.alive_nodes() == 1, "second node did not leave")
+        self.nodes = 1
 
     def _start(self, args: list[str]) -> subprocess.Popen:
         ports = [f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
@@ -93,11 +111,12 @@ class LocalCluster:
         argv = ["ray", *args[:2], "--address", self.address, *args[2:]]
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def submit(self, job_args: list[str], *, runtime_env: dict | None = None, wait: bool = True
-               ) -> subprocess.CompletedProcess:
+    def submit(self, job_args: list[str], *, runtime_env: dict | None = None, wait: bool = True,
+               submission_id: str | None = None) -> subprocess.CompletedProcess:
         env = {**json.loads(EXCLUDES), **(runtime_env or {})}
         cmd = ["job", "submit", "--working-dir", str(REPO), "--runtime-env-json", json.dumps(env)]
         cmd += [] if wait else ["--no-wait"]
+        cmd += ["--submission-id", submission_id] if submission_id else []
         cmd += ["--", sys.executable, "-m", "elastictrain", "run", *job_args]
         for _ in range(20):  # the job agent starts a little after the dashboard answers
             proc = self.ray(*cmd)
@@ -142,10 +161,13 @@ def test_ray_job_submit_runs_the_default_job(cluster: LocalCluster, tmp_path: Pa
 
 @pytest.mark.slow
 def test_relative_checkpoint_uri_is_refused_on_several_nodes(cluster: LocalCluster, tmp_path: Path) -> None:
-    if cluster.nodes < 2:
-        pytest.skip("the second local Ray node did not start in time (loaded machine); needs two nodes")
-    # jobs/tiny_gpt.yaml says checkpoint.uri: ./checkpoints; in a Ray working directory on 2 nodes that is refused.
-    proc = cluster.submit(["jobs/tiny_gpt.yaml", "--run-dir", str(tmp_path / "rel")])
+    try:
+        if not cluster.add_node():
+            pytest.skip("the second local Ray node did not start in time (loaded machine); needs two nodes")
+        # jobs/tiny_gpt.yaml says checkpoint.uri: ./checkpoints; in a Ray working dir on 2 nodes that is refused.
+        proc = cluster.submit(["jobs/tiny_gpt.yaml", "--run-dir", str(tmp_path / "rel")])
+    finally:
+        cluster.remove_nodes()
     out = proc.stdout + proc.stderr
     assert "config error" in out and "relative path" in out and "cluster of 2 nodes" in out, out[-3000:]
     assert "failed" in proc.stdout and not (tmp_path / "rel").exists()
@@ -161,9 +183,10 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
             "--set", "checkpoint.every_steps=0", "--set", f"faults={slow}"]
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
     runtime_env = {"env_vars": {"ELASTICTRAIN_RUN_ID": "lifecycle-1"}}
-    first = cluster.submit([*args, "--run-dir", str(tmp_path / "a")], runtime_env=runtime_env, wait=False)
+    submission = f"lifecycle-{uuid.uuid4().hex[:8]}"
+    first = cluster.submit([*args, "--run-dir", str(tmp_path / "a")], runtime_env=runtime_env, wait=False,
+                           submission_id=submission)
     assert first.returncode == 0, first.stdout + first.stderr
-    submission = next(w for w in first.stdout.split() if w.startswith("raysubmit_")).strip("'\".,")
     deadline = time.time() + 240
     while time.time() < deadline and not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a")
                                               if e["event"] == "step"):
@@ -177,7 +200,9 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
     assert done["exit_code"] == 75 and done["state"] == "preempted"
     assert first_events[0]["run_id"] == "lifecycle-1"
 
-    second = cluster.submit([*args, "--run-dir", str(tmp_path / "b")], runtime_env=runtime_env)
+    # A new submission id, as a RayJob retry on a fresh cluster has: only ELASTICTRAIN_RUN_ID links the two.
+    second = cluster.submit([*args, "--run-dir", str(tmp_path / "b")], runtime_env=runtime_env,
+                            submission_id=f"lifecycle-{uuid.uuid4().hex[:8]}")
     assert second.returncode == 0 and "succeeded" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]
     second_events = _events(tmp_path / "b")
     (resumed,) = [e for e in second_events if e["event"] == "resumed"]
