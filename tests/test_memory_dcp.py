@@ -135,7 +135,7 @@ def test_coverage_is_exact_on_partial_overlaps_and_scalars() -> None:
     assert coverage([quarter]).missing == ("w: offsets [2, 2] sizes [2, 2] of [4, 4]",)
     assert coverage([quarter, meta(1, 5, [((1, 1), (3, 3))])]).complete  # overlapping chunks still cover
     mixed = coverage([quarter, meta(1, 6, [((2, 2), (2, 2))])])
-    assert not mixed.complete and "different steps" in mixed.reason
+    assert not mixed.complete and "different (generation, step)" in mixed.reason
     assert coverage([meta(0, 1, [((), ())], size=())]).complete  # a 0-d tensor (Adam's step)
     assert coverage([meta(0, 1, [((0,), (0,))], size=(0,))]).complete  # an empty tensor
     assert not coverage([meta(0, 1, [((0, 0), (4, 4))])], expected={"progress.step"}).complete

@@ -50,6 +50,7 @@ class SnapshotMeta:
     objects: frozenset[str]                     # fqns of non-tensor entries
     mappings: dict[str, Any]                    # DCP's flatten mappings (fqn -> path in the nested dict)
     nbytes: int
+    generation: int = 0                         # membership generation that took it (same step, same math)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class SnapshotSource(Protocol):
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]: ...
 
 
-def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int) -> Snapshot:
+def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free; returns when the copy is
     complete, so the caller may mutate its tensors right away (this copy is the whole training stall)."""
     planner = DefaultSavePlanner()
@@ -98,7 +99,7 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int) -> Snapsh
             nbytes += host.numel() * host.element_size()
             md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
             md.chunks.append(td.chunk)
-    meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes)
+    meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation)
     return Snapshot(meta, data)
 
 
@@ -138,12 +139,13 @@ def _uncovered(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> t
 
 
 def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = None) -> Coverage:
-    """Pure check: does the union of ``metas`` (one step) hold every element of every tensor they name,
-    and every fqn of ``expected`` (e.g. the entries a complete snapshot has)? Mixed steps are incomplete."""
+    """Pure check: does the union of ``metas`` (one step of one generation) hold every element of every
+    tensor they name, and every fqn of ``expected``? Mixed steps or generations are incomplete: another
+    generation's state of the same step may differ in the last bits (another reduction order)."""
     missing: list[str] = []
-    steps = sorted({m.step for m in metas})
+    steps = sorted({(m.generation, m.step) for m in metas})
     if len(steps) > 1:
-        missing.append(f"snapshots of different steps {steps} cannot be combined")
+        missing.append(f"snapshots of different (generation, step) {steps} cannot be combined")
     if not metas:
         return Coverage(False, ("no snapshot",))
     merged = merge_metadata(metas)
