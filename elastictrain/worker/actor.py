@@ -51,6 +51,7 @@ class Worker:
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
         self._replicator: Any = None
+        self._memory_reports: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -159,11 +160,14 @@ class Worker:
             reports.append(self._ckpt_events.popleft())
         if self._writer is not None:
             reports.extend(self._writer.completed())
+        memory, self._memory_reports = self._memory_reports, []
+        if self._replicator is not None:
+            memory.append(self._memory_report())
         r = self.runner
         return {
             "slot": self.slot, "status": self._status, "step": r.step if r else 0,
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
-            "records": records, "ckpt": reports, "now": time.time(),
+            "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -185,25 +189,62 @@ class Worker:
         if self._writer is not None and every and step % every == 0:
             self.save(step)
         k = self.config.checkpoint.memory_every_steps
-        if self._replicator is not None and self.runner.rank == 0 and k and step % k == 0:
-            # Replicated (DDP) state: rank 0's copy is everyone's. ray.put copies it before returning.
-            r = self.runner
-            self._replicator.push_async(step, {"step": step, "model": r.model.state_dict(),
-                                               "optim": r.optimizer.state_dict()})
+        if self._replicator is not None and k and step % k == 0:
+            # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
+            # stall, sending it to the keeper on another node runs on the replicator's thread.
+            self._replicator.push(step, self._dcp_state())
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """This rank's training state as a DCP state dict: model, optimizer, step and data cursor (the
+        global sample position, ``step * global_batch``, stored to fail loudly if it ever disagrees)."""
+        from elastictrain.checkpoint import app_state
+
+        r = self.runner
+        return {**app_state(r.model, r.optimizer),
+                "progress": {"step": r.step, "samples": r.step * self.config.train.global_batch}}
 
     def attach_keeper(self, keeper: Any) -> None:
-        """Use ``keeper`` (a ShardKeeper on another node) as the in-memory replica tier."""
+        """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
+        ``None`` turns the tier off. Call after ``join`` (snapshots carry this generation and rank)."""
         from elastictrain.checkpoint import MemoryReplicator
 
-        self._replicator = MemoryReplicator(keeper, rank=0)
+        self._close_replicator(timeout=0)
+        if keeper is not None:
+            r = self.runner
+            self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
+                                                timeout_s=self.config.timeouts.poll_s)
 
-    def load_snapshot(self, snapshot: dict[str, Any]) -> int:
-        """Take state from an in-memory replica (the keeper's copy). Only this rank; peers get it by sync."""
+    def _close_replicator(self, timeout: float | None) -> None:
+        if self._replicator is not None:
+            self._memory_reports.append(self._memory_report())
+            self._replicator.close(timeout=timeout)
+            self._replicator = None
+
+    def _memory_report(self) -> dict[str, Any]:
+        got = self._replicator.reports()
+        return {"stall_s": got["stall_s"], "snapshots": got["snapshots"],
+                "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
+                             for p in got["results"] if not p.accepted]}
+
+    def load_peer(self, sources: list[Any]) -> int:
+        """Load state from peer-tier snapshots (``KeeperSource``s of one step, covering everything) into
+        this rank, resharding as needed. Collective over the new group: every member calls it with the
+        same sources. Returns the step. Raises RuntimeError if the data cursor disagrees with the step."""
+        import torch.distributed.checkpoint as dcp
+
+        from elastictrain.checkpoint import apply_app_state
+        from elastictrain.checkpoint.memory_dcp import SnapshotReader
+
         r = self.runner
-        r.model.load_state_dict(snapshot["model"])
-        r.optimizer.load_state_dict(snapshot["optim"])
-        r.step = int(snapshot["step"])
-        return r.step
+        state = self._dcp_state()
+        dcp.load(state, storage_reader=SnapshotReader(sources), process_group=self._ckpt_group)
+        apply_app_state(r.model, r.optimizer, state)
+        step, samples = int(state["progress"]["step"]), int(state["progress"]["samples"])
+        if samples != step * self.config.train.global_batch:
+            raise RuntimeError(f"peer snapshot of step {step} is at sample {samples}, but step * "
+                               f"train.global_batch = {step * self.config.train.global_batch}: another global batch")
+        r.step = step
+        return step
 
     def save(self, step: int | None = None) -> bool:
         """Start an asynchronous checkpoint of the current state (collective over the group)."""
@@ -251,6 +292,7 @@ class Worker:
         return {k: v.detach().clone() for k, v in self.runner.model.state_dict().items()}
 
     def shutdown(self) -> None:
+        self._close_replicator(timeout=self.config.timeouts.collective_s)
         self._leave_group()
 
 
