@@ -267,7 +267,10 @@ class Worker:
             self._writer.close()
 
     def flush_checkpoints(self) -> list[Any]:
-        """Wait for in-flight saves and return their reports (used before exit)."""
+        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
+        reports (used before exit)."""
+        if self._replicator is not None:
+            self._replicator.flush(timeout=self.config.timeouts.poll_s)
         if self._writer is None:
             return []
         return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
