@@ -21,7 +21,7 @@ def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_
     spec = job(train={"steps": 40, "audit_samples": True}, faults=SLOW, recovery={"mode": "strict"},
                checkpoint={"memory_every_steps": 3})
     bg = BackgroundRun(tmp_path, spec, name="tier")
-    first = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+    first = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=180)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
     os.kill(first["pid"], signal.SIGKILL)
     bg.wait_for(lambda e: e["event"] == "recovered")
@@ -85,7 +85,7 @@ def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
                recovery={"min_workers_wait_s": 240},
                timeouts={**job()["timeouts"], "watchdog_floor_s": 10})
     bg = BackgroundRun(tmp_path, spec, name="node")
-    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=180)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
     c.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]))
     bg.wait_for(lambda e: e["event"] == "recovered", timeout=90)
@@ -100,3 +100,40 @@ def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
     assert sources[0] == "peer" and sources[1] == "memory", run.of("recovered")
     assert run.of("recovered")[1]["lost_steps"] <= 4  # two intervals: see the test above
     assert run.summary["final_step"] == 150 and run.result.exit_code == 0
+
+
+def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):
+    """The survivor-as-source path of sharded layouts, worker side: ``hold_snapshot`` + ``fetch`` on one
+    worker, ``load_peer`` through the DCP reader on another (here in one process, no group)."""
+    import torch
+
+    from elastictrain import build_config
+    from elastictrain.checkpoint.memory import KeeperSource
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.actor import Worker
+
+    config = build_config(job())
+    task = builtin_task(config)
+    a, b = Worker(config, task, 0), Worker(config, task, 1)
+    a.setup(), b.setup()
+    with torch.no_grad():
+        for p in a.runner.model.parameters():
+            p.add_(torch.randn_like(p))
+    a.runner.step = 5
+    meta = a.hold_snapshot()
+    assert meta.step == 5 and coverage_complete([meta])
+
+    class Direct(KeeperSource):  # the same contract as the actor call, without Ray in between
+        def fetch(self, keys):
+            return a.fetch(self.meta.generation, self.meta.rank, self.meta.step, list(keys))
+
+    assert b.load_peer([Direct(None, meta)]) == 5
+    assert b.digest() == a.digest()
+    with pytest.raises(KeyError, match="holds no snapshot"):
+        b.fetch(0, 0, 5, [])
+
+
+def coverage_complete(metas) -> bool:
+    from elastictrain.checkpoint.memory_dcp import coverage
+
+    return coverage(metas).complete

@@ -121,8 +121,10 @@ class ShardKeeper:
 
 
 class KeeperSource:
-    """A snapshot kept by a keeper actor, as a :class:`~elastictrain.checkpoint.memory_dcp.SnapshotSource`:
-    the loading rank pulls exactly the chunks its new shards need, keeper -> rank, not via the driver."""
+    """A snapshot held by an actor -- a keeper, or a live survivor (``Worker.hold_snapshot``) -- as a
+    :class:`~elastictrain.checkpoint.memory_dcp.SnapshotSource`: anything with a remote
+    ``fetch(generation, rank, step, keys)``. The loading rank pulls exactly the chunks its new shards need,
+    actor -> rank, not via the driver."""
 
     def __init__(self, keeper: Any, meta: SnapshotMeta, timeout_s: float | None = None) -> None:
         self.keeper, self.meta, self.timeout_s = keeper, meta, timeout_s

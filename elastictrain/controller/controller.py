@@ -35,12 +35,18 @@ POLL_INTERVAL_S = 0.5
 MEMORY_BUDGET = 4 << 30  # bytes each node's peer-tier keeper may hold
 
 
+class SurvivorLost(RuntimeError):
+    """A survivor chosen as a recovery source failed before serving its state."""
+
+
 @dataclass(frozen=True)
 class PeerRestore:
-    """Recover from the peer memory tier: the snapshots (``KeeperSource``s) of one step that cover it."""
+    """Every member loads (resharding) from snapshots of one step that cover the state: ``KeeperSource``s
+    of the peer memory tier (``kind="memory"``) or of live survivors (``kind="peer"``)."""
 
     step: int
     sources: list[Any]
+    kind: str
 
 
 class Controller(WorkerMonitor):
@@ -211,7 +217,13 @@ class Controller(WorkerMonitor):
         self.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
-        resume = self._recovery_source(chosen, old)
+        try:
+            resume = self._recovery_source(chosen, old)
+        except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
+            self._detect_dead(chosen, str(e))
+            if self.sm.state is not State.RECOVERING:
+                self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
+            return
         if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
@@ -283,7 +295,8 @@ class Controller(WorkerMonitor):
 
     def _mesh_dims(self, world: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) of a generation of ``world`` ranks. DDP replicates everything; any
-        other plan is treated as fully sharded (every rank needed), the conservative reading."""
+        other plan is treated as fully sharded (every rank needed), the conservative reading, until the
+        plan resolver of the sharded layouts answers this (then: ask it, e.g. hsdp -> (W/shard, shard))."""
         return (world, 1) if self.config.parallel.plan == "ddp" else (1, world)
 
     def _recovery_source(self, chosen: list[Slot], old_world: int) -> Any:
@@ -309,8 +322,10 @@ class Controller(WorkerMonitor):
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
+        if kind == "peer" and shard > 1:  # sharded: the covering survivors serve their shards to everyone
+            return self._survivor_restore(chosen, decision.chosen)
         if kind == "memory":
-            return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1])
+            return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
             return manifest
         if kind == "scratch":
@@ -321,6 +336,20 @@ class Controller(WorkerMonitor):
             for s in chosen:
                 s.has_state = False
         return None
+
+    def _survivor_restore(self, chosen: list[Slot], cand: sources.Candidate) -> PeerRestore:
+        """Survivors ``cand.ranks`` snapshot their live shards (collective-free) and serve them; every
+        member of the next generation then reads its new shards from them (no storage, no keeper)."""
+        from elastictrain.checkpoint import KeeperSource
+
+        by_rank = {s.rank: s for s in chosen}
+        holders = [by_rank[r] for r in cand.ranks]
+        try:
+            metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
+        except Exception as e:  # noqa: BLE001 - any holder failing is a failure like any other
+            raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}: {e}") from e
+        return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
+                                       for s, m in zip(holders, metas)], "peer")
 
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
@@ -351,8 +380,8 @@ class Controller(WorkerMonitor):
                 got = ray.get([s.actor.load_peer.remote(resume.sources) for s in chosen], timeout=t.restart_grace_s)
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
-                self.recovery_source = "memory"
-                self.ledger.last_step = resume.step
+                self.recovery_source = resume.kind
+                self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
             elif resume is not None:
                 root = self.ckpt_root
                 ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)

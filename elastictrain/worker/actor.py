@@ -52,6 +52,7 @@ class Worker:
         self._status = "created"
         self._replicator: Any = None
         self._memory_reports: list[dict[str, Any]] = []
+        self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -226,6 +227,23 @@ class Worker:
                 "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
                              for p in got["results"] if not p.accepted]}
 
+    def hold_snapshot(self) -> Any:
+        """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
+        the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
+        ``SnapshotMeta``; the previous held snapshot is dropped."""
+        from elastictrain.checkpoint.memory_dcp import take_snapshot
+
+        r = self.runner
+        self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        return self._held.meta
+
+    def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
+        """Chunks of the snapshot kept by :meth:`hold_snapshot` (same contract as ``ShardKeeper.fetch``)."""
+        held = self._held
+        if held is None or (held.meta.generation, held.meta.rank, held.meta.step) != (generation, rank, step):
+            raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
+        return held.fetch(keys)
+
     def load_peer(self, sources: list[Any]) -> int:
         """Load state from peer-tier snapshots (``KeeperSource``s of one step, covering everything) into
         this rank, resharding as needed. Collective over the new group: every member calls it with the
@@ -239,6 +257,7 @@ class Worker:
         state = self._dcp_state()
         dcp.load(state, storage_reader=SnapshotReader(sources), process_group=self._ckpt_group)
         apply_app_state(r.model, r.optimizer, state)
+        self._held = None  # a survivor's snapshot has served its purpose once every member loaded
         step, samples = int(state["progress"]["step"]), int(state["progress"]["samples"])
         if samples != step * self.config.train.global_batch:
             raise RuntimeError(f"peer snapshot of step {step} is at sample {samples}, but step * "
