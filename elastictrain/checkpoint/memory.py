@@ -162,6 +162,7 @@ class MemoryReplicator:
         self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
         self._cv = threading.Condition()
         self._next: Snapshot | None = None
+        self._spare: Snapshot | None = None  # a sent snapshot whose host buffers the next push refills
         self._busy = False
         self._closed = False
         self._results: list[PutResult] = []
@@ -172,10 +173,14 @@ class MemoryReplicator:
 
     def push(self, step: int, state_dict: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation)
+        with self._cv:
+            spare, self._spare = self._spare, None
+        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=spare)
         with self._cv:
             self.stall_s += time.perf_counter() - t0
             self.snapshots += 1
+            if self._next is not None:  # replaced before it was sent: its buffers are free again
+                self._spare = self._next
             self._next = snap
             self._cv.notify_all()
 
@@ -196,6 +201,7 @@ class MemoryReplicator:
             with self._cv:
                 self._results.append(result)
                 self._busy = False
+                self._spare = snap  # sent (the keeper holds its own copy): reuse its buffers next time
                 self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:

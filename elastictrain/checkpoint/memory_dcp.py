@@ -73,9 +73,14 @@ class SnapshotSource(Protocol):
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]: ...
 
 
-def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0) -> Snapshot:
+def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
+                  reuse: Snapshot | None = None) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free; returns when the copy is
-    complete, so the caller may mutate its tensors right away (this copy is the whole training stall)."""
+    complete, so the caller may mutate its tensors right away (this copy is the whole training stall).
+
+    ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
+    same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
+    spare = {} if reuse is None else reuse.data
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=True)
     plan = planner.create_local_plan()
@@ -94,8 +99,13 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
                 nbytes += len(raw)
                 continue
             td = item.tensor_data
-            host = value.detach().to("cpu", copy=True).contiguous()
-            data[(fqn, tuple(td.chunk.offsets))] = host
+            key = (fqn, tuple(td.chunk.offsets))
+            host = spare.get(key)
+            if isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype:
+                host.copy_(value.detach())
+            else:
+                host = value.detach().to("cpu", copy=True).contiguous()
+            data[key] = host
             nbytes += host.numel() * host.element_size()
             md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
             md.chunks.append(td.chunk)
