@@ -49,7 +49,8 @@ class Controller(WorkerMonitor):
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
-        self.failures_by_slot: dict[int, int] = {}
+        self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
+        self.any_setup_ok = False
         self.pending_failures: list[Failure] = []
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
@@ -96,6 +97,8 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
+            if self.sm.terminal:  # a deterministic set-up failure ended the run
+                return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
@@ -123,7 +126,10 @@ class Controller(WorkerMonitor):
             if all(r["status"] == "done" for r in results):
                 return self._finish(State.FINISHED, f"reached step {self.config.train.steps}")
             errors = "; ".join(f"slot {r['slot']}: {r['error']}" for r in results if r.get("error"))
-            return self.sm.to(State.RECOVERING, f"the group left its step loop ({errors or 'stopped'})")
+            reason = f"the group left its step loop and no worker was found dead ({errors or 'stopped'})"
+            if self._count_group_failure(reason):
+                return
+            return self.sm.to(State.RECOVERING, reason)
         if self.preempt_reason:
             self._stop_members()
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
@@ -304,6 +310,7 @@ class Controller(WorkerMonitor):
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
+            s.info.setdefault("joined_step", steps[0])  # progress of this incarnation counts from here
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
@@ -353,15 +360,37 @@ class Controller(WorkerMonitor):
         return self._membership(self.world_size + len(ready), self.world_size).world_size > self.world_size
 
     def _on_setup_done(self, slot: Slot) -> None:
-        if slot.state is SlotState.DEAD and "error" in slot.info:
-            self.ledger.failures += 1
-            self.failures_by_slot[slot.index] = self.failures_by_slot.get(slot.index, 0) + 1
-            self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
-                             detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-            verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
-            if verdict:
-                return self._fail(verdict)
-            self.group.spawn(slot.index)
+        if slot.state is not SlotState.DEAD or "error" not in slot.info:
+            self.any_setup_ok = True
+            return
+        if self.sm.terminal:
+            return
+        self.ledger.failures += 1
+        self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
+        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, "setup_failed", slot.info["error"], 0))
+        if verdict:
+            return self._fail(verdict)
+        self.group.spawn(slot.index)
+
+    def _judge(self, record: policy.FailureRecord) -> str | None:
+        """Add ``record`` to the failure log; a reason to stop the run, or None (see policy.failure_verdict)."""
+        self.failure_log.append(record)
+        return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
+                or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
+
+    def _count_group_failure(self, reason: str) -> bool:
+        """The group left its loop with errors but nobody is dead (e.g. a rank's own error mistaken for a
+        peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
+        run ended."""
+        self.ledger.failures += 1
+        progress = max(0, self.ledger.last_step - self.generation_start_step)
+        self.events.emit("failure", kind="group_failed", rank=None, slot=None, node_id=None, pid=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
+        verdict = self._judge(policy.FailureRecord(time.time(), None, "group_failed", reason, progress))
+        if verdict:
+            self._fail(verdict)
+        return verdict is not None
 
     # ------------------------------------------------------------------ checkpoints and endings
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -399,6 +428,8 @@ class Controller(WorkerMonitor):
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
     def _finish(self, state: State, reason: str, code: int = 0) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
@@ -412,6 +443,8 @@ class Controller(WorkerMonitor):
         self.sm.to(state, reason)
 
     def _fail(self, reason: str) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         self.final_error = reason
         self.exit_code = 1
         self.events.emit("run_failed", step=self.ledger.last_step, reason=reason,

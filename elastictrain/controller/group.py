@@ -23,6 +23,18 @@ from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 
 
+def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
+    """The worker's own error in one line: the exception a task raised (not Ray's wrapper and its
+    traceback), or why the actor died. Capped at ``limit`` characters."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    err = cause if isinstance(cause, BaseException) else exc
+    text = " ".join(str(err).split()) or "(no message)"
+    if isinstance(err, ray.exceptions.RayTaskError):  # no cause to unwrap: keep the last line (the error)
+        text = " ".join(str(err).strip().splitlines()[-1].split())
+    line = f"{type(err).__name__}: {text}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class SlotState(enum.Enum):
     STARTING = "starting"  # actor created, setup() in flight
     READY = "ready"        # set up, not in the current generation
@@ -92,7 +104,7 @@ class WorkerGroup:
                 slot.info = ray.get(ref)
                 slot.state = SlotState.READY
             except Exception as e:  # noqa: BLE001 - set-up error becomes a slot failure
-                slot.info = {"error": f"{type(e).__name__}: {e}"}
+                slot.info = {"error": describe_remote_error(e)}
                 self.kill(slot)
             out.append(slot)
         return out

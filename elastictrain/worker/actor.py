@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from elastictrain.config import JobConfig
 from elastictrain.task import Task
+from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
@@ -130,9 +131,9 @@ class Worker:
                     r.discard_partial_step()
                     return self._result("error", str(e))
                 except Exception as e:  # noqa: BLE001 - classified below, reported to the controller
-                    in_collective = r.phase == "collective"
+                    # Not by phase: a rank's own error in its last backward is its own failure.
                     r.discard_partial_step()
-                    return self._result("peer_failed" if in_collective else "error", f"{type(e).__name__}: {e}")
+                    return self._result(classify_step_error(e), f"{type(e).__name__}: {e}")
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:

@@ -119,7 +119,10 @@ class StepRunner:
                     flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)
                     stats = torch.stack([loss_sum, flag])
                     work = dist.all_reduce(stats, async_op=True)
-                (per_sample.sum() * (w / g)).backward()
+                loss = per_sample.sum() * (w / g)
+                if last:
+                    self.faults.arm_backward(loss, rank=self.rank, step=number, generation=self.generation)
+                loss.backward()
             if not last:
                 compute_s += time.perf_counter() - c0
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
