@@ -1,0 +1,78 @@
+"""Failure handling end to end (issue 8): start-up errors end once with the worker's own message, a rank's
+own error is told from a peer's death and counted, and ordinary failures spread over a run never end it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain import build_config
+from elastictrain.config import ConfigError
+from elastictrain.trainer import Trainer
+from tests.conftest import BackgroundRun, job, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bad_local_data_path_stops_before_ray_with_exit_2(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "elastictrain", "run", str(ROOT / "jobs/tiny_gpt.yaml"),
+         "--set", "task.data.source=/nonexistent/x.parquet", "--run-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "task.data.source='/nonexistent/x.parquet'" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()  # nothing started
+
+
+def test_preflight_in_the_python_api(tmp_path) -> None:
+    spec = job(task={**job()["task"], "data": {"source": str(tmp_path / "missing" / "*.parquet")}})
+    with pytest.raises(ConfigError, match="glob matches no file"):
+        Trainer(build_config(spec), run_dir=tmp_path / "r", console=None).fit()
+
+
+def test_setup_failure_on_every_worker_ends_once_with_its_message(tmp_path, ray_local) -> None:
+    """A data URL the driver does not check (not local) fails every worker's set-up the same way: the run
+    ends once, quoting the worker's error, with a summary and run_finished; no slot is respawned."""
+    spec = job(task={**job()["task"], "data": {"source": "memory://nowhere/x.parquet"}})
+    run = run_job(tmp_path, spec)
+    assert run.result.exit_code == 1
+    (failed,) = run.of("run_failed")
+    assert "every worker (2) failed during set-up" in failed["reason"]
+    assert "FileNotFoundError" in failed["reason"] and "memory://nowhere/x.parquet" in failed["reason"]
+    assert "RayTaskError" not in failed["reason"]  # the worker's own error, not Ray's wrapper
+    assert [e["slot"] for e in run.of("failure")] == [0, 1] or sorted(e["slot"] for e in run.of("failure")) == [0, 1]
+    assert run.summary["state"] == "failed" and run.summary["failures"] == 2
+    (finished,) = run.of("run_finished")
+    assert finished["state"] == "failed" and finished["exit_code"] == 1
+
+
+def test_own_error_in_last_backward_is_that_ranks_failure(tmp_path, ray_local) -> None:
+    """A ValueError raised by autograd in rank 1's last backward (its peers wait in the collectives) is
+    rank 1's failure, quoted; the run recovers and finishes."""
+    boom = {"rank": 1, "step": 5, "point": "backward", "kind": "raise"}
+    run = run_job(tmp_path, job(train={"steps": 12}, faults=[boom]))
+    assert run.result.exit_code == 0 and run.summary["final_step"] == 12
+    (failure,) = run.of("failure")
+    assert failure["kind"] == "exception" and failure["rank"] == 1
+    assert "ValueError" in failure["reason"] and "this rank's own error" in failure["reason"]
+
+
+def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path, ray_local) -> None:
+    """The same own error every time rank 1 reaches step 5 (strict mode: the replacement redoes it): the
+    failures are counted and the run stops as a crash loop quoting the error (it used to regroup forever)."""
+    boom = {"rank": 1, "step": 5, "point": "backward", "kind": "raise", "repeat": True, "generation": None}
+    spec = job(train={"steps": 12}, faults=[boom], recovery={"mode": "strict", "max_failures_per_rank": 1})
+    bg = BackgroundRun(tmp_path, spec)
+    run = bg.finish(timeout=150)
+    assert run.result.exit_code == 1
+    (failed,) = run.of("run_failed")
+    assert "crash loop" in failed["reason"] and "this rank's own error" in failed["reason"]
+    assert {e["kind"] for e in run.of("failure")} == {"exception"}
+    assert len(run.of("run_finished")) == 1
