@@ -76,3 +76,22 @@ def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path
     assert "crash loop" in failed["reason"] and "this rank's own error" in failed["reason"]
     assert {e["kind"] for e in run.of("failure")} == {"exception"}
     assert len(run.of("run_finished")) == 1
+
+
+def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local) -> None:
+    """Eleven SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained
+    a few steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise
+    equal to a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per
+    slot): this run died at the 4th kill of a slot."""
+    kills = [{"rank": 1, "step": 6 + 5 * k, "point": "mid_step", "kind": "kill", "generation": k}
+             for k in range(11)]  # strict mode: one new generation per failure, so generation k is after k kills
+    base = dict(train={"steps": 60}, workers={"spares": 2},
+                checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
+                recovery={"mode": "strict", "max_failures": 8, "failure_window_s": 4.0})
+    faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")
+    clean = run_job(tmp_path, job(**{**base, "checkpoint": {}}), name="clean")
+    assert faulty.result.exit_code == 0, faulty.summary["error"]
+    assert faulty.summary["failures"] == 11 and {e["rank"] for e in faulty.of("failure")} == {1}
+    assert faulty.summary["final_step"] == 60 and len(faulty.of("recovered")) == 11
+    assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
+    assert faulty.summary["final_loss"] == clean.summary["final_loss"]

@@ -29,6 +29,9 @@ def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
     cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
     err = cause if isinstance(cause, BaseException) else exc
     text = " ".join(str(err).split()) or "(no message)"
+    if isinstance(err, ray.exceptions.RayActorError):  # Ray's long text: keep why the actor died
+        text = text[text.find("The actor is dead"):] if "The actor is dead" in text else text
+        text = text.split(" Some common causes")[0]
     if isinstance(err, ray.exceptions.RayTaskError):  # no cause to unwrap: keep the last line (the error)
         text = " ".join(str(err).strip().splitlines()[-1].split())
     line = f"{type(err).__name__}: {text}"
