@@ -95,3 +95,32 @@ def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local)
     assert faulty.summary["final_step"] == 60 and len(faulty.of("recovered")) == 11
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
     assert faulty.summary["final_loss"] == clean.summary["final_loss"]
+
+
+def test_describe_shortfall_names_the_missing_resource() -> None:
+    from elastictrain.controller.group import describe_shortfall
+
+    nodes = [{"CPU": 3.0}, {"CPU": 1.0, "GPU": 0.0}]
+    assert describe_shortfall({"CPU": 1.0, "GPU": 1.0}, nodes) == "GPU: 0 of 1 free on any node"
+    assert describe_shortfall({"CPU": 4.0}, nodes) == "CPU: 3 of 4 free on any node"
+    split = describe_shortfall({"CPU": 2.0, "GPU": 1.0}, [{"CPU": 3.0}, {"CPU": 1.0, "GPU": 1.0}])
+    assert "no single node" in split
+
+
+def test_starts_below_max_with_what_fits(tmp_path, ray_local) -> None:
+    """Four CPUs, workers of 1.5 CPUs, workers.max=4: two fit. The run starts with two at once (it used
+    to wait restart_grace_s for one all-or-nothing group of four bundles, then fail)."""
+    spec = job(train={"steps": 6}, workers={"min": 1, "max": 4, "cpus_per_worker": 1.5},
+               timeouts={**job()["timeouts"], "restart_grace_s": 40})
+    run = run_job(tmp_path, spec)
+    assert run.result.exit_code == 0, run.summary["error"]
+    assert {e["world_size"] for e in run.of("step")} == {2}
+    assert run.of("generation_started")[0]["world_size"] == 2
+
+
+def test_no_capacity_for_min_names_the_missing_resource(tmp_path, ray_local) -> None:
+    fast = {"collective_s": 1, "step_watchdog_cap_s": 2, "watchdog_floor_s": 1, "poll_s": 3, "restart_grace_s": 4}
+    run = run_job(tmp_path, job(workers={"use_gpu": True}, timeouts=fast))
+    assert run.result.exit_code == 1
+    (failed,) = run.of("run_failed")
+    assert "GPU: 0 of 1 free on any node" in failed["reason"], failed["reason"]

@@ -102,7 +102,8 @@ class Controller(WorkerMonitor):
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
-            starting = self.group.by_state(SlotState.STARTING)
+            # Start with what is there: once `min` are ready, slots still waiting for capacity join later.
+            starting = [s for s in self.group.by_state(SlotState.STARTING) if self.group.placed(s)]
             if not starting and len(ready) >= self.config.workers.min:
                 break
             if self.preempt_reason:
@@ -110,8 +111,10 @@ class Controller(WorkerMonitor):
         ready = self.group.by_state(SlotState.READY)
         decision = self._membership(len(ready), current=self.config.workers.max)
         if decision.action != "go":
+            unplaced = [s for s in self.group.by_state(SlotState.STARTING) if not self.group.placed(s)]
+            why = f"; {len(unplaced)} could not be placed: {self.group.shortfall()}" if unplaced else ""
             return self._fail(f"could not start {self.config.workers.min} workers within "
-                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}")
+                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
             return self.sm.to(State.RECOVERING, "a worker failed during the first rendezvous")
