@@ -44,3 +44,39 @@ def test_sharded_layout_matches_one_process(tmp_path, ray_local, plan, world):
     steps = run.of("step")
     assert {e["world_size"] for e in steps} == {world} and {e["accum"] for e in steps} == {8 // world}
     _close(run, ref)
+
+
+def _constant_lr_task(spec):
+    """The built-in task without its schedule (which depends on train.steps), so runs of different
+    lengths share one trajectory."""
+    import dataclasses
+
+    from elastictrain import build_config
+    from elastictrain.task import builtin_task
+
+    return dataclasses.replace(builtin_task(build_config(spec)), lr_fn=None)
+
+
+def test_checkpoint_resumes_across_plans_and_world_sizes(tmp_path, ray_local):
+    """hsdp on 4 -> ddp on 2 -> fsdp on 3 workers, each phase resuming the previous one's checkpoint: the
+    same losses and final parameters as 12 uninterrupted steps in one process."""
+    ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 4}
+    phases = [("hsdp", 4, 4), ("ddp", 2, 8), ("fsdp", 3, 12)]
+    runs = []
+    for plan, world, steps in phases:
+        spec = _spec(plan, world, steps=steps, checkpoint=ckpt, run_id="xplan")
+        spec["train"] = {**spec["train"], "global_batch": 24}
+        runs.append(run_job(tmp_path, spec, task=_constant_lr_task(spec), name=f"{plan}{world}"))
+        assert runs[-1].result.exit_code == 0, runs[-1].summary
+    ref_spec = _spec("ddp", 1, steps=12)
+    ref_spec["train"] = {**ref_spec["train"], "global_batch": 24}
+    ref = run_job(tmp_path, ref_spec, task=_constant_lr_task(ref_spec), name="ref")
+    for run, (plan, world, steps) in zip(runs[1:], phases[1:]):
+        (resumed,) = run.of("resumed")
+        assert resumed["step"] == steps - 4 and resumed["world_size"] == world
+    losses = {s: l for run in runs for s, l in run.losses().items()}
+    assert sorted(losses) == list(range(1, 13))
+    for step, loss in ref.losses().items():
+        assert abs(losses[step] - loss) <= LOSS_RTOL * abs(loss), (step, losses[step], loss)
+    pr, pf = runs[-1].final_params(), ref.final_params()
+    assert max((pr[k] - pf[k]).abs().max().item() for k in pf) <= PARAM_ATOL
