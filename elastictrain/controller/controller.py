@@ -22,7 +22,7 @@ from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.monitor import Failure, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
-from elastictrain.data.cursor import check_layout
+from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
 from elastictrain.task import Task
 
@@ -64,6 +64,7 @@ class Controller(WorkerMonitor):
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
         self.generation_started_at, self.generation_start_step = 0.0, 0
+        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
         self.keeper = self._start_keeper()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -157,6 +158,8 @@ class Controller(WorkerMonitor):
 
     def _recovering(self) -> None:
         killed = self._kill_failed()
+        if killed:
+            self._abort_survivors()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -167,6 +170,16 @@ class Controller(WorkerMonitor):
         if self.preempt_reason:
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
         self._regroup(reason="recover")
+
+    def _abort_survivors(self) -> None:
+        """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
+        survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
+        for s in survivors:
+            s.actor.abort_group.remote()
+        if self.world_size and not self.layout(self.world_size).replicated:
+            for s in survivors:
+                s.has_state = False
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
@@ -186,8 +199,13 @@ class Controller(WorkerMonitor):
             available=available, current=current, mode=self.config.recovery.mode, min_workers=w.min,
             max_workers=w.max, global_batch=tr.global_batch, micro_batch=tr.micro_batch,
             waiting_since=self.waiting_since, now=time.time(),
-            wait_limit_s=self.config.recovery.min_workers_wait_s,
+            wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
+            shard_size=self.plan_spec.shard_size,
         )
+
+    def layout(self, world_size: int) -> Layout:
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        return resolve(self.plan_spec, world_size)
 
     def _regroup(self, reason: str) -> None:
         """Form the next generation from survivors and ready joiners, or wait, or fail."""
@@ -219,8 +237,7 @@ class Controller(WorkerMonitor):
             return
         if old != self.world_size:
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
-                             accum=check_layout(self.config.train.global_batch, self.config.train.micro_batch,
-                                                self.world_size), step=self.ledger.last_step,
+                             accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
@@ -288,7 +305,8 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
-            ray.get([s.actor.join.remote(gen, r, world, host, port) for r, s in enumerate(chosen)],
+            layout = self.layout(world)
+            ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
             if isinstance(resume, dict):  # an in-memory replica: rank 0 takes it, sync spreads it
                 step = ray.get(chosen[0].actor.load_snapshot.remote(resume), timeout=t.restart_grace_s)
@@ -319,7 +337,7 @@ class Controller(WorkerMonitor):
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
         self.world_size = world
         self.generation_started_at, self.generation_start_step = time.time(), steps[0]
-        accum = check_layout(self.config.train.global_batch, self.config.train.micro_batch, world)
+        accum = layout.accum
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
         self.events.emit("generation_started", generation=gen, world_size=world, accum=accum, step=steps[0],
@@ -437,11 +455,11 @@ class Controller(WorkerMonitor):
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
-            if members:
-                rank0 = members[0].actor
-                self.final_digest = ray.get(rank0.digest.remote(), timeout=self.config.timeouts.poll_s)
+            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+                t = self.config.timeouts.poll_s
+                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
                 if self.config.train.save_final_model:
-                    self.final_state = ray.get(rank0.parameters.remote(), timeout=self.config.timeouts.poll_s)
+                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
         self.exit_code = code
         self.sm.to(state, reason)
 
@@ -461,3 +479,10 @@ class Controller(WorkerMonitor):
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
         })
+
+
+def _gpus_per_node() -> int | None:
+    """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
+    counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    counts = [c for c in counts if c > 0]
+    return min(counts) if counts else None
