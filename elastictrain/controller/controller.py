@@ -23,7 +23,7 @@ from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.monitor import Failure, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
-from elastictrain.data.cursor import check_layout
+from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
 from elastictrain.task import Task
 
@@ -64,7 +64,8 @@ class Controller(WorkerMonitor):
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
-        self.failures_by_slot: dict[int, int] = {}
+        self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
+        self.any_setup_ok = False
         self.pending_failures: list[Failure] = []
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
@@ -80,7 +81,9 @@ class Controller(WorkerMonitor):
         self.recovery_reason = ""
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
+        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
         self.keepers: dict[str, Any] = {}
+        self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
         self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -114,10 +117,13 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
+            if self.sm.terminal:  # a deterministic set-up failure ended the run
+                return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
-            starting = self.group.by_state(SlotState.STARTING)
+            # Start with what is there: once `min` are ready, slots still waiting for capacity join later.
+            starting = [s for s in self.group.by_state(SlotState.STARTING) if self.group.placed(s)]
             if not starting and len(ready) >= self.config.workers.min:
                 break
             if self.preempt_reason:
@@ -125,8 +131,10 @@ class Controller(WorkerMonitor):
         ready = self.group.by_state(SlotState.READY)
         decision = self._membership(len(ready), current=self.config.workers.max)
         if decision.action != "go":
+            unplaced = [s for s in self.group.by_state(SlotState.STARTING) if not self.group.placed(s)]
+            why = f"; {len(unplaced)} could not be placed: {self.group.shortfall()}" if unplaced else ""
             return self._fail(f"could not start {self.config.workers.min} workers within "
-                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}")
+                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
             return self.sm.to(State.RECOVERING, "a worker failed during the first rendezvous")
@@ -141,7 +149,10 @@ class Controller(WorkerMonitor):
             if all(r["status"] == "done" for r in results):
                 return self._finish(State.FINISHED, f"reached step {self.config.train.steps}")
             errors = "; ".join(f"slot {r['slot']}: {r['error']}" for r in results if r.get("error"))
-            return self.sm.to(State.RECOVERING, f"the group left its step loop ({errors or 'stopped'})")
+            reason = f"the group left its step loop and no worker was found dead ({errors or 'stopped'})"
+            if self._count_group_failure(reason):
+                return
+            return self.sm.to(State.RECOVERING, reason)
         if self.preempt_reason:
             self._stop_members()
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
@@ -166,6 +177,8 @@ class Controller(WorkerMonitor):
 
     def _recovering(self) -> None:
         killed = self._kill_failed()
+        if killed:
+            self._abort_survivors()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -176,6 +189,16 @@ class Controller(WorkerMonitor):
         if self.preempt_reason:
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
         self._regroup(reason="recover")
+
+    def _abort_survivors(self) -> None:
+        """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
+        survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
+        for s in survivors:
+            s.actor.abort_group.remote()
+        if self.world_size and not self.layout(self.world_size).replicated:
+            for s in survivors:
+                s.has_state = False
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
@@ -195,8 +218,13 @@ class Controller(WorkerMonitor):
             available=available, current=current, mode=self.config.recovery.mode, min_workers=w.min,
             max_workers=w.max, global_batch=tr.global_batch, micro_batch=tr.micro_batch,
             waiting_since=self.waiting_since, now=time.time(),
-            wait_limit_s=self.config.recovery.min_workers_wait_s,
+            wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
+            shard_size=self.plan_spec.shard_size,
         )
+
+    def layout(self, world_size: int) -> Layout:
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        return resolve(self.plan_spec, world_size)
 
     def _regroup(self, reason: str) -> None:
         """Form the next generation from survivors and ready joiners, or wait, or fail."""
@@ -230,8 +258,7 @@ class Controller(WorkerMonitor):
             return
         if old != self.world_size:
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
-                             accum=check_layout(self.config.train.global_batch, self.config.train.micro_batch,
-                                                self.world_size), step=self.ledger.last_step,
+                             accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
@@ -294,20 +321,27 @@ class Controller(WorkerMonitor):
         return out
 
     def _mesh_dims(self, world: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) of a generation of ``world`` ranks. DDP replicates everything; any
-        other plan is treated as fully sharded (every rank needed), the conservative reading, until the
-        plan resolver of the sharded layouts answers this (then: ask it, e.g. hsdp -> (W/shard, shard))."""
-        return (world, 1) if self.config.parallel.plan == "ddp" else (1, world)
+        """(dp_replicate, dp_shard) of the generation of ``world`` ranks, from the plan resolver."""
+        dims = self.layout(world).dims
+        return dims.dp_replicate, dims.dp_shard
 
     def _recovery_source(self, chosen: list[Slot], old_world: int) -> Any:
         """Pick where the next generation's state comes from (:func:`sources.rank_sources`): None when
         live survivors hold it all (the broadcast path), a :class:`PeerRestore` for the peer memory tier,
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
-        rep, shard = self._mesh_dims(max(1, old_world))
-        survivors = {s.rank: self._slot_step(s) for s in chosen if s.has_state and s.rank is not None}
+        rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
+        members = [s for s in chosen if s.index in self.prev_ranks]
+        if shard > 1 and members and all(s.has_state for s in members):
+            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
+            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
+            return None
+        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
         if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
+            rep, shard = max(1, old_world), 1
         args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.ledger.last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind != "peer":
@@ -374,7 +408,8 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
-            ray.get([s.actor.join.remote(gen, r, world, host, port) for r, s in enumerate(chosen)],
+            layout = self.layout(world)
+            ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
             if isinstance(resume, PeerRestore):  # every member reads (resharding) from the keepers
                 got = ray.get([s.actor.load_peer.remote(resume.sources) for s in chosen], timeout=t.restart_grace_s)
@@ -397,15 +432,17 @@ class Controller(WorkerMonitor):
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
             self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
+        self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
+            s.info.setdefault("joined_step", steps[0])  # progress of this incarnation counts from here
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
         self.world_size = world
         self.generation_started_at, self.generation_start_step = time.time(), steps[0]
-        accum = check_layout(self.config.train.global_batch, self.config.train.micro_batch, world)
+        accum = layout.accum
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
         self.events.emit("generation_started", generation=gen, world_size=world, accum=accum, step=steps[0],
@@ -452,15 +489,37 @@ class Controller(WorkerMonitor):
         return self._membership(self.world_size + len(ready), self.world_size).world_size > self.world_size
 
     def _on_setup_done(self, slot: Slot) -> None:
-        if slot.state is SlotState.DEAD and "error" in slot.info:
-            self.ledger.failures += 1
-            self.failures_by_slot[slot.index] = self.failures_by_slot.get(slot.index, 0) + 1
-            self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
-                             detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-            verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
-            if verdict:
-                return self._fail(verdict)
-            self.group.spawn(slot.index)
+        if slot.state is not SlotState.DEAD or "error" not in slot.info:
+            self.any_setup_ok = True
+            return
+        if self.sm.terminal:
+            return
+        self.ledger.failures += 1
+        self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
+        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, "setup_failed", slot.info["error"], 0))
+        if verdict:
+            return self._fail(verdict)
+        self.group.spawn(slot.index)
+
+    def _judge(self, record: policy.FailureRecord) -> str | None:
+        """Add ``record`` to the failure log; a reason to stop the run, or None (see policy.failure_verdict)."""
+        self.failure_log.append(record)
+        return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
+                or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
+
+    def _count_group_failure(self, reason: str) -> bool:
+        """The group left its loop with errors but nobody is dead (e.g. a rank's own error mistaken for a
+        peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
+        run ended."""
+        self.ledger.failures += 1
+        progress = max(0, self.ledger.last_step - self.generation_start_step)
+        self.events.emit("failure", kind="group_failed", rank=None, slot=None, node_id=None, pid=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
+        verdict = self._judge(policy.FailureRecord(time.time(), None, "group_failed", reason, progress))
+        if verdict:
+            self._fail(verdict)
+        return verdict is not None
 
     # ------------------------------------------------------------------ checkpoints and endings
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -498,19 +557,23 @@ class Controller(WorkerMonitor):
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
     def _finish(self, state: State, reason: str, code: int = 0) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
-            if members:
-                rank0 = members[0].actor
-                self.final_digest = ray.get(rank0.digest.remote(), timeout=self.config.timeouts.poll_s)
+            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+                t = self.config.timeouts.poll_s
+                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
                 if self.config.train.save_final_model:
-                    self.final_state = ray.get(rank0.parameters.remote(), timeout=self.config.timeouts.poll_s)
+                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
         self.exit_code = code
         self.sm.to(state, reason)
 
     def _fail(self, reason: str) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         self.final_error = reason
         self.exit_code = 1
         self.events.emit("run_failed", step=self.ledger.last_step, reason=reason,
@@ -525,3 +588,10 @@ class Controller(WorkerMonitor):
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
             "memory_snapshots": self.memory_snapshots, "memory_snapshot_stall_s": round(self.memory_stall_s, 6),
         })
+
+
+def _gpus_per_node() -> int | None:
+    """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
+    counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    counts = [c for c in counts if c > 0]
+    return min(counts) if counts else None
