@@ -12,12 +12,12 @@ from tests.conftest import BackgroundRun, job, run_job
 from tests.test_recovery import _audit
 
 STEPS = 30
-SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(4)]
 
 
 def _spec(plan: str, world: int, **sections):
+    slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(world)]
     return job(train={"steps": STEPS, "global_batch": 16, "micro_batch": 2, "audit_samples": True},
-               workers={"min": 1, "max": world}, parallel={"plan": plan}, faults=SLOW,
+               workers={"min": 1, "max": world}, parallel={"plan": plan}, faults=slow,
                recovery={"min_workers_wait_s": 240}, timeouts={**job()["timeouts"], "watchdog_floor_s": 10},
                **sections)
 
