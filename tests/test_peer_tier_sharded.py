@@ -9,7 +9,6 @@ import signal
 import pytest
 
 from tests.conftest import BackgroundRun, job, run_job
-from tests.test_recovery import _audit
 
 STEPS = 30
 
@@ -39,6 +38,21 @@ def _kill_rank_1(tmp_path, spec, name):
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8, timeout=120)
     os.kill(victim["pid"], signal.SIGKILL)
     return bg.finish(timeout=480)
+
+
+def _audit(run, global_batch=16, seq_len=32) -> None:
+    """Every step 1..STEPS ran and saw exactly its global-cursor samples; a step redone after a restore
+    from the peer tier saw the same samples both times."""
+    from elastictrain.data.cursor import step_sample_ids
+    from elastictrain.data.datasets import TokenWindows, load_text_tokens
+
+    n = len(TokenWindows(load_text_tokens("builtin:pydoc"), seq_len))
+    seen: dict[int, list[int]] = {}
+    for e in run.of("step"):
+        ids = sorted(e["sample_ids"])
+        assert ids == sorted(step_sample_ids(e["step"] - 1, global_batch, 0, n).tolist()), e["step"]
+        assert seen.setdefault(e["step"], ids) == ids
+    assert sorted(seen) == list(range(1, STEPS + 1))
 
 
 def _finished_like_clean(run, clean: float) -> None:

@@ -376,7 +376,7 @@ class Controller(WorkerMonitor):
         member of the next generation then reads its new shards from them (no storage, no keeper)."""
         from elastictrain.checkpoint import KeeperSource
 
-        by_rank = {s.rank: s for s in chosen}
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
         holders = [by_rank[r] for r in cand.ranks]
         try:
             metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
