@@ -180,6 +180,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, png: bool =
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     view = build_view(events, summary)
     html_path = Path(out) if out else run_dir / "report.html"
+    html_path.parent.mkdir(parents=True, exist_ok=True)
     html_path.write_text(render_html(view))
     written = {"html": html_path}
     if png:

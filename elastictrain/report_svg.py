@@ -206,7 +206,7 @@ def _checkpoints(view: dict[str, Any], x: _X, y0: float) -> str:
             out.append(_diamond(xc, mid, COLORS["committed"], COLORS["committed"],
                                 f"step {c['step']} committed t={c['committed']:.1f}s, {c.get('bytes')} bytes, "
                                 f"write {c.get('write_s')}s"))
-            if xc - last_label > 22:
+            if xc - last_label > 40:  # labels never overlap; the tooltip has every step
                 out.append(f"<text x='{xc:.1f}' y='{mid - 9:.1f}' text-anchor='middle' font-size='10' "
                            f"fill='{COLORS['text']}'>step {c['step']}</text>" if xc - last_label > 60 else
                            f"<text x='{xc:.1f}' y='{mid - 9:.1f}' text-anchor='middle' font-size='10' "
