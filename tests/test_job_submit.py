@@ -48,7 +48,11 @@ class LocalCluster:
         self.address = f"http://127.0.0.1:{dash}"
         self.procs = [self._start(["--head", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1"])]
-        self._wait_for(lambda: self.ray("job", "list").returncode == 0, "ray head did not come up")
+        try:
+            self._wait_for(lambda: self.ray("job", "list").returncode == 0, "ray head did not come up")
+        except BaseException:
+            self.close()
+            raise
         self.gcs = gcs
         self.nodes = 1
 
@@ -135,7 +139,7 @@ class LocalCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster()
+    c = LocalCluster()  # stops what it started if it fails to come up
     try:
         yield c
     finally:
