@@ -79,10 +79,11 @@ def load_checkpoint(
     """Fill ``state`` in place from the checkpoint of ``manifest`` (collective: every rank of
     ``process_group`` calls it). ``state`` keys absent from the checkpoint raise CheckpointError.
 
-    Verify the manifest first (``CheckpointStore.resolve``/``verify``): this reads without checksumming.
+    Each file this rank reads is checked against the manifest's size and SHA-256 as it is read (a
+    mismatch raises CheckpointError naming the file), so the driver needs to check sizes only.
     """
     uri = checkpoint_dir(manifest, root_uri)
-    reader = SafeReader(uri, storage_options)
+    reader = SafeReader(uri, storage_options, expected=manifest.files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)

@@ -1,13 +1,18 @@
 """PURE: the checkpoint manifest and the per-rank shard report, with strict JSON (de)serialisation.
 
 ``manifest.json`` in a step directory is the commit marker of that checkpoint: it lists every file the
-ranks wrote (size + SHA-256) and the job metadata needed to resume (world size, data position, config).
+ranks wrote (size + SHA-256) and the job metadata needed to resume: the world size that wrote it, the
+job fingerprint (:mod:`elastictrain.checkpoint.compat`), the run id and lineage, and the config. There is
+no separate "data position" field: the step with ``train.global_batch`` and ``train.seed`` (both in the
+fingerprint) defines it (step ``s`` starts at global position ``s * global_batch``). A ``digest`` field
+(SHA-256 of the rest of the manifest) lets a reader check the manifest's own integrity cheaply.
 Nothing here touches storage. Every path named in a manifest is validated to stay inside the step
 directory, so a tampered manifest cannot make ``verify``/``load`` read or delete files elsewhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -72,11 +77,18 @@ class Manifest:
             "shards": {str(r): s for r, s in sorted(self.shards.items())},
             "meta": self.meta,
         }
+        body["digest"] = manifest_digest(body)
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+def manifest_digest(body: dict[str, Any]) -> str:
+    """SHA-256 of a manifest body (without its ``digest`` field), canonical JSON."""
+    rest = {k: v for k, v in body.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, allow_nan=False).encode()).hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -140,6 +152,8 @@ def manifest_from_json(text: str | bytes, where: str = "manifest", location: str
         raise ManifestError(f"{where}: not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(body, dict):
         raise ManifestError(f"{where}: top level is not an object")
+    if "digest" in body and body["digest"] != manifest_digest(body):
+        raise ManifestError(f"{where}: its digest does not match its contents; the manifest was changed or damaged")
     version = _require(body, "version", int, where)
     if version > FORMAT_VERSION:
         raise ManifestError(f"{where}: format version {version} is newer than this elastictrain ({FORMAT_VERSION})")

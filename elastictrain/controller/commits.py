@@ -61,6 +61,6 @@ class Committer:
         )
         c = self.config.checkpoint
         try:
-            self.store.retain(c.keep_last, c.keep_every)
+            self.store.retain(c.keep_last, c.keep_every, lineage=self.meta.get("lineage"))
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"retention failed (checkpoint kept): {e}")

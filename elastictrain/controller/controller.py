@@ -16,6 +16,7 @@ import ray
 
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
+from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
@@ -34,9 +35,13 @@ POLL_INTERVAL_S = 0.5
 MEMORY_BUDGET = 4 << 30  # bytes the in-memory replica keeper may hold
 
 
+class CheckpointLoadFailed(RuntimeError):
+    """No checkpoint could be loaded into the members: a checkpoint error (exit 3), not a worker failure."""
+
+
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None) -> None:
+                 resume_manifest: Any = None, resume_plan: Any = None) -> None:
         self.config = config
         self.task = task
         self.events = events
@@ -46,6 +51,9 @@ class Controller(WorkerMonitor):
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
+        self.lineage = getattr(resume_plan, "lineage", None)  # retention and fallback touch only this trajectory
+        self.driver_fingerprint = dict(getattr(resume_plan, "fingerprint", {}) or {})
+        self.reference_fingerprint: dict[str, Any] | None = None  # model/optimizer/data of the first worker
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
@@ -96,6 +104,8 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
+            if self.sm.terminal:  # e.g. the checkpoint does not fit the job (exit 3)
+                return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
@@ -111,6 +121,8 @@ class Controller(WorkerMonitor):
                               f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
+            if self.sm.terminal:
+                return
             return self.sm.to(State.RECOVERING, "a worker failed during the first rendezvous")
         self.sm.to(State.RUNNING, f"{decision.world_size} workers joined generation {self.generation}")
 
@@ -205,6 +217,8 @@ class Controller(WorkerMonitor):
             if self.sm.state is State.FAILED:
                 return
         if not self._form_generation(chosen, reason=reason, resume=resume):
+            if self.sm.terminal:
+                return
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
@@ -242,7 +256,8 @@ class Controller(WorkerMonitor):
         committed checkpoint; with neither the run restarts from step 0, said loudly in the events."""
         manifest = None
         if self.store is not None:
-            manifest, skipped = self.store.latest_valid()
+            # sizes only (ranks check what they read); only this run's own trajectory, never another's
+            manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
             for why in skipped:
                 self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
         snapshot = self._memory_snapshot()
@@ -288,7 +303,8 @@ class Controller(WorkerMonitor):
                 self.ledger.last_step = step
             elif resume is not None:
                 root = self.ckpt_root
-                ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
+                resume = self._load_checkpoint(chosen, resume, explicit=reason == "start" and
+                                               self.config.checkpoint.resume not in ("auto", "never"))
                 for s in chosen:
                     s.has_state = True
                 self.recovery_source = "checkpoint"
@@ -298,6 +314,9 @@ class Controller(WorkerMonitor):
             src = policy.pick_source({r: self._slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
             steps = ray.get([s.actor.sync.remote(src) for s in chosen], timeout=t.restart_grace_s)
+        except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
+            self._fail_checkpoint(str(e))
+            return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
             self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
@@ -322,6 +341,55 @@ class Controller(WorkerMonitor):
             ray.get([s.actor.attach_keeper.remote(self.keeper) for s in chosen], timeout=t.poll_s)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
+
+    def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:
+        """Load ``manifest`` on every member (collective). A load error is the checkpoint's (corrupt bytes
+        found by a rank's SHA-256 check, a layout that does not fit): unless the checkpoint was named
+        explicitly, fall back to the next older checkpoint of this run's lineage. Returns the manifest
+        loaded; raises CheckpointLoadFailed when none loads."""
+        from elastictrain.checkpoint import CheckpointError
+
+        while True:
+            try:
+                ray.get([s.actor.load.remote(manifest, self.ckpt_root) for s in chosen],
+                        timeout=self.config.timeouts.restart_grace_s)
+                return manifest
+            except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
+                cause = getattr(e, "cause", e)
+                if not isinstance(cause, CheckpointError):
+                    raise
+                older = None if explicit or self.store is None else self.store.older_valid(manifest.step, self.lineage)
+                where = getattr(manifest, "location", "") or f"step {manifest.step}"
+                self.events.emit("checkpoint_failed", step=int(manifest.step),
+                                 reason=f"could not load {where}: {cause}" +
+                                        (f"; trying step {older.step}" if older is not None else ""))
+                if older is None:
+                    raise CheckpointLoadFailed(f"could not load checkpoint {where}: {cause}") from None
+                manifest = older
+
+    def _fail_checkpoint(self, reason: str) -> None:
+        """End the run with exit 3 (the documented checkpoint error), not as a worker failure."""
+        if self.sm.terminal:
+            return
+        self._fail(reason)
+        self.exit_code = 3
+
+    def _admit(self, slot: Slot) -> None:
+        """Check a worker that finished its set-up against the run's fingerprint (controller/admission.py)."""
+        decision = admit(slot.info.get("fingerprint"), self.reference_fingerprint,
+                         getattr(self.resume_manifest, "meta", None) if self.resume_manifest is not None
+                         and not isinstance(self.resume_manifest, dict) else None,
+                         self.config.checkpoint.accept_changes, self.config.stable_id,
+                         getattr(self.resume_manifest, "location", ""))
+        if decision.action == "checkpoint_error":
+            return self._fail_checkpoint(decision.reason)
+        if decision.action == "refuse":
+            slot.info = {**slot.info, "error": f"refused: {decision.reason}"}
+            self.group.kill(slot)
+            return
+        if self.reference_fingerprint is None and decision.reference is not None:
+            self.reference_fingerprint = decision.reference
+            self.committer.meta["fingerprint"] = {**self.driver_fingerprint, **decision.reference}
 
     def _slot_step(self, slot: Slot) -> int:
         return int(slot.info.get("step", 0))
@@ -353,6 +421,10 @@ class Controller(WorkerMonitor):
         return self._membership(self.world_size + len(ready), self.world_size).world_size > self.world_size
 
     def _on_setup_done(self, slot: Slot) -> None:
+        if slot.state is SlotState.READY:
+            self._admit(slot)
+            if self.sm.terminal:
+                return
         if slot.state is SlotState.DEAD and "error" in slot.info:
             self.ledger.failures += 1
             self.failures_by_slot[slot.index] = self.failures_by_slot.get(slot.index, 0) + 1
@@ -370,7 +442,8 @@ class Controller(WorkerMonitor):
         for section in (config["checkpoint"], config["task"]["data"]):  # credentials never reach storage
             section["storage_options"] = {k: "<redacted>" for k in section["storage_options"]}
         return {"plan": c.parallel.plan, "global_batch": c.train.global_batch, "seed": c.train.seed,
-                "config": config, "run_id": c.stable_id}
+                "config": config, "run_id": c.stable_id, "lineage": self.lineage,
+                "fingerprint": dict(self.driver_fingerprint)}
 
     def _save_now(self, members: list[Slot], step: int) -> bool:
         t = self.config.timeouts

@@ -34,6 +34,15 @@ def _node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _fingerprint(runner: StepRunner) -> dict[str, Any]:
+    """Model, optimizer and dataset fingerprints: the controller admits only workers that match the run's."""
+    from elastictrain.checkpoint.compat import model_fingerprint, optimizer_fingerprint
+    from elastictrain.data.fingerprint import dataset_fingerprint
+
+    return {"model": model_fingerprint(runner.model), "optimizer": optimizer_fingerprint(runner.optimizer),
+            "data": dataset_fingerprint(runner.dataset)}
+
+
 class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
@@ -66,6 +75,7 @@ class Worker:
             "slot": self.slot, "pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": _node_ip(),
             "setup_s": time.perf_counter() - t0, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
+            "fingerprint": _fingerprint(self.runner),
         }
 
     def open_store(self, generation: int) -> tuple[str, int]:
