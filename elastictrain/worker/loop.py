@@ -22,6 +22,8 @@ from elastictrain.data.cursor import check_layout, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.task import Task
 from elastictrain.worker.faults import FaultInjector
+from elastictrain.worker.rng import seed_micro_batch
+from elastictrain.worker.step_stats import StepStats
 
 
 @dataclass
@@ -59,6 +61,7 @@ class StepRunner:
         self.collate = task.collate_fn or _default_collate
         self.step = 0  # completed optimizer steps
         self.ddp: DistributedDataParallel | None = None
+        self.step_stats: StepStats | None = None
         self.rank = 0
         self.world_size = 1
         self.generation = 0
@@ -72,6 +75,7 @@ class StepRunner:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         # State was just broadcast from a live peer, so skip DDP's own init broadcast.
         self.ddp = DistributedDataParallel(self.model, forward_sync_buffers=False, init_sync=False)
+        self.step_stats = StepStats(self.ddp)  # (loss, stop) rides in DDP's last gradient bucket
 
     def detach(self) -> None:
         self.ddp = None
@@ -102,6 +106,7 @@ class StepRunner:
             last = k == len(micro) - 1
             sync = contextlib.nullcontext() if last else self.ddp.no_sync()
             with sync:
+                seed_micro_batch(self.train.seed, s, k * w + self.rank)  # global RNG: (seed, step, chunk)
                 per_sample = self.task.loss_fn(self.ddp, batch, seeds)
                 loss_sum += per_sample.detach().sum().double()
                 if self.audit:
@@ -114,17 +119,16 @@ class StepRunner:
                 if last:  # the last backward overlaps DDP's all-reduce: not purely local work
                     compute_s += time.perf_counter() - c0
                     self._set_phase("collective")
-                    # Loss and stop flag travel together, overlapped with the last backward (issued in the
-                    # same order on every rank, before DDP's buckets).
+                    # Loss and stop flag travel together inside DDP's last gradient bucket (step_stats.py):
+                    # no collective of their own.
                     flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)
-                    stats = torch.stack([loss_sum, flag])
-                    work = dist.all_reduce(stats, async_op=True)
+                    work = self.step_stats.send(torch.stack([loss_sum, flag]))
                 (per_sample.sum() * (w / g)).backward()
             if not last:
                 compute_s += time.perf_counter() - c0
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
-        work.wait()
+        stats = work.wait()
         if self.audit:  # ids as fed by every rank, so any survivor's record holds the whole step
             gathered: list[list[int]] = [[] for _ in range(w)]
             dist.all_gather_object(gathered, seen)
@@ -160,5 +164,5 @@ class StepRunner:
         h = hashlib.sha256()
         for name, t in sorted(self.model.state_dict().items()):
             h.update(name.encode())
-            h.update(t.detach().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
         return {"step": self.step, "sha256": h.hexdigest()}
