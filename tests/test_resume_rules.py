@@ -225,3 +225,29 @@ class _GrowingData:
             except FileExistsError:
                 n += 1
         return [{"x": torch.full((8,), float(i))} for i in range(64 + min(n, 1))]
+
+
+def test_resume_plan_rules(tmp_path):
+    """Item 4, decided on the driver before Ray: which root a run writes to and what it continues."""
+    from elastictrain.checkpoint import CheckpointError
+    from elastictrain.checkpoint.resume import plan_resume
+
+    def plan(**ck):
+        cfg = build_config(job(name="p", checkpoint={"uri": str(tmp_path / "ck"), **ck}))
+        return plan_resume(cfg, builtin_task(cfg).lr_fn, True, now=0.0)
+
+    empty = plan(resume="never")
+    assert empty.run_id == "p" and empty.manifest is None and empty.lineage
+    _save(str(tmp_path / "ck" / "p"), [2, 4], "L1")
+    again = plan(resume="never")
+    assert again.run_id.startswith("p-19700101-000000-") and again.root_uri.endswith(again.run_id)
+    assert again.lineage not in (None, "L1") and "another run" in again.note
+    auto = plan(resume="auto")
+    assert auto.run_id == "p" and auto.manifest.step == 4 and auto.lineage == "L1"
+    branch = build_config(job(name="q", checkpoint={"uri": str(tmp_path / "ck"), "resume": auto.manifest.location}))
+    b = plan_resume(branch, builtin_task(branch).lr_fn, True)
+    assert b.run_id == "q" and b.manifest.step == 4 and b.lineage != "L1"
+    for shard in (tmp_path / "ck" / "p").glob("step_*/*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:-1])  # every committed checkpoint truncated
+    with pytest.raises(CheckpointError, match="every committed checkpoint .* is damaged"):
+        plan(resume="auto")
