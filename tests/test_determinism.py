@@ -29,7 +29,8 @@ class _DropoutMLP(torch.nn.Module):
 
 
 def _loss(model: torch.nn.Module, batch: dict, _seeds: torch.Tensor) -> torch.Tensor:
-    return (model(batch["x"]) - batch["y"]).pow(2)
+    dtype = next(model.parameters()).dtype
+    return (model(batch["x"].to(dtype)) - batch["y"].to(dtype)).pow(2)
 
 
 def _data() -> list[dict[str, torch.Tensor]]:
