@@ -36,6 +36,8 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
         _die(f"checkpoint error: {e}", EXIT_CHECKPOINT)
     except RunDirInUse as e:
         _die(str(e), EXIT_CONFIG)
+    except ConfigError as e:  # pre-flight checks on the driver, before any Ray resource
+        _die(f"config error: {e}", EXIT_CONFIG)
     s = result.summary
     if s.get("already_finished"):
         pass  # the trainer printed "run ... already finished at step ..."; nothing ran, nothing to sum up

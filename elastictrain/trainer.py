@@ -63,20 +63,24 @@ class Trainer:
         elif isinstance(config, dict):
             config = build_config(config)
         self.config: JobConfig = config
-        self.task = task or builtin_task(config)
         self._builtin_task = task is None
+        self.task = task or builtin_task(config)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
         self.console = console
         self.ray_address = ray_address
         self.controller: Any = None
 
     def fit(self) -> RunResult:
-        """Run the job. Raises RunDirInUse (a reused run directory) and CheckpointUnavailable (exit 3)
-        before any Ray resource is requested."""
+        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist),
+        RunDirInUse (a reused run directory) and CheckpointUnavailable (exit 3) before any Ray resource
+        is requested."""
+        from elastictrain.preflight import check_job
+
         if (self.run_dir / "events.jsonl").exists():
             raise RunDirInUse(f"run directory {self.run_dir} already holds a run (events.jsonl); a second run "
                               "would mix its events with the first's: pass a new --run-dir or leave it out "
                               "(default: runs/<name>-<timestamp>)")
+        check_job(self.config, builtin_task=self._builtin_task)
         plan = self._resolve_resume()  # before any Ray resource is requested
         if plan.finished:
             return self._already_finished(plan)

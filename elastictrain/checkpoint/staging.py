@@ -3,7 +3,8 @@
 The copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
 :class:`StagingPool` keeps the buffers of finished saves and hands them to the next save with the same
 tensor layout, which makes a steady-state stage a plain ``memcpy`` into already-faulted-in memory (fresh
-allocations would pay a page fault per 4 KiB). Buffers for CUDA sources are pinned so that the device
+allocations would pay a page fault per 4 KiB). DTensors (FSDP2/HSDP shards) stage
+their local shard and come back as DTensors over the host copy. Buffers for CUDA sources are pinned so that the device
 -> host copy is a DMA that can run non-blocking.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -37,11 +39,23 @@ def _split(state: Any) -> tuple[list[Any], Any, list[int]]:
     return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The data this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _host(src: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    if isinstance(src, DTensor):  # the host copy of the shard, with the source's global layout
+        return DTensor.from_local(buf, src.device_mesh, src.placements, run_check=False,
+                                  shape=src.shape, stride=src.stride())
+    return buf
+
+
 def _rebuild(leaves: list[Any], spec: Any, where: list[int], buffers: list[torch.Tensor]) -> Any:
     # python scalars, strings, None: immutable or small; a deep copy keeps later mutation out of the save
     out = [None if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf) for leaf in leaves]
     for i, buf in zip(where, buffers):
-        out[i] = buf
+        out[i] = _host(leaves[i], buf)
     return tree_unflatten(out, spec)
 
 
@@ -66,7 +80,7 @@ class StagingPool:
     def stage(self, state: Any) -> Staged:
         """Copy every tensor of ``state`` to host memory; returns when the copy is complete."""
         leaves, spec, where = _split(state)
-        sources: list[torch.Tensor] = [leaves[i] for i in where]
+        sources = [_local(leaves[i]) for i in where]  # DTensors: stage this rank's shard
         signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
         on_cuda = any(t.is_cuda for t in sources)
         buffers = self._take(signature, pin=on_cuda)

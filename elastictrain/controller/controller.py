@@ -23,7 +23,7 @@ from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.monitor import Failure, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
-from elastictrain.data.cursor import check_layout
+from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
 from elastictrain.task import Task
 
@@ -57,7 +57,8 @@ class Controller(WorkerMonitor):
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
-        self.failures_by_slot: dict[int, int] = {}
+        self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
+        self.any_setup_ok = False
         self.pending_failures: list[Failure] = []
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
@@ -71,6 +72,7 @@ class Controller(WorkerMonitor):
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
         self.generation_started_at, self.generation_start_step = 0.0, 0
+        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
         self.keeper = self._start_keeper()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -104,12 +106,13 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
-            if self.sm.terminal:  # e.g. the checkpoint does not fit the job (exit 3)
+            if self.sm.terminal:  # a deterministic set-up failure, or a checkpoint that does not fit (exit 3)
                 return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
-            starting = self.group.by_state(SlotState.STARTING)
+            # Start with what is there: once `min` are ready, slots still waiting for capacity join later.
+            starting = [s for s in self.group.by_state(SlotState.STARTING) if self.group.placed(s)]
             if not starting and len(ready) >= self.config.workers.min:
                 break
             if self.preempt_reason:
@@ -117,8 +120,10 @@ class Controller(WorkerMonitor):
         ready = self.group.by_state(SlotState.READY)
         decision = self._membership(len(ready), current=self.config.workers.max)
         if decision.action != "go":
+            unplaced = [s for s in self.group.by_state(SlotState.STARTING) if not self.group.placed(s)]
+            why = f"; {len(unplaced)} could not be placed: {self.group.shortfall()}" if unplaced else ""
             return self._fail(f"could not start {self.config.workers.min} workers within "
-                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}")
+                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
             if self.sm.terminal:
@@ -135,7 +140,10 @@ class Controller(WorkerMonitor):
             if all(r["status"] == "done" for r in results):
                 return self._finish(State.FINISHED, f"reached step {self.config.train.steps}")
             errors = "; ".join(f"slot {r['slot']}: {r['error']}" for r in results if r.get("error"))
-            return self.sm.to(State.RECOVERING, f"the group left its step loop ({errors or 'stopped'})")
+            reason = f"the group left its step loop and no worker was found dead ({errors or 'stopped'})"
+            if self._count_group_failure(reason):
+                return
+            return self.sm.to(State.RECOVERING, reason)
         if self.preempt_reason:
             self._stop_members()
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
@@ -160,6 +168,8 @@ class Controller(WorkerMonitor):
 
     def _recovering(self) -> None:
         killed = self._kill_failed()
+        if killed:
+            self._abort_survivors()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -170,6 +180,16 @@ class Controller(WorkerMonitor):
         if self.preempt_reason:
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
         self._regroup(reason="recover")
+
+    def _abort_survivors(self) -> None:
+        """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
+        survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
+        for s in survivors:
+            s.actor.abort_group.remote()
+        if self.world_size and not self.layout(self.world_size).replicated:
+            for s in survivors:
+                s.has_state = False
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
@@ -189,8 +209,13 @@ class Controller(WorkerMonitor):
             available=available, current=current, mode=self.config.recovery.mode, min_workers=w.min,
             max_workers=w.max, global_batch=tr.global_batch, micro_batch=tr.micro_batch,
             waiting_since=self.waiting_since, now=time.time(),
-            wait_limit_s=self.config.recovery.min_workers_wait_s,
+            wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
+            shard_size=self.plan_spec.shard_size,
         )
+
+    def layout(self, world_size: int) -> Layout:
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        return resolve(self.plan_spec, world_size)
 
     def _regroup(self, reason: str) -> None:
         """Form the next generation from survivors and ready joiners, or wait, or fail."""
@@ -224,8 +249,7 @@ class Controller(WorkerMonitor):
             return
         if old != self.world_size:
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
-                             accum=check_layout(self.config.train.global_batch, self.config.train.micro_batch,
-                                                self.world_size), step=self.ledger.last_step,
+                             accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
@@ -294,7 +318,8 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
-            ray.get([s.actor.join.remote(gen, r, world, host, port) for r, s in enumerate(chosen)],
+            layout = self.layout(world)
+            ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
             if isinstance(resume, dict):  # an in-memory replica: rank 0 takes it, sync spreads it
                 step = ray.get(chosen[0].actor.load_snapshot.remote(resume), timeout=t.restart_grace_s)
@@ -323,12 +348,13 @@ class Controller(WorkerMonitor):
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
+            s.info.setdefault("joined_step", steps[0])  # progress of this incarnation counts from here
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
         self.world_size = world
         self.generation_started_at, self.generation_start_step = time.time(), steps[0]
-        accum = check_layout(self.config.train.global_batch, self.config.train.micro_batch, world)
+        accum = layout.accum
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
         self.events.emit("generation_started", generation=gen, world_size=world, accum=accum, step=steps[0],
@@ -358,7 +384,8 @@ class Controller(WorkerMonitor):
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, CheckpointError):
                     raise
-                older = None if explicit or self.store is None else self.store.older_valid(manifest.step, self.lineage)
+                older = (None if explicit or self.store is None
+                         else self.store.older_valid(manifest.step, self.lineage))
                 where = getattr(manifest, "location", "") or f"step {manifest.step}"
                 self.events.emit("checkpoint_failed", step=int(manifest.step),
                                  reason=f"could not load {where}: {cause}" +
@@ -422,18 +449,40 @@ class Controller(WorkerMonitor):
 
     def _on_setup_done(self, slot: Slot) -> None:
         if slot.state is SlotState.READY:
-            self._admit(slot)
+            self._admit(slot)  # may refuse it (fingerprint differs) or end the run (exit 3)
             if self.sm.terminal:
                 return
-        if slot.state is SlotState.DEAD and "error" in slot.info:
-            self.ledger.failures += 1
-            self.failures_by_slot[slot.index] = self.failures_by_slot.get(slot.index, 0) + 1
-            self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
-                             detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-            verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
-            if verdict:
-                return self._fail(verdict)
-            self.group.spawn(slot.index)
+        if slot.state is not SlotState.DEAD or "error" not in slot.info:
+            self.any_setup_ok = True
+            return
+        if self.sm.terminal:
+            return
+        self.ledger.failures += 1
+        self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
+        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, "setup_failed", slot.info["error"], 0))
+        if verdict:
+            return self._fail(verdict)
+        self.group.spawn(slot.index)
+
+    def _judge(self, record: policy.FailureRecord) -> str | None:
+        """Add ``record`` to the failure log; a reason to stop the run, or None (see policy.failure_verdict)."""
+        self.failure_log.append(record)
+        return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
+                or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
+
+    def _count_group_failure(self, reason: str) -> bool:
+        """The group left its loop with errors but nobody is dead (e.g. a rank's own error mistaken for a
+        peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
+        run ended."""
+        self.ledger.failures += 1
+        progress = max(0, self.ledger.last_step - self.generation_start_step)
+        self.events.emit("failure", kind="group_failed", rank=None, slot=None, node_id=None, pid=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
+        verdict = self._judge(policy.FailureRecord(time.time(), None, "group_failed", reason, progress))
+        if verdict:
+            self._fail(verdict)
+        return verdict is not None
 
     # ------------------------------------------------------------------ checkpoints and endings
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -472,19 +521,23 @@ class Controller(WorkerMonitor):
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
     def _finish(self, state: State, reason: str, code: int = 0) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
-            if members:
-                rank0 = members[0].actor
-                self.final_digest = ray.get(rank0.digest.remote(), timeout=self.config.timeouts.poll_s)
+            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+                t = self.config.timeouts.poll_s
+                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
                 if self.config.train.save_final_model:
-                    self.final_state = ray.get(rank0.parameters.remote(), timeout=self.config.timeouts.poll_s)
+                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
         self.exit_code = code
         self.sm.to(state, reason)
 
     def _fail(self, reason: str) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         self.final_error = reason
         self.exit_code = 1
         self.events.emit("run_failed", step=self.ledger.last_step, reason=reason,
@@ -498,3 +551,10 @@ class Controller(WorkerMonitor):
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
         })
+
+
+def _gpus_per_node() -> int | None:
+    """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
+    counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    counts = [c for c in counts if c > 0]
+    return min(counts) if counts else None

@@ -48,7 +48,10 @@ class StepStats:
         self._word: torch.Tensor | None = None
         self._carry = ddp is not None and _all_params_carry(ddp)
         if self._carry:
-            ddp.register_comm_hook(None, self._hook)
+            try:
+                ddp.register_comm_hook(None, self._hook)
+            except RuntimeError:  # the user's parallelize_fn registered its own hook: keep it, send apart
+                self._carry = False
 
     def send(self, word: torch.Tensor) -> _Sent:
         """Sum ``word`` (float64) over the group, riding in the last gradient bucket when possible."""
