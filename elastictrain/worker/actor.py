@@ -308,6 +308,8 @@ class Worker:
 
     def load(self, manifest: Any, root_uri: str) -> int:
         """Load a committed checkpoint (collective; DCP reshards into the current layout)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from elastictrain.checkpoint.dcp_io import SafeReader
         from elastictrain.checkpoint.errors import CheckpointError
         from elastictrain.checkpoint.loader import _describe, checkpoint_dir
@@ -319,7 +321,7 @@ class Worker:
                                                 expected=manifest.files))
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - DCP wraps rank failures; name the URI
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures (BaseException)
             raise CheckpointError(_describe(e, uri, "loading")) from None
         if step != int(manifest.step):
             raise CheckpointError(f"checkpoint {uri} holds step {step} but its manifest says {manifest.step}")
