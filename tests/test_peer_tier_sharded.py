@@ -13,10 +13,10 @@ from tests.conftest import BackgroundRun, job, run_job
 STEPS = 30
 
 
-def _spec(plan: str, world: int, **sections):
+def _spec(plan: str, world: int, min_workers: int = 1, **sections):
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(world)]
     return job(train={"steps": STEPS, "global_batch": 16, "micro_batch": 2, "audit_samples": True},
-               workers={"min": 1, "max": world}, parallel={"plan": plan}, faults=slow,
+               workers={"min": min_workers, "max": world}, parallel={"plan": plan}, faults=slow,
                recovery={"min_workers_wait_s": 240}, timeouts={**job()["timeouts"], "watchdog_floor_s": 10},
                **sections)
 
@@ -75,7 +75,7 @@ def test_fsdp_rank_killed_recovers_from_peer_memory_tier(tmp_path, ray_local, cl
 def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean_loss):
     """HSDP on 4 (2 replica groups x 2 shards): rank 1 dies; ranks 0 and 3 hold shards 0 and 1 at the
     newest step and serve them; the group folds to 2 and grows back. No storage, no keeper."""
-    run = _kill_rank_1(tmp_path, _spec("hsdp", 4), "hsdp")
+    run = _kill_rank_1(tmp_path, _spec("hsdp", 4, min_workers=2), "hsdp")
     rec = run.of("recovered")[0]
     assert rec["source"] == "peer" and rec["lost_steps"] == 0, rec
     assert "survivors [0, 3] hold every shard" in rec["reason"], rec
