@@ -332,12 +332,9 @@ class Controller(WorkerMonitor):
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
         members = [s for s in chosen if s.index in self.prev_ranks]
-        if shard > 1 and members and all(s.has_state for s in members):
-            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
-            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
-            return None
-        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
-        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
+        # a clean stop takes the same path: all shards survive, the covering ranks serve them.
         survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
         if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}

@@ -298,6 +298,9 @@ class Worker:
 
         r = self.runner
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        # the next generation loads from the held snapshots on every rank; a whole-state hand-off taken at
+        # a clean stop would be loaded by this rank alone in join (a collective under FSDP2): drop it
+        self._handoff = None
         return self._held.meta
 
     def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
