@@ -17,7 +17,7 @@ def _spec(plan: str, world: int, min_workers: int = 1, **sections):
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(world)]
     return job(train={"steps": STEPS, "global_batch": 16, "micro_batch": 2, "audit_samples": True},
                workers={"min": min_workers, "max": world}, parallel={"plan": plan}, faults=slow,
-               recovery={"min_workers_wait_s": 240}, timeouts={**job()["timeouts"], "watchdog_floor_s": 10},
+               recovery={"min_workers_wait_s": 240}, timeouts={**job()["timeouts"], "watchdog_floor_s": 10, "restart_grace_s": 240},
                **sections)
 
 
