@@ -331,7 +331,8 @@ class Controller(WorkerMonitor):
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
-        members = [s for s in chosen if s.index in self.prev_ranks]
+        # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
+        members = [s for s in chosen if s.index in self.prev_ranks and s.rank is not None]
         # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
         # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
         # a clean stop takes the same path: all shards survive, the covering ranks serve them.
@@ -373,7 +374,7 @@ class Controller(WorkerMonitor):
         member of the next generation then reads its new shards from them (no storage, no keeper)."""
         from elastictrain.checkpoint import KeeperSource
 
-        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
         try:
             metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
