@@ -282,6 +282,7 @@ class Controller(WorkerMonitor):
         self.ledger.flush_partial()
         self.generation += 1
         gen, world = self.generation, len(chosen)
+        self.committer.new_generation(gen, world)
         for s in self.group.members():
             if s not in chosen:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
@@ -408,7 +409,6 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
-            self.committer.expect(step, len(members))
             self._collect_reports(members)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")

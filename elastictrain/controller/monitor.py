@@ -74,8 +74,7 @@ class WorkerMonitor:
         slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
         for record in result["records"]:
             if slot.rank is not None:
-                for ev in self.ledger.add(slot.rank, record):
-                    self.committer.expect(ev["step"], ev["world_size"])
+                self.ledger.add(slot.rank, record)
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
 
