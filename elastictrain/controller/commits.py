@@ -6,7 +6,9 @@ just-in-time save after a shrink commits at the new world size). A save whose re
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from elastictrain.config import JobConfig
@@ -23,6 +25,24 @@ class Committer:
         self._world: dict[int | None, int] = {}  # world size of each generation
         self.stall_s = 0.0
         self.committed_steps: list[int] = []
+        # Commits and retention talk to storage, which may be slow or stalled: they run on a thread of
+        # their own, so the controller keeps watching workers (and recovers) meanwhile.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for queued commits (before a just-in-time save returns, before exit). True if all done."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        done, not_done = wait(pending, timeout=timeout)
+        with self._lock:
+            self._pending.extend(not_done)
+        return not not_done
+
+    def close(self) -> None:
+        """Stop taking commits; a commit stuck on storage is left to finish on its own (never joined)."""
+        self._pool.shutdown(wait=False, cancel_futures=False)
 
     def new_generation(self, generation: int, world_size: int) -> None:
         """Saves of ``generation`` commit when ``world_size`` ranks reported."""
@@ -47,6 +67,11 @@ class Committer:
         if world is None or len(reports) < world:
             return
         del self._reports[key]
+        future = self._pool.submit(self._commit, step, reports, world)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+
+    def _commit(self, step: int, reports: dict[int, Any], world: int) -> None:
         errors = [f"rank {r.rank}: {r.error}" for r in reports.values() if r.error]
         if errors:
             # A save skipped because storage is slower than the interval (when_busy=skip) is policy, not a fault.

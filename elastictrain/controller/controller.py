@@ -74,6 +74,8 @@ class Controller(WorkerMonitor):
                 self.step()
         finally:
             self.group.shutdown()
+            self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
+            self.committer.close()
         return self.summary()
 
     def request_preemption(self, reason: str) -> None:
@@ -410,6 +412,7 @@ class Controller(WorkerMonitor):
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
             self._collect_reports(members)
+            self.committer.drain(timeout=t.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")
             return False
@@ -427,6 +430,7 @@ class Controller(WorkerMonitor):
             self._collect_reports(members)
             for s in members:
                 self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
