@@ -36,12 +36,14 @@ MEMORY_BUDGET = 4 << 30  # bytes the in-memory replica keeper may hold
 
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None) -> None:
+                 resume_manifest: Any = None, group: WorkerGroup | None = None) -> None:
+        """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
+        one with the same interface to step the state machine through its paths)."""
         self.config = config
         self.task = task
         self.events = events
         self.sm = StateMachine()
-        self.group = WorkerGroup(config, task)
+        self.group = group if group is not None else WorkerGroup(config, task)
         self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
