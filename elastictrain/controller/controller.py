@@ -20,7 +20,8 @@ from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.monitor import Failure, WorkerMonitor
+from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.data.cursor import check_layout
 from elastictrain.events import EventLog
@@ -53,7 +54,7 @@ class Controller(WorkerMonitor):
         self.world_size = 0
         self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
         self.any_setup_ok = False
-        self.pending_failures: list[Failure] = []
+        self.detector = FailureDetector(config.timeouts)  # observations in, Failures out (no Ray)
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
