@@ -103,7 +103,25 @@ class WorkersConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    plan: Literal["ddp"] = "ddp"
+    """The parallel layout; resolved per world size by :mod:`elastictrain.parallel.plan`."""
+
+    plan: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    reshard_after_forward: bool = Field(True, description="fsdp/hsdp: free gathered params after forward "
+                                                          "(ZeRO-3); false keeps them to backward (ZeRO-2)")
+    shard_size: int | None = Field(None, ge=1, description="hsdp shard group size; null = GPUs per node, "
+                                                           "or 2 without GPUs")
+    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 params/compute, fp32 "
+                                                                        "reduce and master state (fsdp/hsdp)")
+    activation_checkpointing: bool = Field(False, description="recompute each repeated block in backward")
+
+    @model_validator(mode="after")
+    def _mixed_precision_needs_fsdp(self) -> ParallelConfig:
+        if self.mixed_precision != "none" and self.plan == "ddp":
+            raise ValueError(
+                f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
+                "MixedPrecisionPolicy); set parallel.plan=fsdp or parallel.mixed_precision=none"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -116,7 +134,7 @@ class CheckpointConfig(_Section):
     when_busy: Literal["skip", "wait"] = "skip"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
-    memory_every_steps: int = Field(0, ge=0, description="in-memory replica cadence; 0 disables")
+    memory_every_steps: int = Field(0, ge=0, description="peer memory tier cadence (steps); 0 disables")
 
 
 class RecoveryConfig(_Section):
@@ -196,18 +214,22 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _layout_possible(self) -> JobConfig:
-        from elastictrain.data.cursor import valid_world_sizes
+        from elastictrain.parallel.plan import is_valid, spec_from_config, valid_world_sizes
 
-        g, m = self.train.global_batch, self.train.micro_batch
-        valid = valid_world_sizes(g, m, self.workers.max)
-        bad = [w for w in (self.workers.min, self.workers.max) if w not in valid]
-        if bad:
-            raise ValueError(
-                f"world size {bad[0]} cannot split train.global_batch={g} into micro batches of "
-                f"train.micro_batch={m} (global_batch must be a multiple of world_size * micro_batch); "
-                f"valid world sizes up to workers.max={self.workers.max}: {valid or 'none'}; "
-                "change workers.min/max or the batch sizes"
-            )
+        spec = spec_from_config(self)
+        if spec.plan == "hsdp" and self.workers.use_gpu and self.parallel.shard_size is None:
+            # shard_size defaults to the GPUs of a node, known only on the cluster: the controller checks
+            # it at start; here only the data rule is checked.
+            spec = type(spec)("fsdp", spec.global_batch, spec.micro_batch)
+        valid = valid_world_sizes(spec, self.workers.max)
+        for w in (self.workers.min, self.workers.max):
+            ok, why = is_valid(spec, w)
+            if not ok:
+                raise ValueError(
+                    f"workers.min/max: world size {w} is not usable: {why}; valid world sizes up to "
+                    f"workers.max={self.workers.max}: {valid or 'none'} (parallel.plan={self.parallel.plan}); "
+                    "change workers.min/max, the batch sizes or parallel.shard_size"
+                )
         for f in self.faults:
             if f.rank >= self.workers.max:
                 raise ValueError(f"faults: rank {f.rank} does not exist with workers.max={self.workers.max}")

@@ -32,6 +32,13 @@ class Task:
       every worker must build the same dataset.
     - ``lr_fn(step)`` returns the learning-rate multiplier for a 0-based step (a pure function of step, so the
       schedule continues exactly after a resize or a resume). Default: constant 1.
+    - ``parallelize_fn(model, mesh, plan)`` applies the layout for one membership generation and returns the
+      module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``),
+      ``plan`` the ``ParallelConfig``. Called on a freshly built model whenever the layout is sharded (FSDP2
+      changes modules in place); the optimizer is built afterwards from the returned parameters. Default
+      (None): :func:`elastictrain.parallel.parallelize.parallelize` -- activation checkpointing if asked,
+      then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
+      and then the root. Return a DDP module, an FSDP2 module, or a plain one; the step loop adapts.
     """
 
     model_fn: Callable[[], torch.nn.Module]
@@ -42,6 +49,7 @@ class Task:
     collate_fn: Callable[[list[Batch]], Batch] | None = None
     grad_clip: float | None = None
     name: str = "task"
+    parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
 
 
 def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:

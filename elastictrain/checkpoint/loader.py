@@ -19,14 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import SafeReader
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import Manifest, step_dir_name
-
-_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
 def _describe(exc: BaseException, uri: str, action: str) -> str:
@@ -53,23 +50,21 @@ def checkpoint_dir(manifest: Manifest, root_uri: str | None) -> str:
 def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by parameter names, for saving or as a load target.
 
-    Works for a plain module and a DDP-wrapped one (the ``module.`` prefix is dropped), and initialises
-    the state of a fresh optimizer so that a load has tensors to fill.
+    Works for a plain module, a DDP-wrapped one (the ``module.`` prefix is dropped) and an FSDP2 one
+    (DTensor shards), and initialises the state of a fresh optimizer so that a load has tensors to fill.
+    The one implementation is :func:`elastictrain.parallel.train_state.model_optim_state`.
     """
-    if optimizer is None:
-        model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
-        return {"model": model_sd}
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    return {"model": model_sd, "optim": optim_sd}
+    from elastictrain.parallel.train_state import model_optim_state
+
+    return model_optim_state(model, optimizer)
 
 
 def apply_app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
     """Load ``state`` (as built by :func:`app_state`, then filled by :func:`load_checkpoint`) into the
     live model and optimizer. Raises ``KeyError`` if ``state`` lacks ``"model"``."""
-    if optimizer is None or "optim" not in state:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_OPTIONS)
-        return
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
+    from elastictrain.parallel.train_state import load_model_optim_state
+
+    load_model_optim_state(model, optimizer, state)
 
 
 def load_checkpoint(

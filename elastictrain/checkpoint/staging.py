@@ -3,7 +3,8 @@
 The copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
 :class:`StagingPool` keeps the buffers of finished saves and hands them to the next save with the same
 tensor layout, which makes a steady-state stage a plain ``memcpy`` into already-faulted-in memory (fresh
-allocations would pay a page fault per 4 KiB). Buffers for CUDA sources are pinned so that the device
+allocations would pay a page fault per 4 KiB). DTensors (FSDP2/HSDP shards) stage
+their local shard and come back as DTensors over the host copy. Buffers for CUDA sources are pinned so that the device
 -> host copy is a DMA that can run non-blocking.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
@@ -41,10 +43,18 @@ def _tensors_in_order(obj: Any, out: list[torch.Tensor]) -> None:
             _tensors_in_order(v, out)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The data this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _rebuild(obj: Any, buffers: list[torch.Tensor], pos: list[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         buf = buffers[pos[0]]
         pos[0] += 1
+        if isinstance(obj, DTensor):  # the host copy of the shard, with the source's global layout
+            return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
         return buf
     if isinstance(obj, dict):
         return {k: _rebuild(v, buffers, pos) for k, v in obj.items()}
@@ -76,8 +86,9 @@ class StagingPool:
 
     def stage(self, state: Any) -> Staged:
         """Copy every tensor of ``state`` to host memory; returns when the copy is complete."""
-        sources: list[torch.Tensor] = []
-        _tensors_in_order(state, sources)
+        tensors: list[torch.Tensor] = []
+        _tensors_in_order(state, tensors)
+        sources = [_local(t) for t in tensors]  # DTensors: stage this rank's shard
         signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
         on_cuda = any(t.is_cuda for t in sources)
         buffers = self._take(signature, pin=on_cuda)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from elastictrain.config import JobConfig
-from elastictrain.controller import policy
+from elastictrain.controller import policy, sources
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
@@ -23,7 +24,7 @@ from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
-from elastictrain.data.cursor import check_layout
+from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
 from elastictrain.task import Task
 
@@ -32,7 +33,21 @@ log = logging.getLogger("elastictrain.controller")
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
-MEMORY_BUDGET = 4 << 30  # bytes the in-memory replica keeper may hold
+MEMORY_BUDGET = 4 << 30  # bytes each node's peer-tier keeper may hold
+
+
+class SurvivorLost(RuntimeError):
+    """A survivor chosen as a recovery source failed before serving its state."""
+
+
+@dataclass(frozen=True)
+class PeerRestore:
+    """Every member loads (resharding) from snapshots of one step that cover the state: ``KeeperSource``s
+    of the peer memory tier (``kind="memory"``) or of live survivors (``kind="peer"``)."""
+
+    step: int
+    sources: list[Any]
+    kind: str
 
 
 class Controller(WorkerMonitor):
@@ -66,8 +81,13 @@ class Controller(WorkerMonitor):
         self.final_state: dict[str, Any] | None = None
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
+        self.recovery_reason = ""
+        self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
-        self.keeper = self._start_keeper()
+        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
+        self.keepers: dict[str, Any] = {}
+        self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
+        self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
     # ------------------------------------------------------------------ public
@@ -162,6 +182,8 @@ class Controller(WorkerMonitor):
 
     def _recovering(self) -> None:
         killed = self._kill_failed()
+        if killed:
+            self._abort_survivors()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -172,6 +194,16 @@ class Controller(WorkerMonitor):
         if self.preempt_reason:
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
         self._regroup(reason="recover")
+
+    def _abort_survivors(self) -> None:
+        """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
+        survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
+        for s in survivors:
+            s.actor.abort_group.remote()
+        if self.world_size and not self.layout(self.world_size).replicated:
+            for s in survivors:
+                s.has_state = False
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
@@ -191,8 +223,13 @@ class Controller(WorkerMonitor):
             available=available, current=current, mode=self.config.recovery.mode, min_workers=w.min,
             max_workers=w.max, global_batch=tr.global_batch, micro_batch=tr.micro_batch,
             waiting_since=self.waiting_since, now=time.time(),
-            wait_limit_s=self.config.recovery.min_workers_wait_s,
+            wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
+            shard_size=self.plan_spec.shard_size,
         )
+
+    def layout(self, world_size: int) -> Layout:
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        return resolve(self.plan_spec, world_size)
 
     def _regroup(self, reason: str) -> None:
         """Form the next generation from survivors and ready joiners, or wait, or fail."""
@@ -213,62 +250,145 @@ class Controller(WorkerMonitor):
         self.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
-        resume = None
-        if not any(s.has_state for s in chosen):
-            resume = self._durable_fallback()
-            if self.sm.state is State.FAILED:
-                return
+        try:
+            resume = self._recovery_source(chosen, old)
+        except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
+            self._detect_dead(chosen, str(e))
+            if self.sm.state is not State.RECOVERING:
+                self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
+            return
         if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
         if old != self.world_size:
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
-                             accum=check_layout(self.config.train.global_batch, self.config.train.micro_batch,
-                                                self.world_size), step=self.ledger.last_step,
+                             accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
-    def _start_keeper(self) -> Any:
-        """The in-memory replica tier: a keeper actor on the driver's node (not a worker's)."""
+    # ------------------------------------------------------------------ recovery sources
+    def _start_keepers(self) -> None:
+        """The peer memory tier: one ShardKeeper per alive node (bound to it: it dies with its node);
+        keepers of nodes that left are forgotten. Idempotent: called at start and for each generation."""
         if not self.config.checkpoint.memory_every_steps:
-            return None
+            return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastictrain.checkpoint import ShardKeeper
 
-        here = ray.get_runtime_context().get_node_id()
-        return ShardKeeper.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(MEMORY_BUDGET)
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node in [n for n in self.keepers if n not in alive]:
+            del self.keepers[node]
+        for node in sorted(alive - set(self.keepers)):
+            self.keepers[node] = ShardKeeper.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(MEMORY_BUDGET)
 
-    def _memory_snapshot(self) -> dict[str, Any] | None:
-        if self.keeper is None:
-            return None
-        try:
-            got = ray.get(self.keeper.get.remote(0), timeout=self.config.timeouts.poll_s)
-        except Exception as e:  # noqa: BLE001 - the keeper is a cache; durable storage remains
-            self.events.emit("worker_lost", world_size=0, reason=f"in-memory replica unavailable: {e}")
-            return None
-        return None if got is None else got[1]
+    def _keepers_for(self, chosen: list[Slot]) -> list[Any]:
+        """Each member's keeper: on the next node in the ring, never its own unless it is alone."""
+        if not self.keepers:
+            return [None] * len(chosen)
+        from elastictrain.checkpoint import keeper_ring
 
-    def _durable_fallback(self) -> Any:
-        """No live worker holds training state: take the newest of the in-memory replica and the newest
-        committed checkpoint; with neither the run restarts from step 0, said loudly in the events."""
-        manifest = None
-        if self.store is not None:
-            manifest, skipped = self.store.latest_valid()
-            for why in skipped:
-                self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
-        snapshot = self._memory_snapshot()
-        if snapshot is not None and (manifest is None or snapshot["step"] >= manifest.step):
-            return snapshot
-        if manifest is None:
+        nodes = keeper_ring([str(s.info.get("node_id")) for s in chosen], list(self.keepers))
+        return [self.keepers.get(n) if n else None for n in nodes]
+
+    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
+        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused or
+        that could not be sent -- an event and a log line each, never silent."""
+        self.memory_stall_s += report["stall_s"]
+        self.memory_snapshots += report["snapshots"]
+        for r in report["rejected"]:
+            log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
+            self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
+                             reason=r["reason"])
+
+    def _peer_tier(self) -> dict[int, tuple[bool, list[Any]]]:
+        """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest)."""
+        from elastictrain.checkpoint import KeeperSource
+        from elastictrain.checkpoint.memory_dcp import coverage
+
+        groups: dict[tuple[int, int], list[Any]] = {}
+        for node, keeper in sorted(self.keepers.items()):
+            try:
+                metas = ray.get(keeper.catalog.remote(), timeout=self.config.timeouts.poll_s)
+            except Exception as e:  # noqa: BLE001 - a keeper lost with its node: its snapshots are gone
+                log.warning("peer memory tier: keeper on node %s unavailable: %s", node, e)
+                continue
+            for m in metas:
+                groups.setdefault((m.step, m.generation), []).append(
+                    KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s))
+        out: dict[int, tuple[bool, list[Any]]] = {}
+        for (step, _gen), srcs in sorted(groups.items(), reverse=True):
+            complete = coverage([x.meta for x in srcs]).complete
+            if step not in out or (complete and not out[step][0]):
+                out[step] = (complete, srcs)
+        return out
+
+    def _mesh_dims(self, world: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) of the generation of ``world`` ranks, from the plan resolver."""
+        dims = self.layout(world).dims
+        return dims.dp_replicate, dims.dp_shard
+
+    def _recovery_source(self, chosen: list[Slot], old_world: int) -> Any:
+        """Pick where the next generation's state comes from (:func:`sources.rank_sources`): None when
+        live survivors hold it all (the broadcast path), a :class:`PeerRestore` for the peer memory tier,
+        a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
+        cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
+        rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
+        members = [s for s in chosen if s.index in self.prev_ranks]
+        if shard > 1 and members and all(s.has_state for s in members):
+            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
+            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
+            return None
+        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
+        if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
+            survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
+            rep, shard = max(1, old_world), 1
+        args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.ledger.last_step)
+        decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        if decision.chosen.kind != "peer":
+            tier = self._peer_tier()
+            manifest = None
+            if self.store is not None:
+                manifest, skipped = self.store.latest_valid()
+                for why in skipped:
+                    self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+            decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
+                                            durable_step=None if manifest is None else int(manifest.step), **args)
+        self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
+        log.info("recovery source: %s", decision.reason)
+        kind = decision.chosen.kind
+        if kind == "peer" and shard > 1:  # sharded: the covering survivors serve their shards to everyone
+            return self._survivor_restore(chosen, decision.chosen)
+        if kind == "memory":
+            return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
+        if kind == "checkpoint":
+            return manifest
+        if kind == "scratch":
             self.events.emit("worker_lost", world_size=0, step=0,
-                             reason="every worker holding training state was lost and no committed checkpoint "
-                                    "exists: restarting from step 0")
+                             reason="every worker holding training state was lost and no other source holds "
+                                    f"it: restarting from step 0 ({decision.reason})")
             self.ledger.last_step = 0
-            self.recovery_source = "scratch"
-        return manifest
+            for s in chosen:
+                s.has_state = False
+        return None
+
+    def _survivor_restore(self, chosen: list[Slot], cand: sources.Candidate) -> PeerRestore:
+        """Survivors ``cand.ranks`` snapshot their live shards (collective-free) and serve them; every
+        member of the next generation then reads its new shards from them (no storage, no keeper)."""
+        from elastictrain.checkpoint import KeeperSource
+
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
+        holders = [by_rank[r] for r in cand.ranks]
+        try:
+            metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
+        except Exception as e:  # noqa: BLE001 - any holder failing is a failure like any other
+            raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}: {e}") from e
+        return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
+                                       for s, m in zip(holders, metas)], "peer")
 
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
@@ -294,13 +414,15 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
-            ray.get([s.actor.join.remote(gen, r, world, host, port) for r, s in enumerate(chosen)],
+            layout = self.layout(world)
+            ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
-            if isinstance(resume, dict):  # an in-memory replica: rank 0 takes it, sync spreads it
-                step = ray.get(chosen[0].actor.load_snapshot.remote(resume), timeout=t.restart_grace_s)
-                chosen[0].has_state, chosen[0].info["step"] = True, step
-                self.recovery_source = "memory"
-                self.ledger.last_step = step
+            if isinstance(resume, PeerRestore):  # every member reads (resharding) from the keepers
+                got = ray.get([s.actor.load_peer.remote(resume.sources) for s in chosen], timeout=t.restart_grace_s)
+                for s, step in zip(chosen, got):
+                    s.has_state, s.info["step"] = True, step
+                self.recovery_source = resume.kind
+                self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
             elif resume is not None:
                 root = self.ckpt_root
                 ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
@@ -316,6 +438,7 @@ class Controller(WorkerMonitor):
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
             self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
+        self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
@@ -325,7 +448,7 @@ class Controller(WorkerMonitor):
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
         self.world_size = world
         self.generation_started_at, self.generation_start_step = time.time(), steps[0]
-        accum = check_layout(self.config.train.global_batch, self.config.train.micro_batch, world)
+        accum = layout.accum
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
         self.events.emit("generation_started", generation=gen, world_size=world, accum=accum, step=steps[0],
@@ -334,8 +457,10 @@ class Controller(WorkerMonitor):
             self.recovery_source = "peer"
         else:
             self._close_recovery(start_step=steps[0])
-        if self.keeper is not None:
-            ray.get([s.actor.attach_keeper.remote(self.keeper) for s in chosen], timeout=t.poll_s)
+        if self.config.checkpoint.memory_every_steps:
+            self._start_keepers()
+            keepers = self._keepers_for(chosen)
+            ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
 
@@ -346,6 +471,7 @@ class Controller(WorkerMonitor):
         """The new generation stands: account the recovery. ``lost_steps`` counts completed steps that must
         be redone (0 when a survivor held the newest state); the step in flight is lost time, not a step."""
         source, self.recovery_source = self.recovery_source, "peer"
+        why, self.recovery_reason = self.recovery_reason, ""
         if self.open_failure is None:
             return
         f, now = self.open_failure, time.time()
@@ -355,7 +481,7 @@ class Controller(WorkerMonitor):
         self.ledger.add_time("recovery", now - f.detected_at)
         self.events.emit("recovered", source=source,
                          recovery_s=round(now - f.detected_at, 3), downtime_s=round(now - f.last_progress, 3),
-                         lost_steps=lost, step=start_step, world_size=self.world_size)
+                         lost_steps=lost, step=start_step, world_size=self.world_size, reason=why)
         self.open_failure = None
 
     def _stop_members(self) -> None:
@@ -444,11 +570,11 @@ class Controller(WorkerMonitor):
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
-            if members:
-                rank0 = members[0].actor
-                self.final_digest = ray.get(rank0.digest.remote(), timeout=self.config.timeouts.poll_s)
+            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+                t = self.config.timeouts.poll_s
+                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
                 if self.config.train.save_final_model:
-                    self.final_state = ray.get(rank0.parameters.remote(), timeout=self.config.timeouts.poll_s)
+                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
         self.exit_code = code
         self.sm.to(state, reason)
 
@@ -467,4 +593,12 @@ class Controller(WorkerMonitor):
             "error": self.final_error, "exit_code": self.exit_code, "generations": self.generation + 1,
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
+            "memory_snapshots": self.memory_snapshots, "memory_snapshot_stall_s": round(self.memory_stall_s, 6),
         })
+
+
+def _gpus_per_node() -> int | None:
+    """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
+    counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    counts = [c for c in counts if c > 0]
+    return min(counts) if counts else None

@@ -81,6 +81,8 @@ class WorkerMonitor:
                 self.ledger.add(slot.rank, record)
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
+        for report in result.get("memory", ()):
+            self._on_memory_report(slot, report)
 
     def _check_runs(self) -> None:
         done = [ref for ref in self.run_refs if _is_ready(ref)]

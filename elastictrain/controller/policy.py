@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
-from elastictrain.data.cursor import valid_world_sizes
+from elastictrain.parallel.plan import CPU_DEFAULT_SHARD_SIZE, PlanSpec, valid_world_sizes
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,14 @@ def hang_bound(step_times: Sequence[float], t: TimeoutsConfig) -> float:
 
 def decide_membership(
     *, available: int, current: int, mode: str, min_workers: int, max_workers: int, global_batch: int,
-    micro_batch: int, waiting_since: float | None, now: float, wait_limit_s: float,
+    micro_batch: int, waiting_since: float | None, now: float, wait_limit_s: float, plan: str = "ddp",
+    shard_size: int = CPU_DEFAULT_SHARD_SIZE,
 ) -> Membership:
     """How many workers form the next generation, given ``available`` ready workers (survivors plus
-    ready joiners). Elastic: the largest valid world size; strict: exactly ``current``."""
-    valid = [w for w in valid_world_sizes(global_batch, micro_batch, max_workers) if w >= min_workers]
+    ready joiners). Elastic: the largest world size valid for the plan (see parallel/plan.py; hsdp needs
+    whole shard groups, so a broken group re-plans to fewer, whole groups); strict: exactly ``current``."""
+    spec = PlanSpec(plan, global_batch, micro_batch, shard_size)
+    valid = [w for w in valid_world_sizes(spec, max_workers) if w >= min_workers]
     waited = 0.0 if waiting_since is None else now - waiting_since
     if mode == "strict":
         if available >= current:

@@ -2,8 +2,12 @@
 
 The actor is threaded (``max_concurrency`` > 1) so the controller can ``poll`` and ``request_stop`` while
 ``run`` executes steps. Healthy actors survive every membership change: ``join`` only swaps the process
-group (a fresh TCPStore per generation, hosted by the new rank 0), and ``sync`` brings state from a live
-peer.
+group (a fresh TCPStore per generation, hosted by the new rank 0) and re-applies the layout on a new
+DeviceMesh, and ``sync`` brings state from a live peer.
+
+Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation. Their state comes from, in order:
+a full-state hand-off taken when the previous generation stopped cleanly at a step boundary (a grow), or a
+DCP StorageReader (:meth:`Worker.restore_from`: the durable checkpoint, or an in-memory tier's reader).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.config import JobConfig
+from elastictrain.parallel.mesh import worker_device
+from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.task import Task
 from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
@@ -52,6 +58,9 @@ class Worker:
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
         self._replicator: Any = None
+        self._memory_reports: list[dict[str, Any]] = []
+        self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
+        self._handoff: dict[str, Any] | None = None  # full state taken at a clean stop (sharded layouts)
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -60,7 +69,13 @@ class Worker:
         threads = max(1, int(self.config.workers.cpus_per_worker))
         torch.set_num_threads(threads)
         faults = FaultInjector(self.config.faults)
-        self.runner = StepRunner(self.task, self.config.train, faults, audit=self.config.train.audit_samples)
+        if self.config.workers.use_gpu:
+            # We abort NCCL communicators ourselves when the controller reports a death (abort_group);
+            # torch's watchdog must not tear the surviving process down first (see _abort_process_group).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        device = worker_device(self.config.workers.use_gpu)
+        self.runner = StepRunner(self.task, self.config.train, faults, audit=self.config.train.audit_samples,
+                                 parallel=self.config.parallel, device=device)
         self._status = "ready"
         ctx = ray.get_runtime_context()
         return {
@@ -76,9 +91,11 @@ class Worker:
         self._stores = {generation: store}
         return _node_ip(), store.port
 
-    def join(self, generation: int, rank: int, world_size: int, host: str, port: int) -> None:
-        """Leave the old process group (if any) and join generation ``generation``. Collective over the
-        new members: all of them must call it concurrently."""
+    def join(self, generation: int, rank: int, world_size: int, host: str, port: int,
+             layout: Layout | None = None) -> None:
+        """Leave the old process group (if any), join generation ``generation`` and apply ``layout``
+        (default: the config's plan resolved at ``world_size``). Collective over the new members: all of
+        them must call it concurrently."""
         self._leave_group()
         timeout = datetime.timedelta(seconds=self.config.timeouts.collective_s)
         store = self._stores.get(generation) if rank == 0 else None
@@ -91,15 +108,55 @@ class Worker:
             world_size=world_size, timeout=timeout,
         )
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.runner.attach(rank, world_size, generation)
+        layout = layout or resolve(spec_from_config(self.config), world_size)
+        r = self.runner
+        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off brings
+        # it to the step where the previous generation stopped.
+        kept = r.attach(rank, world_size, generation, layout)
+        if not kept and self._handoff is not None:
+            r.state.load_full_state(self._handoff)  # every rank keeps its own slice: no collective
+        self._handoff = None
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
     def sync(self, src: int) -> int:
-        """Broadcast model, optimizer and step from rank ``src`` (a live peer). Collective."""
+        """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
+        src's state. Sharded ones (every rank holds a whole state at its own step after ``join``: restored,
+        handed off, or the seeded step-0 model) do nothing when all ranks are at src's step, else src sends
+        its full state to the ranks behind it (interim transport until an in-memory tier's reader)."""
         r = self.runner
-        r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
+        if r.replicated:
+            r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
+            return r.step
+        steps: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, r.step)
+        target = steps[src]
+        if all(step == target for step in steps):
+            return r.step
+        box = [r.state.full_state() if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)  # O(model) per rank; C2's chunked broadcast replaces it
+        if r.step != target:
+            r.state.load_full_state(box[0])
         return r.step
+
+    def restore_from(self, reader: Any) -> int:
+        """Load this rank's state from any DCP StorageReader (durable checkpoint, in-memory snapshots),
+        resharded into the current layout. Collective over the checkpoint group. Returns the step."""
+        return self.runner.state.load_from(reader, process_group=self._ckpt_group)
+
+    def abort_group(self) -> str:
+        """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
+        NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
+        instead of waiting for the timeout. gloo: nothing to do -- a dead peer's closed sockets already
+        fail gloo's collectives, and destroying a group while the step thread is inside one is not safe;
+        the next ``join`` destroys it. Returns what was done. Untested on GPUs."""
+        if not dist.is_initialized() or not self.config.workers.use_gpu:
+            return "noop"
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # noqa: BLE001 - already aborted or destroyed
+            return f"abort failed: {e}"
+        return "aborted"
 
     def _leave_group(self) -> None:
         if self._writer is not None:  # a membership change abandons in-flight saves (they never commit)
@@ -137,11 +194,22 @@ class Worker:
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:
+                    self._take_handoff()
                     return self._result("stopped")
             return self._result("done")
         finally:
             self._stop.clear()
             self._status = "joined"
+
+    def _take_handoff(self) -> None:
+        """Every rank stopped at the same boundary (they agreed in the step's all-reduce): a sharded state
+        is gathered whole now, while the group is intact, so the next generation can re-mesh it."""
+        if self.runner.replicated:
+            return
+        try:
+            self._handoff = self.runner.state.full_state()
+        except Exception:  # noqa: BLE001 - a peer died right after the boundary: no hand-off
+            self._handoff = None
 
     def _result(self, status: str, error: str | None = None) -> dict[str, Any]:
         return {"status": status, "step": self.runner.step, "error": error, "slot": self.slot}
@@ -160,11 +228,14 @@ class Worker:
             reports.append(self._ckpt_events.popleft())
         if self._writer is not None:
             reports.extend(self._writer.completed())
+        memory, self._memory_reports = self._memory_reports, []
+        if self._replicator is not None:
+            memory.append(self._memory_report())
         r = self.runner
         return {
             "slot": self.slot, "status": self._status, "step": r.step if r else 0,
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
-            "records": records, "ckpt": reports, "now": time.time(),
+            "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -187,67 +258,119 @@ class Worker:
         if self._writer is not None and every and step % every == 0:
             self.save(step)
         k = self.config.checkpoint.memory_every_steps
-        if self._replicator is not None and self.runner.rank == 0 and k and step % k == 0:
-            # Replicated (DDP) state: rank 0's copy is everyone's. ray.put copies it before returning.
-            r = self.runner
-            self._replicator.push_async(step, {"step": step, "model": r.model.state_dict(),
-                                               "optim": r.optimizer.state_dict()})
+        if self._replicator is not None and k and step % k == 0:
+            # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
+            # stall, sending it to the keeper on another node runs on the replicator's thread.
+            self._replicator.push(step, self._dcp_state())
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """This rank's training state as a DCP state dict (``TrainingState.state_dict``: model and
+        optimizer shards, step and data cursor)."""
+        return self.runner.state.state_dict()
 
     def attach_keeper(self, keeper: Any) -> None:
-        """Use ``keeper`` (a ShardKeeper on another node) as the in-memory replica tier."""
+        """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
+        ``None`` turns the tier off. Call after ``join`` (snapshots carry this generation and rank)."""
         from elastictrain.checkpoint import MemoryReplicator
 
-        self._replicator = MemoryReplicator(keeper, rank=0)
+        self._close_replicator(timeout=0)
+        if keeper is not None:
+            r = self.runner
+            self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
+                                                timeout_s=self.config.timeouts.poll_s)
 
-    def load_snapshot(self, snapshot: dict[str, Any]) -> int:
-        """Take state from an in-memory replica (the keeper's copy). Only this rank; peers get it by sync."""
+    def _close_replicator(self, timeout: float | None) -> None:
+        if self._replicator is not None:
+            self._memory_reports.append(self._memory_report())
+            self._replicator.close(timeout=timeout)
+            self._replicator = None
+
+    def _memory_report(self) -> dict[str, Any]:
+        got = self._replicator.reports()
+        return {"stall_s": got["stall_s"], "snapshots": got["snapshots"],
+                "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
+                             for p in got["results"] if not p.accepted]}
+
+    def hold_snapshot(self) -> Any:
+        """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
+        the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
+        ``SnapshotMeta``; the previous held snapshot is dropped."""
+        from elastictrain.checkpoint.memory_dcp import take_snapshot
+
         r = self.runner
-        r.model.load_state_dict(snapshot["model"])
-        r.optimizer.load_state_dict(snapshot["optim"])
-        r.step = int(snapshot["step"])
-        return r.step
+        self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        return self._held.meta
+
+    def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
+        """Chunks of the snapshot kept by :meth:`hold_snapshot` (same contract as ``ShardKeeper.fetch``)."""
+        held = self._held
+        if held is None or (held.meta.generation, held.meta.rank, held.meta.step) != (generation, rank, step):
+            raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
+        return held.fetch(keys)
+
+    def load_peer(self, sources: list[Any]) -> int:
+        """Load state from snapshots (``KeeperSource``s of one step that cover everything: peer-tier
+        keepers or survivors) into this rank, resharded into the current layout (``restore_from``).
+        Collective over the new group: every member calls it with the same sources. Returns the step;
+        raises CursorError if the snapshots' data order differs."""
+        from elastictrain.checkpoint.memory_dcp import SnapshotReader
+
+        step = self.restore_from(SnapshotReader(sources))
+        self._held = None  # a survivor's snapshot has served its purpose once every member loaded
+        return step
 
     def save(self, step: int | None = None) -> bool:
         """Start an asynchronous checkpoint of the current state (collective over the group)."""
-        from elastictrain.checkpoint import app_state
-
         if self._writer is None:
             return False
         step = self.runner.step if step is None else step
         if self._writer.has_saved(step):  # one save per (step, generation): e.g. a just-in-time save on a
             return True                   # periodic-save step; its report comes from the first save
         t0 = time.perf_counter()
-        started = self._writer.save_async(step, app_state(self.runner.model, self.runner.optimizer))
+        started = self._writer.save_async(step, self.runner.state.state_dict())
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
 
     def flush_checkpoints(self) -> list[Any]:
-        """Wait for in-flight saves and return their reports (used before exit)."""
+        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
+        reports (used before exit)."""
+        if self._replicator is not None:
+            self._replicator.flush(timeout=self.config.timeouts.poll_s)
         if self._writer is None:
             return []
         return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
 
     def load(self, manifest: Any, root_uri: str) -> int:
-        """Load a committed checkpoint into model and optimizer (collective; reshards as needed)."""
-        from elastictrain.checkpoint import load_checkpoint, app_state, apply_app_state
+        """Load a committed checkpoint (collective; DCP reshards into the current layout)."""
+        from elastictrain.checkpoint.dcp_io import SafeReader
+        from elastictrain.checkpoint.errors import CheckpointError
+        from elastictrain.checkpoint.loader import _describe, checkpoint_dir
 
-        r = self.runner
-        state = app_state(r.model, r.optimizer)
-        load_checkpoint(manifest, root_uri, state, process_group=self._ckpt_group,
-                        storage_options=dict(self.config.checkpoint.storage_options))
-        apply_app_state(r.model, r.optimizer, state)
-        r.step = int(manifest.step)
-        return r.step
+        uri = checkpoint_dir(manifest, root_uri)
+        try:
+            step = self.restore_from(SafeReader(uri, dict(self.config.checkpoint.storage_options)))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - DCP wraps rank failures; name the URI
+            raise CheckpointError(_describe(e, uri, "loading")) from None
+        if step != int(manifest.step):
+            raise CheckpointError(f"checkpoint {uri} holds step {step} but its manifest says {manifest.step}")
+        return step
 
     # ------------------------------------------------------------------ inspection
-    def digest(self) -> dict[str, Any]:
+    def digest(self) -> dict[str, Any] | None:
+        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member."""
         return self.runner.state_digest()
 
-    def parameters(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.runner.model.state_dict().items()}
+    def parameters(self) -> dict[str, torch.Tensor] | None:
+        """The full model as CPU tensors on rank 0 (None elsewhere), via get_model_state_dict(
+        full_state_dict=True, cpu_offload=True). Collective: call on every member."""
+        full = self.runner.state.full_model_state()
+        return {k: v.detach().clone() for k, v in full.items()} if self.runner.rank == 0 else None
 
     def shutdown(self) -> None:
+        self._close_replicator(timeout=self.config.timeouts.collective_s)
         self._leave_group()
 
 

@@ -3,7 +3,12 @@
 Step ``s`` (0-based) consumes the global sample positions ``[s*G, (s+1)*G)``. This rank's share is a pure
 function of (step, rank, world size, micro batch) and gradient accumulation makes up the rest, so the
 samples a step sees and its math do not depend on the world size. Each micro-batch loss is
-``sum(per-sample loss) * W / G``: DDP's mean over ranks then yields the mean over the G samples.
+``sum(per-sample loss) * W / G``: DDP's (or FSDP2's) mean over the data-parallel ranks then yields the mean
+over the G samples.
+
+The layout (DDP, FSDP2, HSDP) is applied per membership generation by :meth:`StepRunner.attach` through the
+task's ``parallelize_fn`` on a fresh DeviceMesh; the step itself never asks which layout it runs under
+(see elastictrain/parallel/).
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from elastictrain.config import TrainConfig
-from elastictrain.data.cursor import check_layout, rank_micro_batches
+from elastictrain.config import ParallelConfig, TrainConfig
+from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
+from elastictrain.parallel.mesh import build_mesh
+from elastictrain.parallel.parallelize import ParallelModel, wrap
+from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
 from elastictrain.worker.faults import FaultInjector
 
@@ -43,38 +51,85 @@ def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
 
 
 class StepRunner:
-    """Model, optimizer and data of one worker, and the code that runs one step on the current group."""
+    """Model, optimizer and data of one worker, and the code that runs one step on the current group.
 
-    def __init__(self, task: Task, train: TrainConfig, faults: FaultInjector, audit: bool = False) -> None:
+    Per generation :meth:`attach` builds the mesh, applies the layout and (for a sharded layout, or a
+    change of layout) builds a fresh model and optimizer; the state then comes from a restore step
+    (:attr:`state`'s ``load_from`` / ``load_full_state``, or a replicated peer's broadcast)."""
+
+    def __init__(self, task: Task, train: TrainConfig, faults: FaultInjector, audit: bool = False,
+                 parallel: ParallelConfig | None = None, device: torch.device | None = None) -> None:
         self.task = task
         self.train = train
+        self.parallel = parallel or ParallelConfig()
+        self.device = device or torch.device("cpu")
         self.faults = faults
         self.audit = audit
-        torch.manual_seed(train.seed)  # identical initial parameters on every worker
-        self.model = task.model_fn()
-        self.optimizer = task.optimizer_fn(self.model.parameters())
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.dataset = task.dataset_fn()
         self.dataset_len = len(self.dataset)
         self.collate = task.collate_fn or _default_collate
-        self.step = 0  # completed optimizer steps
-        self.ddp: DistributedDataParallel | None = None
+        self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
+        self.model = self._fresh_model()
+        self.pm: ParallelModel | None = None
+        self.layout: Layout | None = None
+        self.state = TrainingState(self.model, self._optimizer(), self.cursor)
         self.rank = 0
         self.world_size = 1
         self.generation = 0
         self.phase = "idle"  # idle | compute | collective: tells a hung rank from its waiting peers
         self.phase_since = time.time()
 
+    def _fresh_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.train.seed)  # identical initial parameters on every worker
+        return self.task.model_fn().to(self.device)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        opt = self.task.optimizer_fn(self.model.parameters())
+        self.base_lrs = [g["lr"] for g in opt.param_groups]
+        return opt
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole state (DDP, or not attached): a peer's broadcast can restore it."""
+        return self.pm is None or self.pm.replicated
+
     # ------------------------------------------------------------------ membership
-    def attach(self, rank: int, world_size: int, generation: int) -> None:
-        """Wrap the model for the current default process group. Called after every regroup."""
-        check_layout(self.train.global_batch, self.train.micro_batch, world_size)
-        self.rank, self.world_size, self.generation = rank, world_size, generation
-        # State was just broadcast from a live peer, so skip DDP's own init broadcast.
-        self.ddp = DistributedDataParallel(self.model, forward_sync_buffers=False, init_sync=False)
+    def attach(self, rank: int, world_size: int, generation: int, layout: Layout) -> bool:
+        """Apply ``layout`` on the current default process group (collective: builds the mesh). Called
+        after every regroup. Returns True if this rank's state survived the re-mesh (a replicated model
+        re-wrapped in place), False if a fresh model and optimizer were built and need a restore."""
+        if layout.dims.world_size != world_size:
+            raise ValueError(f"layout {layout.reason!r} does not match world size {world_size}")
+        self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
+        mesh = build_mesh(layout.dims, self.device)
+        kept = self.replicated and layout.plan == "ddp"
+        if not kept:  # fully_shard changes the module in place: start from a fresh one on the new mesh
+            self.model = self._fresh_model()
+        module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
+        self.pm = wrap(module, mesh)
+        if not kept:  # parameters may now be DTensors: the optimizer is built after parallelizing
+            self.state = TrainingState(self.pm.model, self._optimizer(), self.cursor, step=0)
+        else:
+            self.state.model = self.pm.model
+        return kept
 
     def detach(self) -> None:
-        self.ddp = None
+        """Forget the group's wrapper (the model and its state stay)."""
+        if self.pm is not None and self.pm.replicated:
+            self.pm = None
 
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
@@ -84,25 +139,27 @@ class StepRunner:
         """Run step ``self.step`` on every rank of the group. Returns the record and whether any rank asked
         to stop at this boundary. Raises if a collective fails (a peer died): the step is then discarded
         and ``self.step`` is unchanged unless the optimizer step was already applied everywhere."""
-        if self.ddp is None:
+        if self.pm is None or self.layout is None:
             raise RuntimeError("run_step before attach(): the worker has no process group")
         s, t0 = self.step, time.perf_counter()
         number = s + 1
-        g, m, w = self.train.global_batch, self.train.micro_batch, self.world_size
+        g, m = self.train.global_batch, self.train.micro_batch
+        w = self.layout.dims.dp  # the data-parallel ranks (today every rank; tp/pp would divide it)
         micro = rank_micro_batches(s, self.rank, w, m, g, self.train.seed, self.dataset_len)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
-        self.ddp.train()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        module = self.pm.module
+        module.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         compute_s, seen = 0.0, []
         for k, ids in enumerate(micro):
             self._set_phase("compute")
             c0 = time.perf_counter()
-            batch = self.collate([self.dataset[int(i)] for i in ids])
+            batch = _to(self.collate([self.dataset[int(i)] for i in ids]), self.device)
             seeds = torch.tensor([sample_seed(self.train.seed, s, int(i)) for i in ids], dtype=torch.long)
             last = k == len(micro) - 1
-            sync = contextlib.nullcontext() if last else self.ddp.no_sync()
+            sync = contextlib.nullcontext() if last else self.pm.accumulating()
             with sync:
-                per_sample = self.task.loss_fn(self.ddp, batch, seeds)
+                per_sample = self.task.loss_fn(module, batch, seeds)
                 loss_sum += per_sample.detach().sum().double()
                 if self.audit:
                     seen.extend(int(i) for i in ids)
@@ -116,7 +173,7 @@ class StepRunner:
                     self._set_phase("collective")
                     # Loss and stop flag travel together, overlapped with the last backward (issued in the
                     # same order on every rank, before DDP's buckets).
-                    flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64)
+                    flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
                     stats = torch.stack([loss_sum, flag])
                     work = dist.all_reduce(stats, async_op=True)
                 loss = per_sample.sum() * (w / g)
@@ -143,7 +200,7 @@ class StepRunner:
         return record, bool(stats[1] > 0)
 
     def _apply_optimizer(self, s: int) -> None:
-        if self.task.grad_clip:
+        if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip, foreach=False)
         mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -156,12 +213,28 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self._set_phase("idle")
 
-    def state_digest(self) -> dict[str, Any]:
-        """Cheap fingerprint of the model for tests: parameter sums and a bitwise hash."""
+    def state_digest(self) -> dict[str, Any] | None:
+        """Fingerprint of the whole model for tests: a bitwise hash of the full state by name. Collective
+        under a sharded layout; the digest is on rank 0 (None elsewhere)."""
         import hashlib
 
+        full = self.state.full_model_state()
+        if self.rank != 0:
+            return None
         h = hashlib.sha256()
-        for name, t in sorted(self.model.state_dict().items()):
+        for name, t in sorted(full.items()):
             h.update(name.encode())
-            h.update(t.detach().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
         return {"step": self.step, "sha256": h.hexdigest()}
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _default_parallelize(model: torch.nn.Module, mesh: Any, plan: ParallelConfig) -> torch.nn.Module:
+    from elastictrain.parallel.parallelize import parallelize
+
+    return parallelize(model, mesh, plan)

@@ -1,0 +1,110 @@
+"""The layout-agnostic training state of one rank: model + optimizer + step + data cursor.
+
+:meth:`TrainingState.state_dict` is what every restore path moves: the durable checkpoint (DCP save/load
+through the manifest commit protocol), and any other ``torch.distributed.checkpoint`` StorageReader (an
+in-memory tier). It is DCP-shaped: ``{"model": ..., "optim": ..., "progress": {...}}`` where model and
+optimizer entries are plain tensors (DDP, replicated) or DTensors (FSDP2/HSDP, this rank's shard), keyed by
+parameter name through ``torch.distributed.checkpoint.state_dict`` (identical under DDP, FSDP2, HSDP and
+activation checkpointing, so a state saved under one layout loads under another). ``progress`` holds the
+step and the data cursor as int64 tensors: DCP stores them without pickling, and a restore checks that the
+cursor defines the same data order (a different global batch, seed or dataset fails loudly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from elastictrain.data.cursor import CursorState
+
+_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
+_PROGRESS_KEYS = ("step", "global_batch", "seed", "dataset_len")
+
+
+def model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` keyed by parameter name (DTensors stay sharded); a fresh optimizer's
+    state is materialised so a load has tensors to fill. Works for plain, DDP and FSDP2 modules."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=_SHARDED)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def load_model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Put ``state`` (shaped like :func:`model_optim_state`, filled by a load) into the live objects."""
+    if optimizer is None or "optim" not in state:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_SHARDED)
+        return
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_SHARDED)
+
+
+class TrainingState:
+    """Model, optimizer, completed steps and data cursor of one rank, whatever the layout.
+
+    ``model`` is the parallelized module (plain, DDP or FSDP2); ``cursor`` the run's data order at step 0
+    (its ``step`` is ignored: ``step`` here is the truth).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cursor: CursorState, step: int = 0):
+        self.model = model
+        self.optimizer = optimizer
+        self.cursor = cursor
+        self.step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The DCP-shaped state (see the module doc). Tensors alias the live ones: stage before mutating."""
+        out = model_optim_state(self.model, self.optimizer)
+        c = self.cursor
+        values = {"step": self.step, "global_batch": c.global_batch, "seed": c.seed, "dataset_len": c.dataset_len}
+        out["progress"] = {k: torch.tensor(v, dtype=torch.int64) for k, v in values.items()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state`` (as :meth:`state_dict` shapes it). Raises CursorError if its data order differs."""
+        progress = {k: int(state["progress"][k]) for k in _PROGRESS_KEYS}
+        theirs = CursorState(**progress)
+        self.cursor.check_compatible(theirs)
+        load_model_optim_state(self.model, self.optimizer, state)
+        self.step = theirs.step
+
+    def load_from(self, reader: Any, process_group: Any = None) -> int:
+        """Fill this state from any DCP ``StorageReader`` (durable checkpoint, in-memory snapshots): DCP
+        reshards into this rank's layout. Collective over ``process_group`` (default: the default group,
+        or none outside torch.distributed). Returns the restored step."""
+        target = self.state_dict()
+        no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
+        dcp.load(target, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+        self.load_state_dict(target)
+        return self.step
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model as full CPU tensors on rank 0 (empty elsewhere). Collective under FSDP2."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def full_state(self) -> dict[str, Any]:
+        """Model and optimizer as full CPU tensors on every rank, plus progress. Collective under FSDP2."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        to_cpu = lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        from torch.utils._pytree import tree_map
+
+        return {"model": tree_map(to_cpu, model_sd), "optim": tree_map(to_cpu, optim_sd), "step": self.step}
+
+    def load_full_state(self, full: dict[str, Any]) -> None:
+        """Load a :meth:`full_state` (every rank keeps its own slice; no collective needed)."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        set_state_dict(self.model, self.optimizer, model_state_dict=full["model"],
+                       optim_state_dict=full["optim"], options=opts)
+        self.step = int(full["step"])
