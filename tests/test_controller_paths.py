@@ -34,8 +34,11 @@ class ScriptedWorker:
     def open_store(self, generation: int) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def join(self, generation: int, rank: int, world: int, host: str, port: int) -> None:
+    def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None) -> None:
         pass
+
+    def abort_group(self) -> str:
+        return "noop"
 
     def sync(self, src: int) -> int:
         return self.step

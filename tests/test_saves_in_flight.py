@@ -15,6 +15,7 @@ from pathlib import Path
 from checkpoint_fixtures import DUMMY_KEY, DUMMY_SECRET, free_port  # noqa: F401
 
 from elastictrain.checkpoint import CheckpointStore
+from elastictrain.events import read_events
 from tests.conftest import BackgroundRun, job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,26 +62,28 @@ def test_stalled_s3_save_in_flight_does_not_stall_recovery_and_never_commits(tmp
     try:
         s3fs.S3FileSystem(**moto.options()).mkdir("ckpt")
         ck = {"uri": "s3://ckpt/runs", "every_steps": 10, "storage_options": moto.options()}
-        spec = job(train={"steps": 40}, checkpoint=ck, faults=SLOW)
+        spec = job(train={"steps": 80}, checkpoint=ck, faults=SLOW)
         bg = BackgroundRun(tmp_path, spec)
         victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=120)
         bg.wait_for(lambda e: e["event"] == "checkpoint_saved" and e["step"] == 10, timeout=120)
-        os.kill(moto.proc.pid, signal.SIGSTOP)  # storage stalls: the save of step 20 hangs in flight
-        bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 22, timeout=120)
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(moto.proc.pid, signal.SIGSTOP)  # storage stalls from now on
+        seen = max(e["step"] for e in read_events(bg.dir) if e["event"] == "step")
+        stalled = (seen + 5) // 10 * 10 + 10  # a save that surely starts after the stall (workers run ahead)
+        bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= stalled + 2, timeout=120)
+        os.kill(victim["pid"], signal.SIGKILL)  # the save of `stalled` hangs in flight
         recovered = bg.wait_for(lambda e: e["event"] == "recovered", timeout=120)
         os.kill(moto.proc.pid, signal.SIGCONT)
         run = bg.finish(timeout=240)
         print(f"stalled S3, save in flight at the kill: downtime_s={recovered['downtime_s']} "
               f"recovery_s={recovered['recovery_s']}")
-        assert run.result.exit_code == 0 and run.summary["final_step"] == 40
+        assert run.result.exit_code == 0 and run.summary["final_step"] == 80
         # Loose: it used to wait for the writer up to timeouts.collective_s (15 here), then join its thread.
         assert recovered["downtime_s"] < spec["timeouts"]["collective_s"], recovered
-        assert 20 not in run.summary["checkpoints_committed"]  # the abandoned save never commits
+        assert stalled not in run.summary["checkpoints_committed"]  # the abandoned save never commits
         store = CheckpointStore("s3://ckpt/runs/t", moto.options())
-        assert 20 not in [m.step for m in store.committed()]
+        assert stalled not in [m.step for m in store.committed()]
         newest, skipped = store.latest_valid()
-        assert newest is not None and newest.step == 40 and store.verify(newest) == []
+        assert newest is not None and newest.step == 80 and store.verify(newest) == []
     finally:
         moto.stop()
 
