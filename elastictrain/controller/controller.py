@@ -21,7 +21,8 @@ from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.monitor import Failure, WorkerMonitor
+from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
@@ -51,12 +52,14 @@ class PeerRestore:
 
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None) -> None:
+                 resume_manifest: Any = None, group: WorkerGroup | None = None) -> None:
+        """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
+        one with the same interface to step the state machine through its paths)."""
         self.config = config
         self.task = task
         self.events = events
         self.sm = StateMachine()
-        self.group = WorkerGroup(config, task)
+        self.group = group if group is not None else WorkerGroup(config, task)
         self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
@@ -66,7 +69,7 @@ class Controller(WorkerMonitor):
         self.world_size = 0
         self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
         self.any_setup_ok = False
-        self.pending_failures: list[Failure] = []
+        self.detector = FailureDetector(config.timeouts)  # observations in, Failures out (no Ray)
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
@@ -94,6 +97,8 @@ class Controller(WorkerMonitor):
                 self.step()
         finally:
             self.group.shutdown()
+            self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
+            self.committer.close()
         return self.summary()
 
     def request_preemption(self, reason: str) -> None:
@@ -400,6 +405,7 @@ class Controller(WorkerMonitor):
         self.ledger.flush_partial()
         self.generation += 1
         gen, world = self.generation, len(chosen)
+        self.committer.new_generation(gen, world)
         for s in self.group.members():
             if s not in chosen:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
@@ -532,8 +538,8 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
-            self.committer.expect(step, len(members))
             self._collect_reports(members)
+            self.committer.drain(timeout=t.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")
             return False
@@ -551,6 +557,7 @@ class Controller(WorkerMonitor):
             self._collect_reports(members)
             for s in members:
                 self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
