@@ -131,6 +131,17 @@ class StepRunner:
         if self.pm is not None and self.pm.replicated:
             self.pm = None
 
+    def failed_in_collective(self, exc: BaseException) -> bool:
+        """Whether ``exc`` came from waiting on peers (a peer died) rather than from this rank's own work.
+        Under a sharded layout forward and backward gather parameters, so a communication error during
+        "compute" counts too (recognised by torch.distributed's error types and gloo/NCCL messages)."""
+        if self.phase == "collective":
+            return True
+        if self.replicated:
+            return False
+        text = f"{type(exc).__name__}: {exc}"
+        return isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection"))
+
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
 
