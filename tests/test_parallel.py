@@ -116,3 +116,20 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
         assert sorted(e["sample_ids"]) == sorted(step_sample_ids(step - 1, 16, 0, n).tolist())
     lf, lc = faulty.summary["final_loss"], clean.summary["final_loss"]
     assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+
+
+def test_hugging_face_gpt2_shape_under_fsdp(tmp_path, ray_local):
+    pytest.importorskip("transformers", reason="transformers is not installed: the GPT-2-shaped model needs it")
+    import dataclasses
+
+    from elastictrain.parallel.parallelize import repeated_blocks
+    from tests.parallel_fixtures import HFGPT2, hf_loss
+
+    assert len(repeated_blocks(HFGPT2()())) == 2  # the default layout finds transformer.h's blocks
+    runs = {}
+    for plan, world in (("ddp", 1), ("fsdp", 2)):
+        spec = _spec(plan, world, steps=3)
+        task = dataclasses.replace(_constant_lr_task(spec), model_fn=HFGPT2(), loss_fn=hf_loss)
+        runs[plan] = run_job(tmp_path, spec, task=task, name=f"hf{plan}")
+        assert runs[plan].result.exit_code == 0, runs[plan].summary
+    _close(runs["fsdp"], runs["ddp"])
