@@ -34,6 +34,8 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
         result = Trainer(config, run_dir=run_dir, ray_address=ray_address).fit()
     except CheckpointUnavailable as e:
         _die(f"checkpoint error: {e}", EXIT_CHECKPOINT)
+    except ConfigError as e:  # pre-flight checks on the driver, before any Ray resource
+        _die(f"config error: {e}", EXIT_CONFIG)
     s = result.summary
     if result.ok:
         click.echo(f"elastictrain: finished step {s['final_step']} loss {s['final_loss']:.4f} in {s['wall_s']:.1f}s "

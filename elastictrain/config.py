@@ -134,13 +134,15 @@ class CheckpointConfig(_Section):
     when_busy: Literal["skip", "wait"] = "skip"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
-    memory_every_steps: int = Field(0, ge=0, description="in-memory replica cadence; 0 disables")
+    memory_every_steps: int = Field(0, ge=0, description="peer memory tier cadence (steps); 0 disables")
 
 
 class RecoveryConfig(_Section):
     mode: Literal["elastic", "strict"] = "elastic"
-    max_failures: int = Field(10, ge=0)
-    max_failures_per_rank: int = Field(3, ge=1)
+    max_failures: int = Field(10, ge=0, description="failures allowed within failure_window_s")
+    failure_window_s: float = Field(3600.0, gt=0, description="the window of the failure-rate budget")
+    max_failures_per_rank: int = Field(3, ge=1, description="failures in a row without progress: a crash loop")
+    progress_steps: int = Field(3, ge=1, description="steps after joining that count as progress")
     min_workers_wait_s: float = Field(60.0, gt=0)
     straggler_factor: float = Field(2.0, gt=1.0)
     straggler_window: int = Field(8, ge=2)
@@ -187,9 +189,9 @@ class FaultConfig(_Section):
 
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
-    point: Literal["before_step", "mid_step", "after_step"] = "mid_step"
+    point: Literal["before_step", "mid_step", "after_step", "backward"] = "mid_step"
     kind: Literal["kill", "hang", "raise", "slow"] = "kill"
-    seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step; for hang: how long")
+    seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step (a hang lasts until killed)")
     repeat: bool = Field(False, description="fire again whenever that rank reaches that step (crash loops)")
     generation: int | None = Field(0, description="only in this membership generation; null = any")
 

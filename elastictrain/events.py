@@ -18,7 +18,7 @@ from typing import Any, TextIO
 EVENTS = (
     "run_started", "worker_started", "generation_started", "resumed", "step", "checkpoint_saved",
     "checkpoint_skipped", "checkpoint_failed", "failure", "recovered", "resized", "straggler",
-    "preempted", "worker_lost", "run_finished", "run_failed",
+    "preempted", "worker_lost", "run_finished", "run_failed", "warning", "memory_snapshot_rejected",
 )
 
 # Events that a person wants on the console even when step lines are thinned out.

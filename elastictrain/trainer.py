@@ -59,6 +59,7 @@ class Trainer:
         elif isinstance(config, dict):
             config = build_config(config)
         self.config: JobConfig = config
+        self._builtin_task = task is None
         self.task = task or builtin_task(config)
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
         self.console = console
@@ -66,6 +67,11 @@ class Trainer:
         self.controller: Any = None
 
     def fit(self) -> RunResult:
+        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist) and
+        CheckpointUnavailable before any Ray resource is requested."""
+        from elastictrain.preflight import check_job
+
+        check_job(self.config, builtin_task=self._builtin_task)
         store, manifest = self._resolve_resume()  # before any Ray resource is requested
         self.run_dir.mkdir(parents=True, exist_ok=True)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)

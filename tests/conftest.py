@@ -115,6 +115,11 @@ class BackgroundRun:
             self.thread.join(0.05)
         raise AssertionError(f"no matching event within {timeout}s in {self.dir}")
 
+    def events(self) -> list[dict[str, Any]]:
+        """The events written so far."""
+        path = self.dir / "events.jsonl"
+        return read_events(self.dir) if path.exists() else []
+
     def finish(self, timeout: float = 120.0) -> Run:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "run did not finish"

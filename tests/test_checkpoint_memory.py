@@ -1,72 +1,71 @@
-"""In-memory tier: keeper budget/eviction logic, and the real actor + replicator on a local Ray."""
+"""Peer memory tier: keeper budget/eviction logic, ring placement, and the real actor + replicator on a
+local Ray, read back through the DCP snapshot reader."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from elastictrain.checkpoint.memory import KeeperState, MemoryReplicator, ShardKeeper
+from elastictrain.checkpoint.memory import KeeperSource, KeeperState, MemoryReplicator, ShardKeeper, keeper_ring
+from elastictrain.checkpoint.memory_dcp import SnapshotReader, take_snapshot
 
 
-@pytest.fixture(scope="module")
-def _own_ray():
-    """Fallback when the suite has no shared ``ray_local``: a module-scoped local Ray of our own."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+def _snap(rank: int, step: int, n_floats: int, value: float = 1.0, generation: int = 0):
+    return take_snapshot({"model": {"w": torch.full((n_floats,), value)}}, rank=rank, step=step,
+                         generation=generation)
 
 
-@pytest.fixture
-def ray_ctx(request: pytest.FixtureRequest) -> None:
-    try:
-        request.getfixturevalue("ray_local")  # the suite's shared local Ray, when tests/conftest.py has it
-    except pytest.FixtureLookupError:
-        request.getfixturevalue("_own_ray")
-
-
-def _snap(n_floats: int, value: float = 1.0) -> dict:
-    return {"model": {"w": torch.full((n_floats,), value)}, "optim": {"lr": 0.1}}
-
-
-def test_keeper_budget_evicts_oldest_other_rank_and_rejects_oversize() -> None:
+def test_keeper_keeps_two_steps_per_rank_evicts_oldest_and_rejects_oversize() -> None:
     k = KeeperState(budget_bytes=1000)
-    assert k.put(0, 1, _snap(100)).accepted  # 400 bytes
-    assert k.put(1, 1, _snap(100)).accepted  # 800
-    r = k.put(2, 1, _snap(100))  # 1200 > 1000: rank 0 (oldest) goes
-    assert r.accepted and r.evicted == [(0, 1)] and "evicted" in r.reason
-    assert k.get(0) is None and k.stats() == {"bytes": 800, "entries": 2}
-    assert k.put(1, 2, _snap(150)).accepted  # replaces its own older snapshot: 600 + 400 fits
-    assert k.get(1)[0] == 2 and k.get(1, step=1) is None
-    big = k.put(3, 1, _snap(300))
-    assert not big.accepted and "exceed the keeper budget" in big.reason
-    stale = k.put(1, 1, _snap(10))
-    assert not stale.accepted and "older" in stale.reason
+    assert k.put(_snap(0, 1, 100)).accepted  # 400 bytes
+    assert k.put(_snap(1, 1, 100)).accepted  # 800
+    r = k.put(_snap(2, 1, 100))  # 1200 > 1000: rank 0's (oldest put) goes
+    assert r.accepted and r.evicted == [(0, 0, 1)] and "evicted" in r.reason
+    assert {(m.rank, m.step) for m in k.catalog()} == {(1, 1), (2, 1)}
+    assert k.put(_snap(1, 2, 50)).accepted and k.put(_snap(1, 3, 50)).accepted  # keeps steps 2, 3 of rank 1
+    assert sorted(m.step for m in k.catalog() if m.rank == 1) == [2, 3]
+    big = k.put(_snap(3, 1, 300))
+    assert not big.accepted and "exceed the keeper budget of 1000 bytes" in big.reason and big.rank == 3
+    stale = k.put(_snap(1, 1, 10))
+    assert not stale.accepted and "not newer" in stale.reason
+    assert k.put(_snap(1, 1, 10, generation=1)).accepted  # another generation is another series
+    with pytest.raises(KeyError, match="rank 7"):
+        k.fetch(0, 7, 1, [])
     with pytest.raises(ValueError, match="budget"):
         KeeperState(0)
 
 
-def test_actor_and_replicator(ray_ctx) -> None:
+def test_keeper_ring_never_uses_own_node_unless_alone() -> None:
+    assert keeper_ring(["b", "a", "c", "a"], ["a", "b", "c"]) == ["c", "b", "a", "b"]
+    assert keeper_ring(["a", "b"], ["a", "b"]) == ["b", "a"]
+    assert keeper_ring(["x"], ["a", "b"]) == ["a"]  # a node without keeper: the next in the ring
+    assert keeper_ring(["a"], ["a"]) == ["a"]  # single node: only process deaths are covered
+    assert keeper_ring(["a"], []) == [None]
+
+
+def test_actor_replicator_and_reader(ray_local) -> None:
     import ray
 
     keeper = ShardKeeper.remote(10_000_000)
-    rep = MemoryReplicator(keeper, rank=1)
-    state = _snap(1000, 1.0)
-    rep.push_async(5, state)
+    rep = MemoryReplicator(keeper, rank=1, generation=3, timeout_s=30)
+    state = {"model": {"w": torch.full((1000,), 1.0)}, "progress": {"step": 5}}
+    rep.push(5, state)
     state["model"]["w"].fill_(-1.0)  # the push already copied the tensors
-    for step in (6, 7, 8):  # pushes issued while one is in flight: older queued ones are dropped
-        rep.push_async(step, _snap(1000, float(step)))
-    results = rep.flush(timeout=30)
-    assert all(r.accepted for r in results) and 1 <= len(results) <= 4
-    step, got = ray.get(keeper.get.remote(1))
-    assert step == 8 and torch.equal(got["model"]["w"], torch.full((1000,), 8.0))
-    assert ray.get(keeper.get.remote(1, 5)) is None
-    assert ray.get(keeper.stats.remote()) == {"bytes": 4000, "entries": 1}
+    for step in (6, 7, 8):  # pushes issued while one is in flight: older waiting ones are replaced
+        rep.push(step, {"model": {"w": torch.full((1000,), float(step))}, "progress": {"step": step}})
+    assert rep.flush(timeout=30)
+    out = rep.reports()
+    assert out["snapshots"] == 4 and out["stall_s"] > 0
+    assert all(r.accepted for r in out["results"]) and 1 <= len(out["results"]) <= 4
+    (meta,) = [m for m in ray.get(keeper.catalog.remote()) if m.step == 8]
+    target = {"model": {"w": torch.zeros(1000)}, "progress": {"step": 0}}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, storage_reader=SnapshotReader([KeeperSource(keeper, meta, timeout_s=30)]), no_dist=True)
+    assert torch.equal(target["model"]["w"], torch.full((1000,), 8.0)) and target["progress"] == {"step": 8}
     ray.kill(keeper)
-    rep.push_async(9, _snap(10))
-    (dead,) = rep.flush(timeout=30)
-    assert not dead.accepted and "keeper failed" in dead.reason
+    rep.push(9, {"model": {"w": torch.zeros(10)}})
+    assert rep.flush(timeout=60)
+    (dead,) = rep.reports()["results"]
+    assert not dead.accepted and "to its keeper failed" in dead.reason and dead.step == 9
+    rep.close(timeout=30)

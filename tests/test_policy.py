@@ -8,11 +8,13 @@ from hypothesis import strategies as st
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
 from elastictrain.controller.policy import (
+    FailureRecord,
     decide_membership,
     failure_verdict,
     find_stragglers,
     hang_bound,
     pick_source,
+    setup_verdict,
 )
 from elastictrain.data.cursor import valid_world_sizes
 
@@ -139,26 +141,65 @@ def test_membership_invariants(layout, available, mode, waited, limit) -> None:
 
 
 # ------------------------------------------------------------------------------------- failure_verdict
-R = RecoveryConfig(max_failures=5, max_failures_per_rank=2)
+R = RecoveryConfig(max_failures=5, failure_window_s=100.0, max_failures_per_rank=2, progress_steps=3)
+
+
+def _f(at: float, slot: int | None = 0, progress: int = 10, kind: str = "process_died", reason: str = "boom"):
+    return FailureRecord(at=at, slot=slot, kind=kind, reason=reason, progress=progress)
 
 
 def test_failures_within_budget_keep_recovering() -> None:
-    assert failure_verdict(0, {}, R) is None
-    assert failure_verdict(5, {0: 2, 1: 2, 2: 1}, R) is None  # limits are inclusive
+    assert failure_verdict([], 0.0, R) is None
+    five = [_f(t, slot=t % 3) for t in range(5)]
+    assert failure_verdict(five, 5.0, R) is None  # limits are inclusive
 
 
-def test_failure_budget_spent() -> None:
-    why = failure_verdict(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}, R)
-    assert why is not None and "recovery.max_failures=5" in why and "6 failures" in why
+def test_failure_rate_budget_spent_within_the_window() -> None:
+    six = [_f(t * 10.0, slot=t) for t in range(6)]
+    why = failure_verdict(six, 50.0, R)
+    assert why is not None and "6 failures within 100s" in why and "recovery.max_failures=5" in why
+    assert "failure_window_s=100" in why and "boom" in why
 
 
-def test_crash_loop_names_the_slot() -> None:
-    why = failure_verdict(4, {0: 1, 3: 3}, R)
+def test_old_failures_leave_the_window() -> None:
+    """A long run's ordinary failures, spread out, never spend the budget: 50 failures, 30 s apart."""
+    many = [_f(t * 30.0, slot=1) for t in range(50)]
+    assert failure_verdict(many, many[-1].at, R) is None
+
+
+def test_crash_loop_is_failures_in_a_row_without_progress() -> None:
+    loop = [_f(t, slot=3, progress=0, kind="setup_failed", reason="ImportError: no module x") for t in range(3)]
+    why = failure_verdict(loop, 3.0, R)
     assert why is not None and "slot 3" in why and "crash loop" in why and "max_failures_per_rank=2" in why
+    assert "without progress" in why and "ImportError: no module x" in why
+
+
+def test_progress_resets_the_crash_loop_count() -> None:
+    # slot 1 fails twice without progress, then trains (progress 50) and fails, then once more without.
+    seq = [_f(0, 1, 0), _f(1, 1, 2), _f(2, 1, 50), _f(3, 1, 0), _f(4, 1, 1)]
+    assert failure_verdict(seq, 4.0, R) is None
+    assert failure_verdict(seq + [_f(5, 1, 0)], 5.0, R) is not None
+
+
+def test_group_failures_count_as_their_own_slot() -> None:
+    seq = [_f(t, slot=None, progress=0, kind="group_failed") for t in range(3)]
+    why = failure_verdict(seq, 3.0, R)
+    assert why is not None and "the worker group" in why
 
 
 def test_crash_loop_reports_lowest_slot_first() -> None:
-    assert "slot 1 " in failure_verdict(5, {4: 3, 1: 3}, R)
+    seq = [_f(t, slot=s, progress=0) for t in range(3) for s in (4, 1)]
+    assert "slot 1 " in failure_verdict(seq, 3.0, RecoveryConfig(max_failures=50, max_failures_per_rank=2))
+
+
+def test_setup_verdict_stops_a_deterministic_setup_failure() -> None:
+    same = [_f(0, s, 0, "setup_failed", "FileNotFoundError: x.parquet") for s in range(3)]
+    why = setup_verdict(same, slots=3, any_setup_ok=False)
+    assert why is not None and "every worker (3)" in why and "FileNotFoundError: x.parquet" in why
+    assert setup_verdict(same[:2], slots=3, any_setup_ok=False) is None  # slot 2 may still succeed
+    assert setup_verdict(same, slots=3, any_setup_ok=True) is None  # it worked somewhere: not deterministic
+    mixed = same[:2] + [_f(0, 2, 0, "setup_failed", "MemoryError")]
+    assert setup_verdict(mixed, slots=3, any_setup_ok=False) is None
 
 
 # ------------------------------------------------------------------------------------ find_stragglers

@@ -2,7 +2,8 @@
 
 Worker side: :class:`CheckpointWriter` (save), :func:`load_checkpoint` (load/reshard),
 :func:`app_state` / :func:`apply_app_state` (model + optimizer state that a fresh optimizer can load),
-:class:`MemoryReplicator` (in-memory replica on a peer node's :class:`ShardKeeper`).
+:class:`MemoryReplicator` (the peer memory tier: each rank's snapshot on another node's
+:class:`ShardKeeper`, read back through :class:`~elastictrain.checkpoint.memory_dcp.SnapshotReader`).
 Controller side: :class:`CheckpointStore` (commit, list, verify, resolve, retain).
 CLI: the click group :data:`ckpt`.
 """
@@ -17,7 +18,7 @@ from elastictrain.checkpoint.writer import CheckpointWriter
 
 
 def __getattr__(name: str):  # ray and click are imported only by those who use them
-    if name in ("ShardKeeper", "MemoryReplicator", "KeeperState", "PutResult"):
+    if name in ("ShardKeeper", "MemoryReplicator", "KeeperState", "KeeperSource", "PutResult", "keeper_ring"):
         from elastictrain.checkpoint import memory
 
         return getattr(memory, name)
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointStore",
     "CheckpointWriter",
     "FileInfo",
+    "KeeperSource",
     "KeeperState",
     "Manifest",
     "ManifestError",
@@ -44,6 +46,7 @@ __all__ = [
     "app_state",
     "apply_app_state",
     "ckpt",
+    "keeper_ring",
     "load_checkpoint",
     "loads_metadata",
     "retention_plan",

@@ -1,38 +1,53 @@
-"""In-memory tier: each rank's latest snapshot kept by a keeper actor on ANOTHER node.
+"""The peer memory tier: every rank's snapshot kept in host memory by a keeper actor on ANOTHER node.
 
-A lost node loses its workers but not their state: a replacement fetches the snapshot from the peer
-node's :class:`ShardKeeper` instead of going back to the last durable checkpoint. The keeper holds one
-snapshot per rank (the newest step wins) inside a byte budget; when a put would exceed it, the oldest
-snapshots of other ranks are evicted, and a snapshot larger than the whole budget is rejected. Every put
-returns a :class:`PutResult` saying which of these happened, so the caller can emit an event.
+Gemini (SOSP'23) keeps each machine's checkpoint in a peer machine's CPU memory; so do we. Every
+``checkpoint.memory_every_steps`` steps each rank takes a collective-free snapshot of its own DCP state
+(:func:`~elastictrain.checkpoint.memory_dcp.take_snapshot`: its shards of parameters and optimizer state,
+plus step and data cursor) and sends it straight to a :class:`ShardKeeper`, one per node, that the
+controller placed on a node other than the rank's own (:func:`keeper_ring`). The driver never touches the
+bytes: it only reads the keepers' catalogues (chunk metadata) to decide, and the next generation's ranks
+pull the chunks they need from the keepers through a DCP reader
+(:class:`~elastictrain.checkpoint.memory_dcp.SnapshotReader` over :class:`KeeperSource`), resharding to
+any new layout or world size.
 
-Placement (which node's keeper a rank pushes to) is the controller's decision, not made here.
+Why keeper actors and not the Ray object store: an object belongs to the worker that put it, and Ray
+loses an object whose owner died even when a copy sits on another node -- exactly the failure this tier
+exists for. A keeper actor owns the bytes in its own heap, on a node chosen by the controller, and
+outlives the workers. A keeper dies with its node; that is why a rank never uses its own node's keeper
+(unless the cluster has a single node, where the tier then covers process deaths only).
+
+The keeper holds the newest :data:`KEEP_PER_RANK` snapshots of each (generation, rank) -- two, so that
+a complete set of one step survives while the next step's pushes are in flight -- inside a byte budget.
+When a put would exceed the budget, the oldest puts of other ranks are evicted; a snapshot larger than
+the whole budget is rejected. Every put returns a :class:`PutResult`; the worker reports rejected ones
+to the controller, which emits ``memory_snapshot_rejected`` and a log line (never silent).
+
+Stall: the snapshot copy on the step thread is the only stall; serialising and sending it to the keeper
+runs on the replicator's background thread while training continues.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import torch
+
+from elastictrain.checkpoint.memory_dcp import Key, Snapshot, SnapshotMeta, take_snapshot
+
+KEEP_PER_RANK = 2
 
 
 @dataclass(frozen=True)
 class PutResult:
     accepted: bool
     reason: str
-    evicted: list[tuple[int, int]] = field(default_factory=list)  # (rank, step) dropped to make room
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    evicted: list[tuple[int, int, int]] = field(default_factory=list)  # (generation, rank, step) dropped
+    step: int = -1
+    rank: int = -1
 
 
 class KeeperState:
@@ -42,40 +57,47 @@ class KeeperState:
         if budget_bytes <= 0:
             raise ValueError(f"ShardKeeper budget must be > 0 bytes, got {budget_bytes}")
         self.budget = budget_bytes
-        self._snaps: dict[int, tuple[int, Any, int, int]] = {}  # rank -> (step, tensors, nbytes, seq)
+        self._snaps: dict[tuple[int, int, int], tuple[Snapshot, int]] = {}  # (gen, rank, step) -> (snap, seq)
         self._seq = 0
 
-    def put(self, rank: int, step: int, tensors: Any) -> PutResult:
-        size = _nbytes(tensors)
-        old = self._snaps.get(rank)
-        if old is not None and old[0] > step:
-            return PutResult(False, f"rank {rank}: step {step} is older than the kept step {old[0]}; ignored")
+    def put(self, snap: Snapshot) -> PutResult:
+        m = snap.meta
+        key, size = (m.generation, m.rank, m.step), m.nbytes
+        where = f"rank {m.rank} step {m.step} (generation {m.generation})"
+        mine = sorted(k for k in self._snaps if k[:2] == key[:2])
+        if key in self._snaps or (len(mine) >= KEEP_PER_RANK and m.step < mine[0][2]):
+            return PutResult(False, f"{where}: not newer than the kept steps {[k[2] for k in mine]}; ignored",
+                             step=m.step, rank=m.rank)
         if size > self.budget:
-            return PutResult(False, f"rank {rank} step {step}: {size} bytes exceed the keeper budget {self.budget}")
-        others = {r: s for r, s in self._snaps.items() if r != rank}
+            return PutResult(False, f"{where}: {size} bytes exceed the keeper budget of {self.budget} bytes",
+                             step=m.step, rank=m.rank)
+        for old in mine[: max(0, len(mine) - KEEP_PER_RANK + 1)]:  # this rank's oldest make room first
+            del self._snaps[old]
+        used = sum(s.meta.nbytes for s, _ in self._snaps.values())
         evicted = []
-        used = sum(s[2] for s in others.values())
-        for r, snap in sorted(others.items(), key=lambda kv: kv[1][3]):  # oldest put first
+        for k, _ in sorted(self._snaps.items(), key=lambda kv: kv[1][1]):  # oldest put first
             if used + size <= self.budget:
                 break
-            evicted.append((r, snap[0]))
-            used -= snap[2]
-            del self._snaps[r]
+            evicted.append(k)
+            used -= self._snaps.pop(k)[0].meta.nbytes
         self._seq += 1
-        self._snaps[rank] = (step, tensors, size, self._seq)
-        why = f"kept rank {rank} step {step} ({size} bytes)"
+        self._snaps[key] = (snap, self._seq)
+        why = f"kept {where} ({size} bytes)"
         if evicted:
             why += f"; evicted {evicted} to stay within {self.budget} bytes"
-        return PutResult(True, why, evicted)
+        return PutResult(True, why, evicted, step=m.step, rank=m.rank)
 
-    def get(self, rank: int, step: int | None = None) -> tuple[int, Any] | None:
-        snap = self._snaps.get(rank)
-        if snap is None or (step is not None and snap[0] != step):
-            return None
-        return snap[0], snap[1]
+    def catalog(self) -> list[SnapshotMeta]:
+        return [s.meta for s, _ in self._snaps.values()]
+
+    def fetch(self, generation: int, rank: int, step: int, keys: Iterable[Key]) -> dict[Key, Any]:
+        got = self._snaps.get((generation, rank, step))
+        if got is None:
+            raise KeyError(f"no snapshot of rank {rank} step {step} (generation {generation}) is kept here")
+        return got[0].fetch(keys)
 
     def stats(self) -> dict[str, int]:
-        return {"bytes": sum(s[2] for s in self._snaps.values()), "entries": len(self._snaps)}
+        return {"bytes": sum(s.meta.nbytes for s, _ in self._snaps.values()), "entries": len(self._snaps)}
 
 
 @ray.remote(num_cpus=0)
@@ -85,63 +107,120 @@ class ShardKeeper:
     def __init__(self, budget_bytes: int) -> None:
         self._state = KeeperState(budget_bytes)
 
-    def put(self, rank: int, step: int, tensors: Any) -> PutResult:
-        return self._state.put(rank, step, tensors)
+    def put(self, snap: Snapshot) -> PutResult:
+        return self._state.put(snap)
 
-    def get(self, rank: int, step: int | None = None) -> tuple[int, Any] | None:
-        return self._state.get(rank, step)
+    def catalog(self) -> list[SnapshotMeta]:
+        return self._state.catalog()
+
+    def fetch(self, generation: int, rank: int, step: int, keys: list[Key]) -> dict[Key, Any]:
+        return self._state.fetch(generation, rank, step, keys)
 
     def stats(self) -> dict[str, int]:
         return self._state.stats()
 
 
-class MemoryReplicator:
-    """Worker side: push this rank's state to a keeper without waiting for it.
+class KeeperSource:
+    """A snapshot held by an actor -- a keeper, or a live survivor (``Worker.hold_snapshot``) -- as a
+    :class:`~elastictrain.checkpoint.memory_dcp.SnapshotSource`: anything with a remote
+    ``fetch(generation, rank, step, keys)``. The loading rank pulls exactly the chunks its new shards need,
+    actor -> rank, not via the driver."""
 
-    At most one push is in flight; a newer push issued meanwhile replaces any older one still waiting
-    (only the latest snapshot matters). ``ray.put`` copies the tensors into the object store before
-    :meth:`push_async` returns, so the caller may mutate them right after.
+    def __init__(self, keeper: Any, meta: SnapshotMeta, timeout_s: float | None = None) -> None:
+        self.keeper, self.meta, self.timeout_s = keeper, meta, timeout_s
+
+    def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]:
+        m = self.meta
+        return ray.get(self.keeper.fetch.remote(m.generation, m.rank, m.step, list(keys)), timeout=self.timeout_s)
+
+
+def keeper_ring(member_nodes: Sequence[str], keeper_nodes: Sequence[str]) -> list[str | None]:
+    """For each member's node, the node whose keeper takes its snapshots: the next keeper node after its
+    own in sorted ring order, never its own unless it is the only one; None if there is no keeper."""
+    ring = sorted(set(keeper_nodes))
+    out: list[str | None] = []
+    for node in member_nodes:
+        others = [n for n in ring if n != node]
+        if not others:
+            out.append(ring[0] if ring else None)
+            continue
+        after = [n for n in others if n > node]
+        out.append(after[0] if after else others[0])
+    return out
+
+
+class MemoryReplicator:
+    """Worker side of the tier: snapshot this rank's state and send it to its keeper in the background.
+
+    :meth:`push` copies the state into host memory (the stall; returns when the copy is complete, so the
+    caller may mutate its tensors right away) and hands the snapshot to a sender thread. At most one
+    snapshot waits: a newer push replaces an older one not yet sent. :meth:`reports` returns what the
+    keeper said (and the stall seconds) since the last call; :meth:`close` stops the thread.
     """
 
-    def __init__(self, keeper: Any, rank: int) -> None:
-        self._keeper = keeper
-        self._rank = rank
-        self._in_flight: Any = None
-        self._next: tuple[int, Any] | None = None
-        self.results: list[PutResult] = []
+    def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0) -> None:
+        self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
+        self._cv = threading.Condition()
+        self._next: Snapshot | None = None
+        self._spare: Snapshot | None = None  # a sent snapshot whose host buffers the next push refills
+        self._busy = False
+        self._closed = False
+        self._results: list[PutResult] = []
+        self.stall_s = 0.0
+        self.snapshots = 0
+        self._thread = threading.Thread(target=self._send_loop, name="memory-tier-sender", daemon=True)
+        self._thread.start()
 
-    def push_async(self, step: int, state: Any) -> None:
-        """Queue ``state`` of ``step`` for the keeper; drops an older queued push."""
-        self._next = (step, ray.put(state))
-        self.poll()
+    def push(self, step: int, state_dict: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        with self._cv:
+            spare, self._spare = self._spare, None
+        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=spare)
+        with self._cv:
+            self.stall_s += time.perf_counter() - t0
+            self.snapshots += 1
+            if self._next is not None:  # replaced before it was sent: its buffers are free again
+                self._spare = self._next
+            self._next = snap
+            self._cv.notify_all()
 
-    def poll(self) -> None:
-        """Collect a finished push and start the queued one; never blocks."""
-        if self._in_flight is not None:
-            ready, _ = ray.wait([self._in_flight], timeout=0)
-            if not ready:
-                return
-            self._collect()
-        if self._next is not None:
-            step, ref = self._next
-            self._next = None
-            self._in_flight = self._keeper.put.remote(self._rank, step, ref)
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._next is None and not self._closed:
+                    self._cv.wait()
+                if self._next is None:
+                    return
+                snap, self._next, self._busy = self._next, None, True
+            try:
+                result = ray.get(self._keeper.put.remote(snap), timeout=self._timeout_s)
+            except Exception as e:  # noqa: BLE001 - keeper died or timed out: a lost replica, not a failed step
+                result = PutResult(False, f"sending rank {snap.meta.rank} step {snap.meta.step} to its keeper "
+                                          f"failed: {type(e).__name__}: {e}", step=snap.meta.step,
+                                   rank=snap.meta.rank)
+            with self._cv:
+                self._results.append(result)
+                self._busy = False
+                self._spare = snap  # sent (the keeper holds its own copy): reuse its buffers next time
+                self._cv.notify_all()
 
-    def _collect(self) -> None:
-        try:
-            self.results.append(ray.get(self._in_flight))
-        except Exception as e:  # noqa: BLE001 - keeper died or errored: a failed replica, not a failed step
-            self.results.append(PutResult(False, f"push to keeper failed: {type(e).__name__}: {e}"))
-        self._in_flight = None
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing waits or is being sent (a condition, not a sleep). False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._next is None and not self._busy, timeout=timeout)
 
-    def flush(self, timeout: float | None = None) -> list[PutResult]:
-        """Wait for the in-flight and queued pushes (each bounded by ``timeout``); return all results."""
-        while self._in_flight is not None or self._next is not None:
-            if self._in_flight is not None:
-                ready, _ = ray.wait([self._in_flight], timeout=timeout)
-                if not ready:
-                    break
-                self._collect()
-            self.poll()
-        out, self.results = self.results, []
+    def reports(self) -> dict[str, Any]:
+        """Results and stall since the last call: ``{"results": [PutResult], "stall_s", "snapshots"}``."""
+        with self._cv:
+            out = {"results": self._results, "stall_s": self.stall_s, "snapshots": self.snapshots}
+            self._results, self.stall_s, self.snapshots = [], 0.0, 0
         return out
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what waits (bounded by ``timeout``), then stop the sender thread."""
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._next = None
+            self._cv.notify_all()
+        self._thread.join(timeout)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from elastictrain.config import JobConfig
-from elastictrain.controller import policy
+from elastictrain.controller import policy, sources
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
@@ -31,7 +32,21 @@ log = logging.getLogger("elastictrain.controller")
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
-MEMORY_BUDGET = 4 << 30  # bytes the in-memory replica keeper may hold
+MEMORY_BUDGET = 4 << 30  # bytes each node's peer-tier keeper may hold
+
+
+class SurvivorLost(RuntimeError):
+    """A survivor chosen as a recovery source failed before serving its state."""
+
+
+@dataclass(frozen=True)
+class PeerRestore:
+    """Every member loads (resharding) from snapshots of one step that cover the state: ``KeeperSource``s
+    of the peer memory tier (``kind="memory"``) or of live survivors (``kind="peer"``)."""
+
+    step: int
+    sources: list[Any]
+    kind: str
 
 
 class Controller(WorkerMonitor):
@@ -49,7 +64,8 @@ class Controller(WorkerMonitor):
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
-        self.failures_by_slot: dict[int, int] = {}
+        self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
+        self.any_setup_ok = False
         self.pending_failures: list[Failure] = []
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
@@ -62,9 +78,13 @@ class Controller(WorkerMonitor):
         self.final_state: dict[str, Any] | None = None
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
+        self.recovery_reason = ""
+        self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
-        self.keeper = self._start_keeper()
+        self.keepers: dict[str, Any] = {}
+        self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
+        self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
     # ------------------------------------------------------------------ public
@@ -97,10 +117,13 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
+            if self.sm.terminal:  # a deterministic set-up failure ended the run
+                return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
-            starting = self.group.by_state(SlotState.STARTING)
+            # Start with what is there: once `min` are ready, slots still waiting for capacity join later.
+            starting = [s for s in self.group.by_state(SlotState.STARTING) if self.group.placed(s)]
             if not starting and len(ready) >= self.config.workers.min:
                 break
             if self.preempt_reason:
@@ -108,8 +131,10 @@ class Controller(WorkerMonitor):
         ready = self.group.by_state(SlotState.READY)
         decision = self._membership(len(ready), current=self.config.workers.max)
         if decision.action != "go":
+            unplaced = [s for s in self.group.by_state(SlotState.STARTING) if not self.group.placed(s)]
+            why = f"; {len(unplaced)} could not be placed: {self.group.shortfall()}" if unplaced else ""
             return self._fail(f"could not start {self.config.workers.min} workers within "
-                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}")
+                              f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
             return self.sm.to(State.RECOVERING, "a worker failed during the first rendezvous")
@@ -124,7 +149,10 @@ class Controller(WorkerMonitor):
             if all(r["status"] == "done" for r in results):
                 return self._finish(State.FINISHED, f"reached step {self.config.train.steps}")
             errors = "; ".join(f"slot {r['slot']}: {r['error']}" for r in results if r.get("error"))
-            return self.sm.to(State.RECOVERING, f"the group left its step loop ({errors or 'stopped'})")
+            reason = f"the group left its step loop and no worker was found dead ({errors or 'stopped'})"
+            if self._count_group_failure(reason):
+                return
+            return self.sm.to(State.RECOVERING, reason)
         if self.preempt_reason:
             self._stop_members()
             return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
@@ -217,11 +245,13 @@ class Controller(WorkerMonitor):
         self.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
-        resume = None
-        if not any(s.has_state for s in chosen):
-            resume = self._durable_fallback()
-            if self.sm.state is State.FAILED:
-                return
+        try:
+            resume = self._recovery_source(chosen, old)
+        except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
+            self._detect_dead(chosen, str(e))
+            if self.sm.state is not State.RECOVERING:
+                self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
+            return
         if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
@@ -232,46 +262,128 @@ class Controller(WorkerMonitor):
                              reason=decision.reason)
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
-    def _start_keeper(self) -> Any:
-        """The in-memory replica tier: a keeper actor on the driver's node (not a worker's)."""
+    # ------------------------------------------------------------------ recovery sources
+    def _start_keepers(self) -> None:
+        """The peer memory tier: one ShardKeeper per alive node (bound to it: it dies with its node);
+        keepers of nodes that left are forgotten. Idempotent: called at start and for each generation."""
         if not self.config.checkpoint.memory_every_steps:
-            return None
+            return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastictrain.checkpoint import ShardKeeper
 
-        here = ray.get_runtime_context().get_node_id()
-        return ShardKeeper.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(MEMORY_BUDGET)
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node in [n for n in self.keepers if n not in alive]:
+            del self.keepers[node]
+        for node in sorted(alive - set(self.keepers)):
+            self.keepers[node] = ShardKeeper.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(MEMORY_BUDGET)
 
-    def _memory_snapshot(self) -> dict[str, Any] | None:
-        if self.keeper is None:
-            return None
-        try:
-            got = ray.get(self.keeper.get.remote(0), timeout=self.config.timeouts.poll_s)
-        except Exception as e:  # noqa: BLE001 - the keeper is a cache; durable storage remains
-            self.events.emit("worker_lost", world_size=0, reason=f"in-memory replica unavailable: {e}")
-            return None
-        return None if got is None else got[1]
+    def _keepers_for(self, chosen: list[Slot]) -> list[Any]:
+        """Each member's keeper: on the next node in the ring, never its own unless it is alone."""
+        if not self.keepers:
+            return [None] * len(chosen)
+        from elastictrain.checkpoint import keeper_ring
 
-    def _durable_fallback(self) -> Any:
-        """No live worker holds training state: take the newest of the in-memory replica and the newest
-        committed checkpoint; with neither the run restarts from step 0, said loudly in the events."""
-        manifest = None
-        if self.store is not None:
-            manifest, skipped = self.store.latest_valid()
-            for why in skipped:
-                self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
-        snapshot = self._memory_snapshot()
-        if snapshot is not None and (manifest is None or snapshot["step"] >= manifest.step):
-            return snapshot
-        if manifest is None:
+        nodes = keeper_ring([str(s.info.get("node_id")) for s in chosen], list(self.keepers))
+        return [self.keepers.get(n) if n else None for n in nodes]
+
+    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
+        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused or
+        that could not be sent -- an event and a log line each, never silent."""
+        self.memory_stall_s += report["stall_s"]
+        self.memory_snapshots += report["snapshots"]
+        for r in report["rejected"]:
+            log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
+            self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
+                             reason=r["reason"])
+
+    def _peer_tier(self) -> dict[int, tuple[bool, list[Any]]]:
+        """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest)."""
+        from elastictrain.checkpoint import KeeperSource
+        from elastictrain.checkpoint.memory_dcp import coverage
+
+        groups: dict[tuple[int, int], list[Any]] = {}
+        for node, keeper in sorted(self.keepers.items()):
+            try:
+                metas = ray.get(keeper.catalog.remote(), timeout=self.config.timeouts.poll_s)
+            except Exception as e:  # noqa: BLE001 - a keeper lost with its node: its snapshots are gone
+                log.warning("peer memory tier: keeper on node %s unavailable: %s", node, e)
+                continue
+            for m in metas:
+                groups.setdefault((m.step, m.generation), []).append(
+                    KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s))
+        out: dict[int, tuple[bool, list[Any]]] = {}
+        for (step, _gen), srcs in sorted(groups.items(), reverse=True):
+            complete = coverage([x.meta for x in srcs]).complete
+            if step not in out or (complete and not out[step][0]):
+                out[step] = (complete, srcs)
+        return out
+
+    def _mesh_dims(self, world: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) of the generation of ``world`` ranks, from the plan resolver."""
+        dims = self.layout(world).dims
+        return dims.dp_replicate, dims.dp_shard
+
+    def _recovery_source(self, chosen: list[Slot], old_world: int) -> Any:
+        """Pick where the next generation's state comes from (:func:`sources.rank_sources`): None when
+        live survivors hold it all (the broadcast path), a :class:`PeerRestore` for the peer memory tier,
+        a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
+        cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
+        rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
+        members = [s for s in chosen if s.index in self.prev_ranks]
+        if shard > 1 and members and all(s.has_state for s in members):
+            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
+            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
+            return None
+        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
+        if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
+            survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
+            rep, shard = max(1, old_world), 1
+        args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.ledger.last_step)
+        decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        if decision.chosen.kind != "peer":
+            tier = self._peer_tier()
+            manifest = None
+            if self.store is not None:
+                manifest, skipped = self.store.latest_valid()
+                for why in skipped:
+                    self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+            decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
+                                            durable_step=None if manifest is None else int(manifest.step), **args)
+        self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
+        log.info("recovery source: %s", decision.reason)
+        kind = decision.chosen.kind
+        if kind == "peer" and shard > 1:  # sharded: the covering survivors serve their shards to everyone
+            return self._survivor_restore(chosen, decision.chosen)
+        if kind == "memory":
+            return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
+        if kind == "checkpoint":
+            return manifest
+        if kind == "scratch":
             self.events.emit("worker_lost", world_size=0, step=0,
-                             reason="every worker holding training state was lost and no committed checkpoint "
-                                    "exists: restarting from step 0")
+                             reason="every worker holding training state was lost and no other source holds "
+                                    f"it: restarting from step 0 ({decision.reason})")
             self.ledger.last_step = 0
-            self.recovery_source = "scratch"
-        return manifest
+            for s in chosen:
+                s.has_state = False
+        return None
+
+    def _survivor_restore(self, chosen: list[Slot], cand: sources.Candidate) -> PeerRestore:
+        """Survivors ``cand.ranks`` snapshot their live shards (collective-free) and serve them; every
+        member of the next generation then reads its new shards from them (no storage, no keeper)."""
+        from elastictrain.checkpoint import KeeperSource
+
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
+        holders = [by_rank[r] for r in cand.ranks]
+        try:
+            metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
+        except Exception as e:  # noqa: BLE001 - any holder failing is a failure like any other
+            raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}: {e}") from e
+        return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
+                                       for s, m in zip(holders, metas)], "peer")
 
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
@@ -299,11 +411,12 @@ class Controller(WorkerMonitor):
             layout = self.layout(world)
             ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
                     timeout=t.restart_grace_s)
-            if isinstance(resume, dict):  # an in-memory replica: rank 0 takes it, sync spreads it
-                step = ray.get(chosen[0].actor.load_snapshot.remote(resume), timeout=t.restart_grace_s)
-                chosen[0].has_state, chosen[0].info["step"] = True, step
-                self.recovery_source = "memory"
-                self.ledger.last_step = step
+            if isinstance(resume, PeerRestore):  # every member reads (resharding) from the keepers
+                got = ray.get([s.actor.load_peer.remote(resume.sources) for s in chosen], timeout=t.restart_grace_s)
+                for s, step in zip(chosen, got):
+                    s.has_state, s.info["step"] = True, step
+                self.recovery_source = resume.kind
+                self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
             elif resume is not None:
                 root = self.ckpt_root
                 ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
@@ -319,9 +432,11 @@ class Controller(WorkerMonitor):
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
             self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
+        self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
+            s.info.setdefault("joined_step", steps[0])  # progress of this incarnation counts from here
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"))
@@ -336,8 +451,10 @@ class Controller(WorkerMonitor):
             self.recovery_source = "peer"
         else:
             self._close_recovery(start_step=steps[0])
-        if self.keeper is not None:
-            ray.get([s.actor.attach_keeper.remote(self.keeper) for s in chosen], timeout=t.poll_s)
+        if self.config.checkpoint.memory_every_steps:
+            self._start_keepers()
+            keepers = self._keepers_for(chosen)
+            ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
 
@@ -348,6 +465,7 @@ class Controller(WorkerMonitor):
         """The new generation stands: account the recovery. ``lost_steps`` counts completed steps that must
         be redone (0 when a survivor held the newest state); the step in flight is lost time, not a step."""
         source, self.recovery_source = self.recovery_source, "peer"
+        why, self.recovery_reason = self.recovery_reason, ""
         if self.open_failure is None:
             return
         f, now = self.open_failure, time.time()
@@ -357,7 +475,7 @@ class Controller(WorkerMonitor):
         self.ledger.add_time("recovery", now - f.detected_at)
         self.events.emit("recovered", source=source,
                          recovery_s=round(now - f.detected_at, 3), downtime_s=round(now - f.last_progress, 3),
-                         lost_steps=lost, step=start_step, world_size=self.world_size)
+                         lost_steps=lost, step=start_step, world_size=self.world_size, reason=why)
         self.open_failure = None
 
     def _stop_members(self) -> None:
@@ -371,15 +489,37 @@ class Controller(WorkerMonitor):
         return self._membership(self.world_size + len(ready), self.world_size).world_size > self.world_size
 
     def _on_setup_done(self, slot: Slot) -> None:
-        if slot.state is SlotState.DEAD and "error" in slot.info:
-            self.ledger.failures += 1
-            self.failures_by_slot[slot.index] = self.failures_by_slot.get(slot.index, 0) + 1
-            self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
-                             detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-            verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
-            if verdict:
-                return self._fail(verdict)
-            self.group.spawn(slot.index)
+        if slot.state is not SlotState.DEAD or "error" not in slot.info:
+            self.any_setup_ok = True
+            return
+        if self.sm.terminal:
+            return
+        self.ledger.failures += 1
+        self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
+        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, "setup_failed", slot.info["error"], 0))
+        if verdict:
+            return self._fail(verdict)
+        self.group.spawn(slot.index)
+
+    def _judge(self, record: policy.FailureRecord) -> str | None:
+        """Add ``record`` to the failure log; a reason to stop the run, or None (see policy.failure_verdict)."""
+        self.failure_log.append(record)
+        return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
+                or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
+
+    def _count_group_failure(self, reason: str) -> bool:
+        """The group left its loop with errors but nobody is dead (e.g. a rank's own error mistaken for a
+        peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
+        run ended."""
+        self.ledger.failures += 1
+        progress = max(0, self.ledger.last_step - self.generation_start_step)
+        self.events.emit("failure", kind="group_failed", rank=None, slot=None, node_id=None, pid=None,
+                         detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
+        verdict = self._judge(policy.FailureRecord(time.time(), None, "group_failed", reason, progress))
+        if verdict:
+            self._fail(verdict)
+        return verdict is not None
 
     # ------------------------------------------------------------------ checkpoints and endings
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -417,6 +557,8 @@ class Controller(WorkerMonitor):
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 
     def _finish(self, state: State, reason: str, code: int = 0) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
@@ -430,6 +572,8 @@ class Controller(WorkerMonitor):
         self.sm.to(state, reason)
 
     def _fail(self, reason: str) -> None:
+        if self.sm.terminal:  # terminal states are final: the first ending stands
+            return
         self.final_error = reason
         self.exit_code = 1
         self.events.emit("run_failed", step=self.ledger.last_step, reason=reason,
@@ -442,6 +586,7 @@ class Controller(WorkerMonitor):
             "error": self.final_error, "exit_code": self.exit_code, "generations": self.generation + 1,
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
+            "memory_snapshots": self.memory_snapshots, "memory_snapshot_stall_s": round(self.memory_stall_s, 6),
         })
 
 

@@ -22,6 +22,14 @@ class DrainWatcher:
         self._client: Any = None
         self._next = 0.0
         self.disabled_reason: str | None = None
+        self._told = False
+
+    def take_notice(self) -> str | None:
+        """Once, after the watcher turned itself off: why (for an event and a log line); else None."""
+        if self.disabled_reason is None or self._told:
+            return None
+        self._told = True
+        return self.disabled_reason
 
     def draining(self, now: float | None = None) -> set[str]:
         """Hex ids of nodes that are draining (empty between polls or when disabled)."""
@@ -37,5 +45,6 @@ class DrainWatcher:
             infos = self._client.get_all_node_info(timeout=5)
             return {nid.hex() for nid, info in infos.items() if info.state_snapshot.state == _DRAINING}
         except Exception as e:  # noqa: BLE001 - an unstable Ray API must not stop training
-            self.disabled_reason = f"drain notices unavailable ({type(e).__name__}: {e})"
+            self.disabled_reason = (f"drain notices unavailable ({type(e).__name__}: {e}); nodes drained by Ray "
+                                    "are now seen only when they go away")
             return set()

@@ -1,6 +1,8 @@
-"""The worker group: a placement group with one bundle per slot (``workers.max + workers.spares``) and one
-actor per slot. A slot whose actor died gets a new actor in the same bundle: Ray re-places a bundle lost
-with its node when capacity exists, so a replacement waits for capacity instead of failing.
+"""The worker group: one placement bundle and one actor per slot (``workers.max + workers.spares``). The
+first ``workers.min`` slots share one placement group (with ``workers.placement_strategy``); every other
+slot has its own, so the run starts with what fits and grows when capacity appears. A slot whose actor
+died gets a new actor in the same bundle: Ray re-places a bundle lost with its node when capacity exists,
+so a replacement waits for capacity instead of failing.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -21,6 +23,36 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elastictrain.config import JobConfig
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
+
+
+def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
+    """The worker's own error in one line: the exception a task raised (not Ray's wrapper and its
+    traceback), or why the actor died. Capped at ``limit`` characters."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    err = cause if isinstance(cause, BaseException) else exc
+    text = " ".join(str(err).split()) or "(no message)"
+    if isinstance(err, ray.exceptions.RayActorError):  # Ray's long text: keep why the actor died
+        text = text[text.find("The actor is dead"):] if "The actor is dead" in text else text
+        text = text.split(" Some common causes")[0]
+    if isinstance(err, ray.exceptions.RayTaskError):  # no cause to unwrap: keep the last line (the error)
+        text = " ".join(str(err).strip().splitlines()[-1].split())
+    line = f"{type(err).__name__}: {text}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, float]]) -> str:
+    """PURE. Which resources of one worker ``bundle`` no node has free, e.g. "GPU: 0 of 1 free on any
+    node"; when every resource fits on some node but not all on one, says so."""
+    missing = []
+    for res, need in sorted(bundle.items()):
+        best = max((node.get(res, 0.0) for node in free_by_node), default=0.0)
+        if best < need:
+            missing.append(f"{res}: {best:g} of {need:g} free on any node")
+    if missing:
+        return "; ".join(missing)
+    if any(all(node.get(r, 0.0) >= n for r, n in bundle.items()) for node in free_by_node):
+        return f"a worker bundle {bundle} fits now (capacity appeared while waiting)"
+    return f"no single node has a whole worker bundle {bundle} free"
 
 
 class SlotState(enum.Enum):
@@ -48,18 +80,37 @@ class WorkerGroup:
         self.config = config
         self.task = task
         w = config.workers
-        bundle: dict[str, float] = {"CPU": w.cpus_per_worker}
+        self.bundle: dict[str, float] = {"CPU": w.cpus_per_worker}
         if w.use_gpu:
-            bundle["GPU"] = 1
+            self.bundle["GPU"] = 1
         slots = w.max + w.spares  # spares hold a bundle too, so a replacement never waits for capacity
-        self.pg = placement_group([dict(bundle) for _ in range(slots)], strategy=w.placement_strategy)
+        # The first `min` slots are placed together (the run needs them all; the strategy applies to them);
+        # every other slot has a placement group of its own, so the run starts with what fits and grows as
+        # capacity appears, instead of waiting for one all-or-nothing group of max + spares bundles.
+        core = placement_group([dict(self.bundle) for _ in range(w.min)], strategy=w.placement_strategy)
+        self._placement: list[tuple[Any, int]] = [(core, i) for i in range(w.min)]
+        for _ in range(w.min, slots):
+            self._placement.append((placement_group([dict(self.bundle)], strategy="PACK"), 0))
+        self._pgs = [core] + [pg for pg, _ in self._placement[w.min:]]
+        self._ready_refs = {id(pg): pg.ready() for pg in self._pgs}
         self.slots = [Slot(i) for i in range(slots)]
         self._actor_cls = worker_actor_class()
 
-    def wait_placed(self, timeout: float) -> bool:
-        """Wait until every bundle is placed (False: not enough capacity yet; slots stay pending)."""
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
-        return bool(ready)
+    def placed(self, slot: Slot) -> bool:
+        """True once the slot's placement group holds its resources (an actor there can start)."""
+        pg, _ = self._placement[slot.index]
+        done, _ = ray.wait([self._ready_refs[id(pg)]], timeout=0)
+        return bool(done)
+
+    def shortfall(self) -> str:
+        """Why a worker bundle does not fit now, by resource (e.g. "GPU: 0 of 1 free on any node")."""
+        try:
+            from ray._private.state import available_resources_per_node
+
+            free = list(available_resources_per_node().values())
+        except Exception as e:  # noqa: BLE001 - an internal Ray API; the message degrades, the run does not
+            return f"free resources unknown ({type(e).__name__}: {e})"
+        return describe_shortfall(self.bundle, free)
 
     def spawn(self, index: int) -> Slot:
         """Start a (new) actor in slot ``index`` and its set-up. Non-blocking."""
@@ -68,7 +119,7 @@ class WorkerGroup:
         slot.actor = self._actor_cls.options(
             num_cpus=w.cpus_per_worker, num_gpus=1 if w.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=index),
+                placement_group=self._placement[index][0], placement_group_bundle_index=self._placement[index][1]),
             max_restarts=0, max_task_retries=0,
         ).remote(self.config, self.task, index)
         slot.setup_ref = slot.actor.setup.remote()
@@ -92,7 +143,7 @@ class WorkerGroup:
                 slot.info = ray.get(ref)
                 slot.state = SlotState.READY
             except Exception as e:  # noqa: BLE001 - set-up error becomes a slot failure
-                slot.info = {"error": f"{type(e).__name__}: {e}"}
+                slot.info = {"error": describe_remote_error(e)}
                 self.kill(slot)
             out.append(slot)
         return out
@@ -140,7 +191,8 @@ class WorkerGroup:
                 except Exception:
                     pass
             self.kill(slot)
-        try:
-            remove_placement_group(self.pg)
-        except Exception:
-            pass
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass

@@ -7,6 +7,7 @@ committer and events); kept apart so each module holds one concern.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import ray
 
 from elastictrain.controller import policy
-from elastictrain.controller.group import Slot, SlotState
+from elastictrain.controller.group import Slot, SlotState, describe_remote_error
+
+log = logging.getLogger("elastictrain.controller")
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Failure:
     detected_at: float
     last_progress: float
     last_step: int  # the most advanced step any rank had completed when the failure was seen
+    progress: int = 0  # steps the failed worker completed since it joined (a crash loop makes none)
 
 
 class WorkerMonitor:
@@ -74,6 +78,8 @@ class WorkerMonitor:
                     self.committer.expect(ev["step"], ev["world_size"])
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
+        for report in result.get("memory", ()):
+            self._on_memory_report(slot, report)
 
     def _check_runs(self) -> None:
         done = [ref for ref in self.run_refs if _is_ready(ref)]
@@ -84,7 +90,7 @@ class WorkerMonitor:
             try:
                 res = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - the actor died
-                self._add_failure(slot, "process_died", f"worker process died: {type(e).__name__}")
+                self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(e)}")
                 continue
             slot.info["step"] = res["step"]
             slot.info["result"] = res
@@ -153,6 +159,10 @@ class WorkerMonitor:
         """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
         just-in-time checkpoint, exit 75 (the job is resubmitted and resumes)."""
         draining = self.drains.draining()
+        notice = self.drains.take_notice()
+        if notice:
+            log.warning("drain watcher turned off: %s", notice)
+            self.events.emit("warning", source="drain_watcher", reason=notice)
         hit = sorted({s.info.get("node_id") for s in self.group.members()} & draining)
         if hit:
             self.request_preemption(f"Ray drain notice for node {', '.join(hit)}")
@@ -175,8 +185,9 @@ class WorkerMonitor:
         if slot.state is SlotState.DEAD or any(f.slot == slot.index for f in self.pending_failures):
             return
         known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
+        progress = max(0, known - slot.info["joined_step"]) if "joined_step" in slot.info else 0
         self.pending_failures.append(Failure(slot.index, slot.rank, kind, reason, time.time(),
-                                             self.ledger.last_progress, known))
+                                             self.ledger.last_progress, known, progress))
 
     def _detect_dead(self, slots: list[Slot], reason: str) -> None:
         """After a failed collective call: find which of ``slots`` is dead or unresponsive."""
@@ -220,14 +231,15 @@ class WorkerMonitor:
             slot = self.group.slots[f.slot]
             f.last_progress = min(f.detected_at, max(f.last_progress, self.ledger.latest_record_at))
             self.ledger.failures += 1
-            self.failures_by_slot[f.slot] = self.failures_by_slot.get(f.slot, 0) + 1
             self.ledger.add_time("detection", f.detected_at - f.last_progress)
             self.events.emit("failure", kind=kind, rank=f.rank, slot=f.slot, node_id=node,
                              pid=slot.info.get("pid"), detected_after_s=round(f.detected_at - f.last_progress, 3),
                              step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
             if self.open_failure is None:
                 self.open_failure = f
-        verdict = policy.failure_verdict(self.ledger.failures, self.failures_by_slot, self.config.recovery)
+        verdicts = [self._judge(policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress))
+                    for f, kind, _ in killed]
+        verdict = next((v for v in verdicts if v), None)
         if verdict:
             return self._fail(verdict)
         for f, _, _ in killed:

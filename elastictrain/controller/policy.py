@@ -59,17 +59,56 @@ def decide_membership(
     return Membership("wait", target, f"waiting for workers: {available} available, {need} needed")
 
 
-def failure_verdict(
-    total_failures: int, failures_by_slot: Mapping[int, int], cfg: RecoveryConfig
-) -> str | None:
-    """A reason to stop the run (crash loop, failure budget spent), or None to keep recovering."""
-    if total_failures > cfg.max_failures:
-        return (f"{total_failures} failures exceed recovery.max_failures={cfg.max_failures}; "
-                "fix the cause (see the failure events) or raise the limit")
-    for slot, n in sorted(failures_by_slot.items()):
-        if n > cfg.max_failures_per_rank:
-            return (f"worker slot {slot} failed {n} times (recovery.max_failures_per_rank="
-                    f"{cfg.max_failures_per_rank}): a crash loop; see its failure events for the error")
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failure as the budget sees it. ``slot`` None: the group as a whole (it left its step loop and
+    nobody was found dead). ``progress`` is how many steps the failed worker (or the group) completed since
+    it joined; 0 for a failure in set-up or at the rendezvous."""
+
+    at: float
+    slot: int | None
+    kind: str
+    reason: str
+    progress: int
+
+
+def failure_verdict(records: Sequence[FailureRecord], now: float, cfg: RecoveryConfig) -> str | None:
+    """A reason to stop the run, or None to keep recovering.
+
+    Two budgets, neither a lifetime count (a long run meets ordinary failures all the time):
+    * a rate: more than ``max_failures`` failures within the last ``failure_window_s`` seconds;
+    * a crash loop: one slot (or the group) failed more than ``max_failures_per_rank`` times IN A ROW
+      without making progress (each time fewer than ``progress_steps`` steps after joining, set-up failures
+      included). A failure after progress resets that slot's count.
+    """
+    recent = [r for r in records if now - r.at <= cfg.failure_window_s]
+    if len(recent) > cfg.max_failures:
+        return (f"{len(recent)} failures within {cfg.failure_window_s:g}s exceed recovery.max_failures="
+                f"{cfg.max_failures} per recovery.failure_window_s={cfg.failure_window_s:g}; last: "
+                f"{recent[-1].reason}; fix the cause (see the failure events) or raise the limit")
+    streaks: dict[int | None, list[FailureRecord]] = {}
+    for r in records:
+        streaks[r.slot] = streaks.get(r.slot, []) + [r] if r.progress < cfg.progress_steps else []
+    for slot in sorted(streaks, key=lambda s: -1 if s is None else s):
+        run = streaks[slot]
+        if len(run) > cfg.max_failures_per_rank:
+            who = "the worker group" if slot is None else f"worker slot {slot}"
+            return (f"{who} failed {len(run)} times in a row without progress (each within "
+                    f"recovery.progress_steps={cfg.progress_steps} steps of joining; recovery.max_failures_per_rank="
+                    f"{cfg.max_failures_per_rank}): a crash loop; last error: {run[-1].reason}")
+    return None
+
+
+def setup_verdict(records: Sequence[FailureRecord], slots: int, any_setup_ok: bool) -> str | None:
+    """Stop at once when the failure is deterministic: no worker ever finished set-up and every one of the
+    ``slots`` slots failed its set-up with the same error (respawning would only repeat it)."""
+    if any_setup_ok:
+        return None
+    setup = [r for r in records if r.kind == "setup_failed"]
+    failed_slots = {r.slot for r in setup}
+    reasons = {r.reason for r in setup}
+    if slots and len(failed_slots) >= slots and len(reasons) == 1:
+        return f"every worker ({slots}) failed during set-up with the same error: {setup[0].reason}"
     return None
 
 

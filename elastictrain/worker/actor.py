@@ -28,6 +28,7 @@ from elastictrain.config import JobConfig
 from elastictrain.parallel.mesh import worker_device
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.task import Task
+from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
@@ -57,6 +58,8 @@ class Worker:
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
         self._replicator: Any = None
+        self._memory_reports: list[dict[str, Any]] = []
+        self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
         self._handoff: dict[str, Any] | None = None  # full state taken at a clean stop (sharded layouts)
 
     # ------------------------------------------------------------------ life cycle
@@ -187,9 +190,9 @@ class Worker:
                     r.discard_partial_step()
                     return self._result("error", str(e))
                 except Exception as e:  # noqa: BLE001 - classified below, reported to the controller
-                    in_collective = r.failed_in_collective(e)
+                    # Not by phase: a rank's own error in its last backward is its own failure.
                     r.discard_partial_step()
-                    return self._result("peer_failed" if in_collective else "error", f"{type(e).__name__}: {e}")
+                    return self._result(classify_step_error(e), f"{type(e).__name__}: {e}")
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:
@@ -227,11 +230,14 @@ class Worker:
             reports.append(self._ckpt_events.popleft())
         if self._writer is not None:
             reports.extend(self._writer.completed())
+        memory, self._memory_reports = self._memory_reports, []
+        if self._replicator is not None:
+            memory.append(self._memory_report())
         r = self.runner
         return {
             "slot": self.slot, "status": self._status, "step": r.step if r else 0,
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
-            "records": records, "ckpt": reports, "now": time.time(),
+            "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -253,25 +259,66 @@ class Worker:
         if self._writer is not None and every and step % every == 0:
             self.save(step)
         k = self.config.checkpoint.memory_every_steps
-        if self._replicator is not None and self.runner.rank == 0 and k and step % k == 0 and self.runner.replicated:
-            # Replicated (DDP) state: rank 0's copy is everyone's. ray.put copies it before returning.
-            r = self.runner
-            self._replicator.push_async(step, {"step": step, "model": r.model.state_dict(),
-                                               "optim": r.optimizer.state_dict()})
+        if self._replicator is not None and k and step % k == 0:
+            # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
+            # stall, sending it to the keeper on another node runs on the replicator's thread.
+            self._replicator.push(step, self._dcp_state())
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """This rank's training state as a DCP state dict (``TrainingState.state_dict``: model and
+        optimizer shards, step and data cursor)."""
+        return self.runner.state.state_dict()
 
     def attach_keeper(self, keeper: Any) -> None:
-        """Use ``keeper`` (a ShardKeeper on another node) as the in-memory replica tier."""
+        """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
+        ``None`` turns the tier off. Call after ``join`` (snapshots carry this generation and rank)."""
         from elastictrain.checkpoint import MemoryReplicator
 
-        self._replicator = MemoryReplicator(keeper, rank=0)
+        self._close_replicator(timeout=0)
+        if keeper is not None:
+            r = self.runner
+            self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
+                                                timeout_s=self.config.timeouts.poll_s)
 
-    def load_snapshot(self, snapshot: dict[str, Any]) -> int:
-        """Take state from an in-memory replica (the keeper's copy). Only this rank; peers get it by sync."""
+    def _close_replicator(self, timeout: float | None) -> None:
+        if self._replicator is not None:
+            self._memory_reports.append(self._memory_report())
+            self._replicator.close(timeout=timeout)
+            self._replicator = None
+
+    def _memory_report(self) -> dict[str, Any]:
+        got = self._replicator.reports()
+        return {"stall_s": got["stall_s"], "snapshots": got["snapshots"],
+                "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
+                             for p in got["results"] if not p.accepted]}
+
+    def hold_snapshot(self) -> Any:
+        """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
+        the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
+        ``SnapshotMeta``; the previous held snapshot is dropped."""
+        from elastictrain.checkpoint.memory_dcp import take_snapshot
+
         r = self.runner
-        r.model.load_state_dict(snapshot["model"])
-        r.optimizer.load_state_dict(snapshot["optim"])
-        r.step = int(snapshot["step"])
-        return r.step
+        self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        return self._held.meta
+
+    def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
+        """Chunks of the snapshot kept by :meth:`hold_snapshot` (same contract as ``ShardKeeper.fetch``)."""
+        held = self._held
+        if held is None or (held.meta.generation, held.meta.rank, held.meta.step) != (generation, rank, step):
+            raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
+        return held.fetch(keys)
+
+    def load_peer(self, sources: list[Any]) -> int:
+        """Load state from snapshots (``KeeperSource``s of one step that cover everything: peer-tier
+        keepers or survivors) into this rank, resharded into the current layout (``restore_from``).
+        Collective over the new group: every member calls it with the same sources. Returns the step;
+        raises CursorError if the snapshots' data order differs."""
+        from elastictrain.checkpoint.memory_dcp import SnapshotReader
+
+        step = self.restore_from(SnapshotReader(sources))
+        self._held = None  # a survivor's snapshot has served its purpose once every member loaded
+        return step
 
     def save(self, step: int | None = None) -> bool:
         """Start an asynchronous checkpoint of the current state (collective over the group)."""
@@ -292,7 +339,10 @@ class Worker:
             self._writer.close()
 
     def flush_checkpoints(self) -> list[Any]:
-        """Wait for in-flight saves and return their reports (used before exit)."""
+        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
+        reports (used before exit)."""
+        if self._replicator is not None:
+            self._replicator.flush(timeout=self.config.timeouts.poll_s)
         if self._writer is None:
             return []
         return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
@@ -326,6 +376,7 @@ class Worker:
         return {k: v.detach().clone() for k, v in full.items()} if self.runner.rank == 0 else None
 
     def shutdown(self) -> None:
+        self._close_replicator(timeout=self.config.timeouts.collective_s)
         self._leave_group()
 
 

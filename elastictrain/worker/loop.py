@@ -133,17 +133,6 @@ class StepRunner:
         if self.pm is not None and self.pm.replicated:
             self.pm = None
 
-    def failed_in_collective(self, exc: BaseException) -> bool:
-        """Whether ``exc`` came from waiting on peers (a peer died) rather than from this rank's own work.
-        Under a sharded layout forward and backward gather parameters, so a communication error during
-        "compute" counts too (recognised by torch.distributed's error types and gloo/NCCL messages)."""
-        if self.phase == "collective":
-            return True
-        if self.replicated:
-            return False
-        text = f"{type(exc).__name__}: {exc}"
-        return isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection"))
-
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
 
@@ -189,7 +178,10 @@ class StepRunner:
                     flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
                     stats = torch.stack([loss_sum, flag])
                     work = dist.all_reduce(stats, async_op=True)
-                (per_sample.sum() * (w / g)).backward()
+                loss = per_sample.sum() * (w / g)
+                if last:
+                    self.faults.arm_backward(loss, rank=self.rank, step=number, generation=self.generation)
+                loss.backward()
             if not last:
                 compute_s += time.perf_counter() - c0
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its

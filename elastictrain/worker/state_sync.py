@@ -1,90 +1,117 @@
 """Bring replicated state (DDP: model, optimizer, step) from one live rank to all others, in memory.
 
-Joiners receive their state from a live peer, never from storage. Tensors travel with ``dist.broadcast``
-in one flat buffer per dtype; only the small structure (shapes, optimizer hyper-parameters) is pickled.
+Joiners receive their state from a live peer, never from storage. Only the small structure travels
+pickled (the optimizer's pytree spec, its non-tensor leaves, tensor shapes and dtypes); tensors travel with
+``dist.broadcast`` with bounded extra memory: a contiguous tensor is broadcast in place, in slices of at
+most ``chunk_bytes``; small tensors are packed into one reused bucket of at most ``chunk_bytes`` per
+broadcast. Extra memory is at most one bucket (plus a contiguous copy of a non-contiguous tensor).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+CHUNK_BYTES = 16 << 20
 
 
-def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """Replace tensors in a nested structure by placeholders, collecting them in order."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return ("__tensor__", tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
-    if isinstance(obj, dict):
-        return {k: _skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_skeleton(v, tensors) for v in obj)
-    return obj
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Stands for a tensor leaf in the pickled header: receivers allocate it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
-def _fill(skel: Any, it: Any) -> Any:
-    if isinstance(skel, tuple) and len(skel) == 3 and skel[0] == "__tensor__":
-        return next(it)
-    if isinstance(skel, dict):
-        return {k: _fill(v, it) for k, v in skel.items()}
-    if isinstance(skel, (list, tuple)):
-        return type(skel)(_fill(v, it) for v in skel)
-    return skel
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
-def _placeholders(skel: Any, out: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-    if isinstance(skel, tuple) and len(skel) == 3 and skel[0] == "__tensor__":
-        out.append((skel[1], getattr(torch, skel[2])))
-    elif isinstance(skel, dict):
-        for v in skel.values():
-            _placeholders(v, out)
-    elif isinstance(skel, (list, tuple)):
-        for v in skel:
-            _placeholders(v, out)
-
-
-def _broadcast_flat(tensors: list[torch.Tensor], src: int, group: Any) -> None:
-    """Broadcast a list of tensors in place, one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+def _buckets(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Runs of consecutive small tensors of one dtype, each run at most ``chunk_bytes``; a tensor of at
+    least ``chunk_bytes / 4`` is a run of its own (sent in place). Same order on every rank."""
+    run: list[torch.Tensor] = []
+    size = 0
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        group_tensors = by_dtype[dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors]) if group_tensors else None
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
+        big = _nbytes(t) * 4 >= chunk_bytes
+        if run and (big or t.dtype != run[0].dtype or size + _nbytes(t) > chunk_bytes):
+            yield run
+            run, size = [], 0
+        if big:
+            yield [t]
+            continue
+        run.append(t)
+        size += _nbytes(t)
+    if run:
+        yield run
+
+
+def _broadcast_in_place(t: torch.Tensor, src: int, group: Any, chunk_bytes: int) -> None:
+    flat = t.detach() if t.is_contiguous() else t.detach().contiguous()
+    flat = flat.view(-1)
+    step = max(1, chunk_bytes // max(1, t.element_size()))
+    for start in range(0, flat.numel(), step):
+        dist.broadcast(flat[start:start + step], src=src, group=group)
+    if flat.data_ptr() != t.data_ptr():
         with torch.no_grad():
-            for t in group_tensors:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+            t.copy_(flat.view_as(t))
+
+
+def _broadcast_chunked(tensors: list[torch.Tensor], src: int, group: Any, chunk_bytes: int) -> None:
+    bucket: torch.Tensor | None = None
+    for run in _buckets(tensors, chunk_bytes):
+        if len(run) == 1:
+            _broadcast_in_place(run[0], src, group, chunk_bytes)
+            continue
+        n = sum(t.numel() for t in run)
+        if bucket is None or bucket.dtype != run[0].dtype or bucket.numel() < n:
+            bucket = torch.empty(max(n, chunk_bytes // run[0].element_size()), dtype=run[0].dtype)
+        flat, offset = bucket[:n], 0
+        with torch.no_grad():
+            for t in run:
+                flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+                offset += t.numel()
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in run:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def broadcast_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *, src: int, group: Any = None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *, src: int, group: Any = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> int:
-    """Make every rank's model, optimizer and step equal to rank ``src``'s. Collective. Returns the step."""
+    """Make every rank's model, optimizer and step equal to rank ``src``'s. Collective. Returns the step.
+    Raises RuntimeError if the ranks' models have different structures."""
     rank = dist.get_rank(group)
     model_tensors = list(model.state_dict().values())
     header: list[Any] = [None]
     opt_tensors: list[torch.Tensor] = []
     if rank == src:
-        header[0] = {"step": step, "optim": _skeleton(optimizer.state_dict(), opt_tensors),
-                     "n_model": len(model_tensors)}
+        leaves, spec = pytree.tree_flatten(optimizer.state_dict())
+        opt_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        slots = [_TensorSlot(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
+        header[0] = {"step": step, "spec": pytree.treespec_dumps(spec), "leaves": slots,
+                     "model": [(tuple(t.shape), t.dtype) for t in model_tensors]}
     dist.broadcast_object_list(header, src=src, group=group)
     meta = header[0]
-    if meta["n_model"] != len(model_tensors):
+    mine = [(tuple(t.shape), t.dtype) for t in model_tensors]
+    if meta["model"] != mine:
         raise RuntimeError(
-            f"model structure differs between ranks ({meta['n_model']} vs {len(model_tensors)} tensors): "
-            "every worker must build the same model"
+            f"model structure differs between ranks ({len(meta['model'])} vs {len(mine)} tensors, or their "
+            "shapes/dtypes): every worker must build the same model"
         )
+    leaves = meta["leaves"]
     if rank != src:
-        shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-        _placeholders(meta["optim"], shapes)
-        opt_tensors = [torch.empty(s, dtype=d) for s, d in shapes]
-    _broadcast_flat(model_tensors + opt_tensors, src, group)
+        leaves = [torch.empty(x.shape, dtype=x.dtype) if isinstance(x, _TensorSlot) else x for x in leaves]
+        opt_tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    _broadcast_chunked(model_tensors + opt_tensors, src, group, chunk_bytes)
     if rank != src:
-        optimizer.load_state_dict(_fill(meta["optim"], iter(opt_tensors)))
+        optimizer.load_state_dict(pytree.tree_unflatten(leaves, pytree.treespec_loads(meta["spec"])))
     return int(meta["step"])

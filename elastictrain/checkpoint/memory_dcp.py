@@ -1,0 +1,266 @@
+"""Sharded state in host memory, readable by DCP: per-rank snapshots and a reader over a set of them.
+
+:func:`take_snapshot` copies one rank's DCP-style state dict (nested dicts of plain tensors, DTensors and
+small Python objects) into host memory WITHOUT any collective: it runs DCP's own local save planning
+(``DefaultSavePlanner.create_local_plan``), so every DTensor becomes its local shard plus the shard's global
+offsets exactly as a DCP save would write it, and every non-tensor becomes ``torch.save`` bytes.
+
+:class:`SnapshotReader` is a DCP ``StorageReader`` over a *set* of such snapshots (from any ranks, any
+layout, all of one step): it merges their chunk metadata, so ``dcp.load(state_dict, storage_reader=reader,
+process_group=pg)`` reshards them into whatever the new ``state_dict`` holds (another mesh, another world
+size, a plain replicated module). Bytes are pulled per source through :class:`SnapshotSource.fetch`, so a
+source may be a local object, a keeper actor on another node or a live survivor.
+
+:func:`coverage` is the pure check that the union of a set of snapshots covers every element of every
+tensor (and every non-tensor entry); when it does not, it names the fqn and the missing region.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.futures import Future
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader
+
+Key = tuple[str, tuple[int, ...] | None]  # (fqn, global offsets of the chunk) or (fqn, None) for bytes
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """What a snapshot holds, without its bytes (small: travels to the controller)."""
+
+    rank: int
+    step: int
+    tensors: dict[str, TensorStorageMetadata]  # fqn -> global size, properties and THIS rank's chunks
+    objects: frozenset[str]                     # fqns of non-tensor entries
+    mappings: dict[str, Any]                    # DCP's flatten mappings (fqn -> path in the nested dict)
+    nbytes: int
+    generation: int = 0                         # membership generation that took it (same step, same math)
+
+
+@dataclass
+class Snapshot:
+    """One rank's state in host memory: ``data`` maps (fqn, offsets) to a host tensor, (fqn, None) to the
+    ``torch.save`` bytes of a non-tensor entry."""
+
+    meta: SnapshotMeta
+    data: dict[Key, Any] = field(repr=False)
+
+    def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]:
+        return {k: self.data[k] for k in keys}
+
+
+class SnapshotSource(Protocol):
+    """Anything that can hand out a snapshot's chunks: a local :class:`Snapshot`, a keeper on another node."""
+
+    meta: SnapshotMeta
+
+    def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]: ...
+
+
+def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
+                  reuse: Snapshot | None = None) -> Snapshot:
+    """Copy this rank's part of ``state_dict`` to host memory. Collective-free; returns when the copy is
+    complete, so the caller may mutate its tensors right away (this copy is the whole training stall).
+
+    ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
+    same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
+    spare = {} if reuse is None else reuse.data
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=True)
+    plan = planner.create_local_plan()
+    tensors: dict[str, TensorStorageMetadata] = {}
+    objects: set[str] = set()
+    data: dict[Key, Any] = {}
+    nbytes = 0
+    with torch.no_grad():
+        for item in plan.items:
+            fqn = item.index.fqn
+            value = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = value.getvalue()
+                data[(fqn, None)] = raw
+                objects.add(fqn)
+                nbytes += len(raw)
+                continue
+            td = item.tensor_data
+            key = (fqn, tuple(td.chunk.offsets))
+            host = spare.get(key)
+            if isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype:
+                host.copy_(value.detach())
+            else:
+                host = value.detach().to("cpu", copy=True).contiguous()
+            data[key] = host
+            nbytes += host.numel() * host.element_size()
+            md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
+            md.chunks.append(td.chunk)
+    meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation)
+    return Snapshot(meta, data)
+
+
+# ---------------------------------------------------------------------------------------------- coverage
+@dataclass(frozen=True)
+class Coverage:
+    """Whether a set of snapshots holds every element of every entry; ``missing`` says what is not."""
+
+    complete: bool
+    missing: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        if self.complete:
+            return "the snapshots cover every element of every entry"
+        more = f" (+{len(self.missing) - 3} more)" if len(self.missing) > 3 else ""
+        return "missing " + "; ".join(self.missing[:3]) + more
+
+
+def _uncovered(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> tuple[list[int], list[int]] | None:
+    """A box of ``size`` not covered by any chunk (offsets, sizes), or None. Exact: cuts the tensor into
+    the grid of all chunk boundaries and checks each cell's corner is inside some chunk."""
+    if any(s == 0 for s in size):
+        return None
+    cuts = []
+    for d, extent in enumerate(size):
+        points = {0, extent}
+        for c in chunks:
+            points.update(p for p in (c.offsets[d], c.offsets[d] + c.sizes[d]) if 0 <= p <= extent)
+        cuts.append(sorted(points))
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if all(n > 0 for n in c.sizes)]
+    for cell in itertools.product(*(range(len(p) - 1) for p in cuts)):
+        corner = [cuts[d][i] for d, i in enumerate(cell)]
+        if not any(all(o[d] <= corner[d] < o[d] + s[d] for d in range(len(size))) for o, s in boxes):
+            return corner, [cuts[d][i + 1] - cuts[d][i] for d, i in enumerate(cell)]
+    return None
+
+
+def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = None) -> Coverage:
+    """Pure check: does the union of ``metas`` (one step of one generation) hold every element of every
+    tensor they name, and every fqn of ``expected``? Mixed steps or generations are incomplete: another
+    generation's state of the same step may differ in the last bits (another reduction order)."""
+    missing: list[str] = []
+    steps = sorted({(m.generation, m.step) for m in metas})
+    if len(steps) > 1:
+        missing.append(f"snapshots of different (generation, step) {steps} cannot be combined")
+    if not metas:
+        return Coverage(False, ("no snapshot",))
+    merged = merge_metadata(metas)
+    for fqn, md in sorted(merged.items()):
+        if isinstance(md, TensorStorageMetadata):
+            hole = _uncovered(tuple(md.size), md.chunks)
+            if hole is not None:
+                missing.append(f"{fqn}: offsets {hole[0]} sizes {hole[1]} of {list(md.size)}")
+    for fqn in sorted(set(expected or ()) - set(merged)):
+        missing.append(f"{fqn}: no snapshot holds it")
+    return Coverage(not missing, tuple(missing))
+
+
+def merge_metadata(metas: Sequence[SnapshotMeta]) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
+    """fqn -> DCP storage metadata with the union of chunks (identical chunks counted once)."""
+    out: dict[str, Any] = {}
+    for m in metas:
+        for fqn, md in m.tensors.items():
+            have = out.get(fqn)
+            if have is None:
+                out[fqn] = TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+                continue
+            if tuple(have.size) != tuple(md.size):
+                raise ValueError(f"{fqn}: rank {m.rank} has global size {list(md.size)}, others {list(have.size)}")
+            seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+            have.chunks.extend(c for c in md.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen)
+        for fqn in m.objects:
+            out.setdefault(fqn, BytesStorageMetadata())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reader
+class SnapshotReader(StorageReader):
+    """DCP ``StorageReader`` over a set of snapshot sources of one step (see module doc).
+
+    Every rank of the loading group must build it over the same sources. Raises ``ValueError`` at
+    construction if the sources do not cover the state (use :func:`coverage` first to decide)."""
+
+    def __init__(self, sources: Sequence[SnapshotSource]) -> None:
+        super().__init__()
+        self.sources = list(sources)
+        cov = coverage([s.meta for s in self.sources])
+        if not cov.complete:
+            raise ValueError(f"snapshot sources are incomplete: {cov.reason}")
+        self.step = self.sources[0].meta.step
+        self._owner: dict[Key, int] = {}
+        for i, s in enumerate(self.sources):
+            for fqn, md in s.meta.tensors.items():
+                for c in md.chunks:
+                    self._owner.setdefault((fqn, tuple(c.offsets)), i)
+            for fqn in s.meta.objects:
+                self._owner.setdefault((fqn, None), i)
+        mappings: dict[str, Any] = {}
+        for s in self.sources:
+            mappings.update(s.meta.mappings)
+        self._metadata = Metadata(merge_metadata([s.meta for s in self.sources]), planner_data=mappings)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @staticmethod
+    def _key(index: MetadataIndex) -> Key:
+        return index.fqn, None if index.offset is None else tuple(index.offset)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_source: dict[int, list[Any]] = {}
+        for item in plan.items:
+            by_source.setdefault(self._owner[self._key(item.storage_index)], []).append(item)
+        for i, items in sorted(by_source.items()):
+            got = self.sources[i].fetch({self._key(it.storage_index) for it in items})
+            for it in items:
+                value = got[self._key(it.storage_index)]
+                if it.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(it, io.BytesIO(value))
+                    continue
+                src = narrow_tensor_by_index(value, it.storage_offsets, it.lengths)
+                dst = planner.resolve_tensor(it).detach()
+                if dst.size() != src.size():
+                    raise ValueError(f"{it.storage_index.fqn}: chunk {list(src.size())} does not fit {list(dst.size())}")
+                dst.copy_(src)
+                planner.commit_tensor(it, dst)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done  # reads are synchronous: the future is already complete
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def sources_by_step(metas: Mapping[int, SnapshotMeta]) -> dict[int, list[SnapshotMeta]]:
+    """Group snapshot metadata (keyed by any id) by step, newest first."""
+    out: dict[int, list[SnapshotMeta]] = {}
+    for m in metas.values():
+        out.setdefault(m.step, []).append(m)
+    return dict(sorted(out.items(), reverse=True))

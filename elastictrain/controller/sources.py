@@ -1,0 +1,103 @@
+"""Where the next generation's training state comes from: a pure, ranked choice of recovery sources.
+
+Three kinds of source, in this order of preference at equal step:
+
+* ``peer`` -- live survivors (replicas on the replicate dimension). The mesh of the failed generation is
+  ``(dp_replicate, dp_shard)`` in row-major rank order, so rank ``r`` holds shard ``r % dp_shard``.
+  Survivors at the newest step whose shard coordinates cover ``0..dp_shard-1`` hold everything (DDP has
+  ``dp_shard == 1``: any survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs all).
+  Lost work: the step in flight only.
+* ``memory`` -- the peer memory tier: the newest step whose per-rank snapshots, kept on other nodes,
+  cover every element (see :func:`elastictrain.checkpoint.memory_dcp.coverage`). Lost work <= the
+  snapshot interval.
+* ``checkpoint`` -- the newest committed durable checkpoint.
+
+If none is viable the run restarts from step 0 (``scratch``), which the caller must announce loudly.
+The newest step wins; ties go to the earlier kind above (cheaper, no storage touched). No I/O, no clock:
+unit-testable, and the decision's ``reason`` goes into the event log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+KINDS = ("peer", "memory", "checkpoint", "scratch")  # also the ``source`` of the ``recovered`` event
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str
+    step: int
+    ranks: tuple[int, ...]  # peer: the survivors to read from (one per shard coordinate); else ()
+    reason: str
+
+
+@dataclass(frozen=True)
+class SourceDecision:
+    """The chosen source (``ranked[0]``), every viable one best first, and the lost completed steps."""
+
+    chosen: Candidate
+    ranked: tuple[Candidate, ...]
+    lost_steps: int
+    reason: str
+
+
+def _peer(dp_replicate: int, dp_shard: int, survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
+    world = dp_replicate * dp_shard
+    alive = {r: s for r, s in survivors.items() if 0 <= r < world}
+    if not alive:
+        return None, "no survivor holds state"
+    newest = max(alive.values())
+    holders: dict[int, int] = {}
+    for r in sorted(alive):
+        if alive[r] == newest:
+            holders.setdefault(r % dp_shard, r)
+    missing = [j for j in range(dp_shard) if j not in holders]
+    if missing:
+        return None, (f"survivors at step {newest} lack shard coordinates {missing} of {dp_shard} "
+                      f"(mesh dp_replicate={dp_replicate} x dp_shard={dp_shard})")
+    ranks = tuple(holders[j] for j in range(dp_shard))
+    return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold every shard at step {newest}"), ""
+
+
+def rank_sources(
+    *, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int], memory: Mapping[int, bool],
+    durable_step: int | None, last_step: int,
+) -> SourceDecision:
+    """Rank the recovery sources.
+
+    ``survivors``: rank in the failed generation's mesh -> completed steps it holds. ``memory``: step ->
+    whether the peer tier's snapshots of that step cover everything. ``durable_step``: newest committed
+    checkpoint, or None. ``last_step``: the newest step the group completed (for ``lost_steps``).
+    Raises ``ValueError`` on mesh dims < 1.
+    """
+    if dp_replicate < 1 or dp_shard < 1:
+        raise ValueError(f"mesh dims must be >= 1, got dp_replicate={dp_replicate} dp_shard={dp_shard}")
+    found: list[Candidate] = []
+    notes: list[str] = []
+    peer, why = _peer(dp_replicate, dp_shard, survivors)
+    if peer is not None:
+        found.append(peer)
+    else:
+        notes.append(why)
+    complete = [s for s, ok in memory.items() if ok]
+    if complete:
+        step = max(complete)
+        found.append(Candidate("memory", step, (), f"the peer memory tier holds a complete snapshot of step {step}"))
+    elif memory:
+        notes.append(f"the peer memory tier's snapshots (steps {sorted(memory)}) are incomplete")
+    else:
+        notes.append("the peer memory tier holds no snapshot")
+    if durable_step is not None:
+        found.append(Candidate("checkpoint", durable_step, (), f"committed checkpoint of step {durable_step}"))
+    else:
+        notes.append("no committed checkpoint")
+    found.append(Candidate("scratch", 0, (), "no source holds training state: restart from step 0"))
+    ranked = tuple(sorted(found, key=lambda c: (-c.step, KINDS.index(c.kind))))
+    chosen = ranked[0]
+    lost = max(0, last_step - chosen.step)
+    reason = f"{chosen.kind}: {chosen.reason}; lost {lost} completed step(s)"
+    if notes and chosen.kind != "peer":
+        reason += " (" + "; ".join(notes) + ")"
+    return SourceDecision(chosen, ranked, lost, reason)

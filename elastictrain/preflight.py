@@ -1,0 +1,53 @@
+"""Checks on the driver before any Ray resource is requested: what can be known to fail on every worker
+is reported once, as a config error (exit 2), instead of as N workers' set-up failures.
+
+Only cheap, local facts are checked (a remote URL is left to the workers: the driver may have no
+credentials for it, and the workers' set-up errors are quoted anyway).
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+from elastictrain.config import ConfigError, JobConfig
+
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def _local_path(source: str) -> str | None:
+    """The filesystem path of a local ``source`` (plain path or ``file://``), else None."""
+    if source.startswith("builtin:"):
+        return None
+    if source.startswith("file://"):
+        return source[len("file://"):]
+    if "://" in source or "::" in source:
+        return None
+    return source
+
+
+def check_data_source(source: str, key: str = "task.data.source") -> None:
+    """Raise ConfigError when a local data source names nothing: a missing file or directory, a glob that
+    matches no file, or a directory without ``.parquet`` files."""
+    path = _local_path(source)
+    if path is None:
+        return
+    if any(ch in path for ch in _GLOB_CHARS):
+        if not [p for p in glob.glob(path, recursive=True) if Path(p).is_file()]:
+            raise ConfigError(f"{key}={source!r}: the glob matches no file on this machine; fix the path")
+        return
+    p = Path(path)
+    if p.is_dir():
+        if not any(p.rglob("*.parquet")):
+            raise ConfigError(f"{key}={source!r}: the directory holds no .parquet file; point it at Parquet data")
+        return
+    if not p.exists():
+        raise ConfigError(f"{key}={source!r}: no such file or directory on this machine (workers read it "
+                          "too: use a path that exists everywhere, or a URL such as s3://...)")
+
+
+def check_job(config: JobConfig, builtin_task: bool = True) -> None:
+    """Every pre-flight check of a job; raises ConfigError naming the field, the value and the fix.
+    ``builtin_task`` False: a user Task brings its own data, so ``task.*`` is not checked."""
+    if builtin_task:
+        check_data_source(config.task.data.source)

@@ -1,0 +1,139 @@
+"""The peer memory tier end to end: real Ray, real gloo, real SIGKILL by pid, real node loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from tests.conftest import BackgroundRun, job, run_job
+
+SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
+
+
+def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_local):
+    """One rank SIGKILLed: the survivor is the source (peer). Then both ranks SIGKILLed at once: nothing
+    survives, the keepers' snapshots are (no storage configured), lost work <= the interval, and the run
+    ends bitwise equal to an uninterrupted one (strict mode keeps the world size, hence the math)."""
+    spec = job(train={"steps": 40, "audit_samples": True}, faults=SLOW, recovery={"mode": "strict"},
+               checkpoint={"memory_every_steps": 3})
+    bg = BackgroundRun(tmp_path, spec, name="tier")
+    first = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=180)
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+    os.kill(first["pid"], signal.SIGKILL)
+    bg.wait_for(lambda e: e["event"] == "recovered")
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 22, timeout=120)
+    started = [e for e in bg.events() if e["event"] == "worker_started"]  # in order: latest pid wins
+    pids = {e["rank"]: e["pid"] for e in started}  # the latest pid of each rank
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    faulty = bg.finish(timeout=240)
+    clean = run_job(tmp_path, spec, name="clean")
+    first_rec, second_rec = faulty.of("recovered")
+    assert first_rec["source"] == "peer" and first_rec["lost_steps"] == 0
+    # <= one interval when the newest snapshot had reached its keeper; one may still be in flight at the
+    # kill (the keeper keeps two per rank for that), so the bound is two intervals
+    assert second_rec["source"] == "memory" and 0 <= second_rec["lost_steps"] <= 6, second_rec
+    assert "peer memory tier holds a complete snapshot" in second_rec["reason"]
+    assert faulty.summary["final_step"] == 40 and faulty.result.exit_code == 0
+    assert faulty.summary["memory_snapshots"] > 0 and not faulty.of("memory_snapshot_rejected")
+    assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
+    ids = {}
+    for e in faulty.of("step"):  # a redone step saw the same samples as its first run
+        assert ids.setdefault(e["step"], sorted(e["sample_ids"])) == sorted(e["sample_ids"])
+    assert sorted(ids) == list(range(1, 41))
+
+
+def test_snapshot_over_the_keeper_budget_is_reported(tmp_path, ray_local, monkeypatch):
+    from elastictrain.controller import controller
+
+    monkeypatch.setattr(controller, "MEMORY_BUDGET", 1000)  # far below the tiny GPT's state
+    spec = job(train={"steps": 4}, checkpoint={"memory_every_steps": 2}, workers={"min": 1, "max": 1})
+    run = run_job(tmp_path, spec)
+    rejected = run.of("memory_snapshot_rejected")
+    assert rejected and all("exceed the keeper budget of 1000 bytes" in e["reason"] for e in rejected)
+    assert {e["step"] for e in rejected} == {2, 4} and run.result.exit_code == 0
+
+
+@pytest.fixture
+def cluster():
+    """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node."""
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+    })
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
+    """Each node hosts a keeper (the head too); a rank's snapshots go to another node's keeper. Node B goes
+    with rank 1 and its keeper: rank 0 survives (source: peer). Then rank 0 is SIGKILLed: its snapshots
+    since the shrink live on the head node's keeper, which recovers the run (source: memory)."""
+    c, nodes = cluster
+    # generous watchdog and wait: replacements start slowly on a loaded 2-core machine
+    spec = job(train={"steps": 150}, faults=SLOW, checkpoint={"memory_every_steps": 2},
+               recovery={"min_workers_wait_s": 240},
+               timeouts={**job()["timeouts"], "watchdog_floor_s": 10})
+    bg = BackgroundRun(tmp_path, spec, name="node")
+    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=180)
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+    c.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]))
+    bg.wait_for(lambda e: e["event"] == "recovered", timeout=90)
+    gen = bg.wait_for(lambda e: e["event"] == "generation_started" and e["generation"] >= 1)
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= gen["step"] + 6, timeout=90)
+    rank0 = [e for e in bg.events() if e["event"] == "worker_started" and e["rank"] == 0][-1]
+    os.kill(rank0["pid"], signal.SIGKILL)
+    run = bg.finish(timeout=480)
+    kinds = [f["kind"] for f in run.of("failure")]
+    assert kinds == ["node_lost", "process_died"], kinds
+    sources = [r["source"] for r in run.of("recovered")]
+    assert sources[0] == "peer" and sources[1] == "memory", run.of("recovered")
+    assert run.of("recovered")[1]["lost_steps"] <= 4  # two intervals: see the test above
+    assert run.summary["final_step"] == 150 and run.result.exit_code == 0
+
+
+def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):
+    """The survivor-as-source path of sharded layouts, worker side: ``hold_snapshot`` + ``fetch`` on one
+    worker, ``load_peer`` through the DCP reader on another (here in one process, no group)."""
+    import torch
+
+    from elastictrain import build_config
+    from elastictrain.checkpoint.memory import KeeperSource
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.actor import Worker
+
+    config = build_config(job())
+    task = builtin_task(config)
+    a, b = Worker(config, task, 0), Worker(config, task, 1)
+    a.setup(), b.setup()
+    with torch.no_grad():
+        for p in a.runner.model.parameters():
+            p.add_(torch.randn_like(p))
+    a.runner.step = 5
+    meta = a.hold_snapshot()
+    assert meta.step == 5 and coverage_complete([meta])
+
+    class Direct(KeeperSource):  # the same contract as the actor call, without Ray in between
+        def fetch(self, keys):
+            return a.fetch(self.meta.generation, self.meta.rank, self.meta.step, list(keys))
+
+    assert b.load_peer([Direct(None, meta)]) == 5
+    assert b.digest() == a.digest()
+    with pytest.raises(KeyError, match="holds no snapshot"):
+        b.fetch(0, 0, 5, [])
+
+
+def coverage_complete(metas) -> bool:
+    from elastictrain.checkpoint.memory_dcp import coverage
+
+    return coverage(metas).complete

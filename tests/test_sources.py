@@ -1,0 +1,81 @@
+"""The pure ranking of recovery sources (survivor replicas, peer memory tier, durable checkpoint)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from elastictrain.controller.sources import KINDS, rank_sources
+
+
+def test_ddp_any_survivor_is_a_complete_replica() -> None:
+    d = rank_sources(dp_replicate=4, dp_shard=1, survivors={2: 10, 3: 10}, memory={8: True}, durable_step=5,
+                     last_step=10)
+    assert d.chosen.kind == "peer" and d.chosen.ranks == (2,) and d.lost_steps == 0
+    assert [c.kind for c in d.ranked] == ["peer", "memory", "checkpoint", "scratch"]
+
+
+def test_hsdp_needs_one_survivor_per_shard_coordinate() -> None:
+    # mesh 2 x 2: ranks 0,1 form replica 0 (shards 0,1), ranks 2,3 replica 1
+    ok = rank_sources(dp_replicate=2, dp_shard=2, survivors={0: 7, 3: 7}, memory={}, durable_step=None, last_step=7)
+    assert ok.chosen.kind == "peer" and ok.chosen.ranks == (0, 3)
+    broken = rank_sources(dp_replicate=2, dp_shard=2, survivors={1: 7, 3: 7}, memory={6: True, 7: False},
+                          durable_step=4, last_step=7)
+    assert broken.chosen.kind == "memory" and broken.chosen.step == 6 and broken.lost_steps == 1
+    assert "lack shard coordinates [0]" in broken.reason
+
+
+def test_fsdp_loses_a_shard_and_falls_back_in_order() -> None:
+    d = rank_sources(dp_replicate=1, dp_shard=4, survivors={0: 9, 1: 9, 2: 9}, memory={}, durable_step=5,
+                     last_step=9)
+    assert d.chosen.kind == "checkpoint" and d.lost_steps == 4 and "holds no snapshot" in d.reason
+    none = rank_sources(dp_replicate=1, dp_shard=4, survivors={}, memory={3: False}, durable_step=None,
+                        last_step=9)
+    assert none.chosen.kind == "scratch" and none.lost_steps == 9 and "incomplete" in none.reason
+    with pytest.raises(ValueError, match="dp_shard=0"):
+        rank_sources(dp_replicate=1, dp_shard=0, survivors={}, memory={}, durable_step=None, last_step=0)
+
+
+def test_a_survivor_behind_does_not_count() -> None:
+    # rank 1 missed the last optimizer step: only rank 0 holds step 5, and it covers shard 0 only
+    d = rank_sources(dp_replicate=1, dp_shard=2, survivors={0: 5, 1: 4}, memory={5: True}, durable_step=None,
+                     last_step=5)
+    assert d.chosen.kind == "memory" and d.lost_steps == 0
+
+
+meshes = st.tuples(st.integers(1, 4), st.integers(1, 4))
+
+
+@settings(max_examples=400, deadline=None)
+@given(mesh=meshes, data=st.data())
+def test_ranking_properties(mesh, data) -> None:
+    rep, shard = mesh
+    world = rep * shard
+    last = data.draw(st.integers(0, 50))
+    alive = data.draw(st.sets(st.integers(0, world - 1)))
+    survivors = {r: data.draw(st.integers(max(0, last - 1), last)) for r in alive}
+    memory = data.draw(st.dictionaries(st.integers(0, last), st.booleans(), max_size=4))
+    durable = data.draw(st.none() | st.integers(0, last))
+    d = rank_sources(dp_replicate=rep, dp_shard=shard, survivors=survivors, memory=memory,
+                     durable_step=durable, last_step=last)
+    # the chosen source is the newest viable one, ties to the earlier kind; scratch is always last resort
+    assert d.chosen == d.ranked[0] and d.ranked[-1].kind == "scratch"
+    keys = [(-c.step, KINDS.index(c.kind)) for c in d.ranked]
+    assert keys == sorted(keys)
+    assert d.lost_steps == last - d.chosen.step >= 0
+    # peer is viable exactly when the survivors at the newest survivor step cover every shard coordinate
+    newest = max(survivors.values(), default=None)
+    covered = {r % shard for r, s in survivors.items() if s == newest}
+    peer = [c for c in d.ranked if c.kind == "peer"]
+    assert bool(peer) == (newest is not None and covered == set(range(shard)))
+    if peer:
+        (p,) = peer
+        assert p.step == newest and sorted(r % shard for r in p.ranks) == list(range(shard))
+        assert all(survivors[r] == newest for r in p.ranks)
+    mem = [c for c in d.ranked if c.kind == "memory"]
+    complete = [s for s, ok in memory.items() if ok]
+    assert [c.step for c in mem] == ([max(complete)] if complete else [])
+    assert [c.step for c in d.ranked if c.kind == "checkpoint"] == ([] if durable is None else [durable])
+    # DDP (one shard) with a survivor at the newest step loses only the step in flight
+    if shard == 1 and newest == last:
+        assert d.chosen.kind == "peer" and d.lost_steps <= 1
