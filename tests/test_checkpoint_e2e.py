@@ -80,7 +80,7 @@ def test_resume_at_another_world_size_and_skip_corrupt(tmp_path, ray_local):
     store = CheckpointStore(str(tmp_path / "ckpt" / "rs"))
     newest = store.committed()[-1]
     assert newest.step == 10
-    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/*") if p.suffix == ".distcp")
+    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/**/*") if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte
     shard.write_bytes(bytes(data))

@@ -46,6 +46,7 @@ class ShardReport:
     error: str | None
     stage_s: float
     write_s: float
+    generation: int | None = None  # the membership generation that wrote it (its attempt directory)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
 
     @property
+    def data_dir(self) -> str:
+        """The directory (relative to the step directory) that holds the DCP files: the attempt that was
+        committed (e.g. ``g3``), or ``""`` for checkpoints written before attempts existed."""
+        meta = next(p for p in self.files if p == METADATA_NAME or p.endswith("/" + METADATA_NAME))
+        return meta[: -len(METADATA_NAME)].rstrip("/")
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
@@ -84,6 +92,18 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     return f"step_{step:09d}"
+
+
+def attempt_dir_name(generation: int | None) -> str:
+    """``g3``: where generation 3 writes its saves inside a step directory; ``""`` (the step directory
+    itself) when no generation is given (single-process use)."""
+    return "" if generation is None else f"g{generation}"
+
+
+def _has_metadata(files: dict[str, Any]) -> bool:
+    """Exactly one DCP ``.metadata`` file, at the top or in one attempt directory."""
+    metas = [p for p in files if p == METADATA_NAME or p.endswith("/" + METADATA_NAME)]
+    return len(metas) == 1 and metas[0].count("/") <= 1
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -149,8 +169,8 @@ def manifest_from_json(text: str | bytes, where: str = "manifest", location: str
     if step < 0 or world < 1 or not math.isfinite(created):
         raise ManifestError(f"{where}: step={step}, world_size={world}, created_at={created} out of range")
     files = _parse_files(_require(body, "files", dict, where), where)
-    if METADATA_NAME not in files:
-        raise ManifestError(f"{where}: lists no {METADATA_NAME} file; not a complete checkpoint")
+    if not _has_metadata(files):
+        raise ManifestError(f"{where}: lists no single {METADATA_NAME} file; not a complete checkpoint")
     shards_raw = body.get("shards", {})
     if not isinstance(shards_raw, dict):
         raise ManifestError(f"{where}: field 'shards' is not an object")
@@ -173,8 +193,8 @@ def build_manifest(step: int, world_size: int, reports: list[ShardReport], meta:
                 raise CheckpointError(f"step {step}: ranks reported different contents for {path!r}")
             files[path] = info
         shards[r.rank] = {"files": sorted(r.files), "stage_s": round(r.stage_s, 6), "write_s": round(r.write_s, 6)}
-    if METADATA_NAME not in files:
-        raise CheckpointError(f"step {step}: no rank reported {METADATA_NAME} (rank 0 writes it); cannot commit")
+    if not _has_metadata(files):
+        raise CheckpointError(f"step {step}: no rank reported one {METADATA_NAME} (rank 0 writes it); cannot commit")
     try:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -21,7 +21,8 @@ from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.monitor import Failure, WorkerMonitor
+from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
@@ -51,12 +52,14 @@ class PeerRestore:
 
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None) -> None:
+                 resume_manifest: Any = None, group: WorkerGroup | None = None) -> None:
+        """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
+        one with the same interface to step the state machine through its paths)."""
         self.config = config
         self.task = task
         self.events = events
         self.sm = StateMachine()
-        self.group = WorkerGroup(config, task)
+        self.group = group if group is not None else WorkerGroup(config, task)
         self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
@@ -66,7 +69,7 @@ class Controller(WorkerMonitor):
         self.world_size = 0
         self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
         self.any_setup_ok = False
-        self.pending_failures: list[Failure] = []
+        self.detector = FailureDetector(config.timeouts)  # observations in, Failures out (no Ray)
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
@@ -94,6 +97,8 @@ class Controller(WorkerMonitor):
                 self.step()
         finally:
             self.group.shutdown()
+            self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
+            self.committer.close()
         return self.summary()
 
     def request_preemption(self, reason: str) -> None:
@@ -331,13 +336,11 @@ class Controller(WorkerMonitor):
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
-        members = [s for s in chosen if s.index in self.prev_ranks]
-        if shard > 1 and members and all(s.has_state for s in members):
-            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
-            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
-            return None
-        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
-        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
+        members = [s for s in chosen if s.index in self.prev_ranks and s.rank is not None]
+        # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
+        # a clean stop takes the same path: all shards survive, the covering ranks serve them.
         survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
         if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
@@ -376,7 +379,7 @@ class Controller(WorkerMonitor):
         member of the next generation then reads its new shards from them (no storage, no keeper)."""
         from elastictrain.checkpoint import KeeperSource
 
-        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
         try:
             metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
@@ -402,6 +405,7 @@ class Controller(WorkerMonitor):
         self.ledger.flush_partial()
         self.generation += 1
         gen, world = self.generation, len(chosen)
+        self.committer.new_generation(gen, world)
         for s in self.group.members():
             if s not in chosen:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
@@ -534,8 +538,8 @@ class Controller(WorkerMonitor):
         t = self.config.timeouts
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
-            self.committer.expect(step, len(members))
             self._collect_reports(members)
+            self.committer.drain(timeout=t.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")
             return False
@@ -553,6 +557,7 @@ class Controller(WorkerMonitor):
             self._collect_reports(members)
             for s in members:
                 self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 

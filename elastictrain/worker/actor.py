@@ -115,7 +115,7 @@ class Worker:
         kept = r.attach(rank, world_size, generation, layout)
         if kept:
             self._handoff = None
-        self._open_writer(rank, world_size)
+        self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
     def sync(self, src: int) -> int:
@@ -161,8 +161,8 @@ class Worker:
         return "aborted"
 
     def _leave_group(self) -> None:
-        if self._writer is not None:
-            self._drain_writer()
+        if self._writer is not None:  # a membership change abandons in-flight saves (they never commit)
+            self._ckpt_events.extend(self._writer.abandon())
         self._writer = None
         if self.runner is not None:
             self.runner.detach()
@@ -245,14 +245,15 @@ class Worker:
         c = self.config.checkpoint
         return None if c.uri is None else c.uri.rstrip("/") + "/" + self.config.stable_id
 
-    def _open_writer(self, rank: int, world_size: int) -> None:
+    def _open_writer(self, rank: int, world_size: int, generation: int) -> None:
         root = self._root_uri()
         if root is None or not (self.config.checkpoint.every_steps or self.config.checkpoint.on_preempt):
             return
         from elastictrain.checkpoint import CheckpointWriter
 
         self._writer = CheckpointWriter(self.config.checkpoint, root, rank, world_size, self._ckpt_group,
-                                        storage_options=dict(self.config.checkpoint.storage_options))
+                                        storage_options=dict(self.config.checkpoint.storage_options),
+                                        generation=generation)
 
     def _after_step(self, step: int) -> None:
         every = self.config.checkpoint.every_steps
@@ -300,6 +301,9 @@ class Worker:
 
         r = self.runner
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        # the next generation loads from the held snapshots on every rank; a whole-state hand-off taken at
+        # a clean stop would be loaded by this rank alone in join (a collective under FSDP2): drop it
+        self._handoff = None
         return self._held.meta
 
     def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
@@ -325,18 +329,13 @@ class Worker:
         if self._writer is None:
             return False
         step = self.runner.step if step is None else step
+        if self._writer.has_saved(step):  # one save per (step, generation): e.g. a just-in-time save on a
+            return True                   # periodic-save step; its report comes from the first save
         t0 = time.perf_counter()
         started = self._writer.save_async(step, self.runner.state.state_dict())
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
-
-    def _drain_writer(self) -> None:
-        try:
-            for report in self._writer.wait(timeout=self.config.timeouts.collective_s):
-                self._ckpt_events.append(report)
-        finally:
-            self._writer.close()
 
     def flush_checkpoints(self) -> list[Any]:
         """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
