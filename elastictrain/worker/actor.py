@@ -120,33 +120,35 @@ class Worker:
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         layout = layout or resolve(spec_from_config(self.config), world_size)
         r = self.runner
-        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off brings
-        # it to the step where the previous generation stopped.
+        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off taken at
+        # the previous generation's clean stop is loaded in ``sync`` (loading it is collective).
         kept = r.attach(rank, world_size, generation, layout)
-        if not kept and self._handoff is not None:
-            r.state.load_full_state(self._handoff)  # every rank keeps its own slice: no collective
-        self._handoff = None
+        if kept:
+            self._handoff = None
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
-        src's state. Sharded ones (every rank holds a whole state at its own step after ``join``: restored,
-        handed off, or the seeded step-0 model) do nothing when all ranks are at src's step, else src sends
-        its full state to the ranks behind it (interim transport until an in-memory tier's reader)."""
+        src's state. Sharded ones: after ``join`` every rank holds a consistent state at its step (restored
+        from a reader, or the seeded step-0 model); if src holds a hand-off (the full state of the previous
+        generation's clean stop) it is sent to every rank and loaded into the new mesh -- an interim,
+        O(model)-per-rank transport until an in-memory tier's reader replaces it. Raises RuntimeError if
+        ranks disagree on the step and src has no hand-off."""
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
             return r.step
-        steps: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, r.step)
-        target = steps[src]
-        if all(step == target for step in steps):
-            return r.step
-        box = [r.state.full_state() if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)  # O(model) per rank; C2's chunked broadcast replaces it
-        if r.step != target:
-            r.state.load_full_state(box[0])
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (r.step, self._handoff is not None))
+        if views[src][1]:
+            box = [self._handoff if dist.get_rank() == src else None]
+            dist.broadcast_object_list(box, src=src)
+            r.state.load_full_state(box[0])  # collective: every rank loads the same full state
+        elif len({step for step, _ in views}) > 1:
+            raise RuntimeError(f"ranks hold different steps {[s for s, _ in views]} and rank {src} has no "
+                               "hand-off: restore them from a checkpoint or an in-memory tier first")
+        self._handoff = None
         return r.step
 
     def restore_from(self, reader: Any) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig, TrainConfig
@@ -120,7 +121,8 @@ class StepRunner:
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
         kept = self.replicated and layout.plan == "ddp"
-        if not kept:  # fully_shard changes the module in place: start from a fresh one on the new mesh
+        pristine = self.pm is None and self.step == 0 and not isinstance(self.model, FSDPModule)
+        if not kept and not pristine:  # fully_shard changed the module in place: start from a fresh one
             self.model = self._fresh_model()
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
         self.pm = wrap(module, mesh)
