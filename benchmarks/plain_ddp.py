@@ -8,8 +8,9 @@ batch), ``no_sync`` on accumulation micro-batches, the same AdamW settings, grad
 the same dataset and the same per-sample dropout seeds. Data selection is a plain seeded random draw of
 ``G`` indices per step (identical on every rank; each rank takes its slice), not elastictrain's cursor.
 
-No collectives beyond DDP's gradient all-reduce: the logged loss is rank 0's local loss (elastictrain
-all-reduces the loss and a stop flag each step, which this baseline deliberately does not do).
+No collectives beyond DDP's gradient all-reduce: the logged loss is rank 0's local loss. elastictrain has
+none either: its global (loss, stop flag) word rides inside DDP's last gradient bucket (a comm hook).
+``--stats-allreduce`` adds the separate all-reduce elastictrain used to pay, to show its cost alone.
 
 Rank 0 records ``time.time()`` after every optimizer step and prints ONE JSON line prefixed with
 ``PLAIN_DDP_RESULT `` that the parent parses (it computes the steady-state window itself, with the same

@@ -5,19 +5,27 @@ micro batch 8):
 
 A. elastictrain, rank 1 SIGKILLed mid-step at step K: once through the injected fault (``faults``), once
    by an external ``os.kill`` of the pid from the ``worker_started`` event (not only the injected path).
+   Each twice: without checkpoints, and with a checkpoint every ``ckpt_every`` steps (local disk), the
+   same cadence Ray Train uses, so the cost of saving is on both sides.
 B. Ray Train V2 ``TorchTrainer``, the loop a Ray Train user writes: ``prepare_model``, a checkpoint every
    ``ckpt_every`` steps through ``ray.train.report``, ``ray.train.get_checkpoint()`` on start. Rank 1
    SIGKILLs itself at the same point of step K on the first attempt only.
+
+The kill step K is drawn uniformly from ``[steps/4, steps/2]`` (``--kill-seed``, printed), not placed at a
+checkpoint boundary: where K falls relative to Ray Train's last checkpoint decides how many steps it
+redoes (0 to ``ckpt_every - 1``). Besides the measured figures, Ray Train's row reports the expectation
+over a uniformly random kill: ``(ckpt_every - 1) / 2`` lost steps and the time to next step adjusted by
+``(expected - measured lost steps) x median step time``.
 C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interval_s`` over a ~100 s run,
    compared with a failure-free run of the same steps.
 
 Metrics, the same definitions for both systems:
 
 - time to next step: from the kill to the first completed step of the recovered run. Exact kill time for
-  Ray Train and for external kills; for the injected elastictrain kill the last step completion before
-  the kill is used (an upper bound: the kill happens one micro-batch forward later). elastictrain step
-  times are the controller's ``step`` event times, which lag the worker by up to one poll (0.2 s): the
-  figure is conservative for elastictrain.
+  Ray Train and for external kills; for the injected elastictrain kill the last progress before the kill
+  (``recovered.downtime_s``) is used (an upper bound: the kill happens one micro-batch forward later).
+  Step times on both sides are the worker's own clock when the optimizer step finished (elastictrain:
+  the step event's ``finished_at``, stamped by rank 0; Ray Train: rank 0's ``time.time()`` in the loop).
 - lost steps: steps completed before the kill that were run again (last completed step before the kill
   minus the step the recovered run started from).
 - goodput: failure-free-equivalent time / wall time over the training window (first to last completed
@@ -26,8 +34,8 @@ Metrics, the same definitions for both systems:
 
 Usage::
 
-    python benchmarks/recovery.py            # full run, about 5-6 minutes
-    python benchmarks/recovery.py --quick    # smoke run, about 2 minutes
+    python benchmarks/recovery.py            # full run, about 8-10 minutes on an idle 2-core machine
+    python benchmarks/recovery.py --quick    # smoke run, about 3-4 minutes
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import statistics
 import sys
@@ -78,6 +87,11 @@ class Plan:
     def quick(cls) -> Plan:
         return cls(steps=150, kill_step=60, ckpt_every=10, chaos_s=24.0, chaos_interval_s=8.0)
 
+    def with_random_kill(self, seed: int) -> Plan:
+        """The same plan with ``kill_step`` drawn uniformly from ``[steps/4, steps/2]``."""
+        k = random.Random(seed).randint(self.steps // 4, self.steps // 2)
+        return Plan(self.steps, k, self.ckpt_every, self.chaos_s, self.chaos_interval_s)
+
 
 @dataclass
 class Outcome:
@@ -99,11 +113,16 @@ def goodput(times: list[float], n_steps: int, step_s: float) -> float:
     return n_steps * step_s / window
 
 
-def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spares: int = 0) -> Any:
-    """The elastictrain job every scenario uses (Ray Train's loop copies its model and optimizer)."""
+def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spares: int = 0,
+               ckpt_dir: Path | None = None) -> Any:
+    """The elastictrain job every scenario uses (Ray Train's loop copies its model and optimizer). With
+    ``ckpt_dir``: a checkpoint every ``plan.ckpt_every`` steps there, Ray Train's cadence."""
     from elastictrain import build_config
 
+    ckpt = ({"uri": str(ckpt_dir), "every_steps": plan.ckpt_every, "resume": "never"} if ckpt_dir
+            else {"uri": None})
     return build_config({
+        "checkpoint": ckpt,
         "name": "recovery-bench",
         "train": {"steps": steps, "seed": SEED, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
                   "log_every": 10_000},
@@ -243,17 +262,23 @@ def elastictrain_outcome(name: str, records: list[Record], t_kill: float, summar
          "summary_goodput": summary.get("goodput", {}).get("fraction"), "wall_s": summary.get("wall_s")})
 
 
-def scenario_injected(plan: Plan, base: Path) -> Outcome:
+def scenario_injected(plan: Plan, base: Path, ckpt: bool) -> Outcome:
     fault = {"rank": 1, "step": plan.kill_step, "point": "mid_step", "kind": "kill"}
-    run_dir = base / "et-injected"
-    records = run_elastictrain(job_config(plan, plan.steps, [fault]), run_dir)
+    run_dir = base / f"et-injected{'-ckpt' if ckpt else ''}"
+    records = run_elastictrain(job_config(plan, plan.steps, [fault], ckpt_dir=run_dir / "ckpt" if ckpt else None),
+                               run_dir)
     recovered = next(r for r in records if r["event"] == "recovered")
     t_kill = recovered["time"] - recovered["downtime_s"]  # last progress before the kill: an upper bound
     summary = json.loads((run_dir / "summary.json").read_text())
-    return elastictrain_outcome("elastictrain injected kill", records, t_kill, summary, plan.steps)
+    return elastictrain_outcome(f"elastictrain injected kill{_ck(ckpt, plan)}", records, t_kill, summary,
+                                plan.steps)
 
 
-def scenario_external(plan: Plan, base: Path) -> Outcome:
+def _ck(ckpt: bool, plan: Plan) -> str:
+    return f", ckpt/{plan.ckpt_every}" if ckpt else ", no ckpt"
+
+
+def scenario_external(plan: Plan, base: Path, ckpt: bool) -> Outcome:
     kills: list[float] = []
 
     def killer(tail: EventTail) -> None:
@@ -265,12 +290,14 @@ def scenario_external(plan: Plan, base: Path) -> Outcome:
         if pid:
             kills.append(sigkill(pid))
 
-    run_dir = base / "et-external"
-    records = run_elastictrain(job_config(plan, plan.steps), run_dir, killer)
+    run_dir = base / f"et-external{'-ckpt' if ckpt else ''}"
+    records = run_elastictrain(job_config(plan, plan.steps, ckpt_dir=run_dir / "ckpt" if ckpt else None),
+                               run_dir, killer)
     if not kills:
         raise RuntimeError("the external kill never fired")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return elastictrain_outcome("elastictrain external SIGKILL", records, kills[0], summary, plan.steps)
+    return elastictrain_outcome(f"elastictrain external SIGKILL{_ck(ckpt, plan)}", records, kills[0], summary,
+                                plan.steps)
 
 
 # ------------------------------------------------------------------------------------ Ray Train V2
@@ -404,10 +431,14 @@ def ray_outcome(plan: Plan, work: Path, wall: float) -> Outcome:
     done_before = max(s for s, t, _ in steps if t <= t_kill)
     step_s = statistics.median(d for s, t, d in steps if t <= t_kill)
     persisted = persisted_checkpoint_step(work / "storage", t_kill)
+    lost = max(0, done_before - resumed)
+    expected_lost = (plan.ckpt_every - 1) / 2  # a kill uniformly placed between two checkpoints
     return Outcome(
-        "Ray Train V2", t_next - t_kill, max(0, done_before - resumed),
+        "Ray Train V2", t_next - t_kill, lost,
         goodput([t for _, t, _ in steps], plan.steps, step_s),
-        {"killed_during_step": done_before + 1, "resumed_from_step": resumed, "median_step_s": round(step_s, 4),
+        {"expected_lost_steps_uniform_kill": expected_lost,
+         "expected_time_to_next_step_s": round(t_next - t_kill + (expected_lost - lost) * step_s, 3),
+         "killed_during_step": done_before + 1, "resumed_from_step": resumed, "median_step_s": round(step_s, 4),
          "attempts": len(starts), "ckpt_every": plan.ckpt_every, "persisted_ckpt_step_at_kill": persisted,
          "lost_if_resumed_from_persisted": max(0, done_before - persisted), "wall_s": round(wall, 3)})
 
@@ -519,13 +550,16 @@ def report(outcomes: list[Outcome], out: Path) -> bool:
         print(f"{'':32s} {json.dumps(o.detail)}")
     by = {o.name: o for o in outcomes}
     ray_o, checks = by.get("Ray Train V2"), []
-    for name in ("elastictrain injected kill", "elastictrain external SIGKILL"):
+    for name in [n for n in by if n.startswith(("elastictrain injected", "elastictrain external"))]:
         et = by.get(name)
         if et is None or ray_o is None:
             continue
         ratio_t = et.time_to_next_step_s / ray_o.time_to_next_step_s
-        print(f"{name} / Ray Train: time-to-next-step x{ratio_t:.3f}, lost steps {et.lost_steps} vs "
-              f"{ray_o.lost_steps}, goodput x{et.goodput / ray_o.goodput:.3f}")
+        expected = ray_o.detail.get("expected_time_to_next_step_s") or ray_o.time_to_next_step_s
+        print(f"{name} / Ray Train: time-to-next-step x{ratio_t:.3f} (x{et.time_to_next_step_s / expected:.3f} "
+              f"of Ray Train's expectation over a random kill), lost steps {et.lost_steps} vs {ray_o.lost_steps} "
+              f"(expected {ray_o.detail.get('expected_lost_steps_uniform_kill')}), goodput "
+              f"x{et.goodput / ray_o.goodput:.3f}")
         checks += [(f"{name}: time-to-next-step <= 1/10 of Ray Train's", ratio_t <= 0.1),
                    (f"{name}: time-to-next-step < 1 s", et.time_to_next_step_s < 1.0),
                    (f"{name}: at most 1 step lost", (et.lost_steps or 0) <= 1)]
@@ -545,8 +579,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="keep run directories here (default: a temporary directory)")
     p.add_argument("--only", choices=["A", "B", "C"], action="append", help="run only these scenarios")
     p.add_argument("--verbose", action="store_true", help="show worker logs")
+    p.add_argument("--kill-seed", type=int, default=None, help="seed of the random kill step (default: random)")
     args = p.parse_args(argv)
-    plan = Plan.quick() if args.quick else Plan()
+    seed = args.kill_seed if args.kill_seed is not None else random.SystemRandom().randrange(1 << 30)
+    plan = (Plan.quick() if args.quick else Plan()).with_random_kill(seed)
+    print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every {plan.ckpt_every} "
+          "steps on both sides in the checkpointed rows", flush=True)
     out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):  # stale markers and logs of an earlier run would corrupt every figure
@@ -563,10 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.time()
         if "A" in only:
-            outcomes.append(scenario_injected(plan, out))
-            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
-            outcomes.append(scenario_external(plan, out))
-            print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+            for ckpt in (False, True):
+                outcomes.append(scenario_injected(plan, out, ckpt))
+                print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
+                outcomes.append(scenario_external(plan, out, ckpt))
+                print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)
         if "B" in only:
             outcomes.append(scenario_ray_train(plan, out))
             print(f"[{time.time() - t0:5.0f}s] {outcomes[-1]}", flush=True)

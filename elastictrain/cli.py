@@ -24,7 +24,7 @@ def main() -> None:
 @click.option("--ray-address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local Ray)")
 def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address: str | None) -> None:
     """Run the training job described by JOB (a YAML file)."""
-    from elastictrain.trainer import EXIT_CHECKPOINT, EXIT_CONFIG, CheckpointUnavailable, Trainer
+    from elastictrain.trainer import EXIT_CHECKPOINT, EXIT_CONFIG, CheckpointUnavailable, RunDirInUse, Trainer
 
     try:
         config = load_config(job, list(overrides))
@@ -35,11 +35,16 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
         result = Trainer(config, task, run_dir=run_dir, ray_address=ray_address).fit()
     except CheckpointUnavailable as e:
         _die(f"checkpoint error: {e}", EXIT_CHECKPOINT)
+    except RunDirInUse as e:
+        _die(str(e), EXIT_CONFIG)
     except ConfigError as e:  # pre-flight checks on the driver, before any Ray resource
         _die(f"config error: {e}", EXIT_CONFIG)
     s = result.summary
-    if result.ok:
-        click.echo(f"elastictrain: finished step {s['final_step']} loss {s['final_loss']:.4f} in {s['wall_s']:.1f}s "
+    if s.get("already_finished"):
+        pass  # the trainer printed "run ... already finished at step ..."; nothing ran, nothing to sum up
+    elif result.ok:
+        loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
+        click.echo(f"elastictrain: finished step {s['final_step']} loss {loss} in {s['wall_s']:.1f}s "
                    f"({s['failures']} failures); summary: {result.run_dir / 'summary.json'}")
     else:
         click.echo(f"elastictrain: {s['state']} at step {s['final_step']}: {s.get('error') or s['state']}", err=True)

@@ -155,6 +155,8 @@ class CheckpointConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
     memory_every_steps: int = Field(0, ge=0, description="peer memory tier cadence (steps); 0 disables")
+    accept_changes: list[Literal["schedule", "optimizer", "data", "task"]] = Field(
+        default_factory=list, description="fingerprint keys a resume may find changed (e.g. [schedule] to extend)")
 
 
 class RecoveryConfig(_Section):

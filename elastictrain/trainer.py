@@ -24,6 +24,10 @@ class CheckpointUnavailable(RuntimeError):
     """The configured resume checkpoint cannot be used (message says why and what to do)."""
 
 
+class RunDirInUse(ValueError):
+    """``run_dir`` already holds a run's ``events.jsonl``: a second run would append to the first's log."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     summary: dict[str, Any]
@@ -70,31 +74,45 @@ class Trainer:
         self.controller: Any = None
 
     def fit(self) -> RunResult:
-        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist) and
-        CheckpointUnavailable before any Ray resource is requested."""
+        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist),
+        RunDirInUse (a reused run directory) and CheckpointUnavailable (exit 3) before any Ray resource
+        is requested."""
         from elastictrain.preflight import check_job
 
+        if (self.run_dir / "events.jsonl").exists():
+            raise RunDirInUse(f"run directory {self.run_dir} already holds a run (events.jsonl); a second run "
+                              "would mix its events with the first's: pass a new --run-dir or leave it out "
+                              "(default: runs/<name>-<timestamp>)")
         check_job(self.config, builtin_task=self._builtin_task)
-        store, manifest = self._resolve_resume()  # before any Ray resource is requested
+        plan = self._resolve_resume()  # before any Ray resource is requested
+        if plan.finished:
+            return self._already_finished(plan)
+        if plan.run_id != self.config.stable_id:
+            self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self.run_dir.mkdir(parents=True, exist_ok=True)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)
         events.listeners.append(RunMetrics(self.config.stable_id))  # Prometheus, through Ray's metrics agent
         if self.console is not None:
             print(f"elastictrain: run directory {self.run_dir}", file=self.console, flush=True)
+            if plan.note:
+                print(f"elastictrain: {plan.note}", file=self.console, flush=True)
         events.emit("run_started", name=self.config.name, run_id=self.config.stable_id, run_dir=str(self.run_dir),
                     workers_min=self.config.workers.min, workers_max=self.config.workers.max,
                     plan=self.config.parallel.plan, steps=self.config.train.steps,
-                    global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri)
+                    global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri,
+                    checkpoint_root=plan.root_uri, lineage=plan.lineage, note=plan.note)
         self._init_ray()
         from elastictrain.controller.controller import Controller
 
-        self.controller = Controller(self.config, self.task, events, store=store, resume_manifest=manifest)
+        self.controller = Controller(self.config, self.task, events, store=plan.store,
+                                     resume_manifest=plan.manifest, resume_plan=plan)
         restore = _install_signal_handlers(self.controller)
         try:
             summary = self.controller.run()
         finally:
             restore()
+        summary.update(run_id=self.config.stable_id, checkpoint_root=plan.root_uri, lineage=plan.lineage)
         if self.controller.final_state is not None:
             import torch
 
@@ -107,21 +125,26 @@ class Trainer:
         events.close()
         return RunResult(summary, self.run_dir, summary["exit_code"])
 
-    def _resolve_resume(self) -> tuple[Any, Any]:
-        c = self.config.checkpoint
-        if c.uri is None:
-            return None, None
-        from elastictrain.checkpoint import CheckpointError, CheckpointStore
+    def _resolve_resume(self) -> Any:
+        from elastictrain.checkpoint import CheckpointError
+        from elastictrain.checkpoint.resume import plan_resume
 
-        root = c.uri.rstrip("/") + "/" + self.config.stable_id
         try:
-            store = CheckpointStore(root, dict(c.storage_options))
-            manifest = store.resolve(c.resume)
+            return plan_resume(self.config, self.task.lr_fn, self._builtin_task)
         except CheckpointError as e:
             raise CheckpointUnavailable(str(e)) from None
-        if manifest is not None:
-            _check_compatible(self.config, manifest)
-        return store, manifest
+
+    def _already_finished(self, plan: Any) -> RunResult:
+        """Nothing to run: the checkpoint is at or past ``train.steps``. No run directory, no Ray."""
+        m = plan.manifest
+        message = (f"run {plan.run_id} already finished at step {m.step} from checkpoint {m.location}; "
+                   "to train again use a new run_id or --set checkpoint.resume=never")
+        if self.console is not None:
+            print(f"elastictrain: {message}", file=self.console, flush=True)
+        summary = {"state": "finished", "already_finished": True, "message": message, "final_step": m.step,
+                   "final_loss": None, "wall_s": 0.0, "failures": 0, "exit_code": EXIT_OK, "run_id": plan.run_id,
+                   "checkpoint": m.location, "checkpoint_root": plan.root_uri, "lineage": plan.lineage}
+        return RunResult(summary, self.run_dir, EXIT_OK)
 
     def _init_ray(self) -> None:
         import ray
@@ -138,17 +161,6 @@ class Trainer:
             # A private local Ray: never attach by accident to another instance on this machine
             # (`--ray-address auto` does that on purpose).
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
-
-
-def _check_compatible(config: JobConfig, manifest: Any) -> None:
-    saved = getattr(manifest, "meta", {}) or {}
-    for key, now in (("global_batch", config.train.global_batch), ("seed", config.train.seed)):
-        then = saved.get(key)
-        if then is not None and then != now:
-            raise CheckpointUnavailable(
-                f"checkpoint at step {manifest.step} was written with train.{key}={then} but this job has "
-                f"train.{key}={now}: resuming would silently change the data order. Use the same value, "
-                "or start fresh with checkpoint.resume=never or a new run_id")
 
 
 def _tensorboard(run_dir: Path, events: EventLog) -> Any:
@@ -191,4 +203,4 @@ def _install_signal_handlers(controller: Any) -> Any:
     return restore
 
 
-__all__ = ["Trainer", "RunResult", "ConfigError", "CheckpointUnavailable"]
+__all__ = ["Trainer", "RunResult", "ConfigError", "CheckpointUnavailable", "RunDirInUse"]

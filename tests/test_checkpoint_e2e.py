@@ -80,12 +80,16 @@ def test_resume_at_another_world_size_and_skip_corrupt(tmp_path, ray_local):
     store = CheckpointStore(str(tmp_path / "ckpt" / "rs"))
     newest = store.committed()[-1]
     assert newest.step == 10
-    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/*") if p.suffix == ".distcp")
+    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/**/*") if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte
     shard.write_bytes(bytes(data))
-    one = run_job(tmp_path, job(name="rs", train={"steps": 15}, workers={"min": 1, "max": 1}, checkpoint=ck),
-                  name="one")
+    # 15 steps instead of 10 changes the cosine schedule: accepted on purpose (checkpoint.accept_changes)
+    one = run_job(tmp_path, job(name="rs", train={"steps": 15}, workers={"min": 1, "max": 1},
+                                checkpoint={**ck, "accept_changes": ["schedule"]}), name="one")
+    # the driver checks sizes only; the rank that read step 10 found the SHA-256 mismatch, step 5 was loaded
+    (bad,) = [e for e in one.of("checkpoint_failed") if "could not load" in e["reason"]]
+    assert "SHA-256 mismatch" in bad["reason"] and bad["step"] == 10, bad
     (resumed,) = one.of("resumed")
     assert resumed["step"] == 5 and resumed["world_size"] == 1 and resumed["from_world_size"] == 2
     assert one.summary["final_step"] == 15 and one.result.exit_code == 0

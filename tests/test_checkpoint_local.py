@@ -97,6 +97,7 @@ def _corrupt(step_dir: Path, how: str) -> None:
     elif how in ("dotdot", "absolute"):
         body = json.loads((step_dir / "manifest.json").read_text())
         body["files"]["../x" if how == "dotdot" else "/etc/passwd"] = {"size": 1, "sha256": "0" * 64}
+        body.pop("digest")  # a forger drops (or recomputes) the digest: the path checks still refuse it
         (step_dir / "manifest.json").write_text(json.dumps(body))
     elif how == "garbage_manifest":
         (step_dir / "manifest.json").write_text("{not json")
@@ -114,6 +115,15 @@ def test_corruption_detected_and_latest_valid_falls_back(tmp_path: Path, how: st
     chosen, skipped = store.latest_valid()
     assert chosen == m1
     assert len(skipped) == 1 and "step_000000002" in skipped[0] and words in skipped[0], skipped
+    if how == "flip":
+        # the hot path (resolve) checks sizes and the manifest's digest only; the rank that reads the
+        # file finds the SHA-256 mismatch while loading it
+        m = store.resolve(str(tmp_path / "run" / "step_000000002"))
+        assert store.latest_valid(checksums=False)[0] == m2
+        model, opt = fresh()
+        with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+            load_checkpoint(m, store.root_uri, app_state(model, opt))
+        return
     with pytest.raises(CheckpointError):
         store.resolve(str(tmp_path / "run" / "step_000000002"))
 

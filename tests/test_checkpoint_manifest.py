@@ -31,8 +31,22 @@ def _manifest_json(files: dict) -> str:
     import json
 
     body = json.loads(text)
+    body.pop("digest")  # a hand-edited manifest without the integrity field: the field checks still apply
     body["files"].update(files)
     return json.dumps(body)
+
+
+def test_manifest_digest_catches_an_edit() -> None:
+    """The manifest's own integrity check (item 15: the hot path verifies sizes + this, not every byte)."""
+    import json
+
+    reports = [ShardReport(5, 0, {".metadata": FileInfo(3, SHA)}, None, 0.1, 0.2)]
+    text = build_manifest(5, 1, reports, {"world_size": 1, "seed": 0}, 123.0).to_json()
+    assert manifest_from_json(text).step == 5
+    body = json.loads(text)
+    body["meta"]["seed"] = 1
+    with pytest.raises(ManifestError, match="digest does not match"):
+        manifest_from_json(json.dumps(body), "m")
 
 
 def test_roundtrip() -> None:

@@ -124,3 +124,19 @@ def test_no_capacity_for_min_names_the_missing_resource(tmp_path, ray_local) -> 
     assert run.result.exit_code == 1
     (failed,) = run.of("run_failed")
     assert "GPU: 0 of 1 free on any node" in failed["reason"], failed["reason"]
+
+
+def test_drain_watcher_says_when_it_turns_itself_off() -> None:
+    from elastictrain.controller.drain import DrainWatcher
+
+    class BrokenApi:  # Ray's GCS node-table API changed under us
+        def get_all_node_info(self, timeout: float) -> None:
+            raise AttributeError("no such field: state_snapshot")
+
+    watcher = DrainWatcher("127.0.0.1:1")
+    watcher._client = BrokenApi()
+    assert watcher.take_notice() is None
+    assert watcher.draining(now=0.0) == set()
+    notice = watcher.take_notice()
+    assert notice is not None and "AttributeError: no such field: state_snapshot" in notice
+    assert watcher.take_notice() is None  # said once

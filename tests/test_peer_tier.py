@@ -44,7 +44,11 @@ def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_
     ids = {}
     for e in faulty.of("step"):  # a redone step saw the same samples as its first run
         assert ids.setdefault(e["step"], sorted(e["sample_ids"])) == sorted(e["sample_ids"])
-    assert sorted(ids) == list(range(1, 41))
+    # steps completed after the controller's last poll died with both workers' records: only those
+    # (after the failure's last seen step, up to the restored snapshot) may lack a step event
+    both = faulty.of("failure")[-1]
+    missing = set(range(1, 41)) - set(ids)
+    assert all(both["step"] < s <= second_rec["step"] for s in missing), (missing, both["step"], second_rec)
 
 
 def test_snapshot_over_the_keeper_budget_is_reported(tmp_path, ray_local, monkeypatch):

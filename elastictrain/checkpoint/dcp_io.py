@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from elastictrain.checkpoint import storage
+from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.manifest import FileInfo
 from elastictrain.checkpoint.safe_metadata import loads_metadata
 
@@ -203,17 +204,61 @@ class HashingWriter(FileSystemWriter):
         return dict(self.fs.written)
 
 
-class SafeReader(FsspecReader):
-    """DCP ``FsspecReader`` that never unpickles arbitrary code from ``.metadata``."""
+class _VerifyingFileSystem:
+    """Wraps a DCP reader's file system: a file listed in ``expected`` is read whole, its size and SHA-256
+    checked, and served from memory. So each rank verifies exactly what it reads, once, while reading."""
 
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, inner: Any, base: str, uri: str, expected: dict[str, FileInfo]) -> None:
+        self._inner = inner
+        self._base = base.rstrip("/")
+        self._uri = uri
+        self._expected = expected
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        rel = path[len(self._base) + 1:] if path.startswith(self._base + "/") else os.path.basename(path)
+        info = self._expected.get(rel)
+        if "r" not in mode or info is None:
+            with self._inner.create_stream(path, mode) as f:
+                yield f
+            return
+        where = storage.join(self._uri, rel)
+        data = storage.guarded("reading", where, lambda: self._inner.fs.cat_file(path))
+        check_bytes(data, info, where)
+        yield io.BytesIO(data)
+
+
+def check_bytes(data: bytes, info: FileInfo, where: str) -> None:
+    """Raise CheckpointError unless ``data`` has the size and SHA-256 the manifest recorded."""
+    if len(data) != info.size:
+        raise CheckpointError(f"{where}: size {len(data)} != {info.size} recorded (truncated or overwritten)")
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise CheckpointError(f"{where}: SHA-256 mismatch (contents changed after the save)")
+
+
+class SafeReader(FsspecReader):
+    """DCP ``FsspecReader`` that never unpickles arbitrary code from ``.metadata``. With ``expected``
+    (the manifest's files) every file it reads is checked against its recorded size and SHA-256."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
+                 expected: dict[str, FileInfo] | None = None) -> None:
         super().__init__(uri, **(storage_options or {}))
         self._uri = uri
+        self._expected = dict(expected or {})
+        if self._expected:
+            self.fs = _VerifyingFileSystem(self.fs, os.fspath(self.path), uri, self._expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         where = storage.join(self._uri, os.path.basename(os.fspath(path)))
         data = storage.guarded("reading", where, lambda: self.fs.fs.cat_file(os.fspath(path)))
+        info = self._expected.get(os.path.basename(os.fspath(path)))
+        if info is not None:
+            check_bytes(data, info, where)
         metadata = loads_metadata(data, where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

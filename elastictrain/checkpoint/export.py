@@ -5,17 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten_with_path
 
 from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.loader import load_full
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj.contiguous()
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+def _flatten(state: Any) -> dict[str, torch.Tensor]:
+    """Tensor leaves of a nested state under dotted names (``torch.utils._pytree`` paths)."""
+    pairs, _ = tree_flatten_with_path(state)
+    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf.contiguous()
+            for path, leaf in pairs if isinstance(leaf, torch.Tensor)}
 
 
 def export_state(step_uri: str, out: str, fmt: str, key: str | None, storage_options: dict[str, Any] | None) -> int:
@@ -34,8 +34,7 @@ def export_state(step_uri: str, out: str, fmt: str, key: str | None, storage_opt
                 "or use --format torch"
             ) from None
     state = load_full(step_uri, key, storage_options)
-    flat: dict[str, torch.Tensor] = {}
-    _flatten(state, "", flat)
+    flat = _flatten(state)
     if fmt == "safetensors":
         save_file(flat, out)
     else:

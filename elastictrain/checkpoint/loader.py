@@ -36,12 +36,15 @@ def _describe(exc: BaseException, uri: str, action: str) -> str:
 
 
 def checkpoint_dir(manifest: Manifest, root_uri: str | None) -> str:
-    """The step directory of ``manifest``: where it was read from, else ``<root_uri>/step_...``."""
+    """Where the DCP files of ``manifest`` are: its step directory (where it was read from, else
+    ``<root_uri>/step_...``) plus the attempt directory it names (:attr:`Manifest.data_dir`)."""
     if manifest.location:
-        return manifest.location
-    if not root_uri:
+        step = manifest.location
+    elif not root_uri:
         raise CheckpointError(f"manifest of step {manifest.step} has no location and no root_uri was given")
-    return storage.join(root_uri, step_dir_name(manifest.step))
+    else:
+        step = storage.join(root_uri, step_dir_name(manifest.step))
+    return storage.join(step, manifest.data_dir) if manifest.data_dir else step
 
 
 def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -74,10 +77,11 @@ def load_checkpoint(
     """Fill ``state`` in place from the checkpoint of ``manifest`` (collective: every rank of
     ``process_group`` calls it). ``state`` keys absent from the checkpoint raise CheckpointError.
 
-    Verify the manifest first (``CheckpointStore.resolve``/``verify``): this reads without checksumming.
+    Each file this rank reads is checked against the manifest's size and SHA-256 as it is read (a
+    mismatch raises CheckpointError naming the file), so the driver needs to check sizes only.
     """
     uri = checkpoint_dir(manifest, root_uri)
-    reader = SafeReader(uri, storage_options)
+    reader = SafeReader(uri, storage_options, expected=manifest.files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)

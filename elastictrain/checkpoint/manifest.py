@@ -1,13 +1,18 @@
 """PURE: the checkpoint manifest and the per-rank shard report, with strict JSON (de)serialisation.
 
 ``manifest.json`` in a step directory is the commit marker of that checkpoint: it lists every file the
-ranks wrote (size + SHA-256) and the job metadata needed to resume (world size, data position, config).
+ranks wrote (size + SHA-256) and the job metadata needed to resume: the world size that wrote it, the
+job fingerprint (:mod:`elastictrain.checkpoint.compat`), the run id and lineage, and the config. There is
+no separate "data position" field: the step with ``train.global_batch`` and ``train.seed`` (both in the
+fingerprint) defines it (step ``s`` starts at global position ``s * global_batch``). A ``digest`` field
+(SHA-256 of the rest of the manifest) lets a reader check the manifest's own integrity cheaply.
 Nothing here touches storage. Every path named in a manifest is validated to stay inside the step
 directory, so a tampered manifest cannot make ``verify``/``load`` read or delete files elsewhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -46,6 +51,7 @@ class ShardReport:
     error: str | None
     stage_s: float
     write_s: float
+    generation: int | None = None  # the membership generation that wrote it (its attempt directory)
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,25 @@ class Manifest:
             "shards": {str(r): s for r, s in sorted(self.shards.items())},
             "meta": self.meta,
         }
+        body["digest"] = manifest_digest(body)
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
+
+    @property
+    def data_dir(self) -> str:
+        """The directory (relative to the step directory) that holds the DCP files: the attempt that was
+        committed (e.g. ``g3``), or ``""`` for checkpoints written before attempts existed."""
+        meta = next(p for p in self.files if p == METADATA_NAME or p.endswith("/" + METADATA_NAME))
+        return meta[: -len(METADATA_NAME)].rstrip("/")
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+def manifest_digest(body: dict[str, Any]) -> str:
+    """SHA-256 of a manifest body (without its ``digest`` field), canonical JSON."""
+    rest = {k: v for k, v in body.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, allow_nan=False).encode()).hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -84,6 +104,18 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     return f"step_{step:09d}"
+
+
+def attempt_dir_name(generation: int | None) -> str:
+    """``g3``: where generation 3 writes its saves inside a step directory; ``""`` (the step directory
+    itself) when no generation is given (single-process use)."""
+    return "" if generation is None else f"g{generation}"
+
+
+def _has_metadata(files: dict[str, Any]) -> bool:
+    """Exactly one DCP ``.metadata`` file, at the top or in one attempt directory."""
+    metas = [p for p in files if p == METADATA_NAME or p.endswith("/" + METADATA_NAME)]
+    return len(metas) == 1 and metas[0].count("/") <= 1
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -140,6 +172,8 @@ def manifest_from_json(text: str | bytes, where: str = "manifest", location: str
         raise ManifestError(f"{where}: not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(body, dict):
         raise ManifestError(f"{where}: top level is not an object")
+    if "digest" in body and body["digest"] != manifest_digest(body):
+        raise ManifestError(f"{where}: its digest does not match its contents; the manifest was changed or damaged")
     version = _require(body, "version", int, where)
     if version > FORMAT_VERSION:
         raise ManifestError(f"{where}: format version {version} is newer than this elastictrain ({FORMAT_VERSION})")
@@ -149,8 +183,8 @@ def manifest_from_json(text: str | bytes, where: str = "manifest", location: str
     if step < 0 or world < 1 or not math.isfinite(created):
         raise ManifestError(f"{where}: step={step}, world_size={world}, created_at={created} out of range")
     files = _parse_files(_require(body, "files", dict, where), where)
-    if METADATA_NAME not in files:
-        raise ManifestError(f"{where}: lists no {METADATA_NAME} file; not a complete checkpoint")
+    if not _has_metadata(files):
+        raise ManifestError(f"{where}: lists no single {METADATA_NAME} file; not a complete checkpoint")
     shards_raw = body.get("shards", {})
     if not isinstance(shards_raw, dict):
         raise ManifestError(f"{where}: field 'shards' is not an object")
@@ -173,8 +207,8 @@ def build_manifest(step: int, world_size: int, reports: list[ShardReport], meta:
                 raise CheckpointError(f"step {step}: ranks reported different contents for {path!r}")
             files[path] = info
         shards[r.rank] = {"files": sorted(r.files), "stage_s": round(r.stage_s, 6), "write_s": round(r.write_s, 6)}
-    if METADATA_NAME not in files:
-        raise CheckpointError(f"step {step}: no rank reported {METADATA_NAME} (rank 0 writes it); cannot commit")
+    if not _has_metadata(files):
+        raise CheckpointError(f"step {step}: no rank reported one {METADATA_NAME} (rank 0 writes it); cannot commit")
     try:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:

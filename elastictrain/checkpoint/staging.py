@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
@@ -32,15 +33,10 @@ class Staged:
     nbytes: int
 
 
-def _tensors_in_order(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors_in_order(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors_in_order(v, out)
+def _split(state: Any) -> tuple[list[Any], Any, list[int]]:
+    """Leaves, tree spec and the positions of the tensor leaves (``torch.utils._pytree`` order)."""
+    leaves, spec = tree_flatten(state)
+    return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -48,22 +44,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _rebuild(obj: Any, buffers: list[torch.Tensor], pos: list[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        buf = buffers[pos[0]]
-        pos[0] += 1
-        if isinstance(obj, DTensor):  # the host copy of the shard, with the source's global layout
-            return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False,
-                                      shape=obj.shape, stride=obj.stride())
-        return buf
-    if isinstance(obj, dict):
-        return {k: _rebuild(v, buffers, pos) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rebuild(v, buffers, pos) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rebuild(v, buffers, pos) for v in obj)
+def _host(src: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    if isinstance(src, DTensor):  # the host copy of the shard, with the source's global layout
+        return DTensor.from_local(buf, src.device_mesh, src.placements, run_check=False,
+                                  shape=src.shape, stride=src.stride())
+    return buf
+
+
+def _rebuild(leaves: list[Any], spec: Any, where: list[int], buffers: list[torch.Tensor]) -> Any:
     # python scalars, strings, None: immutable or small; a deep copy keeps later mutation out of the save
-    return copy.deepcopy(obj)
+    out = [None if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf) for leaf in leaves]
+    for i, buf in zip(where, buffers):
+        out[i] = _host(leaves[i], buf)
+    return tree_unflatten(out, spec)
 
 
 class StagingPool:
@@ -86,9 +79,8 @@ class StagingPool:
 
     def stage(self, state: Any) -> Staged:
         """Copy every tensor of ``state`` to host memory; returns when the copy is complete."""
-        tensors: list[torch.Tensor] = []
-        _tensors_in_order(state, tensors)
-        sources = [_local(t) for t in tensors]  # DTensors: stage this rank's shard
+        leaves, spec, where = _split(state)
+        sources = [_local(leaves[i]) for i in where]  # DTensors: stage this rank's shard
         signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
         on_cuda = any(t.is_cuda for t in sources)
         buffers = self._take(signature, pin=on_cuda)
@@ -98,7 +90,7 @@ class StagingPool:
         if on_cuda:
             torch.cuda.synchronize()  # the caller may overwrite the sources as soon as we return
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
-        return Staged(_rebuild(state, buffers, [0]), buffers, signature, nbytes)
+        return Staged(_rebuild(leaves, spec, where, buffers), buffers, signature, nbytes)
 
     def release(self, staged: Staged) -> None:
         """Return a finished save's buffers for reuse (the oldest idle set is dropped beyond ``keep``)."""

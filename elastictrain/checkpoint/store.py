@@ -3,7 +3,8 @@
 Commit protocol: workers write shards and report (:class:`ShardReport`); when every rank of the generation
 reported success for a step, :meth:`CheckpointStore.commit` writes ``manifest.json`` LAST and create-only.
 A step directory without a manifest is not a checkpoint (an abandoned or crashed save); a manifest is never
-overwritten. Verification recomputes sizes and SHA-256 of the listed files; resume takes the newest
+overwritten. ``verify`` (``ckpt verify``) recomputes sizes and SHA-256 of the listed files; resume and
+recovery check sizes only and leave the checksums to the ranks that read the files. Resume takes the newest
 committed checkpoint that verifies and says why newer ones were skipped. No torch.distributed here.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from elastictrain.checkpoint import storage
+from elastictrain.checkpoint.compat import lineage_of
 from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -145,28 +147,46 @@ class CheckpointStore:
                 problems.append(f"{uri}: SHA-256 mismatch (contents changed after the save)")
         return problems
 
-    def latest_valid(self) -> tuple[Manifest | None, list[str]]:
-        """Newest committed checkpoint that verifies, and why each newer step dir was skipped."""
+    def latest_valid(self, checksums: bool = True, lineage: str | None = None) -> tuple[Manifest | None, list[str]]:
+        """Newest committed checkpoint that verifies, and why each newer step dir was skipped.
+
+        ``checksums=False`` (the resume and recovery hot path) checks presence and sizes only: the
+        manifest's own digest was checked when it parsed, and each rank checks the SHA-256 of what it
+        reads (:class:`~elastictrain.checkpoint.dcp_io.SafeReader`). ``lineage`` keeps only checkpoints of
+        that trajectory (:func:`~elastictrain.checkpoint.compat.lineage_of`)."""
         good, bad = self._scan()
-        candidates = {m.step: m for m in good}
+        candidates = {m.step: m for m in good if lineage is None or lineage_of(m.meta) == lineage}
         skipped: list[str] = []
         for step in sorted(set(candidates) | set(bad), reverse=True):
             if step in bad:
                 skipped.append(bad[step])
                 continue
-            problems = self.verify(candidates[step])
+            problems = self.verify(candidates[step], checksums=checksums)
             if not problems:
                 return candidates[step], skipped
             skipped.append(f"{self.step_uri(step)}: " + "; ".join(problems))
         return None, skipped
 
+    def older_valid(self, step: int, lineage: str | None) -> Manifest | None:
+        """The newest checkpoint of ``lineage`` older than ``step`` whose files are present with their sizes."""
+        for m in reversed(self.committed()):
+            if m.step < step and (lineage is None or lineage_of(m.meta) == lineage) \
+                    and not self.verify(m, checksums=False):
+                return m
+        return None
+
+    def has_step_dirs(self) -> bool:
+        """Whether anything (committed or not) lives under this run root."""
+        return bool(self._steps_on_storage())
+
     def resolve(self, resume: str) -> Manifest | None:
         """``"auto"`` -> newest valid (or None), ``"never"`` -> None, else an explicit checkpoint URI
-        (a step dir or its ``manifest.json``) -> its verified manifest. Raises CheckpointError."""
+        (a step dir or its ``manifest.json``) -> its manifest. Sizes are verified, not checksums (see
+        :meth:`latest_valid`). Raises CheckpointError."""
         if resume == "never":
             return None
         if resume == "auto":
-            return self.latest_valid()[0]
+            return self.latest_valid(checksums=False)[0]
         return self._resolve_explicit(resume)
 
     def _resolve_explicit(self, uri: str) -> Manifest:
@@ -181,19 +201,25 @@ class CheckpointStore:
                 "point it at a step directory with a manifest, or use resume=auto"
             ) from None
         manifest = manifest_from_json(data, where, location=step_uri)
-        problems = self.verify(manifest)
+        problems = self.verify(manifest, checksums=False)
         if problems:
             raise CheckpointError(f"checkpoint.resume={uri!r} is damaged: " + "; ".join(problems))
         return manifest
 
     # ----------------------------------------------------------------------------------------- retention
 
-    def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset()) -> list[int]:
+    def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset(),
+               lineage: str | None = None) -> list[int]:
         """Delete what :func:`retention_plan` says; returns the deleted steps.
 
-        A committed checkpoint loses its manifest first, so a crash half-way leaves an uncommitted dir
-        (swept next time), never a committed checkpoint with missing files."""
+        With ``lineage``, only that trajectory's committed checkpoints count and may go: another run's
+        commits under the same root are never deleted. A committed checkpoint loses its manifest first, so
+        a crash half-way leaves an uncommitted dir (swept next time), never a committed checkpoint with
+        missing files."""
         good, bad = self._scan()
+        others = {m.step for m in good if lineage is not None and lineage_of(m.meta) != lineage}
+        good = [m for m in good if m.step not in others]
+        in_use = frozenset(in_use) | others
         delete = retention_plan([m.step for m in good], sorted(bad), keep_last, keep_every, frozenset(in_use))
         committed = {m.step for m in good}
         for step in delete:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import HashingFileSystem, HashingWriter, S3Mode
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
-from elastictrain.checkpoint.manifest import MANIFEST_NAME, ShardReport, step_dir_name
+from elastictrain.checkpoint.manifest import MANIFEST_NAME, ShardReport, attempt_dir_name, step_dir_name
 from elastictrain.checkpoint.staging import Staged, StagingPool
 from elastictrain.config import CheckpointConfig
 
@@ -74,6 +74,7 @@ class CheckpointWriter:
         storage_options: dict[str, Any] | None = None,
         s3_mode: S3Mode = "buffer",
         close_timeout_s: float = 120.0,
+        generation: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -93,6 +94,13 @@ class CheckpointWriter:
         self._cond = threading.Condition()
         self._outstanding = 0
         self._closed = False
+        self._abandoned = False
+        # Each attempt in its own place: a generation writes step_<n>/<attempt>/, so a save of the same step
+        # by another generation (a just-in-time save after a shrink, a zombie thread of an abandoned save)
+        # never writes into the files a manifest names.
+        self._generation = generation
+        self._attempt = attempt_dir_name(generation)
+        self._saved_steps: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"ckpt-writer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -108,6 +116,9 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint writer for {self._root_uri} is closed; create a new one")
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        if step in self._saved_steps:  # one save per (step, generation): the first one stands
+            return False
+        self._saved_steps.add(step)
         blocking = self._cfg.when_busy == "wait"
         if not self._slots.acquire(blocking=blocking):
             self._enqueue(_Entry(step, None, 0.0))
@@ -144,6 +155,26 @@ class CheckpointWriter:
         with self._cond:
             return self._outstanding
 
+    def has_saved(self, step: int) -> bool:
+        """True if a save of ``step`` was already queued by this writer (this generation)."""
+        return step in self._saved_steps
+
+    def abandon(self) -> list[ShardReport]:
+        """The membership changed: give up in-flight saves at once and stop. Returns the reports of saves
+        that had already finished (they may still commit); queued and running saves report nothing, so
+        they never commit. The thread is not joined: one blocked on storage or in a collective of the
+        checkpoint group (which the caller tears down) ends on its own, writing only into its attempt
+        directory, which no manifest names. Idempotent."""
+        with self._cond:
+            self._abandoned = True
+            done, self._done = self._done, []
+            self._outstanding = 0
+            self._cond.notify_all()
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_CLOSE)
+        return done
+
     def close(self) -> None:
         """Drain in-flight saves (bounded by ``close_timeout_s``) and stop the thread. Idempotent.
 
@@ -164,11 +195,13 @@ class CheckpointWriter:
             entry = self._queue.get()
             if entry is _CLOSE:
                 return
-            report = self._execute(entry)
+            report = None if self._abandoned else self._execute(entry)
             if entry.staged is not None:
                 self._pool.release(entry.staged)
                 self._slots.release()
             with self._cond:
+                if self._abandoned:  # never reported, so never committed
+                    continue
                 self._done.append(report)
                 self._outstanding -= 1
                 self._cond.notify_all()
@@ -177,31 +210,36 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         step_uri = storage.join(self._root_uri, step_dir_name(entry.step))
         step_path = storage.join(self._root, step_dir_name(entry.step))
+        data_uri, data_path = step_uri, step_path
+        if self._attempt:
+            data_uri, data_path = storage.join(step_uri, self._attempt), storage.join(step_path, self._attempt)
         files: dict = {}
         try:
-            refusal = self._prepare_dir(step_path, step_uri) if entry.staged is not None else _SKIPPED
+            refusal = self._prepare_dir(step_path, step_uri, data_path, data_uri) if entry.staged is not None else _SKIPPED
             refusal = self._agree(entry, refusal)
             if refusal is None:
-                hfs = HashingFileSystem(self._fs, step_path, step_uri, self._s3_mode)
+                hfs = HashingFileSystem(self._fs, data_path, data_uri, self._s3_mode)
                 try:
                     writer = HashingWriter(hfs)
                     dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
-                    files = writer.written
+                    prefix = self._attempt + "/" if self._attempt else ""
+                    files = {prefix + rel: info for rel, info in writer.written.items()}
                 finally:
                     hfs.close()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, never raised into training
             refusal = _describe_failure(e, entry.step, step_uri)
         return ShardReport(entry.step, self._rank, files if refusal is None else {}, refusal, entry.stage_s,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, generation=self._generation)
 
-    def _prepare_dir(self, step_path: str, step_uri: str) -> str | None:
-        """Rank 0 only: refuse a committed step; clear leftovers of an abandoned attempt at the same step."""
+    def _prepare_dir(self, step_path: str, step_uri: str, data_path: str, data_uri: str) -> str | None:
+        """Rank 0 only: refuse a committed step; clear leftovers of a crashed attempt of this generation
+        (only its own attempt directory: other attempts may still be written by abandoned threads)."""
         if self._rank != 0:
             return None
         manifest = storage.join(step_path, MANIFEST_NAME)
         if storage.guarded("checking", step_uri, lambda: self._fs.exists(manifest)):
             return f"step {step_uri} is already committed; refusing to overwrite a committed checkpoint"
-        storage.remove_tree(self._fs, step_path, step_uri)
+        storage.remove_tree(self._fs, data_path, data_uri)
         return None
 
     def _agree(self, entry: _Entry, refusal: str | None) -> str | None:

@@ -1,10 +1,14 @@
-"""The checkpoint commit protocol on the driver: collect every rank's shard report for a step, then
-write the manifest (the commit) and apply retention. A step whose reports cannot all arrive (a rank died,
-the membership changed, a write failed) is never committed."""
+"""The checkpoint commit protocol on the driver: collect every rank's shard report for a save, then
+write the manifest (the commit) and apply retention. A save is keyed by (step, generation): each
+generation writes its own attempt directory and needs the reports of every rank of THAT generation (a
+just-in-time save after a shrink commits at the new world size). A save whose reports cannot all arrive
+(a rank died, the membership changed and the save was abandoned, a write failed) is never committed."""
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from elastictrain.config import JobConfig
@@ -17,13 +21,32 @@ class Committer:
         self.events = events
         self.store = store  # CheckpointStore or None
         self.meta = meta
-        self._reports: dict[int, dict[int, Any]] = defaultdict(dict)
-        self._world: dict[int, int] = {}
+        self._reports: dict[tuple[int, int | None], dict[int, Any]] = defaultdict(dict)
+        self._world: dict[int | None, int] = {}  # world size of each generation
         self.stall_s = 0.0
         self.committed_steps: list[int] = []
+        # Commits and retention talk to storage, which may be slow or stalled: they run on a thread of
+        # their own, so the controller keeps watching workers (and recovers) meanwhile.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
 
-    def expect(self, step: int, world_size: int) -> None:
-        self._world.setdefault(step, world_size)
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for queued commits (before a just-in-time save returns, before exit). True if all done."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        done, not_done = wait(pending, timeout=timeout)
+        with self._lock:
+            self._pending.extend(not_done)
+        return not not_done
+
+    def close(self) -> None:
+        """Stop taking commits; a commit stuck on storage is left to finish on its own (never joined)."""
+        self._pool.shutdown(wait=False, cancel_futures=False)
+
+    def new_generation(self, generation: int, world_size: int) -> None:
+        """Saves of ``generation`` commit when ``world_size`` ranks reported."""
+        self._world[generation] = world_size
 
     def take(self, rank: int, item: Any) -> None:
         """One item from a worker's poll: a staging note (``{"staged", "stall_s"}``) or a ShardReport."""
@@ -31,15 +54,24 @@ class Committer:
             if rank == 0:
                 self.stall_s += item["stall_s"]
             return
-        self._reports[item.step][item.rank] = item
-        self._maybe_commit(item.step)
+        if item.step in self.committed_steps:  # another generation's attempt already committed this step
+            return
+        key = (item.step, item.generation)
+        self._reports[key][item.rank] = item
+        self._maybe_commit(key)
 
-    def _maybe_commit(self, step: int) -> None:
-        reports = self._reports[step]
-        world = self._world.get(step)
+    def _maybe_commit(self, key: tuple[int, int | None]) -> None:
+        step, generation = key
+        reports = self._reports[key]
+        world = self._world.get(generation)
         if world is None or len(reports) < world:
             return
-        del self._reports[step]
+        del self._reports[key]
+        future = self._pool.submit(self._commit, step, reports, world)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+
+    def _commit(self, step: int, reports: dict[int, Any], world: int) -> None:
         errors = [f"rank {r.rank}: {r.error}" for r in reports.values() if r.error]
         if errors:
             # A save skipped because storage is slower than the interval (when_busy=skip) is policy, not a fault.
@@ -62,6 +94,6 @@ class Committer:
         )
         c = self.config.checkpoint
         try:
-            self.store.retain(c.keep_last, c.keep_every)
+            self.store.retain(c.keep_last, c.keep_every, lineage=self.meta.get("lineage"))
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"retention failed (checkpoint kept): {e}")

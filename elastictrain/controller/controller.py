@@ -17,11 +17,13 @@ import ray
 
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy, sources
+from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.monitor import Failure, WorkerMonitor
+from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
@@ -49,24 +51,34 @@ class PeerRestore:
     kind: str
 
 
+class CheckpointLoadFailed(RuntimeError):
+    """No checkpoint could be loaded into the members: a checkpoint error (exit 3), not a worker failure."""
+
+
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None) -> None:
+                 resume_manifest: Any = None, group: WorkerGroup | None = None, resume_plan: Any = None) -> None:
+        """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
+        one with the same interface to step the state machine through its paths). ``resume_plan``: the driver's
+        :class:`~elastictrain.checkpoint.resume.ResumePlan` (lineage, fingerprint)."""
         self.config = config
         self.task = task
         self.events = events
         self.sm = StateMachine()
-        self.group = WorkerGroup(config, task)
+        self.group = group if group is not None else WorkerGroup(config, task)
         self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
+        self.lineage = getattr(resume_plan, "lineage", None)  # retention and fallback touch only this trajectory
+        self.driver_fingerprint = dict(getattr(resume_plan, "fingerprint", {}) or {})
+        self.reference_fingerprint: dict[str, Any] | None = None  # model/optimizer/data of the first worker
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
         self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
         self.any_setup_ok = False
-        self.pending_failures: list[Failure] = []
+        self.detector = FailureDetector(config.timeouts)  # observations in, Failures out (no Ray)
         self.run_refs: dict[Any, Slot] = {}
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
@@ -94,6 +106,8 @@ class Controller(WorkerMonitor):
                 self.step()
         finally:
             self.group.shutdown()
+            self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
+            self.committer.close()
         return self.summary()
 
     def request_preemption(self, reason: str) -> None:
@@ -117,7 +131,7 @@ class Controller(WorkerMonitor):
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
                 self._on_setup_done(slot)
-            if self.sm.terminal:  # a deterministic set-up failure ended the run
+            if self.sm.terminal:  # a deterministic set-up failure, or a checkpoint that does not fit (exit 3)
                 return
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
@@ -137,6 +151,8 @@ class Controller(WorkerMonitor):
                               f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
+            if self.sm.terminal:
+                return
             return self.sm.to(State.RECOVERING, "a worker failed during the first rendezvous")
         self.sm.to(State.RUNNING, f"{decision.world_size} workers joined generation {self.generation}")
 
@@ -253,6 +269,8 @@ class Controller(WorkerMonitor):
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
         if not self._form_generation(chosen, reason=reason, resume=resume):
+            if self.sm.terminal:
+                return
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
@@ -331,13 +349,11 @@ class Controller(WorkerMonitor):
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
-        members = [s for s in chosen if s.index in self.prev_ranks]
-        if shard > 1 and members and all(s.has_state for s in members):
-            # a clean stop (grow, preemption): every member took a whole-state hand-off at the boundary
-            self.recovery_source, self.recovery_reason = "peer", "survivors handed off their whole state"
-            return None
-        # members of the failed generation, by their rank in its mesh (a sharded survivor's has_state was
-        # cleared: its shard alone is not a whole state, but it is a source for the policy)
+        # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
+        members = [s for s in chosen if s.index in self.prev_ranks and s.rank is not None]
+        # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
+        # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
+        # a clean stop takes the same path: all shards survive, the covering ranks serve them.
         survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
         if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
@@ -348,7 +364,8 @@ class Controller(WorkerMonitor):
             tier = self._peer_tier()
             manifest = None
             if self.store is not None:
-                manifest, skipped = self.store.latest_valid()
+                # sizes only (ranks check what they read); only this run's own trajectory, never another's
+                manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
                 for why in skipped:
                     self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
             decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
@@ -376,7 +393,7 @@ class Controller(WorkerMonitor):
         member of the next generation then reads its new shards from them (no storage, no keeper)."""
         from elastictrain.checkpoint import KeeperSource
 
-        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks}
+        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
         try:
             metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
@@ -402,6 +419,7 @@ class Controller(WorkerMonitor):
         self.ledger.flush_partial()
         self.generation += 1
         gen, world = self.generation, len(chosen)
+        self.committer.new_generation(gen, world)
         for s in self.group.members():
             if s not in chosen:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
@@ -419,7 +437,8 @@ class Controller(WorkerMonitor):
                 self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
             elif resume is not None:
                 root = self.ckpt_root
-                ray.get([s.actor.load.remote(resume, root) for s in chosen], timeout=t.restart_grace_s)
+                resume = self._load_checkpoint(chosen, resume, explicit=reason == "start" and
+                                               self.config.checkpoint.resume not in ("auto", "never"))
                 for s in chosen:
                     s.has_state = True
                 self.recovery_source = "checkpoint"
@@ -429,6 +448,9 @@ class Controller(WorkerMonitor):
             src = policy.pick_source({r: self._slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
             steps = ray.get([s.actor.sync.remote(src) for s in chosen], timeout=t.restart_grace_s)
+        except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
+            self._fail_checkpoint(str(e))
+            return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
             self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
@@ -457,6 +479,56 @@ class Controller(WorkerMonitor):
             ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
+
+    def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:
+        """Load ``manifest`` on every member (collective). A load error is the checkpoint's (corrupt bytes
+        found by a rank's SHA-256 check, a layout that does not fit): unless the checkpoint was named
+        explicitly, fall back to the next older checkpoint of this run's lineage. Returns the manifest
+        loaded; raises CheckpointLoadFailed when none loads."""
+        from elastictrain.checkpoint import CheckpointError
+
+        while True:
+            try:
+                ray.get([s.actor.load.remote(manifest, self.ckpt_root) for s in chosen],
+                        timeout=self.config.timeouts.restart_grace_s)
+                return manifest
+            except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
+                cause = getattr(e, "cause", e)
+                if not isinstance(cause, CheckpointError):
+                    raise
+                older = (None if explicit or self.store is None
+                         else self.store.older_valid(manifest.step, self.lineage))
+                where = getattr(manifest, "location", "") or f"step {manifest.step}"
+                self.events.emit("checkpoint_failed", step=int(manifest.step),
+                                 reason=f"could not load {where}: {cause}" +
+                                        (f"; trying step {older.step}" if older is not None else ""))
+                if older is None:
+                    raise CheckpointLoadFailed(f"could not load checkpoint {where}: {cause}") from None
+                manifest = older
+
+    def _fail_checkpoint(self, reason: str) -> None:
+        """End the run with exit 3 (the documented checkpoint error), not as a worker failure."""
+        if self.sm.terminal:
+            return
+        self._fail(reason)
+        self.exit_code = 3
+
+    def _admit(self, slot: Slot) -> None:
+        """Check a worker that finished its set-up against the run's fingerprint (controller/admission.py)."""
+        decision = admit(slot.info.get("fingerprint"), self.reference_fingerprint,
+                         getattr(self.resume_manifest, "meta", None) if self.resume_manifest is not None
+                         and not isinstance(self.resume_manifest, dict) else None,
+                         self.config.checkpoint.accept_changes, self.config.stable_id,
+                         getattr(self.resume_manifest, "location", ""))
+        if decision.action == "checkpoint_error":
+            return self._fail_checkpoint(decision.reason)
+        if decision.action == "refuse":
+            slot.info = {**slot.info, "error": f"refused: {decision.reason}"}
+            self.group.kill(slot)
+            return
+        if self.reference_fingerprint is None and decision.reference is not None:
+            self.reference_fingerprint = decision.reference
+            self.committer.meta["fingerprint"] = {**self.driver_fingerprint, **decision.reference}
 
     def _slot_step(self, slot: Slot) -> int:
         return int(slot.info.get("step", 0))
@@ -489,6 +561,10 @@ class Controller(WorkerMonitor):
         return self._membership(self.world_size + len(ready), self.world_size).world_size > self.world_size
 
     def _on_setup_done(self, slot: Slot) -> None:
+        if slot.state is SlotState.READY:
+            self._admit(slot)  # may refuse it (fingerprint differs) or end the run (exit 3)
+            if self.sm.terminal:
+                return
         if slot.state is not SlotState.DEAD or "error" not in slot.info:
             self.any_setup_ok = True
             return
@@ -528,14 +604,15 @@ class Controller(WorkerMonitor):
         for section in (config["checkpoint"], config["task"]["data"]):  # credentials never reach storage
             section["storage_options"] = {k: "<redacted>" for k in section["storage_options"]}
         return {"plan": c.parallel.plan, "global_batch": c.train.global_batch, "seed": c.train.seed,
-                "config": config, "run_id": c.stable_id}
+                "config": config, "run_id": c.stable_id, "lineage": self.lineage,
+                "fingerprint": dict(self.driver_fingerprint)}
 
     def _save_now(self, members: list[Slot], step: int) -> bool:
         t = self.config.timeouts
         try:
             ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
-            self.committer.expect(step, len(members))
             self._collect_reports(members)
+            self.committer.drain(timeout=t.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=step, reason=f"just-in-time save failed: {e}")
             return False
@@ -553,6 +630,7 @@ class Controller(WorkerMonitor):
             self._collect_reports(members)
             for s in members:
                 self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
 

@@ -9,31 +9,35 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from elastictrain.controller import policy
+from elastictrain.controller.detect import Failure, WorkerView
 from elastictrain.controller.group import Slot, SlotState, describe_remote_error
 
 log = logging.getLogger("elastictrain.controller")
 
 
-@dataclass
-class Failure:
-    slot: int
-    rank: int | None
-    kind: str  # process_died | hang | exception | node_lost | setup_failed | straggler
-    reason: str
-    detected_at: float
-    last_progress: float
-    last_step: int  # the most advanced step any rank had completed when the failure was seen
-    progress: int = 0  # steps the failed worker completed since it joined (a crash loop makes none)
-
-
 class WorkerMonitor:
-    """Observation and failure handling for the controller (see module docstring)."""
+    """Observation and failure handling for the controller (see module docstring). What counts as a
+    failure is decided by ``self.detector`` (a :class:`~elastictrain.controller.detect.FailureDetector`);
+    this class only gathers the observations and acts on the failures."""
+
+    @property
+    def pending_failures(self) -> list[Failure]:
+        return self.detector.pending
+
+    def _view(self, slot: Slot, now: float | None = None) -> WorkerView:
+        sent = self.poll_refs.get(slot.index)
+        return WorkerView(slot.index, slot.rank, slot.info.get("joined_step"), slot.info.get("phase", "idle"),
+                          slot.info.get("phase_since", now or time.time()), sent[1] if sent else None,
+                          slot.state is SlotState.DEAD)
+
+    def _when(self) -> dict[str, Any]:
+        known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
+        return {"last_progress": self.ledger.last_progress, "known_step": known}
 
     # ------------------------------------------------------------------ observing workers
     def _pump(self, timeout: float) -> None:
@@ -74,8 +78,7 @@ class WorkerMonitor:
         slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
         for record in result["records"]:
             if slot.rank is not None:
-                for ev in self.ledger.add(slot.rank, record):
-                    self.committer.expect(ev["step"], ev["world_size"])
+                self.ledger.add(slot.rank, record)
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
         for report in result.get("memory", ()):
@@ -95,7 +98,7 @@ class WorkerMonitor:
             slot.info["step"] = res["step"]
             slot.info["result"] = res
             if res["status"] == "error":
-                self._add_failure(slot, "exception", res["error"])
+                self.detector.on_run_result(self._view(slot), res, now=time.time(), **self._when())
             elif res["status"] == "peer_failed":  # a peer broke the step: find it without waiting for Ray
                 for peer in self.run_refs.values():
                     if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
@@ -141,19 +144,9 @@ class WorkerMonitor:
         # completed a step (DDP rebuild, warm-up) the bound is the cap, not one derived from steady steps.
         progress = max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
         warm = self.ledger.latest_record_step > self.generation_start_step
-        bound = policy.hang_bound(self.ledger.step_times if warm else [], self.config.timeouts)
-        if now - progress < bound:
-            return
-        suspects = [self.group.slots[i] for i, (_, since) in self.poll_refs.items() if now - since > bound]
-        if not suspects:  # all answer: the one stuck outside a collective while others wait is hung
-            members = self.group.members()
-            waiting = [s for s in members if s.info.get("phase") == "collective"]
-            if waiting:
-                suspects = [s for s in members if s.info.get("phase") == "compute"
-                            and now - s.info.get("phase_since", now) > bound]
-        for slot in suspects:
-            self._add_failure(slot, "hang", f"no progress for {now - progress:.1f}s "
-                                            f"(bound {bound:.1f}s from observed step times)")
+        self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
+                                 progress_at=progress, step_times=self.ledger.step_times if warm else [],
+                                 **self._when())
 
     def _check_drains(self) -> None:
         """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
@@ -182,12 +175,7 @@ class WorkerMonitor:
 
     # ------------------------------------------------------------------ failures
     def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
-        if slot.state is SlotState.DEAD or any(f.slot == slot.index for f in self.pending_failures):
-            return
-        known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
-        progress = max(0, known - slot.info["joined_step"]) if "joined_step" in slot.info else 0
-        self.pending_failures.append(Failure(slot.index, slot.rank, kind, reason, time.time(),
-                                             self.ledger.last_progress, known, progress))
+        self.detector.report(self._view(slot), kind, reason, now=time.time(), **self._when())
 
     def _detect_dead(self, slots: list[Slot], reason: str) -> None:
         """After a failed collective call: find which of ``slots`` is dead or unresponsive."""
@@ -208,7 +196,7 @@ class WorkerMonitor:
     def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
         """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
         Returns (failure, kind, node) for accounting once the survivors' last records are in."""
-        failures, self.pending_failures = self.pending_failures, []
+        failures = self.detector.take()
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if failures else set()
         out = []
         for f in failures:

@@ -5,9 +5,10 @@ activation checkpointing (if asked) on each repeated block, then DDP, or FSDP2 (
 repeated block, then the root) on a 1-D (``fsdp``) or 2-D replicate x shard (``hsdp``) mesh.
 
 The step loop never asks for the plan name: :func:`wrap` turns whatever a ``parallelize_fn`` returned into
-a :class:`ParallelModel`, whose :meth:`~ParallelModel.accumulating` context keeps gradients local for
-every micro-batch but the last (``no_sync`` for DDP, ``set_requires_gradient_sync(False)`` for FSDP2,
-nothing for a plain module).
+a :class:`ParallelModel`, whose :meth:`~ParallelModel.accumulating` context defers gradient reduction for
+every micro-batch but the last (``no_sync`` for DDP; for FSDP2 ``set_requires_all_reduce(False)``: the
+reduce-scatter still runs so gradients stay sharded, HSDP's replica all-reduce waits; nothing for a plain
+module).
 """
 
 from __future__ import annotations
@@ -104,11 +105,14 @@ class ParallelModel:
             with self.module.no_sync():
                 yield
         elif isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(False)
+            # FSDP2 still reduce-scatters every micro-batch so gradients stay sharded: skipping it
+            # (set_requires_gradient_sync(False)) would hold the whole model's unsharded gradients across
+            # micro-batches, more than DDP's memory. What is deferred is HSDP's all-reduce across replicas.
+            self.model.set_requires_all_reduce(False)
             try:
                 yield
             finally:
-                self.model.set_requires_gradient_sync(True)
+                self.model.set_requires_all_reduce(True)
         else:
             yield
 

@@ -42,6 +42,15 @@ def _node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _fingerprint(runner: StepRunner) -> dict[str, Any]:
+    """Model, optimizer and dataset fingerprints: the controller admits only workers that match the run's."""
+    from elastictrain.checkpoint.compat import model_fingerprint, optimizer_fingerprint
+    from elastictrain.data.fingerprint import dataset_fingerprint
+
+    return {"model": model_fingerprint(runner.model), "optimizer": optimizer_fingerprint(runner.optimizer),
+            "data": dataset_fingerprint(runner.dataset)}
+
+
 class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
@@ -84,6 +93,7 @@ class Worker:
             "slot": self.slot, "pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": _node_ip(),
             "setup_s": time.perf_counter() - t0, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
+            "fingerprint": _fingerprint(self.runner),
         }
 
     def open_store(self, generation: int) -> tuple[str, int]:
@@ -113,33 +123,35 @@ class Worker:
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         layout = layout or resolve(spec_from_config(self.config), world_size)
         r = self.runner
-        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off brings
-        # it to the step where the previous generation stopped.
+        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off taken at
+        # the previous generation's clean stop is loaded in ``sync`` (loading it is collective).
         kept = r.attach(rank, world_size, generation, layout)
-        if not kept and self._handoff is not None:
-            r.state.load_full_state(self._handoff)  # every rank keeps its own slice: no collective
-        self._handoff = None
-        self._open_writer(rank, world_size)
+        if kept:
+            self._handoff = None
+        self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
-        src's state. Sharded ones (every rank holds a whole state at its own step after ``join``: restored,
-        handed off, or the seeded step-0 model) do nothing when all ranks are at src's step, else src sends
-        its full state to the ranks behind it (interim transport until an in-memory tier's reader)."""
+        src's state. Sharded ones: after ``join`` every rank holds a consistent state at its step (restored
+        from a reader, or the seeded step-0 model); if src holds a hand-off (the full state of the previous
+        generation's clean stop) it is sent to every rank and loaded into the new mesh -- an interim,
+        O(model)-per-rank transport until an in-memory tier's reader replaces it. Raises RuntimeError if
+        ranks disagree on the step and src has no hand-off."""
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
             return r.step
-        steps: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, r.step)
-        target = steps[src]
-        if all(step == target for step in steps):
-            return r.step
-        box = [r.state.full_state() if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)  # O(model) per rank; C2's chunked broadcast replaces it
-        if r.step != target:
-            r.state.load_full_state(box[0])
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (r.step, self._handoff is not None))
+        if views[src][1]:
+            box = [self._handoff if dist.get_rank() == src else None]
+            dist.broadcast_object_list(box, src=src)
+            r.state.load_full_state(box[0])  # collective: every rank loads the same full state
+        elif len({step for step, _ in views}) > 1:
+            raise RuntimeError(f"ranks hold different steps {[s for s, _ in views]} and rank {src} has no "
+                               "hand-off: restore them from a checkpoint or an in-memory tier first")
+        self._handoff = None
         return r.step
 
     def restore_from(self, reader: Any) -> int:
@@ -162,8 +174,8 @@ class Worker:
         return "aborted"
 
     def _leave_group(self) -> None:
-        if self._writer is not None:
-            self._drain_writer()
+        if self._writer is not None:  # a membership change abandons in-flight saves (they never commit)
+            self._ckpt_events.extend(self._writer.abandon())
         self._writer = None
         if self.runner is not None:
             self.runner.detach()
@@ -250,14 +262,15 @@ class Worker:
         c = self.config.checkpoint
         return None if c.uri is None else c.uri.rstrip("/") + "/" + self.config.stable_id
 
-    def _open_writer(self, rank: int, world_size: int) -> None:
+    def _open_writer(self, rank: int, world_size: int, generation: int) -> None:
         root = self._root_uri()
         if root is None or not (self.config.checkpoint.every_steps or self.config.checkpoint.on_preempt):
             return
         from elastictrain.checkpoint import CheckpointWriter
 
         self._writer = CheckpointWriter(self.config.checkpoint, root, rank, world_size, self._ckpt_group,
-                                        storage_options=dict(self.config.checkpoint.storage_options))
+                                        storage_options=dict(self.config.checkpoint.storage_options),
+                                        generation=generation)
 
     def _after_step(self, step: int) -> None:
         every = self.config.checkpoint.every_steps
@@ -305,6 +318,9 @@ class Worker:
 
         r = self.runner
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        # the next generation loads from the held snapshots on every rank; a whole-state hand-off taken at
+        # a clean stop would be loaded by this rank alone in join (a collective under FSDP2): drop it
+        self._handoff = None
         return self._held.meta
 
     def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:
@@ -330,18 +346,13 @@ class Worker:
         if self._writer is None:
             return False
         step = self.runner.step if step is None else step
+        if self._writer.has_saved(step):  # one save per (step, generation): e.g. a just-in-time save on a
+            return True                   # periodic-save step; its report comes from the first save
         t0 = time.perf_counter()
         started = self._writer.save_async(step, self.runner.state.state_dict())
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
-
-    def _drain_writer(self) -> None:
-        try:
-            for report in self._writer.wait(timeout=self.config.timeouts.collective_s):
-                self._ckpt_events.append(report)
-        finally:
-            self._writer.close()
 
     def flush_checkpoints(self) -> list[Any]:
         """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
@@ -354,16 +365,20 @@ class Worker:
 
     def load(self, manifest: Any, root_uri: str) -> int:
         """Load a committed checkpoint (collective; DCP reshards into the current layout)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from elastictrain.checkpoint.dcp_io import SafeReader
         from elastictrain.checkpoint.errors import CheckpointError
         from elastictrain.checkpoint.loader import _describe, checkpoint_dir
 
         uri = checkpoint_dir(manifest, root_uri)
         try:
-            step = self.restore_from(SafeReader(uri, dict(self.config.checkpoint.storage_options)))
+            # every file this rank reads is checked against the manifest's size and SHA-256 while read
+            step = self.restore_from(SafeReader(uri, dict(self.config.checkpoint.storage_options),
+                                                expected=manifest.files))
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - DCP wraps rank failures; name the URI
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures (BaseException)
             raise CheckpointError(_describe(e, uri, "loading")) from None
         if step != int(manifest.step):
             raise CheckpointError(f"checkpoint {uri} holds step {step} but its manifest says {manifest.step}")

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.data.cursor import CursorState, rank_micro_batches
@@ -30,6 +32,8 @@ from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
 from elastictrain.worker.faults import FaultInjector
+from elastictrain.worker.rng import seed_micro_batch
+from elastictrain.worker.step_stats import StepStats
 
 
 @dataclass
@@ -73,6 +77,7 @@ class StepRunner:
         self.pm: ParallelModel | None = None
         self.layout: Layout | None = None
         self.state = TrainingState(self.model, self._optimizer(), self.cursor)
+        self.step_stats = StepStats(None)
         self.rank = 0
         self.world_size = 1
         self.generation = 0
@@ -116,10 +121,13 @@ class StepRunner:
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
         kept = self.replicated and layout.plan == "ddp"
-        if not kept:  # fully_shard changes the module in place: start from a fresh one on the new mesh
+        pristine = self.pm is None and self.step == 0 and not isinstance(self.model, FSDPModule)
+        if not kept and not pristine:  # fully_shard changed the module in place: start from a fresh one
             self.model = self._fresh_model()
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
         self.pm = wrap(module, mesh)
+        # (loss, stop) rides in DDP's last gradient bucket; other layouts keep a separate all-reduce
+        self.step_stats = StepStats(self.pm.module if isinstance(self.pm.module, DistributedDataParallel) else None)
         if not kept:  # parameters may now be DTensors: the optimizer is built after parallelizing
             self.state = TrainingState(self.pm.model, self._optimizer(), self.cursor, step=0)
         else:
@@ -159,6 +167,7 @@ class StepRunner:
             last = k == len(micro) - 1
             sync = contextlib.nullcontext() if last else self.pm.accumulating()
             with sync:
+                seed_micro_batch(self.train.seed, s, k * w + self.rank)  # global RNG: (seed, step, chunk)
                 per_sample = self.task.loss_fn(module, batch, seeds)
                 loss_sum += per_sample.detach().sum().double()
                 if self.audit:
@@ -171,11 +180,10 @@ class StepRunner:
                 if last:  # the last backward overlaps DDP's all-reduce: not purely local work
                     compute_s += time.perf_counter() - c0
                     self._set_phase("collective")
-                    # Loss and stop flag travel together, overlapped with the last backward (issued in the
-                    # same order on every rank, before DDP's buckets).
+                    # Loss and stop flag travel together: inside DDP's last gradient bucket (step_stats.py), or
+                    # an async all-reduce overlapped with the last backward under other layouts.
                     flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
-                    stats = torch.stack([loss_sum, flag])
-                    work = dist.all_reduce(stats, async_op=True)
+                    work = self.step_stats.send(torch.stack([loss_sum, flag]))
                 loss = per_sample.sum() * (w / g)
                 if last:
                     self.faults.arm_backward(loss, rank=self.rank, step=number, generation=self.generation)
@@ -184,7 +192,7 @@ class StepRunner:
                 compute_s += time.perf_counter() - c0
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
-        work.wait()
+        stats = work.wait()
         if self.audit:  # ids as fed by every rank, so any survivor's record holds the whole step
             gathered: list[list[int]] = [[] for _ in range(w)]
             dist.all_gather_object(gathered, seen)
@@ -224,7 +232,7 @@ class StepRunner:
         h = hashlib.sha256()
         for name, t in sorted(full.items()):
             h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
         return {"step": self.step, "sha256": h.hexdigest()}
 
 

@@ -1,0 +1,29 @@
+"""Global randomness as a pure function of (seed, step, micro-batch chunk).
+
+Before each micro-batch's forward the loop reseeds torch's global generators (CPU and every CUDA device)
+from ``(train.seed, step, chunk)``. Micro-batch ``k`` of rank ``r`` in a world of ``W`` covers the global
+positions ``[s*G + (k*W + r)*m, +m)``, so the chunk index ``j = k*W + r`` names the same samples at any
+world size: a user model with plain ``nn.Dropout`` (or any other use of the global generator inside the
+forward/backward) draws the same numbers for the same samples whether 1 or 8 workers run the step, and a
+replacement worker draws what the worker it replaces would have drawn (strict mode stays bitwise). The
+per-sample ``sample_seeds`` passed to ``loss_fn`` remain the finer tool (independent of ``micro_batch``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_DOMAIN = 0x6C0BA1_5EED  # tells these seeds from the per-sample seeds built from the same inputs
+_MASK63 = (1 << 63) - 1
+
+
+def micro_batch_seed(seed: int, step: int, chunk: int) -> int:
+    """A 63-bit seed, a pure function of (seed, 0-based step, global chunk index ``k*W + r``)."""
+    state = np.random.SeedSequence([_DOMAIN, int(seed), int(step), int(chunk)]).generate_state(2, np.uint64)
+    return int((int(state[0]) << 32 ^ int(state[1])) & _MASK63)
+
+
+def seed_micro_batch(seed: int, step: int, chunk: int) -> None:
+    """Reseed torch's global generators for one micro-batch (call right before its forward)."""
+    torch.manual_seed(micro_batch_seed(seed, step, chunk))

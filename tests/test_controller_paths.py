@@ -1,0 +1,170 @@
+"""The controller's state machine driven one ``step()`` at a time against a fake worker group (light Ray
+actors that follow a script instead of training), like Ray Train V2's controller tests: start-up failure,
+FAILED, and a preemption that arrives while RECOVERING."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from elastictrain import build_config
+from elastictrain.controller.controller import Controller
+from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.state import State
+from elastictrain.events import EventLog, read_events
+from elastictrain.task import builtin_task
+from tests.conftest import job
+
+
+@ray.remote(max_concurrency=4)
+class ScriptedWorker:
+    """Answers the controller's calls like a worker; ``script`` says how set-up and ``run`` go."""
+
+    def __init__(self, slot: int, script: dict[str, Any]) -> None:
+        self.slot, self.script, self.step = slot, script, 0
+
+    def setup(self) -> dict[str, Any]:
+        if self.script.get("setup_error"):
+            raise FileNotFoundError(self.script["setup_error"])
+        return {"slot": self.slot, "pid": None, "node_id": "fake", "ip": "fake", "setup_s": 0.0}
+
+    def open_store(self, generation: int) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None) -> None:
+        pass
+
+    def abort_group(self) -> str:
+        return "noop"
+
+    def sync(self, src: int) -> int:
+        return self.step
+
+    def run(self, target: int) -> dict[str, Any]:
+        status = self.script.get("run", "done")
+        return {"status": status, "step": self.step, "slot": self.slot,
+                "error": self.script.get("error") if status != "done" else None}
+
+    def poll(self) -> dict[str, Any]:
+        return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
+                "phase_since": time.time(), "records": [], "ckpt": [], "now": time.time()}
+
+    def request_stop(self) -> None:
+        pass
+
+    def flush_checkpoints(self) -> list:
+        return []
+
+    def digest(self) -> dict[str, Any]:
+        return {"step": self.step, "sha256": "0" * 64}
+
+    def parameters(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+class FakeGroup(WorkerGroup):
+    """WorkerGroup's interface over ScriptedWorker actors; no placement groups, no processes to kill."""
+
+    def __init__(self, n: int, scripts: dict[int, dict[str, Any]]) -> None:  # noqa: D107 - no super()
+        self.slots = [Slot(i) for i in range(n)]
+        self.scripts = scripts
+        self.spawned: list[int] = []
+
+    def spawn(self, index: int) -> Slot:
+        slot = self.slots[index]
+        slot.actor = ScriptedWorker.options(num_cpus=0).remote(index, self.scripts.get(index, {}))
+        slot.setup_ref = slot.actor.setup.remote()
+        slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
+        self.spawned.append(index)
+        return slot
+
+    def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
+        pending = {s.setup_ref: s for s in self.slots if s.state is SlotState.STARTING}
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout) if pending else ([], [])
+        for ref in done:
+            slot = pending[ref]
+            try:
+                slot.info, slot.state = ray.get(ref), SlotState.READY
+            except Exception as e:  # noqa: BLE001
+                slot.info = {"error": describe_remote_error(e)}
+                self.kill(slot)
+        return [pending[r] for r in done]
+
+    def kill(self, slot: Slot) -> None:
+        if slot.actor is not None:
+            ray.kill(slot.actor, no_restart=True)
+        slot.actor, slot.setup_ref, slot.state, slot.rank, slot.has_state = None, None, SlotState.DEAD, None, False
+
+    def process_gone(self, slot: Slot) -> bool:
+        return False
+
+    def placed(self, slot: Slot) -> bool:
+        return True
+
+    def shortfall(self) -> str:
+        return "nothing missing (fake)"
+
+    def shutdown(self) -> None:
+        for slot in self.slots:
+            self.kill(slot)
+
+
+def _controller(tmp_path: Path, scripts: dict[int, dict[str, Any]], **sections: Any) -> tuple[Controller, FakeGroup]:
+    config = build_config(job(**sections))
+    group = FakeGroup(config.workers.max + config.workers.spares, scripts)
+    events = EventLog(tmp_path, console=None)
+    return Controller(config, builtin_task(config), events, group=group), group
+
+
+def test_startup_failure_of_every_worker_fails_once(tmp_path, ray_local) -> None:
+    c, group = _controller(tmp_path, {0: {"setup_error": "x.parquet"}, 1: {"setup_error": "x.parquet"}})
+    c.step()  # STARTING: both set-ups fail the same way -> FAILED, no respawn
+    assert c.sm.state is State.FAILED and c.exit_code == 1
+    assert "every worker (2) failed during set-up" in c.final_error and "x.parquet" in c.final_error
+    # at most the first slot to fail is respawned once before the second one's identical error arrives
+    assert all(group.spawned.count(i) <= 2 for i in (0, 1)) and len(group.spawned) <= 3, group.spawned
+    c._fail("a second ending")  # terminal states are final: no IllegalTransition, the first reason stands
+    assert c.sm.state is State.FAILED and "x.parquet" in c.final_error
+    assert [e["event"] for e in read_events(tmp_path)].count("run_failed") == 1
+    group.shutdown()
+
+
+def test_own_errors_in_a_row_fail_the_run_as_a_crash_loop(tmp_path, ray_local) -> None:
+    scripts = {1: {"run": "error", "error": "ValueError: bad batch"}}
+    c, group = _controller(tmp_path, scripts, recovery={"max_failures_per_rank": 1, "mode": "strict"})
+    states = []
+    for _ in range(40):
+        if c.sm.terminal:
+            break
+        c.step()
+        states.append(c.sm.state)
+    assert c.sm.state is State.FAILED, states
+    assert "crash loop" in c.final_error and "ValueError: bad batch" in c.final_error
+    assert State.RECOVERING in states
+    group.shutdown()
+
+
+def test_preempted_while_recovering_checkpoints_and_exits_75(tmp_path, ray_local) -> None:
+    c, group = _controller(tmp_path, {1: {"run": "error", "error": "ValueError: boom"}})
+    c.step()
+    assert c.sm.state is State.RUNNING
+    for _ in range(20):
+        c.step()
+        if c.sm.state is State.RECOVERING:
+            break
+    assert c.sm.state is State.RECOVERING
+    c.request_preemption("SIGTERM during recovery")
+    while not c.sm.terminal:
+        c.step()
+    assert c.sm.state is State.PREEMPTED and c.exit_code == 75
+    path = [b for _, b, _ in c.sm.history]
+    assert path[-2:] == [State.CHECKPOINTING, State.PREEMPTED], path
+    names = [e["event"] for e in read_events(tmp_path)]
+    assert "failure" in names and "preempted" in names
+    group.shutdown()

@@ -1,0 +1,52 @@
+"""The README's quickstart commands, run as written and in order (issue 8 item 2):
+the quickstart, its rerun ("already finished"), the extension to 80 steps, `ckpt ls/verify/export`, and a
+fresh start under a new run id."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[list[str]]:
+    """The quickstart's `elastictrain` command (first bash block) and every `elastictrain` command of the
+    block the README introduces as run by this test, in order (comments and `a && b` chains handled)."""
+    text = (ROOT / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
+    marker = text.index("tests/test_readme.py")
+    follow = re.search(r"```bash\n(.*?)```", text[marker:], flags=re.S).group(1)
+    out = []
+    for line in (first + "\n" + follow).splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if words[:1] == ["elastictrain"]:
+                out.append(words[1:])
+    return out
+
+
+def test_readme_commands_are_true(tmp_path):
+    commands = readme_commands()
+    assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
+        ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["run", "jobs/tiny_gpt.yaml"]], commands
+    shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
+    outputs = []
+    for args in commands:
+        proc = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+        outputs.append(proc.stdout)
+    assert "run tiny_gpt already finished at step 60 from checkpoint" in outputs[1]
+    demo = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert demo["final_step"] == 80 and demo["run_id"] == "tiny_gpt"
+    assert [ln.split()[0] for ln in outputs[3].splitlines()[1:]] == ["40", "60", "80"]
+    assert outputs[4].startswith("OK") and (tmp_path / "model.pt").is_file()
+    fresh = sorted((tmp_path / "checkpoints").iterdir())
+    assert [p.name for p in fresh][0] == "tiny_gpt" and len(fresh) == 2 and fresh[1].name.startswith("tiny_gpt-")

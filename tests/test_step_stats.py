@@ -1,0 +1,59 @@
+"""The per-step (loss, stop) word rides in DDP's last gradient bucket (issue 8 item 16): real 2-rank gloo,
+several buckets, gradients equal to DDP without the hook and the word summed over the ranks."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int) -> None:
+    from elastictrain.worker.step_stats import StepStats
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))
+        ref = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))
+        ref.load_state_dict(model.state_dict())
+        ddp, plain = DDP(model, bucket_cap_mb=0.1), DDP(ref, bucket_cap_mb=0.1)  # several buckets
+        stats = StepStats(ddp)
+        for it in range(3):
+            x = torch.randn(8, 300, generator=torch.Generator().manual_seed(rank * 10 + it))
+            sent = stats.send(torch.tensor([float(rank + 1), float(rank == 1 and it == 2)], dtype=torch.float64))
+            ddp(x).sum().backward()
+            word = sent.wait()
+            plain(x).sum().backward()
+            assert torch.equal(word, torch.tensor([3.0, float(it == 2)], dtype=torch.float64)), word
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad)
+            model.zero_grad()
+            ref.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_word_rides_in_the_last_bucket_and_gradients_are_unchanged():
+    mp.spawn(_rank, args=(_free_port(),), nprocs=2)
+
+
+def test_without_ddp_the_word_takes_its_own_all_reduce():
+    from elastictrain.worker.step_stats import StepStats
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert torch.equal(StepStats(None).send(torch.tensor([2.0, 0.0], dtype=torch.float64)).wait(),
+                           torch.tensor([2.0, 0.0], dtype=torch.float64))
+    finally:
+        dist.destroy_process_group()
