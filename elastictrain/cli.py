@@ -28,11 +28,12 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
 
     try:
         config = load_config(job, list(overrides))
-        config, task = _prepare(config)
+        config = _prepare(config)
     except ConfigError as e:
         _die(f"config error: {e}", EXIT_CONFIG)
     try:
-        result = Trainer(config, task, run_dir=run_dir, ray_address=ray_address).fit()
+        # The task is built (and a python task's entry checked: ConfigError, exit 2) by Trainer, before Ray.
+        result = Trainer(config, run_dir=run_dir, ray_address=ray_address).fit()
     except CheckpointUnavailable as e:
         _die(f"checkpoint error: {e}", EXIT_CHECKPOINT)
     except RunDirInUse as e:
@@ -51,17 +52,16 @@ def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address
     sys.exit(result.exit_code)
 
 
-def _prepare(config):  # noqa: ANN001, ANN202 - JobConfig in, (JobConfig, Task) out
-    """Edge decisions before any Ray resource: run id (ELASTICTRAIN_RUN_ID), checkpoint URI, the task."""
+def _prepare(config):  # noqa: ANN001, ANN202 - JobConfig in, JobConfig out
+    """Edge decisions before any Ray resource: run id (ELASTICTRAIN_RUN_ID) and checkpoint URI."""
     import os
 
     from elastictrain.jobenv import resolve_for_driver
-    from elastictrain.task_loader import task_from_config
 
     config, notes = resolve_for_driver(config, os.environ)
     for note in notes:
         click.echo(f"elastictrain: {note}", err=True)
-    return config, task_from_config(config)
+    return config
 
 
 @main.command()

@@ -72,10 +72,11 @@ def test_fsdp_rank_killed_recovers_from_peer_memory_tier(tmp_path, ray_local, cl
     _finished_like_clean(run, clean_loss)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "recovery, fold 4->2 and grow-back 2->4 work (events show source=peer, survivors [0, 3]), but the "
-    "final full gather (digest/export) on the regrown 2x2 mesh fails: 'Could not resolve the process group "
-    "registered under the name 5' -- likely DeviceMesh submesh caching across generations (parallel/mesh.py)"))
+@pytest.mark.skip(reason=(
+    "known defect, issue 9 stays open: recovery, fold 4->2 and grow-back 2->4 work (source=peer, survivors "
+    "[0, 3]), but the final full gather on the regrown 2x2 mesh fails with 'Could not resolve the process "
+    "group registered under the name 5' (a stale mesh/group reference across generations). Skipped rather "
+    "than xfail: an xfail that cannot fail costs minutes and asserts nothing."))
 def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean_loss):
     """HSDP on 4 (2 replica groups x 2 shards): rank 1 dies; ranks 0 and 3 hold shards 0 and 1 at the
     newest step and serve them; the group folds to 2 and grows back. No storage, no keeper."""

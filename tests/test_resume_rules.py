@@ -171,7 +171,7 @@ def test_corrupt_explicit_checkpoint_found_by_the_rank_is_exit_3(tmp_path, ray_l
     ck = _ckpt(tmp_path)
     run_job(tmp_path, job(name="cx", train={"steps": 2}, checkpoint=ck), name="a")
     step_dir = next((tmp_path / "ckpt" / "cx").glob("step_*2"))
-    shard = next(step_dir.glob("*.distcp"))
+    shard = next(step_dir.glob("**/*.distcp"))  # inside the attempt directory (g0/)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))

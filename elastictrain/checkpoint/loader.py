@@ -81,7 +81,7 @@ def load_checkpoint(
     mismatch raises CheckpointError naming the file), so the driver needs to check sizes only.
     """
     uri = checkpoint_dir(manifest, root_uri)
-    reader = SafeReader(uri, storage_options, expected=manifest.files)
+    reader = SafeReader(uri, storage_options, expected=manifest.data_files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
         dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)

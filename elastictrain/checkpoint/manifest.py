@@ -89,6 +89,13 @@ class Manifest:
         return meta[: -len(METADATA_NAME)].rstrip("/")
 
     @property
+    def data_files(self) -> dict[str, FileInfo]:
+        """The DCP files keyed relative to :attr:`data_dir` (what a reader opened there sees): the keys a
+        verifying reader looks its files up by."""
+        prefix = self.data_dir + "/" if self.data_dir else ""
+        return {p[len(prefix):]: info for p, info in self.files.items() if p.startswith(prefix)}
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 

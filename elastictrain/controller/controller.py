@@ -20,7 +20,7 @@ from elastictrain.controller import policy, sources
 from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
-from elastictrain.controller.group import Slot, SlotState, WorkerGroup
+from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import WorkerMonitor
@@ -476,7 +476,11 @@ class Controller(WorkerMonitor):
         if self.config.checkpoint.memory_every_steps:
             self._start_keepers()
             keepers = self._keepers_for(chosen)
-            ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
+            try:
+                ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
+            except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
+                self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
+                                 f"generation {gen} failed: {describe_remote_error(e)}")
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
 

@@ -375,7 +375,7 @@ class Worker:
         try:
             # every file this rank reads is checked against the manifest's size and SHA-256 while read
             step = self.restore_from(SafeReader(uri, dict(self.config.checkpoint.storage_options),
-                                                expected=manifest.files))
+                                                expected=manifest.data_files))
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures (BaseException)
