@@ -349,13 +349,16 @@ class Controller(WorkerMonitor):
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
         cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
+        # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
+        # DTensors, which the replicated broadcast path does not move)
+        sharded = bool(old_world) and self.layout(old_world).plan != "ddp"
         # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
         members = [s for s in chosen if s.index in self.prev_ranks and s.rank is not None]
         # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
         # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
         # a clean stop takes the same path: all shards survive, the covering ranks serve them.
         survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
-        if not survivors and any(s.has_state for s in chosen):  # state without a rank: treat as replica 0
+        if not survivors and not sharded and any(s.has_state for s in chosen):  # state, no rank: replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
             rep, shard = max(1, old_world), 1
         args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.ledger.last_step)
@@ -373,7 +376,7 @@ class Controller(WorkerMonitor):
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
-        if kind == "peer" and shard > 1:  # sharded: the covering survivors serve their shards to everyone
+        if kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
             return self._survivor_restore(chosen, decision.chosen)
         if kind == "memory":
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")

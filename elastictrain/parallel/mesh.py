@@ -28,5 +28,41 @@ def worker_device(use_gpu: bool) -> torch.device:
 
 def build_mesh(dims: MeshDims, device: torch.device) -> DeviceMesh:
     """The mesh of ``dims`` over the current default group (collective: every rank calls it, in the same
-    order relative to other group creations)."""
+    order relative to other group creations). Caches that could hand back an earlier generation's mesh are
+    cleared first (:func:`forget_earlier_meshes`)."""
+    forget_earlier_meshes()
     return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
+
+
+def forget_earlier_meshes() -> None:
+    """Drop DTensor's caches that are keyed by a DeviceMesh.
+
+    A DeviceMesh compares equal to any other mesh of the same shape, names and ranks, whichever process
+    groups it holds. DTensor caches sharding decisions (and redistribution plans) by input specs that
+    include the mesh, and a cached output spec carries the mesh object it was first computed on. After a
+    membership change rebuilds an equal-looking mesh (HSDP 2x2 -> 1x2 -> 2x2), a cache hit would hand back
+    the earlier generation's mesh, whose process groups were destroyed ("Could not resolve the process
+    group registered under the name 5"). Clearing them once per generation costs a few recomputed specs.
+    These are private torch caches (torch 2.13); a cache a later torch drops is skipped."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from torch.distributed.tensor import _redistribute
+    except ImportError:
+        return
+    planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if callable(planners):
+        planners()
+    transform = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transform, "cache_clear"):
+        transform.cache_clear()
+    try:
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        MeshTopoInfo.build_from_mesh.cache_clear()
+    except (ImportError, AttributeError):
+        pass

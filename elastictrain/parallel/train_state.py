@@ -92,19 +92,3 @@ class TrainingState:
         """The whole model as full CPU tensors on rank 0 (empty elsewhere). Collective under FSDP2."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
-
-    def full_state(self) -> dict[str, Any]:
-        """Model and optimizer as full CPU tensors on every rank, plus progress. Collective under FSDP2."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
-        to_cpu = lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        from torch.utils._pytree import tree_map
-
-        return {"model": tree_map(to_cpu, model_sd), "optim": tree_map(to_cpu, optim_sd), "step": self.step}
-
-    def load_full_state(self, full: dict[str, Any]) -> None:
-        """Load a :meth:`full_state` (every rank keeps its own slice; no collective needed)."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        set_state_dict(self.model, self.optimizer, model_state_dict=full["model"],
-                       optim_state_dict=full["optim"], options=opts)
-        self.step = int(full["step"])

@@ -5,9 +5,10 @@ The actor is threaded (``max_concurrency`` > 1) so the controller can ``poll`` a
 group (a fresh TCPStore per generation, hosted by the new rank 0) and re-applies the layout on a new
 DeviceMesh, and ``sync`` brings state from a live peer.
 
-Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation. Their state comes from, in order:
-a full-state hand-off taken when the previous generation stopped cleanly at a step boundary (a grow), or a
-DCP StorageReader (:meth:`Worker.restore_from`: the durable checkpoint, or an in-memory tier's reader).
+Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation and load their state through a
+DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: survivors' held snapshots
+(:meth:`Worker.hold_snapshot`, also after a clean stop for a grow), the peer memory tier's keepers, or the
+durable checkpoint.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ class Worker:
         self._log = configure_worker_logging(slot)  # one line each, "[rank r/w slot s gen g]" prefixed
         self._memory_reports: list[dict[str, Any]] = []
         self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
-        self._handoff: dict[str, Any] | None = None  # full state taken at a clean stop (sharded layouts)
 
     # ------------------------------------------------------------------ life cycle
     def setup(self) -> dict[str, Any]:
@@ -122,36 +122,25 @@ class Worker:
         )
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         layout = layout or resolve(spec_from_config(self.config), world_size)
-        r = self.runner
-        # A rebuilt model is the seeded initial state (step 0, identical on every rank); a hand-off taken at
-        # the previous generation's clean stop is loaded in ``sync`` (loading it is collective).
-        kept = r.attach(rank, world_size, generation, layout)
-        if kept:
-            self._handoff = None
+        # A rebuilt (sharded) model is the seeded initial state (step 0, identical on every rank) until a
+        # restore step (restore_from / load_peer) loads the generation's state into it.
+        self.runner.attach(rank, world_size, generation, layout)
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
-        src's state. Sharded ones: after ``join`` every rank holds a consistent state at its step (restored
-        from a reader, or the seeded step-0 model); if src holds a hand-off (the full state of the previous
-        generation's clean stop) it is sent to every rank and loaded into the new mesh -- an interim,
-        O(model)-per-rank transport until an in-memory tier's reader replaces it. Raises RuntimeError if
-        ranks disagree on the step and src has no hand-off."""
+        src's state. Sharded ones hold a consistent state already (restored from a reader in this
+        generation, or the seeded step-0 model): only checked. Raises RuntimeError if their steps differ."""
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
             return r.step
-        views: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(views, (r.step, self._handoff is not None))
-        if views[src][1]:
-            box = [self._handoff if dist.get_rank() == src else None]
-            dist.broadcast_object_list(box, src=src)
-            r.state.load_full_state(box[0])  # collective: every rank loads the same full state
-        elif len({step for step, _ in views}) > 1:
-            raise RuntimeError(f"ranks hold different steps {[s for s, _ in views]} and rank {src} has no "
-                               "hand-off: restore them from a checkpoint or an in-memory tier first")
-        self._handoff = None
+        steps: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, r.step)
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"ranks hold different steps {steps} after the restore: a sharded state is "
+                               "loaded from survivors' snapshots, the peer tier or a checkpoint, never merged")
         return r.step
 
     def restore_from(self, reader: Any) -> int:
@@ -213,22 +202,11 @@ class Worker:
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:
-                    self._take_handoff()
                     return self._result("stopped")
             return self._result("done")
         finally:
             self._stop.clear()
             self._status = "joined"
-
-    def _take_handoff(self) -> None:
-        """Every rank stopped at the same boundary (they agreed in the step's all-reduce): a sharded state
-        is gathered whole now, while the group is intact, so the next generation can re-mesh it."""
-        if self.runner.replicated:
-            return
-        try:
-            self._handoff = self.runner.state.full_state()
-        except Exception:  # noqa: BLE001 - a peer died right after the boundary: no hand-off
-            self._handoff = None
 
     def _result(self, status: str, error: str | None = None) -> dict[str, Any]:
         return {"status": status, "step": self.runner.step, "error": error, "slot": self.slot}
@@ -318,9 +296,6 @@ class Worker:
 
         r = self.runner
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
-        # the next generation loads from the held snapshots on every rank; a whole-state hand-off taken at
-        # a clean stop would be loaded by this rank alone in join (a collective under FSDP2): drop it
-        self._handoff = None
         return self._held.meta
 
     def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> dict[Any, Any]:

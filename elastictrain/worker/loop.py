@@ -59,7 +59,7 @@ class StepRunner:
 
     Per generation :meth:`attach` builds the mesh, applies the layout and (for a sharded layout, or a
     change of layout) builds a fresh model and optimizer; the state then comes from a restore step
-    (:attr:`state`'s ``load_from`` / ``load_full_state``, or a replicated peer's broadcast)."""
+    (:attr:`state`'s ``load_from`` over any DCP reader, or a replicated peer's broadcast)."""
 
     def __init__(self, task: Task, train: TrainConfig, faults: FaultInjector, audit: bool = False,
                  parallel: ParallelConfig | None = None, device: torch.device | None = None) -> None:
