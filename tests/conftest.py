@@ -49,6 +49,17 @@ def ray_local():
     yield
 
 
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    """Tests on a multi-node ``cluster`` (tests/cluster_fixtures.py) run last, in their files' order: each
+    shuts the session's local Ray down, and the next test on ``ray_local`` would have to start it again."""
+    def on_cluster(item: Any) -> bool:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
+        return any(d.func.__module__ == "tests.cluster_fixtures" for d in defs)
+
+    items.sort(key=on_cluster)
+
+
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     if ray.is_initialized():
         ray.shutdown()
@@ -126,3 +137,28 @@ class BackgroundRun:
         if self.error:
             raise self.error
         return Run(self.result)
+
+
+# ---------------------------------------------------------------- shared clean reference runs
+# A run without faults is a pure function of its math (model, data, seed, steps, world size): retries, spares,
+# checkpoints, memory snapshots, sample audits and slow-step faults change no number. Tests that compare a
+# faulty run with a clean one share one clean run per spec instead of each training its own.
+CLEAN_40 = job(train={"steps": 40})
+CLEAN_60 = job(train={"steps": 60})
+
+
+@pytest.fixture(scope="session")
+def clean_run(tmp_path_factory):
+    """``clean_run(spec)``: the finished fault-free run of ``spec``, trained once per session."""
+    done: dict[str, Run] = {}
+
+    def get(spec: dict[str, Any]) -> Run:
+        key = json.dumps(spec, sort_keys=True)
+        if key not in done:
+            _ensure_local_ray()
+            run = run_job(tmp_path_factory.mktemp("clean"), spec, name="clean")
+            assert run.result.exit_code == 0 and not run.of("failure"), run.summary
+            done[key] = run
+        return done[key]
+
+    return get

@@ -15,9 +15,8 @@ import yaml
 
 from elastictrain.checkpoint import CheckpointStore
 from tests.checkpoint_fixtures import DUMMY_SECRET, s3_bucket, s3_server  # noqa: F401 - fixtures
-from tests.conftest import job, run_job
-
-SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
+from tests.cluster_fixtures import SLOW
+from tests.conftest import CLEAN_40, job, run_job
 
 
 def _ckpt(tmp_path: Path, **extra) -> dict:
@@ -43,10 +42,14 @@ def _write_job(tmp_path: Path, spec: dict) -> Path:
     return path
 
 
-def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local):
+def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local, clean_run):
+    import ray
+
     spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0))
     path = _write_job(tmp_path, spec)
-    cmd = [sys.executable, "-m", "elastictrain", "run", str(path), "--run-dir"]
+    # Both drivers join the session's Ray (a driver that starts its own is run by test_readme.py)
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address, "--run-dir"]
     proc = subprocess.Popen(cmd + [str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     events = tmp_path / "a" / "events.jsonl"
@@ -69,7 +72,7 @@ def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local):
     (resumed,) = [e for e in second if e["event"] == "resumed"]
     assert resumed["step"] == pre["step"]
     assert [e["step"] for e in second if e["event"] == "step"][0] == pre["step"] + 1
-    clean = run_job(tmp_path, {**spec, "checkpoint": {"uri": None}}, name="clean")
+    clean = clean_run(CLEAN_40)  # the same 40 steps on 2 workers, uninterrupted
     resumed_summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert resumed_summary["final_model_sha256"] == clean.summary["final_model_sha256"]
 

@@ -14,7 +14,7 @@ import pytest
 from elastictrain import build_config
 from elastictrain.config import ConfigError
 from elastictrain.trainer import Trainer
-from tests.conftest import BackgroundRun, job, run_job
+from tests.conftest import CLEAN_60, BackgroundRun, job, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path
     assert len(run.of("run_finished")) == 1
 
 
-def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local) -> None:
+def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local, clean_run) -> None:
     """Eleven SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained
     a few steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise
     equal to a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per
@@ -89,7 +89,7 @@ def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local)
                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
                 recovery={"mode": "strict", "max_failures": 8, "failure_window_s": 4.0})
     faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")
-    clean = run_job(tmp_path, job(**{**base, "checkpoint": {}}), name="clean")
+    clean = clean_run(CLEAN_60)  # the same 60 steps on 2 workers: no spares, checkpoints or kills
     assert faulty.result.exit_code == 0, faulty.summary["error"]
     assert faulty.summary["failures"] == 11 and {e["rank"] for e in faulty.of("failure")} == {1}
     assert faulty.summary["final_step"] == 60 and len(faulty.of("recovered")) == 11

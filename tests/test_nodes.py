@@ -4,42 +4,17 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import ray
-from ray.cluster_utils import Cluster
 
+from tests.cluster_fixtures import SLOW, cluster, node_of  # noqa: F401 - fixture
 from tests.conftest import BackgroundRun, job
-
-SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
-
-
-@pytest.fixture
-def cluster():
-    """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node."""
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
-    })
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
-
-
-def _node_of(nodes, node_id):
-    return next(n for n in nodes if n.node_id == node_id)
-
 
 def test_node_loss_shrinks_and_grows_back_when_capacity_returns(tmp_path, cluster):
     c, nodes = cluster
     bg = BackgroundRun(tmp_path, job(train={"steps": 250}, faults=SLOW), name="node")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10)
-    c.remove_node(_node_of(nodes, victim["node_id"]))
+    c.remove_node(node_of(nodes, victim["node_id"]))
     bg.wait_for(lambda e: e["event"] == "resized" and e["new_world_size"] == 1, timeout=60)
     c.add_node(num_cpus=1)  # capacity comes back: the freed bundle is re-placed there
     bg.wait_for(lambda e: e["event"] == "resized" and e["new_world_size"] == 2, timeout=90)
@@ -59,7 +34,7 @@ def test_too_few_workers_for_too_long_fails_clearly(tmp_path, cluster):
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5)
     t0 = time.time()
-    c.remove_node(_node_of(nodes, victim["node_id"]))
+    c.remove_node(node_of(nodes, victim["node_id"]))
     run = bg.finish(timeout=120)
     assert run.result.exit_code == 1 and run.summary["state"] == "failed"
     (failed,) = run.of("run_failed")

@@ -88,7 +88,7 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     replacement is ready the group stops at a boundary, hands the full state over and re-meshes on 2."""
     from elastictrain.data.cursor import step_sample_ids
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
-    from tests.test_recovery import SLOW
+    from tests.cluster_fixtures import SLOW
 
     kill = {"rank": 1, "step": 7, "point": "mid_step", "kind": "kill"}
     base = dict(train={"steps": 60, "audit_samples": True, "global_batch": 16, "micro_batch": 4},

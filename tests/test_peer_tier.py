@@ -6,15 +6,12 @@ import os
 import signal
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
-from tests.conftest import BackgroundRun, job, run_job
-
-SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
+from tests.cluster_fixtures import SLOW, cluster, node_of  # noqa: F401 - fixture
+from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
 
 
-def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_local):
+def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_local, clean_run):
     """One rank SIGKILLed: the survivor is the source (peer). Then both ranks SIGKILLed at once: nothing
     survives, the keepers' snapshots are (no storage configured), lost work <= the interval, and the run
     ends bitwise equal to an uninterrupted one (strict mode keeps the world size, hence the math)."""
@@ -31,7 +28,7 @@ def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
     faulty = bg.finish(timeout=240)
-    clean = run_job(tmp_path, spec, name="clean")
+    clean = clean_run(CLEAN_40)  # the same 40 steps on 2 workers, without faults or snapshots
     first_rec, second_rec = faulty.of("recovered")
     assert first_rec["source"] == "peer" and first_rec["lost_steps"] == 0
     # <= one interval when the newest snapshot had reached its keeper; one may still be in flight at the
@@ -62,36 +59,20 @@ def test_snapshot_over_the_keeper_budget_is_reported(tmp_path, ray_local, monkey
     assert {e["step"] for e in rejected} == {2, 4} and run.result.exit_code == 0
 
 
-@pytest.fixture
-def cluster():
-    """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node."""
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
-    })
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
-
-
 def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
     """Each node hosts a keeper (the head too); a rank's snapshots go to another node's keeper. Node B goes
     with rank 1 and its keeper: rank 0 survives (source: peer). Then rank 0 is SIGKILLed: its snapshots
     since the shrink live on the head node's keeper, which recovers the run (source: memory)."""
     c, nodes = cluster
     # generous watchdog and wait: replacements start slowly on a loaded 2-core machine
-    spec = job(train={"steps": 150}, faults=SLOW, checkpoint={"memory_every_steps": 2},
+    # 60 steps: the kill comes near step 25 (node loss from step 8, then 6 more); the rest only has to finish
+    spec = job(train={"steps": 60}, faults=SLOW, checkpoint={"memory_every_steps": 2},
                recovery={"min_workers_wait_s": 240},
                timeouts={**job()["timeouts"], "watchdog_floor_s": 10})
     bg = BackgroundRun(tmp_path, spec, name="node")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=180)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
-    c.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]))
+    c.remove_node(node_of(nodes, victim["node_id"]))
     bg.wait_for(lambda e: e["event"] == "recovered", timeout=90)
     gen = bg.wait_for(lambda e: e["event"] == "generation_started" and e["generation"] >= 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= gen["step"] + 6, timeout=90)
@@ -103,7 +84,7 @@ def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
     sources = [r["source"] for r in run.of("recovered")]
     assert sources[0] == "peer" and sources[1] == "memory", run.of("recovered")
     assert run.of("recovered")[1]["lost_steps"] <= 4  # two intervals: see the test above
-    assert run.summary["final_step"] == 150 and run.result.exit_code == 0
+    assert run.summary["final_step"] == 60 and run.result.exit_code == 0
 
 
 def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):

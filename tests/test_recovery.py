@@ -8,12 +8,10 @@ import signal
 
 import pytest
 
-from tests.conftest import BackgroundRun, job, run_job
-
-# Slow every step a little (on every rank, every generation) so there is time to act mid-run; the math
-# is unchanged.
-SLOW = [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None},
-        {"rank": 1, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None}]
+# SLOW: every step a little slower (on every rank, every generation) so there is time to act mid-run; the
+# math is unchanged.
+from tests.cluster_fixtures import SLOW
+from tests.conftest import CLEAN_60, BackgroundRun, job, run_job
 
 
 def _audit(run, global_batch=16, seq_len=32):
@@ -49,14 +47,14 @@ def test_killed_worker_shrinks_then_grows_back_with_same_numbers(tmp_path, ray_l
     assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
 
 
-def test_strict_mode_replaces_and_is_bitwise_identical(tmp_path, ray_local):
+def test_strict_mode_replaces_and_is_bitwise_identical(tmp_path, ray_local, clean_run):
     spec = job(train={"steps": 60}, faults=SLOW, recovery={"mode": "strict"})
     bg = BackgroundRun(tmp_path, spec, name="strict")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 15)
     os.kill(victim["pid"], signal.SIGKILL)  # a real fault, from outside the process
     faulty = bg.finish()
-    clean = run_job(tmp_path, spec, name="clean")
+    clean = clean_run(CLEAN_60)  # the same 60 steps on 2 workers, without the slow steps and the kill
     assert faulty.result.exit_code == 0
     assert faulty.of("failure")[0]["pid"] == victim["pid"]
     assert {e["world_size"] for e in faulty.of("step")} == {2}  # the world size never changed
