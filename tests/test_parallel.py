@@ -37,8 +37,8 @@ def _close(run, ref) -> None:
 
 
 @pytest.mark.parametrize("plan,world", [("fsdp", 2), ("hsdp", 4)])
-def test_sharded_layout_matches_one_process(tmp_path, ray_local, plan, world):
-    ref = run_job(tmp_path, _spec("ddp", 1), name="ref")
+def test_sharded_layout_matches_one_process(tmp_path, ray_local, clean_run, plan, world):
+    ref = clean_run(_spec("ddp", 1))  # one process, trained once for both layouts
     run = run_job(tmp_path, _spec(plan, world), name=f"{plan}{world}")
     assert run.result.exit_code == 0
     steps = run.of("step")

@@ -27,17 +27,17 @@ def test_two_workers_train_and_loss_falls(tmp_path, ray_local):
     assert (run.dir / "tensorboard").is_dir()
 
 
-def test_same_job_twice_is_bitwise_identical(tmp_path, ray_local):
-    a = run_job(tmp_path, job(train={"steps": 8}), name="a")
+def test_same_job_twice_is_bitwise_identical(tmp_path, ray_local, clean_run):
+    a = clean_run(job(train={"steps": 8}))  # trained once in this session (also the reference below)
     b = run_job(tmp_path, job(train={"steps": 8}), name="b")
     assert a.summary["final_model_sha256"] == b.summary["final_model_sha256"]
     assert a.losses() == b.losses()
 
 
-def test_one_worker_equals_two_workers(tmp_path, ray_local):
+def test_one_worker_equals_two_workers(tmp_path, ray_local, clean_run):
     """Same global batch: the samples of each step and their math do not depend on the world size."""
     one = run_job(tmp_path, job(train={"steps": 8}, workers={"min": 1, "max": 1}), name="one")
-    two = run_job(tmp_path, job(train={"steps": 8}), name="two")
+    two = clean_run(job(train={"steps": 8}))
     assert {e["world_size"] for e in one.of("step")} == {1}
     assert {e["world_size"] for e in two.of("step")} == {2}
     p1, p2 = one.final_params(), two.final_params()
