@@ -120,9 +120,10 @@ class StepRunner:
             raise ValueError(f"layout {layout.reason!r} does not match world size {world_size}")
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
-        kept = self.replicated and layout.plan == "ddp"
-        pristine = self.pm is None and self.step == 0 and not isinstance(self.model, FSDPModule)
-        if not kept and not pristine:  # fully_shard changed the module in place: start from a fresh one
+        kept = self.model is not None and self.replicated and layout.plan == "ddp"
+        pristine = (self.model is not None and self.pm is None and self.step == 0
+                    and not isinstance(self.model, FSDPModule))
+        if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
             self.model = self._fresh_model()
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
         self.pm = wrap(module, mesh)
@@ -138,6 +139,17 @@ class StepRunner:
         """Forget the group's wrapper (the model and its state stay)."""
         if self.pm is not None and self.pm.replicated:
             self.pm = None
+
+    def release(self) -> None:
+        """Drop this rank's sharded model, optimizer and step-stats handle: every reference this runner
+        holds to the generation's mesh and process groups. Keeps the step and the data cursor; the next
+        :meth:`attach` builds a fresh model, which a restore step fills. For a rank whose step failed under
+        a sharded layout, after its state was snapshotted (see ``Worker._release_groups``)."""
+        self.pm = None
+        self.model = None
+        self.state.model = None
+        self.state.optimizer = None
+        self.step_stats = StepStats(None)
 
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
