@@ -143,23 +143,33 @@ class Worker:
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
         src's state. Sharded ones hold a consistent state already (restored from a reader in this
-        generation, or the seeded step-0 model): only checked. Raises RuntimeError if their steps differ."""
+        generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
+        ``parallel.meta_init`` or a rebuild) makes every rank load the seeded initial model from rank 0.
+        Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
             return r.step
-        steps: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, r.step)
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (r.step, r.uninitialized))
+        steps = [step for step, _ in views]
         if len(set(steps)) > 1:
             raise RuntimeError(f"ranks hold different steps {steps} after the restore: a sharded state is "
                                "loaded from survivors' snapshots, the peer tier or a checkpoint, never merged")
+        if any(empty for _, empty in views):
+            if r.step != 0:
+                raise RuntimeError(f"ranks {[i for i, (_, e) in enumerate(views) if e]} hold no values at step "
+                                   f"{r.step}: they were rebuilt and not restored")
+            r.init_from_seed()
         return r.step
 
     @_on_state_thread
     def restore_from(self, reader: Any) -> int:
         """Load this rank's state from any DCP StorageReader (durable checkpoint, in-memory snapshots),
         resharded into the current layout. Collective over the checkpoint group. Returns the step."""
-        return self.runner.state.load_from(reader, process_group=self._ckpt_group)
+        step = self.runner.state.load_from(reader, process_group=self._ckpt_group)
+        self.runner.uninitialized = False
+        return step
 
     def abort_group(self) -> str:
         """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
