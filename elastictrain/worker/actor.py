@@ -313,7 +313,7 @@ class Worker:
     def _after_step(self, step: int) -> None:
         every = self.config.checkpoint.every_steps
         if self._writer is not None and every and step % every == 0:
-            self.save(step)
+            self._start_save(step)
         k = self.config.checkpoint.memory_every_steps
         if self._replicator is not None and k and step % k == 0:
             # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
@@ -386,26 +386,44 @@ class Worker:
 
     @_on_state_thread
     def save(self, step: int | None = None) -> bool:
-        """Start an asynchronous checkpoint of the current state (collective over the group)."""
+        """A just-in-time checkpoint of the current state (the controller's call, e.g. on preemption):
+        collective over the group, waits for a free save slot instead of skipping. If this generation
+        saved the step periodically already, that save stands once it wrote; one that wrote nothing
+        (skipped while busy, refused) is done again. Returns True if a save of the step stands or started."""
         if self._writer is None:
             return False
         step = self.runner.step if step is None else step
-        if self._writer.has_saved(step):  # one save per (step, generation): e.g. a just-in-time save on a
-            return True                   # periodic-save step; its report comes from the first save
+        if self._writer.has_saved(step):
+            # its outcome first (agreed by every rank in the save's own all-reduce); its reports go out
+            # with the next poll or flush_checkpoints, before the new save's
+            # (half of poll_s: the controller's call waits poll_s for this whole method)
+            self._ckpt_events.extend(self._writer.wait(timeout=self.config.timeouts.poll_s / 2))
+            if not self._writer.forget_unwritten(step):
+                return True  # written (or, past the wait, still in flight): one save per (step, generation)
+        return self._start_save(step, wait=True)
+
+    def _start_save(self, step: int, wait: bool | None = None) -> bool:
+        """Stage the state and queue its asynchronous save (``wait``: see ``CheckpointWriter.save_async``)."""
+        if self._writer.has_saved(step):  # one save per (step, generation)
+            return True
         t0 = time.perf_counter()
-        started = self._writer.save_async(step, self.runner.state.state_dict())
+        started = self._writer.save_async(step, self.runner.state.state_dict(), wait=wait)
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
 
     def flush_checkpoints(self) -> list[Any]:
-        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
-        reports (used before exit)."""
+        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return every save
+        report not yet sent, in order: those a poll has not taken yet, then the writer's (used by a
+        just-in-time save and before exit)."""
         if self._replicator is not None:
             self._replicator.flush(timeout=self.config.timeouts.poll_s)
-        if self._writer is None:
-            return []
-        return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
+        out = []
+        while self._ckpt_events:
+            out.append(self._ckpt_events.popleft())
+        if self._writer is not None:
+            out.extend(self._writer.wait(timeout=self.config.timeouts.poll_s))
+        return out
 
     @_on_state_thread
     def load(self, manifest: Any, root_uri: str) -> int:
