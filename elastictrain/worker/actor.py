@@ -445,6 +445,7 @@ class Worker:
             raise CheckpointError(_describe(e, uri, "loading")) from None
         if step != int(manifest.step):
             raise CheckpointError(f"checkpoint {uri} holds step {step} but its manifest says {manifest.step}")
+        self._held = None  # a snapshot held after a failed step is not needed once the checkpoint loaded
         return step
 
     # ------------------------------------------------------------------ inspection
