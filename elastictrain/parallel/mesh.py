@@ -43,7 +43,10 @@ def forget_earlier_meshes() -> None:
     membership change rebuilds an equal-looking mesh (HSDP 2x2 -> 1x2 -> 2x2), a cache hit would hand back
     the earlier generation's mesh, whose process groups were destroyed ("Could not resolve the process
     group registered under the name 5"). Clearing them once per generation costs a few recomputed specs.
-    These are private torch caches (torch 2.13); a cache a later torch drops is skipped."""
+    The sharding-propagation caches (Python and C++ fast path) are per thread: this clears the calling
+    thread's, so every DTensor op of a worker runs on one thread (``worker.actor.STATE_GROUP``); the
+    redistribution caches are process-wide. These are private torch caches (torch 2.13); a cache a later
+    torch drops is skipped."""
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
