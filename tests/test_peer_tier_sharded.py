@@ -43,7 +43,7 @@ def _kill_rank_1(tmp_path, spec, name, ranks=(1,)):
     return bg.finish(timeout=480)
 
 
-def _audit(run, global_batch=16, seq_len=32) -> None:
+def _audit(run, global_batch=16, seq_len=32, steps=STEPS) -> None:
     """Every step 1..STEPS ran and saw exactly its global-cursor samples; a step redone after a restore
     from the peer tier saw the same samples both times."""
     from elastictrain.data.cursor import step_sample_ids
@@ -55,12 +55,12 @@ def _audit(run, global_batch=16, seq_len=32) -> None:
         ids = sorted(e["sample_ids"])
         assert ids == sorted(step_sample_ids(e["step"] - 1, global_batch, 0, n).tolist()), e["step"]
         assert seen.setdefault(e["step"], ids) == ids
-    assert sorted(seen) == list(range(1, STEPS + 1))
+    assert sorted(seen) == list(range(1, steps + 1))
 
 
-def _finished_like_clean(run, clean: float) -> None:
-    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS
-    _audit(run)
+def _finished_like_clean(run, clean: float, steps: int = STEPS) -> None:
+    assert run.result.exit_code == 0 and run.summary["final_step"] == steps
+    _audit(run, steps=steps)
     lf = run.summary["final_loss"]
     assert abs(lf - clean) <= 1e-4 * abs(clean), (lf, clean)
 
@@ -75,21 +75,35 @@ def test_fsdp_rank_killed_recovers_from_peer_memory_tier(tmp_path, ray_local, cl
     _finished_like_clean(run, clean_loss)
 
 
-@pytest.mark.parametrize("mode", ["strict", pytest.param("elastic", marks=pytest.mark.skip(reason=(
-    "known defect, issue 9 stays open: recovery from the tier is right (source=memory, lost 0, steps 9-29 equal "
-    "the clean run's), but after the elastic fold 4->2 the grow-back 2->4 (survivors serve their snapshots) "
-    "trains step 30 from a wrong state: loss 5.09 instead of 3.78. Unskip when sharded grow-back is fixed.")))])
-def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, ray_local, clean_loss, mode):
+def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, ray_local, clean_loss):
     """fsdp on 4: ranks 1 and 2 die together; the survivors 0 and 3 lack two shard coordinates, which only
     the keeper holds. Lost work <= two intervals (the newest snapshot may still be in flight at the kill).
-    strict: two replacements load their shards from the keeper at world size 4; elastic: fold to 2, grow."""
-    spec = _spec("fsdp", 4, mode=mode, checkpoint={"memory_every_steps": 2})
+    strict: two replacements load their shards from the keeper at world size 4."""
+    spec = _spec("fsdp", 4, mode="strict", checkpoint={"memory_every_steps": 2})
     run = _kill_rank_1(tmp_path, spec, "fsdp2", ranks=(1, 2))
     assert {(f["kind"], f["rank"]) for f in run.of("failure")} >= {("process_died", 1), ("process_died", 2)}
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
     assert "lack shard coordinates [1, 2]" in rec["reason"], rec
     _finished_like_clean(run, clean_loss)
+
+
+def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_local):
+    """Elastic: fold 4 -> 2 from the keeper, then grow back 2 -> 4 from the two survivors' snapshots. The
+    survivor that was rank 3 of the first 4-rank mesh is rank 1 of the regrown one: it used to load rank 3's
+    rows (a DTensor cache of an equal-looking earlier mesh, per thread: tests/test_mesh_threads.py), and
+    the run ended at loss 5.09 instead of 3.78. Long enough (80 steps) for the replacements to be ready."""
+    steps = 80
+    spec = _spec("fsdp", 4, checkpoint={"memory_every_steps": 2})
+    spec["train"] = {**spec["train"], "steps": steps}
+    run = _kill_rank_1(tmp_path, spec, "fsdp", ranks=(1, 2))
+    ref = _spec("ddp", 1)
+    clean = run_job(tmp_path, {**ref, "train": {**ref["train"], "steps": steps}}, name="clean")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes[:2] == [(4, 2), (2, 4)], sizes
+    _finished_like_clean(run, clean.summary["final_loss"], steps=steps)
 
 
 @pytest.mark.skip(reason=(

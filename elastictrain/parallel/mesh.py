@@ -4,6 +4,7 @@ rendezvous, so each membership generation has its own mesh."""
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,6 +33,21 @@ def build_mesh(dims: MeshDims, device: torch.device) -> DeviceMesh:
     cleared first (:func:`forget_earlier_meshes`)."""
     forget_earlier_meshes()
     return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
+
+
+_cleared = threading.local()
+
+
+def forget_earlier_meshes_in_this_thread(generation: int) -> None:
+    """:func:`forget_earlier_meshes` in the calling thread, once per ``generation``. DTensor's sharding
+    caches are per thread (the Python ``LocalLRUCache`` is a ``threading.local``; the C++ fast path's cache
+    is thread-local too, torch 2.13), and a Ray actor runs its methods on a pool of threads: clearing them
+    where the mesh is built leaves the threads that later run the step loop, load or snapshot with an
+    earlier generation's mesh and its coordinates (a survivor that was rank 3 of an equal-looking mesh
+    loaded rank 3's rows as rank 1). Call it before a thread touches DTensors."""
+    if getattr(_cleared, "generation", None) != generation:
+        forget_earlier_meshes()
+        _cleared.generation = generation
 
 
 def forget_earlier_meshes() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import os
 import socket
 import threading
@@ -27,13 +28,26 @@ import torch.distributed as dist
 
 from elastictrain.config import JobConfig
 from elastictrain.logs import configure_worker_logging, one_line, set_worker_rank
-from elastictrain.parallel.mesh import worker_device
+from elastictrain.parallel.mesh import forget_earlier_meshes_in_this_thread, worker_device
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.task import Task
 from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
+
+
+def _current_mesh(method: Any) -> Any:
+    """Run ``method`` with the calling thread's DTensor caches cleared of earlier generations' meshes
+    (``forget_earlier_meshes_in_this_thread``): Ray runs this actor's methods on several threads."""
+
+    @functools.wraps(method)
+    def in_current_mesh(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.runner is not None:
+            forget_earlier_meshes_in_this_thread(self.runner.generation)
+        return method(self, *args, **kwargs)
+
+    return in_current_mesh
 
 
 def _node_ip() -> str:
@@ -128,6 +142,7 @@ class Worker:
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
+    @_current_mesh
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
         src's state. Sharded ones hold a consistent state already (restored from a reader in this
@@ -143,6 +158,7 @@ class Worker:
                                "loaded from survivors' snapshots, the peer tier or a checkpoint, never merged")
         return r.step
 
+    @_current_mesh
     def restore_from(self, reader: Any) -> int:
         """Load this rank's state from any DCP StorageReader (durable checkpoint, in-memory snapshots),
         resharded into the current layout. Collective over the checkpoint group. Returns the step."""
@@ -176,6 +192,7 @@ class Worker:
         self._ckpt_group = None
 
     # ------------------------------------------------------------------ the loop
+    @_current_mesh
     def run(self, target_step: int) -> dict[str, Any]:
         """Run steps until ``target_step`` completed steps, a stop request, or a failure.
 
@@ -288,6 +305,7 @@ class Worker:
                 "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
                              for p in got["results"] if not p.accepted]}
 
+    @_current_mesh
     def hold_snapshot(self) -> Any:
         """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
         the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
@@ -305,6 +323,7 @@ class Worker:
             raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
         return held.fetch(keys)
 
+    @_current_mesh
     def load_peer(self, sources: list[Any]) -> int:
         """Load state from snapshots (``KeeperSource``s of one step that cover everything: peer-tier
         keepers or survivors) into this rank, resharded into the current layout (``restore_from``).
@@ -316,6 +335,7 @@ class Worker:
         self._held = None  # a survivor's snapshot has served its purpose once every member loaded
         return step
 
+    @_current_mesh
     def save(self, step: int | None = None) -> bool:
         """Start an asynchronous checkpoint of the current state (collective over the group)."""
         if self._writer is None:
@@ -338,6 +358,7 @@ class Worker:
             return []
         return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
 
+    @_current_mesh
     def load(self, manifest: Any, root_uri: str) -> int:
         """Load a committed checkpoint (collective; DCP reshards into the current layout)."""
         from torch.distributed.checkpoint.api import CheckpointException
@@ -360,10 +381,12 @@ class Worker:
         return step
 
     # ------------------------------------------------------------------ inspection
+    @_current_mesh
     def digest(self) -> dict[str, Any] | None:
         """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member."""
         return self.runner.state_digest()
 
+    @_current_mesh
     def parameters(self) -> dict[str, torch.Tensor] | None:
         """The full model as CPU tensors on rank 0 (None elsewhere), via get_model_state_dict(
         full_state_dict=True, cpu_offload=True). Collective: call on every member."""
