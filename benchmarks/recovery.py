@@ -119,8 +119,10 @@ def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spare
     ``ckpt_dir``: a checkpoint every ``plan.ckpt_every`` steps there, Ray Train's cadence."""
     from elastictrain import build_config
 
-    ckpt = ({"uri": str(ckpt_dir), "every_steps": plan.ckpt_every, "resume": "never"} if ckpt_dir
-            else {"uri": None})
+    # the peer memory tier is off on elastictrain's side: Ray Train has none, and its rows without
+    # checkpoints must mean no snapshot of any kind (survivors are the source of a single kill anyway)
+    ckpt = ({"uri": str(ckpt_dir), "every_steps": plan.ckpt_every, "resume": "never", "memory_every_steps": 0}
+            if ckpt_dir else {"uri": None, "memory_every_steps": 0})
     return build_config({
         "checkpoint": ckpt,
         "name": "recovery-bench",

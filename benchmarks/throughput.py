@@ -5,6 +5,8 @@ Run: ``python benchmarks/throughput.py [--steps N] [--rounds R] [--warmup W] [--
 Both sides train the built-in tiny GPT with the same global batch, micro batch, step count, optimizer,
 grad clip, LR schedule, dataset and one intra-op thread per worker, on 2 CPU workers. Rounds alternate
 (elastictrain, plain, elastictrain, plain, ...) in one process, so slow drift of the machine hits both.
+Both sides' training processes run at nice 0 (Ray's workers would otherwise start at nice 15, below Ray's
+own daemons and the driver), and neither side checkpoints (durable or peer memory tier).
 
 * elastictrain: ``Trainer(...).fit()`` on a local Ray started once by this script and reused by every
   round. Throughput comes from the ``step`` events of ``events.jsonl``.
@@ -101,7 +103,7 @@ def _job(steps: int, global_batch: int, micro_batch: int, dropout: float) -> dic
         "train": {"steps": steps, "seed": SEED, "global_batch": global_batch, "micro_batch": micro_batch,
                   "log_every": steps},
         "workers": {"min": WORLD, "max": WORLD, "cpus_per_worker": 1.0},
-        "checkpoint": {"uri": None, "every_steps": 0, "resume": "never"},
+        "checkpoint": {"uri": None, "every_steps": 0, "memory_every_steps": 0, "resume": "never"},
     }
 
 
@@ -229,6 +231,10 @@ def main() -> int:
     # Started once and reused: Trainer only initialises Ray when it is not yet initialised. Ray's daemons
     # stay up during the plain rounds too, so both sides share the same background load.
     # address="local": always a private instance, never a Ray cluster someone else started on this machine.
+    # Same priority for both sides' training processes: Ray starts its worker processes at nice 15 (its
+    # RAY_worker_niceness default), torchrun's ranks run at nice 0. Left as is, Ray's own daemons and the
+    # driver (nice 0) would preempt elastictrain's workers but not plain DDP's ranks.
+    os.environ["RAY_worker_niceness"] = "0"
     ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
     print(f"steps={a.steps} warmup={a.warmup} global_batch={a.global_batch} micro_batch={a.micro_batch} "

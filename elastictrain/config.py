@@ -133,6 +133,9 @@ class ParallelConfig(_Section):
     mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 params/compute, fp32 "
                                                                         "reduce and master state (fsdp/hsdp)")
     activation_checkpointing: bool = Field(False, description="recompute each repeated block in backward")
+    meta_init: bool = Field(False, description="fsdp/hsdp: build the model on the meta device, shard it, then "
+                                               "load the seeded initial values from rank 0 (no rank holds "
+                                               "the whole model)")
 
     @model_validator(mode="after")
     def _mixed_precision_needs_fsdp(self) -> ParallelConfig:
@@ -141,6 +144,13 @@ class ParallelConfig(_Section):
                 f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
                 "MixedPrecisionPolicy); set parallel.plan=fsdp or parallel.mixed_precision=none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _meta_init_needs_sharding(self) -> ParallelConfig:
+        if self.meta_init and self.plan == "ddp":
+            raise ValueError("parallel.meta_init=true needs parallel.plan fsdp or hsdp (DDP holds the whole "
+                             "model on every rank); set parallel.plan=fsdp or parallel.meta_init=false")
         return self
 
 

@@ -178,9 +178,17 @@ def _lanes(view: dict[str, Any], x: _X, y0: float) -> str:
                        f"x2='{xf + 6:.1f}' y2='{mid + 6:.1f}'/><line x1='{xf - 6:.1f}' y1='{mid + 6:.1f}' "
                        f"x2='{xf + 6:.1f}' y2='{mid - 6:.1f}'/><title>{esc(f['kind'])} rank {esc(f['rank'])} at step "
                        f"{esc(f['step'])}, t={f['t']:.1f}s: {esc(f['reason'])}</title></g>"
-                       f"<text x='{xf + 9:.1f}' y='{mid - 3:.1f}' font-size='11' font-weight='600' "
+                       f"<text {_beside(xf, 9)} y='{mid - 3:.1f}' font-size='11' font-weight='600' "
                        f"fill='{COLORS['failure']}'>{esc(f['kind'])}</text>")
     return "".join(out)
+
+
+def _beside(x: float, gap: float) -> str:
+    """Position attributes of a label next to a mark at ``x``: to its right, or to its left (end-anchored)
+    in the right quarter of the plot, so a label never runs past the page's right edge."""
+    if x > LEFT + 0.75 * PLOT_W:
+        return f"x='{x - gap:.1f}' text-anchor='end'"
+    return f"x='{x + gap:.1f}'"
 
 
 def _diamond(cx: float, cy: float, fill: str, stroke: str, title: str) -> str:
@@ -230,7 +238,7 @@ def _markers(view: dict[str, Any], x: _X, y_top: float, y_bottom: float) -> str:
                    f"stroke-dasharray='{dash}' stroke-width='1.5'><title>{esc(m['label'])} t={m['t']:.1f}s"
                    f"</title></line>")
         if xm - last_label_x > 120 and m["kind"] != "recovered":
-            out.append(f"<text x='{xm + 3:.1f}' y='{y_top - 6}' font-size='11' font-weight='600' "
+            out.append(f"<text {_beside(xm, 3)} y='{y_top - 6}' font-size='11' font-weight='600' "
                        f"fill='{color}'>{esc(m['label'])}</text>")
             last_label_x = xm
     return "".join(out)

@@ -170,6 +170,12 @@ def test_when_busy_skip_reports_the_skip(tmp_path: Path) -> None:
     (report,) = writer.wait(10)
     writer._slots.release()
     assert report.step == 1 and "skipped" in report.error
+    # a later save of the skipped step (a just-in-time save on that step) is allowed: it wrote nothing
+    assert writer.has_saved(1) and writer.save_async(1, app_state(model, opt)) is False
+    assert writer.forget_unwritten(1) and writer.save_async(1, app_state(model, opt), wait=True) is True
+    (again,) = writer.wait(10)
+    assert again.step == 1 and again.error is None and again.files
+    assert not writer.forget_unwritten(1)  # written: one save per (step, generation) stands
     assert writer.save_async(2, app_state(model, opt)) is True
     writer.close()
     assert writer.in_flight == 0

@@ -101,16 +101,18 @@ class CheckpointWriter:
         self._generation = generation
         self._attempt = attempt_dir_name(generation)
         self._saved_steps: set[int] = set()
+        self._unwritten: set[int] = set()  # steps whose save finished without writing (may be saved again)
         self._thread = threading.Thread(target=self._run, name=f"ckpt-writer-rank{rank}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------------------------ training thread
 
-    def save_async(self, step: int, state: dict[str, Any]) -> bool:
+    def save_async(self, step: int, state: dict[str, Any], wait: bool | None = None) -> bool:
         """Stage ``state`` to host memory (done when this returns) and save it in the background.
 
         Returns True if a save was started; False if ``when_busy == "skip"`` and ``max_in_flight`` saves
-        are still running (a report with a "skipped" error follows). Raises CheckpointError when closed.
+        are still running (a report with a "skipped" error follows), or this step was queued already.
+        ``wait``: override ``when_busy`` (True: wait for a free slot). Raises CheckpointError when closed.
         """
         if self._closed:
             raise CheckpointError(f"checkpoint writer for {self._root_uri} is closed; create a new one")
@@ -119,7 +121,7 @@ class CheckpointWriter:
         if step in self._saved_steps:  # one save per (step, generation): the first one stands
             return False
         self._saved_steps.add(step)
-        blocking = self._cfg.when_busy == "wait"
+        blocking = self._cfg.when_busy == "wait" if wait is None else wait
         if not self._slots.acquire(blocking=blocking):
             self._enqueue(_Entry(step, None, 0.0))
             return False
@@ -158,6 +160,17 @@ class CheckpointWriter:
     def has_saved(self, step: int) -> bool:
         """True if a save of ``step`` was already queued by this writer (this generation)."""
         return step in self._saved_steps
+
+    def forget_unwritten(self, step: int) -> bool:
+        """If the save of ``step`` finished without writing (skipped while busy, refused, failed: every
+        rank agrees on that through the entry's all-reduce), forget it so the step can be saved again and
+        return True. False while it is in flight or if it wrote."""
+        with self._cond:
+            if step in self._unwritten:
+                self._unwritten.discard(step)
+                self._saved_steps.discard(step)
+                return True
+        return False
 
     def abandon(self) -> list[ShardReport]:
         """The membership changed: give up in-flight saves at once and stop. Returns the reports of saves
@@ -202,6 +215,8 @@ class CheckpointWriter:
             with self._cond:
                 if self._abandoned:  # never reported, so never committed
                     continue
+                if report.error is not None:
+                    self._unwritten.add(entry.step)
                 self._done.append(report)
                 self._outstanding -= 1
                 self._cond.notify_all()

@@ -261,7 +261,7 @@ class Controller(WorkerMonitor):
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
         try:
-            resume = self._recovery_source(chosen, old)
+            resume = self._recovery_source(chosen, old, survivors)
         except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
             self._detect_dead(chosen, str(e))
             if self.sm.state is not State.RECOVERING:
@@ -343,17 +343,20 @@ class Controller(WorkerMonitor):
         dims = self.layout(world).dims
         return dims.dp_replicate, dims.dp_shard
 
-    def _recovery_source(self, chosen: list[Slot], old_world: int) -> Any:
+    def _recovery_source(self, chosen: list[Slot], old_world: int, alive: list[Slot] = ()) -> Any:
         """Pick where the next generation's state comes from (:func:`sources.rank_sources`): None when
         live survivors hold it all (the broadcast path), a :class:`PeerRestore` for the peer memory tier,
         a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
-        cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event."""
+        cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event.
+        ``alive``: every live member of the previous generation, chosen or not -- a survivor left out of a
+        folded mesh still serves its shards."""
         rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
         # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
         # DTensors, which the replicated broadcast path does not move)
         sharded = bool(old_world) and self.layout(old_world).plan != "ddp"
         # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
-        members = [s for s in chosen if s.index in self.prev_ranks and s.rank is not None]
+        pool = list(chosen) + [s for s in alive if s not in chosen]
+        members = [s for s in pool if s.index in self.prev_ranks and s.rank is not None]
         # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
         # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
         # a clean stop takes the same path: all shards survive, the covering ranks serve them.
@@ -377,7 +380,7 @@ class Controller(WorkerMonitor):
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
         if kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
-            return self._survivor_restore(chosen, decision.chosen)
+            return self._survivor_restore(pool, decision.chosen)
         if kind == "memory":
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
@@ -391,12 +394,13 @@ class Controller(WorkerMonitor):
                 s.has_state = False
         return None
 
-    def _survivor_restore(self, chosen: list[Slot], cand: sources.Candidate) -> PeerRestore:
-        """Survivors ``cand.ranks`` snapshot their live shards (collective-free) and serve them; every
-        member of the next generation then reads its new shards from them (no storage, no keeper)."""
+    def _survivor_restore(self, pool: list[Slot], cand: sources.Candidate) -> PeerRestore:
+        """Survivors ``cand.ranks`` (found in ``pool``, members of the next generation or not) snapshot their
+        live shards (collective-free) and serve them; every member of the next generation then reads its
+        new shards from them (no storage, no keeper)."""
         from elastictrain.checkpoint import KeeperSource
 
-        by_rank = {self.prev_ranks[s.index]: s for s in chosen if s.index in self.prev_ranks and s.rank is not None}
+        by_rank = {self.prev_ranks[s.index]: s for s in pool if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
         try:
             metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)

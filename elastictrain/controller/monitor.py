@@ -1,29 +1,62 @@
 """How the controller watches its workers: polling progress, noticing deaths, hangs, stragglers and drain
 notices, and turning them into failures; killing failed workers and accounting for them.
 
-A mixin of :class:`elastictrain.controller.controller.Controller` (it uses the controller's group, ledger,
-committer and events); kept apart so each module holds one concern.
+A mixin of :class:`elastictrain.controller.controller.Controller`, kept apart so each module holds one
+concern. What it may use of its host is declared, not reached for: :class:`MonitorHost` lists every
+attribute and method (the controller's group, ledger, committer, detector, events and the few decisions
+that stay with the controller). What counts as a failure is decided by the host's
+:class:`~elastictrain.controller.detect.FailureDetector` (observations in, ``Failure``s out, no Ray).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
+from elastictrain.config import JobConfig
 from elastictrain.controller import policy
-from elastictrain.controller.detect import Failure, WorkerView
-from elastictrain.controller.group import Slot, SlotState, describe_remote_error
+from elastictrain.controller.commits import Committer
+from elastictrain.controller.detect import Failure, FailureDetector, WorkerView
+from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.ledger import Ledger
+from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
+
+
+class MonitorHost(Protocol):
+    """Everything :class:`WorkerMonitor` reads or calls on the object it is mixed into."""
+
+    config: JobConfig
+    group: WorkerGroup
+    ledger: Ledger
+    committer: Committer
+    detector: FailureDetector
+    events: EventLog
+    drains: Any                              # DrainWatcher: draining() node ids, take_notice()
+    run_refs: dict[Any, Slot]                # the members' in-flight ``run`` calls
+    poll_refs: dict[int, tuple[Any, float]]  # slot index -> (in-flight ``poll`` ref, sent at)
+    reported_stragglers: set[int]
+    world_size: int
+    generation_started_at: float
+    generation_start_step: int
+    open_failure: Failure | None
+
+    def request_preemption(self, reason: str) -> None: ...
+    def _on_setup_done(self, slot: Slot) -> None: ...
+    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None: ...
+    def _judge(self, record: policy.FailureRecord) -> str | None: ...
+    def _fail(self, reason: str) -> None: ...
 
 
 class WorkerMonitor:
     """Observation and failure handling for the controller (see module docstring). What counts as a
     failure is decided by ``self.detector`` (a :class:`~elastictrain.controller.detect.FailureDetector`);
-    this class only gathers the observations and acts on the failures."""
+    this class only gathers the observations and acts on the failures. Its host must satisfy
+    :class:`MonitorHost` (checked by tests/test_controller_paths.py)."""
 
     @property
     def pending_failures(self) -> list[Failure]:

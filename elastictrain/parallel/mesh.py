@@ -4,7 +4,6 @@ rendezvous, so each membership generation has its own mesh."""
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -35,21 +34,6 @@ def build_mesh(dims: MeshDims, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
 
 
-_cleared = threading.local()
-
-
-def forget_earlier_meshes_in_this_thread(generation: int) -> None:
-    """:func:`forget_earlier_meshes` in the calling thread, once per ``generation``. DTensor's sharding
-    caches are per thread (the Python ``LocalLRUCache`` is a ``threading.local``; the C++ fast path's cache
-    is thread-local too, torch 2.13), and a Ray actor runs its methods on a pool of threads: clearing them
-    where the mesh is built leaves the threads that later run the step loop, load or snapshot with an
-    earlier generation's mesh and its coordinates (a survivor that was rank 3 of an equal-looking mesh
-    loaded rank 3's rows as rank 1). Call it before a thread touches DTensors."""
-    if getattr(_cleared, "generation", None) != generation:
-        forget_earlier_meshes()
-        _cleared.generation = generation
-
-
 def forget_earlier_meshes() -> None:
     """Drop DTensor's caches that are keyed by a DeviceMesh.
 
@@ -59,7 +43,10 @@ def forget_earlier_meshes() -> None:
     membership change rebuilds an equal-looking mesh (HSDP 2x2 -> 1x2 -> 2x2), a cache hit would hand back
     the earlier generation's mesh, whose process groups were destroyed ("Could not resolve the process
     group registered under the name 5"). Clearing them once per generation costs a few recomputed specs.
-    These are private torch caches (torch 2.13); a cache a later torch drops is skipped."""
+    The sharding-propagation caches (Python and C++ fast path) are per thread: this clears the calling
+    thread's, so every DTensor op of a worker runs on one thread (``worker.actor.STATE_GROUP``); the
+    redistribution caches are process-wide. These are private torch caches (torch 2.13); a cache a later
+    torch drops is skipped."""
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import os
 import socket
 import threading
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from elastictrain.config import JobConfig
 from elastictrain.logs import configure_worker_logging, one_line, set_worker_rank
-from elastictrain.parallel.mesh import forget_earlier_meshes_in_this_thread, worker_device
+from elastictrain.parallel.mesh import worker_device
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.task import Task
 from elastictrain.worker.errors import classify_step_error
@@ -37,17 +36,13 @@ from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
 
 
-def _current_mesh(method: Any) -> Any:
-    """Run ``method`` with the calling thread's DTensor caches cleared of earlier generations' meshes
-    (``forget_earlier_meshes_in_this_thread``): Ray runs this actor's methods on several threads."""
-
-    @functools.wraps(method)
-    def in_current_mesh(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.runner is not None:
-            forget_earlier_meshes_in_this_thread(self.runner.generation)
-        return method(self, *args, **kwargs)
-
-    return in_current_mesh
+STATE_GROUP = "state"
+"""The concurrency group (one thread) of every Worker method that touches the model, its mesh or its
+process groups. One thread because DTensor's sharding caches are thread-local and keyed by a DeviceMesh
+that compares equal across generations of the same shape: clearing them when a generation builds its mesh
+(``parallel.mesh.build_mesh``) must reach the thread that later runs steps, loads, saves and gathers on it;
+and because those calls are collectives that must not overlap anyway."""
+_on_state_thread = ray.method(concurrency_group=STATE_GROUP)
 
 
 def _node_ip() -> str:
@@ -88,6 +83,7 @@ class Worker:
         self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
 
     # ------------------------------------------------------------------ life cycle
+    @_on_state_thread
     def setup(self) -> dict[str, Any]:
         """The slow start-up (imports, model build, dataset): done while the others keep training."""
         t0 = time.perf_counter()
@@ -117,6 +113,7 @@ class Worker:
         self._stores = {generation: store}
         return _node_ip(), store.port
 
+    @_on_state_thread
     def join(self, generation: int, rank: int, world_size: int, host: str, port: int,
              layout: Layout | None = None) -> None:
         """Leave the old process group (if any), join generation ``generation`` and apply ``layout``
@@ -142,34 +139,46 @@ class Worker:
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
 
-    @_current_mesh
+    @_on_state_thread
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
         src's state. Sharded ones hold a consistent state already (restored from a reader in this
-        generation, or the seeded step-0 model): only checked. Raises RuntimeError if their steps differ."""
+        generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
+        ``parallel.meta_init`` or a rebuild) makes every rank load the seeded initial model from rank 0.
+        Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
             return r.step
-        steps: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, r.step)
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (r.step, r.uninitialized))
+        steps = [step for step, _ in views]
         if len(set(steps)) > 1:
             raise RuntimeError(f"ranks hold different steps {steps} after the restore: a sharded state is "
                                "loaded from survivors' snapshots, the peer tier or a checkpoint, never merged")
+        if any(empty for _, empty in views):
+            if r.step != 0:
+                raise RuntimeError(f"ranks {[i for i, (_, e) in enumerate(views) if e]} hold no values at step "
+                                   f"{r.step}: they were rebuilt and not restored")
+            r.init_from_seed()
         return r.step
 
-    @_current_mesh
+    @_on_state_thread
     def restore_from(self, reader: Any) -> int:
         """Load this rank's state from any DCP StorageReader (durable checkpoint, in-memory snapshots),
         resharded into the current layout. Collective over the checkpoint group. Returns the step."""
-        return self.runner.state.load_from(reader, process_group=self._ckpt_group)
+        step = self.runner.state.load_from(reader, process_group=self._ckpt_group)
+        self.runner.uninitialized = False
+        return step
 
     def abort_group(self) -> str:
         """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
         NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
-        instead of waiting for the timeout. gloo: nothing to do -- a dead peer's closed sockets already
-        fail gloo's collectives, and destroying a group while the step thread is inside one is not safe;
-        the next ``join`` destroys it. Returns what was done. Untested on GPUs."""
+        instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
+        fail gloo's collectives with it, ``ProcessGroupGloo.abort`` does not wake a blocked collective, and
+        destroying a group while the step thread is inside one is not safe. A live rank blocked on another
+        live rank that left the failed step is woken by that rank releasing its groups
+        (``_release_groups``). Returns what was done. Untested on GPUs."""
         if not dist.is_initialized() or not self.config.workers.use_gpu:
             return "noop"
         try:
@@ -192,7 +201,7 @@ class Worker:
         self._ckpt_group = None
 
     # ------------------------------------------------------------------ the loop
-    @_current_mesh
+    @_on_state_thread
     def run(self, target_step: int) -> dict[str, Any]:
         """Run steps until ``target_step`` completed steps, a stop request, or a failure.
 
@@ -201,6 +210,7 @@ class Worker:
         """
         r = self.runner
         self._status = "running"
+        failed: dict[str, Any] | None = None
         try:
             while r.step < target_step:
                 try:
@@ -208,22 +218,55 @@ class Worker:
                 except InjectedFault as e:
                     r.discard_partial_step()
                     self._log.warning("step %d discarded: %s", r.step + 1, e)
-                    return self._result("error", str(e))
+                    failed = self._result("error", str(e))
+                    break
                 except Exception as e:  # noqa: BLE001 - classified below, reported to the controller
                     # Not by phase: a rank's own error in its last backward is its own failure.
                     r.discard_partial_step()
                     verdict = classify_step_error(e)
                     # One line: torch's collective errors carry pages of C++ frames, not news to anyone.
                     self._log.warning("step %d discarded (%s): %s", r.step + 1, verdict, one_line(e))
-                    return self._result(verdict, one_line(e))
+                    failed = self._result(verdict, one_line(e))
+                    break
                 self._records.append(record)
                 self._after_step(record.step)
                 if stop:
                     return self._result("stopped")
-            return self._result("done")
+            if failed is None:
+                return self._result("done")
+            # outside the except clause: the failed step's frames (and their tensors) are gone by now
+            if not r.replicated:
+                self._release_groups()
+            return failed
         finally:
             self._stop.clear()
             self._status = "joined"
+
+    def _release_groups(self) -> None:
+        """This rank's step failed under a sharded layout: snapshot its shards (served by ``hold_snapshot``
+        / ``fetch``; parameters and optimizer state are those of its last completed step), then let go of
+        the generation's process groups entirely. Under HSDP a healthy rank can be blocked in a collective
+        with a rank that left the failed step (rank 2 in a replica all-reduce with rank 0 after rank 1
+        died). gloo has no working abort (``ProcessGroupGloo.abort`` does not wake a blocked peer); its
+        connections close when the group object is destroyed, which fails the blocked peer's collective at
+        once instead of after ``timeouts.collective_s``. Destroying needs every reference gone: the model,
+        optimizer, mesh, DTensor caches, the writer's group. If one lingers, nothing breaks: the blocked peer
+        waits for its timeout as before."""
+        import gc
+
+        from elastictrain.checkpoint.memory_dcp import take_snapshot
+        from elastictrain.parallel.mesh import forget_earlier_meshes
+
+        r = self.runner
+        try:
+            self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        except Exception as e:  # noqa: BLE001 - no snapshot: the controller finds another source
+            self._log.warning("could not snapshot the state after the failed step: %s", one_line(e))
+            self._held = None
+        self._leave_group()
+        r.release()
+        forget_earlier_meshes()
+        gc.collect()
 
     def _result(self, status: str, error: str | None = None) -> dict[str, Any]:
         return {"status": status, "step": self.runner.step, "error": error, "slot": self.slot}
@@ -270,7 +313,7 @@ class Worker:
     def _after_step(self, step: int) -> None:
         every = self.config.checkpoint.every_steps
         if self._writer is not None and every and step % every == 0:
-            self.save(step)
+            self._start_save(step)
         k = self.config.checkpoint.memory_every_steps
         if self._replicator is not None and k and step % k == 0:
             # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
@@ -305,14 +348,20 @@ class Worker:
                 "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
                              for p in got["results"] if not p.accepted]}
 
-    @_current_mesh
+    @_on_state_thread
     def hold_snapshot(self) -> Any:
         """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
         the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
-        ``SnapshotMeta``; the previous held snapshot is dropped."""
+        ``SnapshotMeta``; the previous held snapshot is dropped. A rank whose step failed took it already
+        (``_release_groups``): that one is served."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
 
         r = self.runner
+        held = self._held
+        if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (r.generation, r.rank, r.step):
+            return held.meta  # taken when this rank's step failed (``_release_groups``): still current
+        if r.model is None:
+            raise RuntimeError(f"slot {self.slot} released its state after a failed step and holds no snapshot")
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
         return self._held.meta
 
@@ -323,7 +372,7 @@ class Worker:
             raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
         return held.fetch(keys)
 
-    @_current_mesh
+    @_on_state_thread
     def load_peer(self, sources: list[Any]) -> int:
         """Load state from snapshots (``KeeperSource``s of one step that cover everything: peer-tier
         keepers or survivors) into this rank, resharded into the current layout (``restore_from``).
@@ -335,30 +384,48 @@ class Worker:
         self._held = None  # a survivor's snapshot has served its purpose once every member loaded
         return step
 
-    @_current_mesh
+    @_on_state_thread
     def save(self, step: int | None = None) -> bool:
-        """Start an asynchronous checkpoint of the current state (collective over the group)."""
+        """A just-in-time checkpoint of the current state (the controller's call, e.g. on preemption):
+        collective over the group, waits for a free save slot instead of skipping. If this generation
+        saved the step periodically already, that save stands once it wrote; one that wrote nothing
+        (skipped while busy, refused) is done again. Returns True if a save of the step stands or started."""
         if self._writer is None:
             return False
         step = self.runner.step if step is None else step
-        if self._writer.has_saved(step):  # one save per (step, generation): e.g. a just-in-time save on a
-            return True                   # periodic-save step; its report comes from the first save
+        if self._writer.has_saved(step):
+            # its outcome first (agreed by every rank in the save's own all-reduce); its reports go out
+            # with the next poll or flush_checkpoints, before the new save's
+            # (half of poll_s: the controller's call waits poll_s for this whole method)
+            self._ckpt_events.extend(self._writer.wait(timeout=self.config.timeouts.poll_s / 2))
+            if not self._writer.forget_unwritten(step):
+                return True  # written (or, past the wait, still in flight): one save per (step, generation)
+        return self._start_save(step, wait=True)
+
+    def _start_save(self, step: int, wait: bool | None = None) -> bool:
+        """Stage the state and queue its asynchronous save (``wait``: see ``CheckpointWriter.save_async``)."""
+        if self._writer.has_saved(step):  # one save per (step, generation)
+            return True
         t0 = time.perf_counter()
-        started = self._writer.save_async(step, self.runner.state.state_dict())
+        started = self._writer.save_async(step, self.runner.state.state_dict(), wait=wait)
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
 
     def flush_checkpoints(self) -> list[Any]:
-        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return the saves'
-        reports (used before exit)."""
+        """Wait for in-flight saves (and peer-tier sends, reported by the next poll) and return every save
+        report not yet sent, in order: those a poll has not taken yet, then the writer's (used by a
+        just-in-time save and before exit)."""
         if self._replicator is not None:
             self._replicator.flush(timeout=self.config.timeouts.poll_s)
-        if self._writer is None:
-            return []
-        return list(self._writer.wait(timeout=self.config.timeouts.poll_s))
+        out = []
+        while self._ckpt_events:
+            out.append(self._ckpt_events.popleft())
+        if self._writer is not None:
+            out.extend(self._writer.wait(timeout=self.config.timeouts.poll_s))
+        return out
 
-    @_current_mesh
+    @_on_state_thread
     def load(self, manifest: Any, root_uri: str) -> int:
         """Load a committed checkpoint (collective; DCP reshards into the current layout)."""
         from torch.distributed.checkpoint.api import CheckpointException
@@ -378,15 +445,16 @@ class Worker:
             raise CheckpointError(_describe(e, uri, "loading")) from None
         if step != int(manifest.step):
             raise CheckpointError(f"checkpoint {uri} holds step {step} but its manifest says {manifest.step}")
+        self._held = None  # a snapshot held after a failed step is not needed once the checkpoint loaded
         return step
 
     # ------------------------------------------------------------------ inspection
-    @_current_mesh
+    @_on_state_thread
     def digest(self) -> dict[str, Any] | None:
         """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member."""
         return self.runner.state_digest()
 
-    @_current_mesh
+    @_on_state_thread
     def parameters(self) -> dict[str, torch.Tensor] | None:
         """The full model as CPU tensors on rank 0 (None elsewhere), via get_model_state_dict(
         full_state_dict=True, cpu_offload=True). Collective: call on every member."""
@@ -399,5 +467,7 @@ class Worker:
 
 
 def worker_actor_class() -> Any:
-    """The Ray actor class for :class:`Worker` (threaded so poll/stop run beside ``run``)."""
-    return ray.remote(max_concurrency=4)(Worker)
+    """The Ray actor class for :class:`Worker`: threaded so ``poll``, ``request_stop``, ``abort_group`` and
+    ``fetch`` run beside ``run`` and ``load_peer``; every method that touches the model runs on the one
+    thread of the ``state`` concurrency group (see :data:`STATE_GROUP`)."""
+    return ray.remote(max_concurrency=4, concurrency_groups={STATE_GROUP: 1})(Worker)

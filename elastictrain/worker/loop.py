@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
+from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import ParallelModel, wrap
 from elastictrain.parallel.plan import Layout
@@ -73,7 +74,9 @@ class StepRunner:
         self.dataset_len = len(self.dataset)
         self.collate = task.collate_fn or _default_collate
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
-        self.model = self._fresh_model()
+        # parallel.meta_init: no rank holds the whole model; values come at the first sync or restore
+        self.model = self._meta_model() if self.parallel.meta_init else self._fresh_model()
+        self.uninitialized = False  # parameters have memory but no values yet (set by attach)
         self.pm: ParallelModel | None = None
         self.layout: Layout | None = None
         self.state = TrainingState(self.model, self._optimizer(), self.cursor)
@@ -85,8 +88,23 @@ class StepRunner:
         self.phase_since = time.time()
 
     def _fresh_model(self) -> torch.nn.Module:
-        torch.manual_seed(self.train.seed)  # identical initial parameters on every worker
-        return self.task.model_fn().to(self.device)
+        return self._seeded_model().to(self.device)
+
+    def _seeded_model(self) -> torch.nn.Module:
+        """The initial model on the CPU: identical on every worker (seeded), whatever its device."""
+        torch.manual_seed(self.train.seed)
+        return self.task.model_fn()
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The model's structure with parameters on the meta device (see parallel/materialize.py)."""
+        with params_on_meta():
+            return self.task.model_fn()
+
+    def init_from_seed(self) -> None:
+        """Give a materialized sharded model the seeded initial values (step 0): rank 0 builds the model
+        once and broadcasts it. Collective over the default group."""
+        load_seeded_init(self.model, self._seeded_model, self.rank)
+        self.uninitialized = False
 
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.task.optimizer_fn(self.model.parameters())
@@ -120,11 +138,16 @@ class StepRunner:
             raise ValueError(f"layout {layout.reason!r} does not match world size {world_size}")
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
-        kept = self.replicated and layout.plan == "ddp"
-        pristine = self.pm is None and self.step == 0 and not isinstance(self.model, FSDPModule)
-        if not kept and not pristine:  # fully_shard changed the module in place: start from a fresh one
-            self.model = self._fresh_model()
+        kept = self.model is not None and self.replicated and layout.plan == "ddp"
+        pristine = (self.model is not None and self.pm is None and self.step == 0
+                    and not isinstance(self.model, FSDPModule))
+        if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
+            # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here
+            self.model = self._fresh_model() if layout.plan == "ddp" else self._meta_model()
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
+        if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
+            materialize(module, self.device)
+            self.uninitialized = True
         self.pm = wrap(module, mesh)
         # (loss, stop) rides in DDP's last gradient bucket; other layouts keep a separate all-reduce
         self.step_stats = StepStats(self.pm.module if isinstance(self.pm.module, DistributedDataParallel) else None)
@@ -138,6 +161,17 @@ class StepRunner:
         """Forget the group's wrapper (the model and its state stay)."""
         if self.pm is not None and self.pm.replicated:
             self.pm = None
+
+    def release(self) -> None:
+        """Drop this rank's sharded model, optimizer and step-stats handle: every reference this runner
+        holds to the generation's mesh and process groups. Keeps the step and the data cursor; the next
+        :meth:`attach` builds a fresh model, which a restore step fills. For a rank whose step failed under
+        a sharded layout, after its state was snapshotted (see ``Worker._release_groups``)."""
+        self.pm = None
+        self.model = None
+        self.state.model = None
+        self.state.optimizer = None
+        self.step_stats = StepStats(None)
 
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()

@@ -1,0 +1,61 @@
+"""Build a model without its parameters' memory, shard it, then give the shards memory and values.
+
+A sharded layout never needs the whole model on one rank: the parameters are created on the ``meta``
+device (no storage), ``fully_shard`` cuts them, and :func:`materialize` allocates only this rank's shards.
+Their values come from a restore step (a checkpoint, survivors, the peer tier) or, at step 0, from
+:func:`load_seeded_init`: rank 0 builds the seeded model once and broadcasts it tensor by tensor, so every
+rank starts from exactly the values a non-meta build would have given it.
+
+Buffers are not parameters: :func:`params_on_meta` leaves them real, because non-persistent buffers (causal
+masks, rotary tables) are in no state dict, so no restore would bring them back. They are small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the ``meta`` device; buffers stay where they are made.
+    Initialisation code in constructors runs on meta tensors (no work, no values)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def has_meta_params(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter (whole or, after ``fully_shard``, this rank's shard) uninitialised memory
+    on ``device``; buffers keep their values. Call after parallelizing, before building the optimizer."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+
+
+def load_seeded_init(model: nn.Module, build: Callable[[], nn.Module], rank: int) -> None:
+    """Fill ``model`` (parallelized, materialized) with the values of ``build()``, which rank 0 alone calls:
+    each tensor is broadcast from rank 0 and every rank keeps its slice. Collective over the default
+    group; ``build`` must seed itself (it is the same build a non-meta start uses)."""
+    full = build().state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
