@@ -19,7 +19,7 @@ Figures per plan:
   (``checkpoint.memory_every_steps``, 10) as a share of the median step time (target <= 5%);
 * time to next step after a kill (``--kill-steps N``, 0 skips it): the framework end to end on a local Ray
   (``Trainer``, the tiny job's model: 2 layers, d_model 64, the same plan and world size, the peer tier at
-  its default cadence): rank 1 SIGKILLed by pid once step N/2 is done; from ``os.kill`` to the first step
+  its default cadence, workers.min 2): rank 1 SIGKILLed by pid once step N/2 is done; from ``os.kill`` to the first step
   completed after the ``recovered`` event (the step's ``finished_at``), with the event's source. This is
   not the 25M model: the kill column measures detection and the recovery path (survivors / peer tier),
   which the issue bounds on the tiny job (< 2 s; fsdp <= 2x ddp).
@@ -117,7 +117,7 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[fl
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
     spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64}},
             "train": {"steps": steps, "global_batch": 16, "micro_batch": 2, "log_every": 10_000},
-            "workers": {"min": 1, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
+            "workers": {"min": 2, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
             "recovery": {"min_workers_wait_s": 240},
             "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                          "watchdog_floor_s": 10}}
