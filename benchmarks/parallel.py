@@ -1,6 +1,7 @@
 """ddp vs fsdp vs hsdp on 4 CPU processes: throughput and peak memory per process, in one run.
 
-Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 8]``
+Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 8]
+[--kill-steps 40] [--memory-every 10]``
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default ~25.4M
@@ -11,8 +12,17 @@ Figures per plan:
 * samples/s: ``(steps - warmup) * global_batch / elapsed`` on rank 0 (steady state);
 * peak RSS per process (max over ranks of ``ru_maxrss``) and the same minus the process's RSS before the
   model was built (the runtime baseline), so the ratio to ddp can be read for the state alone too;
-* snapshot stall and time to next step after a kill: HOOK, not measured here -- they need the in-memory
-  shard tier (another work item); the columns print ``n/a`` until it exists.
+* snapshot stall (peer memory tier): what a rank's step thread pays per snapshot -- building its DCP state
+  dict (``TrainingState.state_dict``) plus ``take_snapshot`` refilling the previous snapshot's host buffers
+  (the steady state of ``MemoryReplicator.push``; sending runs on a background thread) -- measured after
+  the timed steps (median of 3, max over ranks), shown per step at the default cadence
+  (``checkpoint.memory_every_steps``, 10) as a share of the median step time (target <= 5%);
+* time to next step after a kill (``--kill-steps N``, 0 skips it): the framework end to end on a local Ray
+  (``Trainer``, the tiny job's model: 2 layers, d_model 64, the same plan and world size, the peer tier at
+  its default cadence, workers.min 2): rank 1 SIGKILLed by pid once step N/2 is done; from ``os.kill`` to the first step
+  completed after the ``recovered`` event (the step's ``finished_at``), with the event's source. This is
+  not the 25M model: the kill column measures detection and the recovery path (survivors / peer tier),
+  which the issue bounds on the tiny job (< 2 s; fsdp <= 2x ddp).
 
 Memory note: glibc keeps freed heap memory and raises its mmap threshold as large blocks come and go, so
 FSDP2's per-block transient buffers (gathered parameters, unsharded gradients) inflate ``ru_maxrss`` far
@@ -70,9 +80,71 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: st
         runner.run_step(False)
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stall = _snapshot_stall(runner, rank)
     with open(os.path.join(out, f"{plan}.{rank}"), "w") as f:
-        f.write(f"{elapsed} {peak} {baseline} {params}\n")
+        f.write(f"{elapsed} {peak} {baseline} {params} {stall}\n")
     dist.destroy_process_group()
+
+
+def _snapshot_stall(runner, rank: int) -> float:
+    """Median seconds of one peer-tier snapshot on the step thread (state dict + host copy, buffers reused)."""
+    import statistics
+
+    from elastictrain.checkpoint.memory_dcp import take_snapshot
+
+    times, snap = [], None
+    for _ in range(4):
+        t0 = time.perf_counter()
+        snap = take_snapshot(runner.state.state_dict(), rank=rank, step=runner.step, reuse=snap)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # the first one faults its host buffers in
+
+
+def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[float, str]:
+    """The tiny job under ``plan`` on a local Ray; rank 1 SIGKILLed after step steps // 2. Returns (seconds
+    from the kill to the first step completed after recovery, the recovery source)."""
+    import signal
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    import ray
+
+    from elastictrain import Trainer, build_config
+    from elastictrain.events import read_events
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
+    spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64}},
+            "train": {"steps": steps, "global_batch": 16, "micro_batch": 2, "log_every": 10_000},
+            "workers": {"min": 2, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
+            "recovery": {"min_workers_wait_s": 240},
+            "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
+                         "watchdog_floor_s": 10}}
+    run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{plan}-"))
+    trainer = Trainer(build_config(spec), run_dir=run_dir, console=None)
+    thread = threading.Thread(target=trainer.fit, daemon=True)
+    thread.start()
+
+    def events() -> list[dict]:
+        return read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
+
+    def first(pred) -> dict | None:
+        return next((e for e in events() if pred(e)), None)
+
+    victim = None
+    while thread.is_alive() and not (victim and first(lambda e: e["event"] == "step" and e["step"] >= steps // 2)):
+        victim = victim or first(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+        thread.join(0.05)
+    if victim is None or not thread.is_alive():
+        raise RuntimeError(f"{plan}: the run ended before the kill; see {run_dir}")
+    t_kill = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(600)
+    evs = events()
+    rec = next(i for i, e in enumerate(evs) if e["event"] == "recovered")
+    nxt = next(e for e in evs[rec:] if e["event"] == "step")
+    return nxt.get("finished_at", nxt["time"]) - t_kill, evs[rec]["source"]
 
 
 def _free_port() -> int:
@@ -97,6 +169,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--plans", default="ddp,fsdp,hsdp")
+    p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
+    p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
     out = tempfile.mkdtemp(prefix="parallel-bench-")
@@ -108,17 +182,25 @@ def main() -> None:
         elapsed = float(ranks[0][0])
         peak = max(int(r[1]) for r in ranks) / 1024
         state = max(int(r[1]) - int(r[2]) for r in ranks) / 1024
-        rows[plan] = ((args.steps - args.warmup) * args.global_batch / elapsed, peak, state, int(ranks[0][3]))
+        stall = max(float(r[4]) for r in ranks)
+        step_s = elapsed / (args.steps - args.warmup)
+        rows[plan] = ((args.steps - args.warmup) * args.global_batch / elapsed, peak, state, int(ranks[0][3]),
+                      stall / args.memory_every / step_s)
+    kills = {plan: _time_to_next_step_after_kill(plan, args.world, args.kill_steps)
+             for plan in rows if args.kill_steps}
     print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
           f"micro_batch={args.micro_batch} steps={args.steps} (warmup {args.warmup}) "
           f"load1={os.getloadavg()[0]:.1f}")
     base = rows.get("ddp")
     print(f"{'plan':6} {'samples/s':>10} {'peak MiB':>9} {'x ddp':>6} {'peak-base MiB':>14} {'x ddp':>6} "
           f"{'snap stall':>10} {'next step after kill':>21}")
-    for plan, (sps, peak, state, _) in rows.items():
+    for plan, (sps, peak, state, _, stall) in rows.items():
         rp = f"{peak / base[1]:.2f}" if base else "-"
         rs = f"{state / base[2]:.2f}" if base else "-"
-        print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {'n/a':>10} {'n/a':>21}")
+        kill = f"{kills[plan][0]:.2f} s ({kills[plan][1]})" if plan in kills else "-"
+        print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {stall:10.1%} {kill:>21}")
+    print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
+          "kill: tiny job on a local Ray, rank 1 SIGKILLed, (recovery source)")
 
 
 if __name__ == "__main__":

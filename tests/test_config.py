@@ -84,3 +84,11 @@ def test_every_config_key_is_documented():
     leaves = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]
     missing = [k for k in leaves if f"`{k}`" not in text]
     assert not missing, f"document these keys in docs/config.md: {missing}"
+
+
+def test_peer_tier_is_on_by_default_and_its_budget_must_be_positive():
+    c = build_config(job()).checkpoint
+    assert c.memory_every_steps == 10 and c.memory_budget_gib == 4.0
+    for bad in (0, -1.5, "nan"):
+        with pytest.raises(ConfigError, match=r"checkpoint.memory_budget_gib: .*(greater than 0|finite)"):
+            build_config(job(checkpoint={"memory_budget_gib": bad}))

@@ -93,7 +93,7 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     kill = {"rank": 1, "step": 7, "point": "mid_step", "kind": "kill"}
     base = dict(train={"steps": 60, "audit_samples": True, "global_batch": 16, "micro_batch": 4},
                 workers={"min": 1, "max": 2}, parallel={"plan": "fsdp"})
-    ckpt = {"every_steps": 2}
+    ckpt = {"every_steps": 2, "memory_every_steps": 0}  # the durable path only (the tier is on by default)
     faulty = run_job(tmp_path, job(**base, checkpoint={**ckpt, "uri": str(tmp_path / "f")}, faults=SLOW + [kill]),
                      name="f")
     clean = run_job(tmp_path, job(**base, checkpoint={**ckpt, "uri": str(tmp_path / "c")}), name="c")

@@ -48,11 +48,10 @@ def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_
     assert all(both["step"] < s <= second_rec["step"] for s in missing), (missing, both["step"], second_rec)
 
 
-def test_snapshot_over_the_keeper_budget_is_reported(tmp_path, ray_local, monkeypatch):
-    from elastictrain.controller import controller
-
-    monkeypatch.setattr(controller, "MEMORY_BUDGET", 1000)  # far below the tiny GPT's state
-    spec = job(train={"steps": 4}, checkpoint={"memory_every_steps": 2}, workers={"min": 1, "max": 1})
+def test_snapshot_over_the_keeper_budget_is_reported(tmp_path, ray_local):
+    # 1000 bytes (exact: a power-of-two division), far below the tiny GPT's state
+    spec = job(train={"steps": 4}, checkpoint={"memory_every_steps": 2, "memory_budget_gib": 1000 / 2**30},
+               workers={"min": 1, "max": 1})
     run = run_job(tmp_path, spec)
     rejected = run.of("memory_snapshot_rejected")
     assert rejected and all("exceed the keeper budget of 1000 bytes" in e["reason"] for e in rejected)

@@ -34,7 +34,6 @@ log = logging.getLogger("elastictrain.controller")
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
-MEMORY_BUDGET = 4 << 30  # bytes each node's peer-tier keeper may hold
 
 
 class SurvivorLost(RuntimeError):
@@ -293,9 +292,10 @@ class Controller(WorkerMonitor):
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for node in [n for n in self.keepers if n not in alive]:
             del self.keepers[node]
+        budget = max(1, int(self.config.checkpoint.memory_budget_gib * (1 << 30)))  # checkpoint.memory_budget_gib
         for node in sorted(alive - set(self.keepers)):
             self.keepers[node] = ShardKeeper.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(MEMORY_BUDGET)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
 
     def _keepers_for(self, chosen: list[Slot]) -> list[Any]:
         """Each member's keeper: on the next node in the ring, never its own unless it is alone."""
