@@ -85,7 +85,7 @@ def test_checkpoint_resumes_across_plans_and_world_sizes(tmp_path, ray_local):
 def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     """Under fsdp a dead rank's shard exists nowhere else (no in-memory tier here): the survivor restores
     the last committed checkpoint through the same DCP reader path, resharded to 1 worker; when the
-    replacement is ready the group stops at a boundary, hands the full state over and re-meshes on 2."""
+    replacement is ready the group stops at a boundary and re-meshes on 2 from the survivor's snapshot."""
     from elastictrain.data.cursor import step_sample_ids
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
     from tests.cluster_fixtures import SLOW
@@ -103,8 +103,11 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     recovered = faulty.of("recovered")[0]
     # Lost work: back to the last committed checkpoint (saves every 2 steps; a save commits once every
     # rank reported it, so the one in flight at the kill may not count).
-    committed = [e["step"] for e in faulty.of("checkpoint_saved") if e["time"] < failure["time"]]
-    assert recovered["source"] == "checkpoint" and recovered["step"] == max(committed), (recovered, committed)
+    # (a commit runs on the committer thread: one may land between the failure and the choice of source)
+    committed = [e["step"] for e in faulty.of("checkpoint_saved")]
+    before = [e["step"] for e in faulty.of("checkpoint_saved") if e["time"] < failure["time"]]
+    assert recovered["source"] == "checkpoint" and recovered["step"] in committed, (recovered, committed)
+    assert max(before, default=0) <= recovered["step"] <= failure["step"], (recovered, before, failure)
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in faulty.of("resized")]
     assert sizes[:2] == [(2, 1), (1, 2)], sizes
     # Sample audit: the steps redone after the restore replace the lost ones; every step's samples are
