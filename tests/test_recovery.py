@@ -134,3 +134,21 @@ def test_straggler_eviction_replaces_the_slow_rank(tmp_path, ray_local):
     (failure,) = run.of("failure")
     assert failure["kind"] == "straggler" and failure["rank"] == 1
     assert run.summary["final_step"] == 60 and run.result.exit_code == 0
+
+
+def test_a_kill_among_four_ddp_ranks_costs_one_failure_and_no_collective_timeout(tmp_path, ray_local):
+    """4 DDP ranks over gloo, rank 1 SIGKILLed mid-step: its ring neighbours fail at once, but a rank
+    waiting on a LIVE neighbour that already left the step would wait out ``timeouts.collective_s`` and be
+    declared hung. Ranks leaving a failed step let go of their process groups, which fails such waits at
+    once: one failure, no hang, and the survivors keep their state (lost work: the step in flight)."""
+    kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
+    # a collective timeout far beyond the run's own length: waiting it out cannot pass for recovering
+    timeouts = {"collective_s": 300, "step_watchdog_cap_s": 310, "poll_s": 320, "restart_grace_s": 330,
+                "watchdog_floor_s": 2}
+    spec = job(train={"steps": 14}, workers={"min": 2, "max": 4}, faults=SLOW + [kill],
+               checkpoint={"memory_every_steps": 0}, timeouts=timeouts)
+    run = BackgroundRun(tmp_path, spec).finish(timeout=150)
+    assert run.result.exit_code == 0 and run.summary["final_step"] == 14
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] == 0, rec

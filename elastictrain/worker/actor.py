@@ -235,28 +235,37 @@ class Worker:
             if failed is None:
                 return self._result("done")
             # outside the except clause: the failed step's frames (and their tensors) are gone by now
-            if not r.replicated:
-                self._release_groups()
+            self._release_groups()
             return failed
         finally:
             self._stop.clear()
             self._status = "joined"
 
     def _release_groups(self) -> None:
-        """This rank's step failed under a sharded layout: snapshot its shards (served by ``hold_snapshot``
-        / ``fetch``; parameters and optimizer state are those of its last completed step), then let go of
-        the generation's process groups entirely. Under HSDP a healthy rank can be blocked in a collective
-        with a rank that left the failed step (rank 2 in a replica all-reduce with rank 0 after rank 1
-        died). gloo has no working abort (``ProcessGroupGloo.abort`` does not wake a blocked peer); its
-        connections close when the group object is destroyed, which fails the blocked peer's collective at
-        once instead of after ``timeouts.collective_s``. Destroying needs every reference gone: the model,
-        optimizer, mesh, DTensor caches, the writer's group. If one lingers, nothing breaks: the blocked peer
-        waits for its timeout as before."""
+        """This rank's step failed: let go of the generation's process groups entirely, so that a live peer
+        blocked in a collective with this rank fails now instead of after ``timeouts.collective_s``.
+        That happens whenever a collective's peers are not all neighbours of the dead rank: DDP over 4 gloo
+        ranks (a ring all-reduce: rank 3 waits for rank 2, which left when rank 1 died), HSDP (rank 2 in a
+        replica all-reduce with rank 0 after rank 1 died). gloo has no working abort
+        (``ProcessGroupGloo.abort`` does not wake a blocked peer, measured in torch 2.13); its connections
+        close when the group object is destroyed, which needs every reference gone: the DDP wrapper, the
+        step's stats handle, the writer's group, the mesh and DTensor's caches and, under a sharded layout,
+        the model and optimizer -- after snapshotting this rank's shards (served by ``hold_snapshot`` /
+        ``fetch``: parameters and optimizer state of its last completed step). A replicated model is kept:
+        it is this rank's whole state. If a reference lingers, nothing breaks: the blocked peer waits for
+        its timeout as before."""
         import gc
 
         from elastictrain.checkpoint.memory_dcp import take_snapshot
         from elastictrain.parallel.mesh import forget_earlier_meshes
 
+        r = self.runner
+        if r.replicated:
+            self._leave_group()  # drops the DDP wrapper (runner.detach) and destroys the groups
+            r.release_wrappers()
+            forget_earlier_meshes()
+            gc.collect()
+            return
         r = self.runner
         try:
             self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)

@@ -162,6 +162,13 @@ class StepRunner:
         if self.pm is not None and self.pm.replicated:
             self.pm = None
 
+    def release_wrappers(self) -> None:
+        """Drop what refers to the generation's process groups but keep the (replicated) model and
+        optimizer: the DDP wrapper and the step-stats handle (see ``Worker._release_groups``)."""
+        if self.replicated:
+            self.pm = None
+        self.step_stats = StepStats(None)
+
     def release(self) -> None:
         """Drop this rank's sharded model, optimizer and step-stats handle: every reference this runner
         holds to the generation's mesh and process groups. Keeps the step and the data cursor; the next
