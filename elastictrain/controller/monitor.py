@@ -251,6 +251,9 @@ class WorkerMonitor:
         for f, kind, node in killed:
             slot = self.group.slots[f.slot]
             f.last_progress = min(f.detected_at, max(f.last_progress, self.ledger.latest_record_at))
+            if f.joined_step is not None:  # progress from the survivors' records too: polls lag behind steps
+                done = max(self.ledger.last_step, self.ledger.latest_record_step)
+                f.progress = max(f.progress, done - f.joined_step)
             self.ledger.failures += 1
             self.ledger.add_time("detection", f.detected_at - f.last_progress)
             self.events.emit("failure", kind=kind, rank=f.rank, slot=f.slot, node_id=node,
