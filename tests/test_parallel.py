@@ -90,7 +90,8 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
     from tests.cluster_fixtures import SLOW
 
-    kill = {"rank": 1, "step": 7, "point": "mid_step", "kind": "kill"}
+    # late enough that earlier saves were committed (saves in flight at the kill are abandoned, never commit)
+    kill = {"rank": 1, "step": 17, "point": "mid_step", "kind": "kill"}
     base = dict(train={"steps": 60, "audit_samples": True, "global_batch": 16, "micro_batch": 4},
                 workers={"min": 1, "max": 2}, parallel={"plan": "fsdp"})
     ckpt = {"every_steps": 2, "memory_every_steps": 0}  # the durable path only (the tier is on by default)

@@ -370,6 +370,8 @@ class Controller(WorkerMonitor):
             tier = self._peer_tier()
             manifest = None
             if self.store is not None:
+                # commits run on their own thread: let queued ones land before asking storage (bounded)
+                self.committer.drain(timeout=self.config.timeouts.poll_s)
                 # sizes only (ranks check what they read); only this run's own trajectory, never another's
                 manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
                 for why in skipped:

@@ -234,15 +234,18 @@ class Worker:
                     return self._result("stopped")
             if failed is None:
                 return self._result("done")
-            # outside the except clause: the failed step's frames (and their tensors) are gone by now
-            self._release_groups()
+            # outside the except clause: the failed step's frames (and their tensors) are gone by now.
+            # Only a survivor releases: a rank that failed by its own error is killed by the controller,
+            # which closes its connections anyway.
+            if failed["status"] == "peer_failed":
+                self._release_groups()
             return failed
         finally:
             self._stop.clear()
             self._status = "joined"
 
     def _release_groups(self) -> None:
-        """This rank's step failed: let go of the generation's process groups entirely, so that a live peer
+        """A peer broke this rank's step: let go of the generation's process groups entirely, so that a live peer
         blocked in a collective with this rank fails now instead of after ``timeouts.collective_s``.
         That happens whenever a collective's peers are not all neighbours of the dead rank: DDP over 4 gloo
         ranks (a ring all-reduce: rank 3 waits for rank 2, which left when rank 1 died), HSDP (rank 2 in a
