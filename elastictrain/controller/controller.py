@@ -292,7 +292,7 @@ class Controller(WorkerMonitor):
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for node in [n for n in self.keepers if n not in alive]:
             del self.keepers[node]
-        budget = max(1, int(self.config.checkpoint.memory_budget_gib * (1 << 30)))  # checkpoint.memory_budget_gib
+        budget = max(1, int(self.config.checkpoint.memory_budget_gib * (1 << 30)))
         for node in sorted(alive - set(self.keepers)):
             self.keepers[node] = ShardKeeper.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)

@@ -364,7 +364,7 @@ class Worker:
     def hold_snapshot(self) -> Any:
         """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
         the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
-        ``SnapshotMeta``; the previous held snapshot is dropped. A rank whose step failed took it already
+        ``SnapshotMeta``; the previous held snapshot is dropped. A survivor whose step a peer broke took it already
         (``_release_groups``): that one is served."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
 

@@ -172,7 +172,7 @@ class StepRunner:
     def release(self) -> None:
         """Drop this rank's sharded model, optimizer and step-stats handle: every reference this runner
         holds to the generation's mesh and process groups. Keeps the step and the data cursor; the next
-        :meth:`attach` builds a fresh model, which a restore step fills. For a rank whose step failed under
+        :meth:`attach` builds a fresh model, which a restore step fills. For a survivor whose step a peer broke under
         a sharded layout, after its state was snapshotted (see ``Worker._release_groups``)."""
         self.pm = None
         self.model = None
