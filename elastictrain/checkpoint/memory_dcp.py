@@ -79,7 +79,8 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
     complete, so the caller may mutate its tensors right away (this copy is the whole training stall).
 
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
-    same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
+    same key, shape and dtype (steady state: a plain copy into memory already faulted in). Host tensors
+    for CUDA sources are pinned, so the copies are DMAs queued together and waited for once."""
     spare = {} if reuse is None else reuse.data
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=True)
@@ -88,6 +89,7 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
     objects: set[str] = set()
     data: dict[Key, Any] = {}
     nbytes = 0
+    on_cuda = False
     with torch.no_grad():
         for item in plan.items:
             fqn = item.index.fqn
@@ -101,14 +103,17 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             td = item.tensor_data
             key = (fqn, tuple(td.chunk.offsets))
             host = spare.get(key)
-            if isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype:
-                host.copy_(value.detach())
-            else:
-                host = value.detach().to("cpu", copy=True).contiguous()
+            if not (isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype):
+                # pinned for a CUDA source: the device -> host copy is a DMA, queued without blocking
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+            host.copy_(value.detach(), non_blocking=value.is_cuda and host.is_pinned())
+            on_cuda = on_cuda or value.is_cuda
             data[key] = host
             nbytes += host.numel() * host.element_size()
             md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
             md.chunks.append(td.chunk)
+    if on_cuda:
+        torch.cuda.synchronize()  # every queued copy has landed before the caller may mutate the sources
     meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation)
     return Snapshot(meta, data)
 

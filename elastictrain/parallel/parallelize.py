@@ -14,6 +14,7 @@ module).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,8 +59,15 @@ def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) ->
     already (set by the restore step), so DDP's init broadcast is skipped."""
     device = next(model.parameters()).device
     ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
-                                   forward_sync_buffers=False, init_sync=False)
+    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(), init_sync=False,
+                                   **_NO_FORWARD_BUFFER_SYNC)
+
+
+# No buffer broadcast before each forward: torch 2.13 names it forward_sync_buffers (broadcast_buffers is
+# deprecated there); earlier releases (2.6 - 2.12, e.g. 2.11 on the GPU machine) know only broadcast_buffers.
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                           else {"broadcast_buffers": False})
 
 
 def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:

@@ -61,6 +61,13 @@ def _fingerprint(runner: StepRunner) -> dict[str, Any]:
             "data": dataset_fingerprint(runner.dataset)}
 
 
+def _device_name(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``: what the worker computes on, for its start event."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
 class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
@@ -101,6 +108,7 @@ class Worker:
         ctx = ray.get_runtime_context()
         return {
             "slot": self.slot, "pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": _node_ip(),
+            "device": _device_name(device),
             "setup_s": time.perf_counter() - t0, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),

@@ -250,7 +250,9 @@ class StepRunner:
 
     def _apply_optimizer(self, s: int) -> None:
         if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip, foreach=False)
+            # CPU: the per-tensor loop (bitwise stable); CUDA: torch's default (foreach kernels)
+            foreach = None if self.device.type == "cuda" else False
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip, foreach=foreach)
         mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * mult
