@@ -33,7 +33,12 @@ two AdamW moments, ~12 GB): ``StagingPool.stage`` (the durable checkpoint's copy
 synchronize. Each is timed on its second run, its host buffers reused (the steady state of periodic saves;
 the first plain copy's time, which allocates and pins, is printed apart). GB/s = bytes / seconds; also the
 share of host bytes that are pinned and the GPU memory the copy left allocated (a staged copy must live on
-the host only).
+the host only). Copies from the GPU run on a side stream (``elastictrain.checkpoint.host_copy``), so the
+step thread's stall is less than the copy: the in-loop figure runs steps with a copy after every step
+(``state_dict()`` plus ``take_snapshot`` or ``StagingPool.stage``, as a worker does) against steps
+without (mean over a window synchronized at both ends only, so the copy can overlap the next step as it
+does in a worker); the difference is what a copy costs the loop, shown also as a
+share of step time at one copy per 10 steps.
 """
 
 from __future__ import annotations
@@ -237,6 +242,49 @@ def staging(runner: Any) -> list[tuple[str, float, float, float, int]]:
     return rows
 
 
+def loop_stall(runner: Any, steps: int) -> list[tuple[str, float, float]]:
+    """(what, mean step s without, mean step s with) a copy of the state after every step, as the worker
+    takes it: ``state_dict()`` then ``take_snapshot`` (peer tier, previous snapshot reused) or
+    ``StagingPool.stage`` (durable save, buffers released once landed); one warm-up step each, then
+    ``steps`` steps timed together, the device synchronized at both ends of the window."""
+    import torch
+
+    from elastictrain.checkpoint.memory_dcp import take_snapshot
+    from elastictrain.checkpoint.staging import StagingPool
+
+    def median_step(after: Any) -> float:
+        # no device synchronize between steps: that would wait for the side-stream copy right away and
+        # hide exactly the overlap measured here; the window ends with one
+        runner.run_step(False)
+        after()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.run_step(False)
+            after()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    prev: list[Any] = []
+
+    def snapshot() -> None:
+        prev[:] = [take_snapshot(runner.state.state_dict(), rank=0, step=runner.step,
+                                 reuse=prev[0] if prev else None)]
+
+    pool = StagingPool()
+    staged: list[Any] = []
+
+    def stage() -> None:
+        if staged:
+            pool.release(staged.pop())  # the writer releases after writing; here right away
+        staged.append(pool.stage(runner.state.state_dict()))
+
+    base = median_step(lambda: None)
+    rows = [("take_snapshot every step", base, median_step(snapshot))]
+    rows.append(("StagingPool.stage every step", base, median_step(stage)))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="tiny,1b")
@@ -246,6 +294,7 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-staging", action="store_true")
+    p.add_argument("--stall-steps", type=int, default=6, help="steps per side of the in-loop stall figure")
     args = p.parse_args()
 
     import torch
@@ -300,6 +349,13 @@ def main() -> int:
         print(f"{'copy':44} {'GB/s':>6} {'pinned':>7} {'GPU GB added':>13} {'GB':>6}")
         for what, rate, pinned, gpu, nbytes in staging(last_runner):
             print(f"{what:44} {rate:6.1f} {pinned:7.1%} {gpu / 1e9:13.2f} {nbytes / 1e9:6.2f}")
+        print(f"\nstall in the loop (the {args.sizes.split(',')[-1]} model; a copy after every step; the "
+              f"default cadence is one peer-tier snapshot per 10 steps):")
+        print(f"{'copy':32} {'step ms without':>16} {'with':>8} {'stall ms':>9} {'at 1/10 steps':>14}")
+        for what, without, with_copy in loop_stall(last_runner, args.stall_steps):
+            stall = with_copy - without
+            print(f"{what:32} {without * 1e3:16.1f} {with_copy * 1e3:8.1f} {stall * 1e3:9.1f} "
+                  f"{stall / 10 / without:14.2%}")
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return 0

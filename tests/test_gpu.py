@@ -5,7 +5,8 @@ Run on a GPU machine: ``python -m pytest -q tests/test_gpu.py``. What these prov
 in bf16; it saves durable checkpoints and peer-tier snapshots through pinned host memory; a replacement
 for a SIGKILLed worker restores them onto the GPU; a survivor's NCCL abort (``Worker.abort_group``) leaves
 it able to join the next generation and keep training; staged copies of CUDA shards live in pinned host
-memory only. A dead peer blocking a live one inside an NCCL collective needs two GPUs: not covered here.
+memory only and hold the step they were taken at. A dead peer blocking a live one inside an NCCL
+collective needs two GPUs: not covered here.
 """
 
 from __future__ import annotations
@@ -116,13 +117,32 @@ cuda_keys = [k for k, v in snap.data.items() if isinstance(v, torch.Tensor) and 
 assert cuda_keys and all(snap.data[k].is_pinned() for k in cuda_keys), "peer-tier copies must be pinned"
 assert added == 0, f"staging left {added} bytes on the GPU"
 print("staged", staged.nbytes, "bytes on the host, pinned; GPU bytes added:", added)
+
+# The copies run on a side stream while training goes on: a snapshot taken before a step holds the
+# pre-step values although the step's optimizer writes the same tensors right after it was queued.
+before_step = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+               for k, v in runner.state.state_dict()["model"].items()}
+snap = take_snapshot(runner.state.state_dict(), rank=0, step=runner.step)
+staged = StagingPool().stage(runner.state.state_dict())
+runner.run_step(False)
+after_step = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in runner.state.state_dict()["model"].items()}
+assert any(not torch.equal(before_step[k], after_step[k]) for k in before_step), "the step changed nothing"
+snap.wait(); staged.wait()
+for (fqn, _), host in snap.data.items():
+    if fqn.startswith("model."):
+        assert torch.equal(host, before_step[fqn[len("model."):]].cpu()), fqn
+for k, v in staged.state["model"].items():
+    assert torch.equal(v.to_local() if isinstance(v, DTensor) else v, before_step[k].cpu()), k
+print("snapshot and staged copy hold the pre-step values")
 dist.destroy_process_group()
 """
 
 
-def test_staged_shards_live_in_pinned_host_memory_only(tmp_path):
+def test_staged_shards_live_in_pinned_host_memory_only_and_hold_the_state_they_were_taken_at(tmp_path):
     """A durable checkpoint's staged copy and a peer-tier snapshot of FSDP2 shards on a CUDA mesh: every
-    tensor on the host, pinned, and no GPU memory added (DTensor.from_local would move them back)."""
+    tensor on the host, pinned, no GPU memory added (DTensor.from_local would move them back); and,
+    although they are copied on a side stream while the next step runs, they hold the values of the step
+    they were taken at (the optimizer waits for the copies)."""
     import socket
     import subprocess
     import sys

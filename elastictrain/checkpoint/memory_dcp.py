@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
+from elastictrain.checkpoint.host_copy import DONE, PendingCopy, copy_to_host
+
 Key = tuple[str, tuple[int, ...] | None]  # (fqn, global offsets of the chunk) or (fqn, None) for bytes
 
 
@@ -60,9 +62,22 @@ class Snapshot:
 
     meta: SnapshotMeta
     data: dict[Key, Any] = field(repr=False)
+    ready: PendingCopy = field(default=DONE, repr=False, compare=False)  # copies from a GPU still in flight
+
+    def wait(self) -> None:
+        """Return once every host tensor holds its data (copies from CUDA sources run asynchronously)."""
+        self.ready.wait()
 
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]:
+        self.wait()
         return {k: self.data[k] for k in keys}
+
+    def __getstate__(self) -> dict[str, Any]:  # sent to a keeper: complete bytes, no CUDA event
+        self.wait()
+        return {"meta": self.meta, "data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.meta, self.data, self.ready = state["meta"], state["data"], DONE
 
 
 class SnapshotSource(Protocol):
@@ -75,12 +90,13 @@ class SnapshotSource(Protocol):
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
                   reuse: Snapshot | None = None) -> Snapshot:
-    """Copy this rank's part of ``state_dict`` to host memory. Collective-free; returns when the copy is
-    complete, so the caller may mutate its tensors right away (this copy is the whole training stall).
+    """Copy this rank's part of ``state_dict`` to host memory. Collective-free. CPU sources are copied
+    when this returns, so the caller may mutate them right away (this copy is the whole training stall).
+    CUDA sources are copied into pinned host tensors on a side stream and may still be in flight
+    (``Snapshot.ready``; see :mod:`elastictrain.checkpoint.host_copy` for who waits where).
 
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
-    same key, shape and dtype (steady state: a plain copy into memory already faulted in). Host tensors
-    for CUDA sources are pinned, so the copies are DMAs queued together and waited for once."""
+    same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
     spare = {} if reuse is None else reuse.data
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=True)
@@ -89,7 +105,9 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
     objects: set[str] = set()
     data: dict[Key, Any] = {}
     nbytes = 0
-    on_cuda = False
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if reuse is not None:
+        reuse.wait()  # a spare whose own copy is still landing must not be refilled under it
     with torch.no_grad():
         for item in plan.items:
             fqn = item.index.fqn
@@ -106,16 +124,14 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             if not (isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype):
                 # pinned for a CUDA source: the device -> host copy is a DMA, queued without blocking
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-            host.copy_(value.detach(), non_blocking=value.is_cuda and host.is_pinned())
-            on_cuda = on_cuda or value.is_cuda
+            pairs.append((host, value))
             data[key] = host
             nbytes += host.numel() * host.element_size()
             md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
             md.chunks.append(td.chunk)
-    if on_cuda:
-        torch.cuda.synchronize()  # every queued copy has landed before the caller may mutate the sources
+    ready = copy_to_host(pairs)
     meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation)
-    return Snapshot(meta, data)
+    return Snapshot(meta, data, ready)
 
 
 # ---------------------------------------------------------------------------------------------- coverage

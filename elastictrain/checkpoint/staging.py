@@ -3,9 +3,9 @@
 The copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
 :class:`StagingPool` keeps the buffers of finished saves and hands them to the next save with the same
 tensor layout, which makes a steady-state stage a plain ``memcpy`` into already-faulted-in memory (fresh
-allocations would pay a page fault per 4 KiB). DTensors (FSDP2/HSDP shards) stage
-their local shard and come back as DTensors over the host copy. Buffers for CUDA sources are pinned so that the device
--> host copy is a DMA that can run non-blocking.
+allocations would pay a page fault per 4 KiB). DTensors (FSDP2/HSDP shards) stage their local shard and come
+back as DTensors over the host copy. Buffers for CUDA sources are pinned and the device -> host copy runs on a
+side stream while training goes on (:mod:`elastictrain.checkpoint.host_copy`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from elastictrain.checkpoint.host_copy import DONE, PendingCopy, copy_to_host
+
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
@@ -31,6 +33,10 @@ class Staged:
     buffers: list[torch.Tensor]
     signature: Signature
     nbytes: int
+    ready: PendingCopy = DONE  # copies from CUDA sources may still be in flight: wait() before reading
+
+    def wait(self) -> None:
+        self.ready.wait()
 
 
 def _split(state: Any) -> tuple[list[Any], Any, list[int]]:
@@ -81,22 +87,21 @@ class StagingPool:
         return [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in signature]
 
     def stage(self, state: Any) -> Staged:
-        """Copy every tensor of ``state`` to host memory; returns when the copy is complete."""
+        """Copy every tensor of ``state`` to host memory. CPU sources are copied when this returns; CUDA
+        sources are queued on a side stream into pinned buffers (``Staged.wait`` before reading; see
+        :mod:`elastictrain.checkpoint.host_copy`)."""
         leaves, spec, where = _split(state)
         sources = [_local(leaves[i]) for i in where]  # DTensors: stage this rank's shard
         signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
         on_cuda = any(t.is_cuda for t in sources)
         buffers = self._take(signature, pin=on_cuda)
-        with torch.no_grad():
-            for dst, src in zip(buffers, sources):
-                dst.copy_(src.detach(), non_blocking=on_cuda)
-        if on_cuda:
-            torch.cuda.synchronize()  # the caller may overwrite the sources as soon as we return
+        ready = copy_to_host(zip(buffers, sources))
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
-        return Staged(_rebuild(leaves, spec, where, buffers), buffers, signature, nbytes)
+        return Staged(_rebuild(leaves, spec, where, buffers), buffers, signature, nbytes, ready)
 
     def release(self, staged: Staged) -> None:
         """Return a finished save's buffers for reuse (the oldest idle set is dropped beyond ``keep``)."""
+        staged.wait()  # never refill buffers a copy is still writing
         with self._lock:
             self._idle.append((staged.signature, staged.buffers))
             del self._idle[: max(0, len(self._idle) - self._keep)]

@@ -108,7 +108,8 @@ class CheckpointWriter:
     # ------------------------------------------------------------------------------------ training thread
 
     def save_async(self, step: int, state: dict[str, Any], wait: bool | None = None) -> bool:
-        """Stage ``state`` to host memory (done when this returns) and save it in the background.
+        """Stage ``state`` to host memory and save it in the background. Copies from CPU tensors are done
+        when this returns; from CUDA tensors they are queued (``elastictrain.checkpoint.host_copy``).
 
         Returns True if a save was started; False if ``when_busy == "skip"`` and ``max_in_flight`` saves
         are still running (a report with a "skipped" error follows), or this step was queued already.
@@ -236,6 +237,7 @@ class CheckpointWriter:
                 hfs = HashingFileSystem(self._fs, data_path, data_uri, self._s3_mode)
                 try:
                     writer = HashingWriter(hfs)
+                    entry.staged.wait()  # copies from a GPU land while the step thread trains on
                     dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                     prefix = self._attempt + "/" if self._attempt else ""
                     files = {prefix + rel: info for rel, info in writer.written.items()}

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig, TrainConfig
+from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
@@ -136,6 +137,8 @@ class StepRunner:
         re-wrapped in place), False if a fresh model and optimizer were built and need a restore."""
         if layout.dims.world_size != world_size:
             raise ValueError(f"layout {layout.reason!r} does not match world size {world_size}")
+        if self.device.type == "cuda":  # the state may be rebuilt or reloaded next: no copy may still read it
+            host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
         kept = self.model is not None and self.replicated and layout.plan == "ddp"
@@ -249,6 +252,8 @@ class StepRunner:
         return record, bool(stats[1] > 0)
 
     def _apply_optimizer(self, s: int) -> None:
+        if self.device.type == "cuda":  # checkpoint / snapshot copies still reading the state finish first
+            host_copy.before_state_write()
         if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
             # CPU: the per-tensor loop (bitwise stable); CUDA: torch's default (foreach kernels)
             foreach = None if self.device.type == "cuda" else False
