@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,8 +130,13 @@ class KeeperSource:
         self.keeper, self.meta, self.timeout_s = keeper, meta, timeout_s
 
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]:
+        return self.start_fetch(keys)()
+
+    def start_fetch(self, keys: Iterable[Key]) -> Callable[[], dict[Key, Any]]:
+        """Ask for ``keys`` now; the returned function waits for them (reads from several sources overlap)."""
         m = self.meta
-        return ray.get(self.keeper.fetch.remote(m.generation, m.rank, m.step, list(keys)), timeout=self.timeout_s)
+        ref = self.keeper.fetch.remote(m.generation, m.rank, m.step, list(keys))
+        return lambda: ray.get(ref, timeout=self.timeout_s)
 
 
 def keeper_ring(member_nodes: Sequence[str], keeper_nodes: Sequence[str]) -> list[str | None]:

@@ -257,8 +257,14 @@ class SnapshotReader(StorageReader):
         by_source: dict[int, list[Any]] = {}
         for item in plan.items:
             by_source.setdefault(self._owner[self._key(item.storage_index)], []).append(item)
+        # every source is asked at once (a source with ``start_fetch`` answers in the background), then read
+        waits = {}
         for i, items in sorted(by_source.items()):
-            got = self.sources[i].fetch({self._key(it.storage_index) for it in items})
+            keys = {self._key(it.storage_index) for it in items}
+            src = self.sources[i]
+            waits[i] = src.start_fetch(keys) if hasattr(src, "start_fetch") else (lambda s=src, k=keys: s.fetch(k))
+        for i, items in sorted(by_source.items()):
+            got = waits[i]()
             for it in items:
                 value = got[self._key(it.storage_index)]
                 if it.type == LoadItemType.BYTE_IO:

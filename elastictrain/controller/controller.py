@@ -94,6 +94,8 @@ class Controller(WorkerMonitor):
         self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
         self.keepers: dict[str, Any] = {}
+        # (generation, node -> catalog ref) asked at failure detection (_ask_peer_tier), taken by _peer_tier
+        self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
         self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
         self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
@@ -194,6 +196,7 @@ class Controller(WorkerMonitor):
         killed = self._kill_failed()
         if killed:
             self._abort_survivors()
+            self._ask_peer_tier()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -214,6 +217,12 @@ class Controller(WorkerMonitor):
         if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:
                 s.has_state = False
+
+    def _ask_peer_tier(self) -> None:
+        """Ask every keeper for its catalog now, so the answers arrive while the survivors leave the failed
+        step (``_peer_tier`` takes them; a keeper receiving the last snapshots answers after them). Asked
+        later it would add its wait to the recovery: measured 0.2 s of a 1.5 s fsdp recovery on 4 CPU ranks."""
+        self._early_catalogs = (self.generation, {node: k.catalog.remote() for node, k in self.keepers.items()})
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
@@ -322,9 +331,14 @@ class Controller(WorkerMonitor):
         from elastictrain.checkpoint.memory_dcp import coverage
 
         groups: dict[tuple[int, int], list[Any]] = {}
+        gen, asked = self._early_catalogs
+        self._early_catalogs = (None, {})
+        if gen != self.generation:  # asked for an earlier generation's recovery: stale
+            asked = {}
         for node, keeper in sorted(self.keepers.items()):
             try:
-                metas = ray.get(keeper.catalog.remote(), timeout=self.config.timeouts.poll_s)
+                ref = asked.get(node) or keeper.catalog.remote()
+                metas = ray.get(ref, timeout=self.config.timeouts.poll_s)
             except Exception as e:  # noqa: BLE001 - a keeper lost with its node: its snapshots are gone
                 log.warning("peer memory tier: keeper on node %s unavailable: %s", node, e)
                 continue
