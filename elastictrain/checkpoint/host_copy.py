@@ -37,10 +37,6 @@ class PendingCopy:
     def __init__(self, event: Any = None) -> None:
         self._event = event
 
-    @property
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
-
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()

@@ -22,8 +22,9 @@ When a put would exceed the budget, the oldest puts of other ranks are evicted; 
 the whole budget is rejected. Every put returns a :class:`PutResult`; the worker reports rejected ones
 to the controller, which emits ``memory_snapshot_rejected`` and a log line (never silent).
 
-Stall: the snapshot copy on the step thread is the only stall; serialising and sending it to the keeper
-runs on the replicator's background thread while training continues.
+Stall: the snapshot copy on the step thread is the only stall (from CUDA it is only queued: the copy runs
+on a side stream, see ``checkpoint/host_copy.py``); serialising and sending it to the keeper runs on the
+replicator's background thread while training continues.
 """
 
 from __future__ import annotations
@@ -157,10 +158,12 @@ def keeper_ring(member_nodes: Sequence[str], keeper_nodes: Sequence[str]) -> lis
 class MemoryReplicator:
     """Worker side of the tier: snapshot this rank's state and send it to its keeper in the background.
 
-    :meth:`push` copies the state into host memory (the stall; returns when the copy is complete, so the
-    caller may mutate its tensors right away) and hands the snapshot to a sender thread. At most one
-    snapshot waits: a newer push replaces an older one not yet sent. :meth:`reports` returns what the
-    keeper said (and the stall seconds) since the last call; :meth:`close` stops the thread.
+    :meth:`push` copies the state into host memory (the stall; returns when a copy from CPU tensors is
+    complete, so the caller may mutate them right away; a copy from CUDA tensors is queued, and the step
+    loop waits for it before its optimizer step) and hands the snapshot to a sender thread, which waits
+    for the copy before sending. At most one snapshot waits: a newer push replaces an older one not yet
+    sent. :meth:`reports` returns what the keeper said (and the stall seconds) since the last call;
+    :meth:`close` stops the thread.
     """
 
     def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0) -> None:

@@ -1,6 +1,6 @@
 """Staging: copy a nested state dict into host memory so training may mutate its tensors right away.
 
-The copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
+On CPU the copy is the whole training stall of an asynchronous checkpoint, so host buffers are reused: a
 :class:`StagingPool` keeps the buffers of finished saves and hands them to the next save with the same
 tensor layout, which makes a steady-state stage a plain ``memcpy`` into already-faulted-in memory (fresh
 allocations would pay a page fault per 4 KiB). DTensors (FSDP2/HSDP shards) stage their local shard and come

@@ -1,12 +1,13 @@
 """Global randomness as a pure function of (seed, step, micro-batch chunk).
 
 Before each micro-batch's forward the loop reseeds torch's global generators (CPU and, once initialized,
-every CUDA device) from ``(train.seed, step, chunk)``. Micro-batch ``k`` of rank ``r`` in a world of ``W`` covers the global
-positions ``[s*G + (k*W + r)*m, +m)``, so the chunk index ``j = k*W + r`` names the same samples at any
-world size: a user model with plain ``nn.Dropout`` (or any other use of the global generator inside the
-forward/backward) draws the same numbers for the same samples whether 1 or 8 workers run the step, and a
-replacement worker draws what the worker it replaces would have drawn (strict mode stays bitwise). The
-per-sample ``sample_seeds`` passed to ``loss_fn`` remain the finer tool (independent of ``micro_batch``).
+every CUDA device) from ``(train.seed, step, chunk)``. Micro-batch ``k`` of rank ``r`` in a world of ``W``
+covers the global positions ``[s*G + (k*W + r)*m, +m)``, so the chunk index ``j = k*W + r`` names the same
+samples at any world size: a user model with plain ``nn.Dropout`` (or any other use of the global generator
+inside the forward/backward) draws the same numbers for the same samples whether 1 or 8 workers run the
+step, and a replacement worker draws what the worker it replaces would have drawn (strict mode stays
+bitwise). The per-sample ``sample_seeds`` passed to ``loss_fn`` remain the finer tool (independent of
+``micro_batch``).
 """
 
 from __future__ import annotations
