@@ -10,8 +10,11 @@ the torch runtime's own memory). Same global batch, micro batch, data and seed f
 
 Figures per plan:
 * samples/s: ``(steps - warmup) * global_batch / elapsed`` on rank 0 (steady state);
-* peak RSS per process (max over ranks of ``ru_maxrss``) and the same minus the process's RSS before the
-  model was built (the runtime baseline), so the ratio to ddp can be read for the state alone too;
+* peak RSS per process (max over ranks of ``ru_maxrss``: the whole life, model build included) and the
+  same minus the process's RSS before the model was built (the runtime baseline), so the ratio to ddp can
+  be read for the state alone too; and the training peak (max over ranks of ``VmHWM`` after it was reset
+  once the warm-up steps were done: model built, optimizer state allocated), which leaves out the one-off
+  build (every rank builds the whole seeded model before sharding it unless ``parallel.meta_init``);
 * snapshot stall (peer memory tier): what a rank's step thread pays per snapshot -- building its DCP state
   dict (``TrainingState.state_dict``) plus ``take_snapshot`` refilling the previous snapshot's host buffers
   (the steady state of ``MemoryReplicator.push``; sending runs on a background thread) -- measured after
@@ -77,14 +80,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: st
     for s in range(args.steps):
         if s == args.warmup:
             dist.barrier()
+            _reset_peak_rss()  # the training peak starts here: model built, optimizer state allocated
             t0 = time.perf_counter()
         runner.run_step(False)
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    train_peak = _peak_rss_kb()
     stall = _snapshot_stall(runner, rank)
     with open(os.path.join(out, f"{plan}.{rank}"), "w") as f:
-        f.write(f"{elapsed} {peak} {baseline} {params} {stall}\n")
+        f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak}\n")
     dist.destroy_process_group()
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: ``5`` into ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_kb() -> int:
+    """This process's peak RSS since the last reset, in KiB (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
 def _snapshot_stall(runner, rank: int) -> float:
@@ -184,9 +201,10 @@ def main() -> None:
         peak = max(int(r[1]) for r in ranks) / 1024
         state = max(int(r[1]) - int(r[2]) for r in ranks) / 1024
         stall = max(float(r[4]) for r in ranks)
+        train = max(int(r[5]) for r in ranks) / 1024
         step_s = elapsed / (args.steps - args.warmup)
         rows[plan] = ((args.steps - args.warmup) * args.global_batch / elapsed, peak, state, int(ranks[0][3]),
-                      stall / args.memory_every / step_s)
+                      stall / args.memory_every / step_s, train)
     kills = {plan: _time_to_next_step_after_kill(plan, args.world, args.kill_steps)
              for plan in rows if args.kill_steps}
     print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
@@ -194,12 +212,14 @@ def main() -> None:
           f"load1={os.getloadavg()[0]:.1f}")
     base = rows.get("ddp")
     print(f"{'plan':6} {'samples/s':>10} {'peak MiB':>9} {'x ddp':>6} {'peak-base MiB':>14} {'x ddp':>6} "
-          f"{'snap stall':>10} {'next step after kill':>21}")
-    for plan, (sps, peak, state, _, stall) in rows.items():
+          f"{'train peak':>11} {'x ddp':>6} {'snap stall':>10} {'next step after kill':>21}")
+    for plan, (sps, peak, state, _, stall, train) in rows.items():
         rp = f"{peak / base[1]:.2f}" if base else "-"
         rs = f"{state / base[2]:.2f}" if base else "-"
+        rt = f"{train / base[5]:.2f}" if base else "-"
         kill = f"{kills[plan][0]:.2f} s ({kills[plan][1]})" if plan in kills else "-"
-        print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {stall:10.1%} {kill:>21}")
+        print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {train:11.0f} {rt:>6} {stall:10.1%} "
+              f"{kill:>21}")
     print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
           "kill: tiny job on a local Ray, rank 1 SIGKILLed, (recovery source)")
 

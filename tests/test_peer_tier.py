@@ -89,6 +89,7 @@ def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
 def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):
     """The survivor-as-source path of sharded layouts, worker side: ``hold_snapshot`` + ``fetch`` on one
     worker, ``load_peer`` through the DCP reader on another (here in one process, no group)."""
+    import ray
     import torch
 
     from elastictrain import build_config
@@ -107,11 +108,13 @@ def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):
     meta = a.hold_snapshot()
     assert meta.step == 5 and coverage_complete([meta])
 
-    class Direct(KeeperSource):  # the same contract as the actor call, without Ray in between
-        def fetch(self, keys):
-            return a.fetch(self.meta.generation, self.meta.rank, self.meta.step, list(keys))
+    class Survivor:  # a's actor handle as KeeperSource calls it: fetch.remote(...) -> a ref to a's answer
+        class fetch:  # noqa: N801 - mirrors the actor method's name
+            @staticmethod
+            def remote(*args):
+                return ray.put(a.fetch(*args))
 
-    assert b.load_peer([Direct(None, meta)]) == 5
+    assert b.load_peer([KeeperSource(Survivor, meta)]) == 5
     assert b.digest() == a.digest()
     with pytest.raises(KeyError, match="holds no snapshot"):
         b.fetch(0, 0, 5, [])
