@@ -8,8 +8,9 @@ offsets exactly as a DCP save would write it, and every non-tensor becomes ``tor
 :class:`SnapshotReader` is a DCP ``StorageReader`` over a *set* of such snapshots (from any ranks, any
 layout, all of one step): it merges their chunk metadata, so ``dcp.load(state_dict, storage_reader=reader,
 process_group=pg)`` reshards them into whatever the new ``state_dict`` holds (another mesh, another world
-size, a plain replicated module). Bytes are pulled per source through :class:`SnapshotSource.fetch`, so a
-source may be a local object, a keeper actor on another node or a live survivor.
+size, a plain replicated module). Bytes are pulled per source through :class:`SnapshotSource.start_fetch`
+(every source asked at once), so a source may be a local object, a keeper actor on another node or a live
+survivor.
 
 :func:`coverage` is the pure check that the union of a set of snapshots covers every element of every
 tensor (and every non-tensor entry); when it does not, it names the fqn and the missing region.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,6 +73,10 @@ class Snapshot:
         self.wait()
         return {k: self.data[k] for k in keys}
 
+    def start_fetch(self, keys: Iterable[Key]) -> Callable[[], dict[Key, Any]]:
+        got = self.fetch(keys)  # local: nothing to overlap
+        return lambda: got
+
     def __getstate__(self) -> dict[str, Any]:  # sent to a keeper: complete bytes, no CUDA event
         self.wait()
         return {"meta": self.meta, "data": self.data}
@@ -86,6 +91,10 @@ class SnapshotSource(Protocol):
     meta: SnapshotMeta
 
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]: ...
+
+    def start_fetch(self, keys: Iterable[Key]) -> Callable[[], dict[Key, Any]]:
+        """Ask for ``keys`` now; the returned function waits for them (reads from several sources overlap)."""
+        ...
 
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
@@ -257,12 +266,9 @@ class SnapshotReader(StorageReader):
         by_source: dict[int, list[Any]] = {}
         for item in plan.items:
             by_source.setdefault(self._owner[self._key(item.storage_index)], []).append(item)
-        # every source is asked at once (a source with ``start_fetch`` answers in the background), then read
-        waits = {}
-        for i, items in sorted(by_source.items()):
-            keys = {self._key(it.storage_index) for it in items}
-            src = self.sources[i]
-            waits[i] = src.start_fetch(keys) if hasattr(src, "start_fetch") else (lambda s=src, k=keys: s.fetch(k))
+        # every source is asked at once (remote ones answer in the background), then read
+        waits = {i: self.sources[i].start_fetch({self._key(it.storage_index) for it in items})
+                 for i, items in sorted(by_source.items())}
         for i, items in sorted(by_source.items()):
             got = waits[i]()
             for it in items:
