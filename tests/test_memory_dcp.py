@@ -142,3 +142,27 @@ def test_coverage_is_exact_on_partial_overlaps_and_scalars() -> None:
     assert coverage([], ()) == Coverage(False, ("no snapshot",))
     with pytest.raises(ValueError, match="incomplete"):
         SnapshotReader([type("S", (), {"meta": quarter, "fetch": None})()])
+
+
+def test_packed_chunks_come_back_bitwise_as_views_of_one_buffer() -> None:
+    from elastictrain.checkpoint.memory_dcp import Packed, pack, unpack
+
+    torch.manual_seed(0)
+    chunks = {
+        ("w", (0, 0)): torch.randn(3, 5),
+        ("w", (3, 0)): torch.randn(5, 3).t(),  # not contiguous
+        ("half", (0,)): torch.randn(7).to(torch.bfloat16),  # 14 bytes: the next chunk starts aligned anyway
+        ("step", ()): torch.tensor(12, dtype=torch.int64),
+        ("mask", (0,)): torch.tensor([True, False, True]),
+        ("empty", (0,)): torch.empty(0, 4),
+        ("progress", None): b"\x80\x04pickled",
+    }
+    packed = pickle.loads(pickle.dumps(pack(chunks)))  # as it travels between processes
+    assert isinstance(packed, Packed) and packed.buffer.dtype == torch.uint8
+    got = unpack(packed)
+    assert got.keys() == chunks.keys() and got[("progress", None)] == chunks[("progress", None)]
+    base = packed.buffer.untyped_storage().data_ptr()
+    for k, v in chunks.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+            assert got[k].untyped_storage().data_ptr() == base, f"{k}: a copy, not a view of the buffer"

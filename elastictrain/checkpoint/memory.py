@@ -37,7 +37,7 @@ from typing import Any
 
 import ray
 
-from elastictrain.checkpoint.memory_dcp import Key, Snapshot, SnapshotMeta, take_snapshot
+from elastictrain.checkpoint.memory_dcp import Key, Packed, Snapshot, SnapshotMeta, pack, take_snapshot, unpack
 
 KEEP_PER_RANK = 2
 
@@ -114,8 +114,8 @@ class ShardKeeper:
     def catalog(self) -> list[SnapshotMeta]:
         return self._state.catalog()
 
-    def fetch(self, generation: int, rank: int, step: int, keys: list[Key]) -> dict[Key, Any]:
-        return self._state.fetch(generation, rank, step, keys)
+    def fetch(self, generation: int, rank: int, step: int, keys: list[Key]) -> Packed:
+        return pack(self._state.fetch(generation, rank, step, keys))
 
     def stats(self) -> dict[str, int]:
         return self._state.stats()
@@ -124,7 +124,8 @@ class ShardKeeper:
 class KeeperSource:
     """A snapshot held by an actor -- a keeper, or a live survivor (``Worker.hold_snapshot``) -- as a
     :class:`~elastictrain.checkpoint.memory_dcp.SnapshotSource`: anything with a remote
-    ``fetch(generation, rank, step, keys)``. The loading rank pulls exactly the chunks its new shards need,
+    ``fetch(generation, rank, step, keys)`` answering with a :class:`~elastictrain.checkpoint.memory_dcp.Packed`
+    (one buffer). The loading rank pulls exactly the chunks its new shards need,
     actor -> rank, not via the driver."""
 
     def __init__(self, keeper: Any, meta: SnapshotMeta, timeout_s: float | None = None) -> None:
@@ -137,7 +138,7 @@ class KeeperSource:
         """Ask for ``keys`` now; the returned function waits for them (reads from several sources overlap)."""
         m = self.meta
         ref = self.keeper.fetch.remote(m.generation, m.rank, m.step, list(keys))
-        return lambda: ray.get(ref, timeout=self.timeout_s)
+        return lambda: unpack(ray.get(ref, timeout=self.timeout_s))
 
 
 def keeper_ring(member_nodes: Sequence[str], keeper_nodes: Sequence[str]) -> list[str | None]:

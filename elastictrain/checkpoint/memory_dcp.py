@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -77,12 +78,51 @@ class Snapshot:
         got = self.fetch(keys)  # local: nothing to overlap
         return lambda: got
 
-    def __getstate__(self) -> dict[str, Any]:  # sent to a keeper: complete bytes, no CUDA event
+    def __getstate__(self) -> dict[str, Any]:  # sent to a keeper: complete bytes, no CUDA event, one buffer
         self.wait()
-        return {"meta": self.meta, "data": self.data}
+        return {"meta": self.meta, "packed": pack(self.data)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.meta, self.data, self.ready = state["meta"], state["data"], DONE
+        self.meta, self.data, self.ready = state["meta"], unpack(state["packed"]), DONE
+
+
+_ALIGN = 64  # every chunk starts at a multiple of this in a packed buffer (any dtype can view it)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Chunks as ONE byte buffer plus where each lies: how snapshots and fetched chunks travel between
+    processes. Pickling a tensor has a fixed cost of its own, so a shard of many small tensors is dear
+    sent one by one: measured for 87 chunks through a Ray actor call, 25-35 ms as a dict of tensors,
+    6-18 ms packed (per fetch of every reader from every source, on the recovery path)."""
+
+    tensors: dict[Key, tuple[int, torch.dtype, tuple[int, ...]]]  # key -> (byte offset, dtype, shape)
+    buffer: torch.Tensor                                          # uint8, on the host
+    objects: dict[Key, Any]                                       # non-tensor entries as they are
+
+
+def pack(chunks: Mapping[Key, Any]) -> Packed:
+    """Copy the tensors of ``chunks`` into one host byte buffer (see :class:`Packed`)."""
+    where: dict[Key, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+    total = 0
+    for k, v in chunks.items():
+        if isinstance(v, torch.Tensor):
+            where[k] = (total, v.dtype, tuple(v.shape))
+            total += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for k, (offset, _, _) in where.items():
+        v = chunks[k].detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset:offset + v.numel()].copy_(v)
+    return Packed(where, buffer, {k: v for k, v in chunks.items() if k not in where})
+
+
+def unpack(packed: Packed) -> dict[Key, Any]:
+    """The chunks of ``packed``: tensors are views into its buffer (no copy)."""
+    out = dict(packed.objects)
+    for k, (offset, dtype, shape) in packed.tensors.items():
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[k] = packed.buffer[offset:offset + n].view(dtype).reshape(shape)
+    return out
 
 
 class SnapshotSource(Protocol):

@@ -28,6 +28,7 @@ from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
+from elastictrain.parallel import optim
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import ParallelModel, wrap
 from elastictrain.parallel.plan import Layout
@@ -255,13 +256,13 @@ class StepRunner:
         if self.device.type == "cuda":  # checkpoint / snapshot copies still reading the state finish first
             host_copy.before_state_write()
         if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
-            # CPU: the per-tensor loop (bitwise stable); CUDA: torch's default (foreach kernels)
-            foreach = None if self.device.type == "cuda" else False
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip, foreach=foreach)
+            # CPU: the per-tensor loop (bitwise stable); CUDA: foreach kernels
+            foreach = True if self.device.type == "cuda" else False
+            optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach)
         mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * mult
-        self.optimizer.step()
+        optim.step(self.optimizer)  # elementwise torch.optim optimizers: on the local shards (parallel/optim.py)
         self.optimizer.zero_grad(set_to_none=True)
 
     def discard_partial_step(self) -> None:
