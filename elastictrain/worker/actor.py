@@ -170,6 +170,7 @@ class Worker:
         generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
         ``parallel.meta_init`` or a rebuild) makes every rank load the seeded initial model from rank 0.
         Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
+        self._held = None  # every member has loaded (the controller syncs after all loads): none reads it now
         r = self.runner
         if r.replicated:
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
@@ -418,9 +419,9 @@ class Worker:
         raises CursorError if the snapshots' data order differs."""
         from elastictrain.checkpoint.memory_dcp import SnapshotReader
 
-        step = self.restore_from(SnapshotReader(sources))
-        self._held = None  # a survivor's snapshot has served its purpose once every member loaded
-        return step
+        # a survivor's own snapshot stays held: the others may still be reading it (loads are collective-free);
+        # ``sync``, called once every member loaded, drops it
+        return self.restore_from(SnapshotReader(sources))
 
     @_on_state_thread
     def save(self, step: int | None = None) -> bool:
