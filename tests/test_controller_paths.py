@@ -34,8 +34,9 @@ class ScriptedWorker:
     def open_store(self, generation: int) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None) -> None:
-        pass
+    def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None,
+             restore: Any = None) -> int | None:
+        return None if restore is None else self.step
 
     def abort_group(self) -> str:
         return "noop"

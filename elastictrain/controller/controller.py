@@ -450,10 +450,11 @@ class Controller(WorkerMonitor):
         try:
             host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
             layout = self.layout(world)
-            ray.get([s.actor.join.remote(gen, r, world, host, port, layout) for r, s in enumerate(chosen)],
-                    timeout=t.restart_grace_s)
-            if isinstance(resume, PeerRestore):  # every member reads (resharding) from the keepers
-                got = ray.get([s.actor.load_peer.remote(resume.sources) for s in chosen], timeout=t.restart_grace_s)
+            # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
+            peer = resume.sources if isinstance(resume, PeerRestore) else None
+            got = ray.get([s.actor.join.remote(gen, r, world, host, port, layout, peer) for r, s in enumerate(chosen)],
+                          timeout=t.restart_grace_s)
+            if isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
                 self.recovery_source = resume.kind

@@ -139,10 +139,12 @@ class Worker:
 
     @_on_state_thread
     def join(self, generation: int, rank: int, world_size: int, host: str, port: int,
-             layout: Layout | None = None) -> None:
+             layout: Layout | None = None, restore: list[Any] | None = None) -> int | None:
         """Leave the old process group (if any), join generation ``generation`` and apply ``layout``
         (default: the config's plan resolved at ``world_size``). Collective over the new members: all of
-        them must call it concurrently."""
+        them must call it concurrently. ``restore`` (snapshot sources, see :meth:`load_peer`): load them
+        right after the rebuild and return the step -- one call instead of two, and a rank that finished its
+        rebuild loads while slower ones still rebuild (loads are collective-free)."""
         self._leave_group()
         set_worker_rank(rank, world_size, generation)
         timeout = datetime.timedelta(seconds=self.config.timeouts.collective_s)
@@ -158,10 +160,11 @@ class Worker:
         self._ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
         layout = layout or resolve(spec_from_config(self.config), world_size)
         # A rebuilt (sharded) model is the seeded initial state (step 0, identical on every rank) until a
-        # restore step (restore_from / load_peer) loads the generation's state into it.
+        # restore step (``restore`` below, restore_from) loads the generation's state into it.
         self.runner.attach(rank, world_size, generation, layout)
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
+        return None if restore is None else self.load_peer(restore)
 
     @_on_state_thread
     def sync(self, src: int) -> int:
@@ -415,7 +418,8 @@ class Worker:
     def load_peer(self, sources: list[Any]) -> int:
         """Load state from snapshots (``KeeperSource``s of one step that cover everything: peer-tier
         keepers or survivors) into this rank, resharded into the current layout (``restore_from``,
-        collective-free): every member calls it with the same sources. Returns the step;
+        collective-free): every member loads the same sources (through ``join(..., restore=sources)``).
+        Returns the step;
         raises CursorError if the snapshots' data order differs."""
         from elastictrain.checkpoint.memory_dcp import SnapshotReader
 
@@ -507,6 +511,6 @@ class Worker:
 
 def worker_actor_class() -> Any:
     """The Ray actor class for :class:`Worker`: threaded so ``poll``, ``request_stop``, ``abort_group`` and
-    ``fetch`` run beside ``run`` and ``load_peer``; every method that touches the model runs on the one
+    ``fetch`` run beside ``run`` and ``join`` (a restoring one); every method that touches the model runs on the one
     thread of the ``state`` concurrency group (see :data:`STATE_GROUP`)."""
     return ray.remote(max_concurrency=4, concurrency_groups={STATE_GROUP: 1})(Worker)
