@@ -24,9 +24,11 @@ Figures per plan:
   (``Trainer``, the tiny job's model: 2 layers, d_model 64, the same plan and world size, the peer tier at
   its default cadence, workers.min 2): rank 1 SIGKILLed by pid once step N/4 is done (the driver sees
   steps up to ~0.5 s late: at N/2 a fast ddp run could finish before its recovery); from ``os.kill`` to
-  the first step completed after the ``recovered`` event (the step's ``finished_at``), with the event's source. This is
-  not the 25M model: the kill column measures detection and the recovery path (survivors / peer tier),
-  which the issue bounds on the tiny job (< 2 s; fsdp <= 2x ddp).
+  the first step completed after the ``recovered`` event (the step's ``finished_at``), with the event's source,
+  and in brackets from ``os.kill`` to that event (training resumed: detection, drain, rebuild and restore,
+  without the first step itself, which under fsdp at world 2 costs several ddp steps: its all-gathers and
+  reduce-scatters). This is not the 25M model: the kill column measures detection and the recovery path
+  (survivors / peer tier), which the issue bounds on the tiny job (< 2 s; fsdp <= 2x ddp).
 
 Memory note: glibc keeps freed heap memory and raises its mmap threshold as large blocks come and go, so
 FSDP2's per-block transient buffers (gathered parameters, unsharded gradients) inflate ``ru_maxrss`` far
@@ -118,9 +120,10 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
-def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[float, str]:
+def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[float, float, str]:
     """The tiny job under ``plan`` on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns (seconds
-    from the kill to the first step completed after recovery, the recovery source)."""
+    from the kill to the first step completed after recovery, seconds to the ``recovered`` event, the
+    recovery source)."""
     import signal
     import tempfile
     import threading
@@ -162,7 +165,7 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[fl
     evs = events()
     rec = next(i for i, e in enumerate(evs) if e["event"] == "recovered")
     nxt = next(e for e in evs[rec:] if e["event"] == "step")
-    return nxt.get("finished_at", nxt["time"]) - t_kill, evs[rec]["source"]
+    return nxt.get("finished_at", nxt["time"]) - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"]
 
 
 def _free_port() -> int:
@@ -212,16 +215,17 @@ def main() -> None:
           f"load1={os.getloadavg()[0]:.1f}")
     base = rows.get("ddp")
     print(f"{'plan':6} {'samples/s':>10} {'peak MiB':>9} {'x ddp':>6} {'peak-base MiB':>14} {'x ddp':>6} "
-          f"{'train peak':>11} {'x ddp':>6} {'snap stall':>10} {'next step after kill':>21}")
+          f"{'train peak':>11} {'x ddp':>6} {'snap stall':>10} {'next step after kill (resumed)':>30}")
     for plan, (sps, peak, state, _, stall, train) in rows.items():
         rp = f"{peak / base[1]:.2f}" if base else "-"
         rs = f"{state / base[2]:.2f}" if base else "-"
         rt = f"{train / base[5]:.2f}" if base else "-"
-        kill = f"{kills[plan][0]:.2f} s ({kills[plan][1]})" if plan in kills else "-"
+        kill = f"{kills[plan][0]:.2f} s [{kills[plan][1]:.2f}] ({kills[plan][2]})" if plan in kills else "-"
         print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {train:11.0f} {rt:>6} {stall:10.1%} "
-              f"{kill:>21}")
+              f"{kill:>30}")
     print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
-          "kill: tiny job on a local Ray, rank 1 SIGKILLed, (recovery source)")
+          "kill: tiny job on a local Ray, rank 1 SIGKILLed: to the next step done [to the recovered event] "
+          "(recovery source)")
 
 
 if __name__ == "__main__":

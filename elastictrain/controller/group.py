@@ -2,7 +2,8 @@
 first ``workers.min`` slots share one placement group (with ``workers.placement_strategy``); every other
 slot has its own, so the run starts with what fits and grows when capacity appears. A slot whose actor
 died gets a new actor in the same bundle: Ray re-places a bundle lost with its node when capacity exists,
-so a replacement waits for capacity instead of failing.
+so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
+gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -111,6 +112,28 @@ class WorkerGroup:
         except Exception as e:  # noqa: BLE001 - an internal Ray API; the message degrades, the run does not
             return f"free resources unknown ({type(e).__name__}: {e})"
         return describe_shortfall(self.bundle, free)
+
+    def replace_lost_placement(self, index: int) -> bool:
+        """The slot's node died: give it a new placement group of its own, if it had one. Ray re-places
+        the lost bundle of a group, but in Ray 2.60 a re-placing group that does not fit now (no spare
+        capacity: the usual case after a node loss) is retried on every pass of the GCS scheduler
+        (ray-project/ray#65007): measured here, the GCS and the dashboard agent each took a whole core and
+        a replacement's set-up took 110 s instead of 2. A new group waits for capacity with the GCS's
+        backoff instead. The shared group of the first ``workers.min`` slots is left to Ray: removing it
+        would kill the live workers in its other bundles. Returns whether the group was replaced."""
+        if index < self.config.workers.min:
+            return False
+        old, _ = self._placement[index]
+        try:
+            remove_placement_group(old)
+        except Exception:  # noqa: BLE001 - already gone with the cluster: the new group stands alone
+            pass
+        new = placement_group([dict(self.bundle)], strategy="PACK")
+        self._placement[index] = (new, 0)
+        self._pgs = [new if pg is old else pg for pg in self._pgs]
+        self._ready_refs.pop(id(old), None)
+        self._ready_refs[id(new)] = new.ready()
+        return True
 
     def spawn(self, index: int) -> Slot:
         """Start a (new) actor in slot ``index`` and its set-up. Non-blocking."""

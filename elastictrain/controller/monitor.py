@@ -266,7 +266,9 @@ class WorkerMonitor:
         verdict = next((v for v in verdicts if v), None)
         if verdict:
             return self._fail(verdict)
-        for f, _, _ in killed:
+        for f, kind, _ in killed:
+            if kind == "node_lost":  # before the actor: it goes into the slot's new group
+                self.group.replace_lost_placement(f.slot)
             self.group.spawn(f.slot)  # the replacement starts while the survivors carry on
 
     def _drain_runs(self, timeout: float) -> None:
