@@ -1,5 +1,6 @@
-"""The two parallel switches on real processes (Ray actors, gloo): ``parallel.mixed_precision: bf16`` trains
-near the fp32 run with fp32 master state, ``parallel.activation_checkpointing`` changes no number.
+"""The parallel switches: ``parallel.reshard_after_forward`` in one process; on real processes (Ray actors,
+gloo) ``parallel.mixed_precision: bf16`` trains near the fp32 run with fp32 master state, and
+``parallel.activation_checkpointing`` changes no number.
 
 bf16 tolerance: bf16 keeps 8 significant bits, so one rounding of a value near the loss (~5.5) moves it by
 at most 2^-9 relative (~2e-3). The loss is an fp32 mean over 16 x 32 token losses whose logits come from
@@ -61,6 +62,33 @@ def test_bf16_compute_with_fp32_master_parameters_and_gradients():
         assert seen == [(torch.bfloat16, torch.bfloat16)] and logits.dtype == torch.bfloat16
         assert {p.dtype for p in model.parameters()} == {torch.float32}
         assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_keeps_what_backward_needs_first(reshard):
+    """ZeRO-3 (``reshard_after_forward``): after forward every block's parameters are sharded again except
+    the last block's and the root's, which backward starts with; ZeRO-2 keeps every block's gathered. A
+    gathered FSDP2 parameter is a plain tensor on the module, a sharded one a DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.models.gpt import GPT, GPTConfig
+    from elastictrain.parallel.parallelize import parallelize
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = parallelize(GPT(GPTConfig(seq_len=8, n_layer=3, d_model=16)), init_device_mesh("cpu", (1,)),
+                            ParallelConfig(plan="fsdp", reshard_after_forward=reshard))
+        logits = model(torch.randint(0, 256, (2, 8)))
+        gathered = [not isinstance(b.mlp_in.weight, DTensor) for b in model.blocks]
+        assert gathered == ([False, False, True] if reshard else [True, True, True])
+        assert not isinstance(model.head.weight, DTensor)  # the root's
+        logits.mean().backward()  # backward gathers what forward freed and reshards everything
+        assert all(isinstance(p, DTensor) for p in model.parameters())
     finally:
         dist.destroy_process_group()
 
