@@ -1,7 +1,7 @@
 """ddp vs fsdp vs hsdp on 4 CPU processes: throughput and peak memory per process, in one run.
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 8]
-[--kill-steps 40] [--memory-every 10]``
+[--kill-steps 40] [--kill-repeats 3] [--memory-every 10]``
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default ~25.4M
@@ -27,8 +27,10 @@ Figures per plan:
   the first step completed after the ``recovered`` event (the step's ``finished_at``), with the event's source,
   and in brackets from ``os.kill`` to that event (training resumed: detection, drain, rebuild and restore,
   without the first step itself, which under fsdp at world 2 costs several ddp steps: its all-gathers and
-  reduce-scatters). This is not the 25M model: the kill column measures detection and the recovery path
-  (survivors / peer tier), which the issue bounds on the tiny job (< 2 s; fsdp <= 2x ddp).
+  reduce-scatters). The median of ``--kill-repeats`` runs (default 3; one run varies by +-30% on a shared
+  2-core machine), each run's figure listed below the table. This is not the 25M model: the kill column
+  measures detection and the recovery path (survivors / peer tier), which the issue bounds on the tiny job
+  (< 2 s; fsdp <= 2x ddp).
 
 Memory note: glibc keeps freed heap memory and raises its mmap threshold as large blocks come and go, so
 FSDP2's per-block transient buffers (gathered parameters, unsharded gradients) inflate ``ru_maxrss`` far
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -191,6 +194,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--plans", default="ddp,fsdp,hsdp")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
+    p.add_argument("--kill-repeats", type=int, default=3, help="kill runs per plan (the median is shown)")
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -208,8 +212,11 @@ def main() -> None:
         step_s = elapsed / (args.steps - args.warmup)
         rows[plan] = ((args.steps - args.warmup) * args.global_batch / elapsed, peak, state, int(ranks[0][3]),
                       stall / args.memory_every / step_s, train)
-    kills = {plan: _time_to_next_step_after_kill(plan, args.world, args.kill_steps)
-             for plan in rows if args.kill_steps}
+    kills = {}
+    for plan in rows if args.kill_steps else ():
+        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps) for _ in range(args.kill_repeats)]
+        kills[plan] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                       "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
     print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
           f"micro_batch={args.micro_batch} steps={args.steps} (warmup {args.warmup}) "
           f"load1={os.getloadavg()[0]:.1f}")
@@ -223,9 +230,11 @@ def main() -> None:
         kill = f"{kills[plan][0]:.2f} s [{kills[plan][1]:.2f}] ({kills[plan][2]})" if plan in kills else "-"
         print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {train:11.0f} {rt:>6} {stall:10.1%} "
               f"{kill:>30}")
+    for plan, (*_, each) in kills.items():
+        print(f"kill runs {plan}: next step {each} s")
     print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
-          "kill: tiny job on a local Ray, rank 1 SIGKILLed: to the next step done [to the recovered event] "
-          "(recovery source)")
+          f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
+          "step done [to the recovered event] (recovery source)")
 
 
 if __name__ == "__main__":

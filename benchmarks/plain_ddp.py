@@ -72,7 +72,8 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(a.seed)
     model = GPT(GPTConfig(vocab_size=256, seq_len=a.seq_len, n_layer=a.n_layer, n_head=a.n_head,
                           d_model=a.d_model, dropout=a.dropout))
-    ddp = DistributedDataParallel(model)
+    # gradients as views of DDP's buckets, zeroed in place: the same DDP settings as elastictrain's ddp plan
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(a.beta1, a.beta2),
                             weight_decay=a.weight_decay, foreach=False)
     dataset = TokenWindows(load_text_tokens("builtin:pydoc"), a.seq_len)
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
         for group in opt.param_groups:
             group["lr"] = a.lr * warmup_cosine(step, a.warmup_steps, a.steps)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)
         loss = local / (accum * m)  # rank 0's local mean loss: what a user would log
         if rank == 0:
             times.append(time.time())

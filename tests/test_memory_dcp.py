@@ -166,3 +166,52 @@ def test_packed_chunks_come_back_bitwise_as_views_of_one_buffer() -> None:
         if isinstance(v, torch.Tensor):
             assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
             assert got[k].untyped_storage().data_ptr() == base, f"{k}: a copy, not a view of the buffer"
+
+
+class _Held:
+    """A snapshot as a local SnapshotSource."""
+
+    def __init__(self, snap) -> None:
+        self.snap, self.meta = snap, snap.meta
+
+    def fetch(self, keys):
+        return self.snap.fetch(keys)
+
+    def start_fetch(self, keys):
+        got = self.snap.fetch(keys)
+        return lambda: got
+
+
+def test_load_writes_into_the_live_state_and_restores_hyperparameters_or_falls_back(monkeypatch) -> None:
+    """``TrainingState.load_from`` loads in place where the state dict aliases the live tensors (checked),
+    puts the optimizer's hyperparameters back, and takes ``set_state_dict`` where it does not alias."""
+    import elastictrain.parallel.train_state as ts
+    from elastictrain.data.cursor import CursorState
+
+    def trained(steps: int, lr: float):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for _ in range(steps):
+            model(torch.ones(2, 6)).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return ts.TrainingState(model, opt, CursorState(0, 8, 0, 100), step=steps)
+
+    src = trained(3, lr=1e-2)
+    snap = take_snapshot(src.state_dict(), rank=0, step=3)
+    expected = _flat(_full(src.model, src.optimizer))
+    for aliased in (True, False):
+        dst = trained(0, lr=5e-1)
+        assert ts.aliases_live_state(dst.state_dict(), dst.model, dst.optimizer)
+        assert not ts.aliases_live_state({"model": {k: v.clone() for k, v in dst.model.state_dict().items()},
+                                          "optim": dst.state_dict()["optim"]}, dst.model, dst.optimizer)
+        called = []
+        real = ts.load_model_optim_state
+        monkeypatch.setattr(ts, "load_model_optim_state", lambda *a: (called.append(1), real(*a)))
+        if not aliased:
+            monkeypatch.setattr(ts, "aliases_live_state", lambda *a: False)
+        assert dst.load_from(SnapshotReader([_Held(snap)])) == 3 and dst.step == 3
+        assert bool(called) is not aliased  # set_state_dict only where the tensors were not loaded in place
+        assert dst.optimizer.param_groups[0]["lr"] == 1e-2  # the snapshot's hyperparameters, not the live ones
+        _assert_bitwise(_flat(_full(dst.model, dst.optimizer)), expected)
+        monkeypatch.undo()

@@ -87,6 +87,7 @@ def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, r
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
     assert "lack shard coordinates [1, 2]" in rec["reason"], rec
+    assert f"lost {rec['lost_steps']} completed step(s)" in rec["reason"], rec  # the text counts as the event does
     _finished_like_clean(run, clean_loss)
 
 
@@ -100,6 +101,7 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
     run = _kill_rank_1(tmp_path, spec, "fsdp", ranks=(1, 2))
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
+    assert f"lost {rec['lost_steps']} completed step(s)" in rec["reason"], rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes
     _finished_like_clean(run, clean_loss)

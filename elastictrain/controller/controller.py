@@ -90,6 +90,7 @@ class Controller(WorkerMonitor):
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
         self.recovery_reason = ""
+        self.recovery_last_step = 0  # newest completed step known when the recovery source was chosen
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
@@ -378,7 +379,13 @@ class Controller(WorkerMonitor):
         if not survivors and not sharded and any(s.has_state for s in chosen):  # state, no rank: replica 0
             survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
             rep, shard = max(1, old_world), 1
-        args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.ledger.last_step)
+        # the newest completed step anyone knows of (records and survivors run ahead of the polls): the
+        # same count ``_close_recovery`` reports as ``lost_steps``
+        known = [self.ledger.last_step, self.ledger.latest_record_step, *survivors.values()]
+        if self.open_failure is not None:
+            known.append(self.open_failure.last_step)
+        self.recovery_last_step = max(known)
+        args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.recovery_last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind != "peer":
             tier = self._peer_tier()
@@ -567,10 +574,11 @@ class Controller(WorkerMonitor):
         be redone (0 when a survivor held the newest state); the step in flight is lost time, not a step."""
         source, self.recovery_source = self.recovery_source, "peer"
         why, self.recovery_reason = self.recovery_reason, ""
+        last_known, self.recovery_last_step = self.recovery_last_step, 0
         if self.open_failure is None:
             return
         f, now = self.open_failure, time.time()
-        lost = max(0, f.last_step - start_step)
+        lost = max(0, max(f.last_step, last_known) - start_step)  # as the source decision counted
         self.ledger.recoveries += 1
         self.ledger.lost_steps += lost
         self.ledger.add_time("recovery", now - f.detected_at)

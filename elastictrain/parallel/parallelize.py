@@ -56,11 +56,15 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
     """Replicate: DistributedDataParallel over the mesh's (only) group. State is assumed equal on every rank
-    already (set by the restore step), so DDP's init broadcast is skipped."""
+    already (set by the restore step), so DDP's init broadcast is skipped. Gradients are views of DDP's
+    reduction buckets (``gradient_as_bucket_view``): no second copy of every gradient (measured on the
+    25M-parameter GPT of ``benchmarks/parallel.py``: peak 793 MiB per process instead of 890). The step
+    loop zeroes them in place rather than dropping them (:attr:`ParallelModel.grads_in_buckets`), or each
+    step's first backward would allocate them afresh beside the buckets."""
     device = next(model.parameters()).device
     ids = [device] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(), init_sync=False,
-                                   **_NO_FORWARD_BUFFER_SYNC)
+                                   gradient_as_bucket_view=True, **_NO_FORWARD_BUFFER_SYNC)
 
 
 # No buffer broadcast before each forward: torch 2.13 names it forward_sync_buffers (broadcast_buffers is
@@ -108,6 +112,13 @@ class ParallelModel:
         self.module = module
         self.mesh = mesh
         self.model = module.module if isinstance(module, DistributedDataParallel) else module
+
+    @property
+    def grads_in_buckets(self) -> bool:
+        """Gradients live in the wrapper's reduction buckets (DDP's ``gradient_as_bucket_view``): zero them in
+        place after a step (``zero_grad(set_to_none=False)``); setting them to None would free the views
+        and make the next backward allocate every gradient again beside the buckets."""
+        return isinstance(self.module, DistributedDataParallel) and bool(getattr(self.module, "gradient_as_bucket_view", False))
 
     @property
     def replicated(self) -> bool:

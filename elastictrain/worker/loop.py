@@ -280,7 +280,8 @@ class StepRunner:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * mult
         optim.step(self.optimizer)  # elementwise torch.optim optimizers: on the local shards (parallel/optim.py)
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views of its buckets: zeroed in place, not freed (ParallelModel.grads_in_buckets)
+        self.optimizer.zero_grad(set_to_none=not self.pm.grads_in_buckets)
 
     def discard_partial_step(self) -> None:
         """Drop gradients of a step that failed mid-way (no optimizer step was applied)."""
