@@ -34,7 +34,8 @@ Figures per plan:
 
 Memory note: glibc keeps freed heap memory and raises its mmap threshold as large blocks come and go, so
 FSDP2's per-block transient buffers (gathered parameters, unsharded gradients) inflate ``ru_maxrss`` far
-above what is live (measured: fsdp 1.07x ddp without the setting below, 0.61x with it). The benchmark sets
+above what is live (measured against the ddp plan before its gradients became views of DDP's buckets,
+890 MiB: fsdp 1.07x ddp without the setting below, 0.61x with it). The benchmark sets
 ``MALLOC_MMAP_THRESHOLD_=131072`` (unless set) for its processes, for every plan alike, so blocks over
 128 KiB are mmapped and returned at once and the peak reflects live memory.
 
