@@ -215,3 +215,27 @@ def test_load_writes_into_the_live_state_and_restores_hyperparameters_or_falls_b
         assert dst.optimizer.param_groups[0]["lr"] == 1e-2  # the snapshot's hyperparameters, not the live ones
         _assert_bitwise(_flat(_full(dst.model, dst.optimizer)), expected)
         monkeypatch.undo()
+
+
+def test_sources_of_one_keeper_are_asked_in_one_call_and_answered_in_order() -> None:
+    from elastictrain.checkpoint.memory_dcp import start_fetches
+
+    calls: list[list[str]] = []
+
+    class Kept:
+        def __init__(self, name: str, keeper: str | None) -> None:
+            self.name, self.batch_key = name, keeper
+
+        def start_fetch(self, keys):
+            calls.append([self.name])
+            return lambda: {k: self.name for k in keys}
+
+        @staticmethod
+        def start_fetch_batch(requests):
+            calls.append([s.name for s, _ in requests])
+            return [(lambda s=s, keys=keys: {k: s.name for k in keys}) for s, keys in requests]
+
+    srcs = [Kept("a", "k1"), Kept("b", None), Kept("c", "k1"), Kept("d", "k2"), Kept("e", "k1")]
+    waits = start_fetches([(s, {("x", (i,))}) for i, s in enumerate(srcs)])
+    assert sorted(calls) == [["a", "c", "e"], ["b"], ["d"]]  # one call for keeper k1's three snapshots
+    assert [w() for w in waits] == [{("x", (i,)): s.name} for i, s in enumerate(srcs)]

@@ -117,6 +117,12 @@ class ShardKeeper:
     def fetch(self, generation: int, rank: int, step: int, keys: list[Key]) -> Packed:
         return pack(self._state.fetch(generation, rank, step, keys))
 
+    def fetch_many(self, requests: list[tuple[int, int, int, list[Key]]]) -> list[Packed]:
+        """Chunks of several snapshots in one call, one :class:`Packed` per request (``fetch``'s arguments):
+        a loading rank asks each keeper once, not once per snapshot it holds (the keeper serves one call at a
+        time, so separate calls queue behind each other and every other loading rank's)."""
+        return [pack(self._state.fetch(*r)) for r in requests]
+
     def stats(self) -> dict[str, int]:
         return self._state.stats()
 
@@ -128,8 +134,10 @@ class KeeperSource:
     (one buffer). The loading rank pulls exactly the chunks its new shards need,
     actor -> rank, not via the driver."""
 
-    def __init__(self, keeper: Any, meta: SnapshotMeta, timeout_s: float | None = None) -> None:
+    def __init__(self, keeper: Any, meta: SnapshotMeta, timeout_s: float | None = None, batched: bool = False) -> None:
         self.keeper, self.meta, self.timeout_s = keeper, meta, timeout_s
+        # a ShardKeeper holds many ranks' snapshots and answers ``fetch_many``; a survivor holds its own only
+        self.batch_key = keeper if batched else None
 
     def fetch(self, keys: Iterable[Key]) -> dict[Key, Any]:
         return self.start_fetch(keys)()
@@ -139,6 +147,23 @@ class KeeperSource:
         m = self.meta
         ref = self.keeper.fetch.remote(m.generation, m.rank, m.step, list(keys))
         return lambda: unpack(ray.get(ref, timeout=self.timeout_s))
+
+    @staticmethod
+    def start_fetch_batch(requests: Sequence[tuple["KeeperSource", Iterable[Key]]]) -> list[Callable[[], dict[Key, Any]]]:
+        """``start_fetch`` for several sources of one keeper (same ``batch_key``) in one ``fetch_many`` call."""
+        first = requests[0][0]
+        ref = first.keeper.fetch_many.remote([(s.meta.generation, s.meta.rank, s.meta.step, list(keys))
+                                              for s, keys in requests])
+        got: list[Any] = []
+
+        def waiter(i: int) -> Callable[[], dict[Key, Any]]:
+            def wait() -> dict[Key, Any]:
+                if not got:
+                    got.extend(ray.get(ref, timeout=first.timeout_s))
+                return unpack(got[i])
+            return wait
+
+        return [waiter(i) for i in range(len(requests))]
 
 
 def keeper_ring(member_nodes: Sequence[str], keeper_nodes: Sequence[str]) -> list[str | None]:

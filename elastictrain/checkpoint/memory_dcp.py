@@ -136,6 +136,31 @@ class SnapshotSource(Protocol):
         """Ask for ``keys`` now; the returned function waits for them (reads from several sources overlap)."""
         ...
 
+    # Optional: sources with the same non-None ``batch_key`` are asked together through their class's
+    # ``start_fetch_batch([(source, keys), ...])`` (one call per keeper; see ``start_fetches``).
+
+
+def start_fetches(requests: Sequence[tuple[Any, Iterable[Key]]]) -> list[Callable[[], dict[Key, Any]]]:
+    """``source.start_fetch(keys)`` for each ``(source, keys)``, except that sources sharing a ``batch_key``
+    (snapshots held by one keeper) are asked in one ``start_fetch_batch`` call. Same order as ``requests``."""
+    out: list[Any] = [None] * len(requests)
+    groups: dict[Any, list[int]] = {}
+    for i, (src, keys) in enumerate(requests):
+        key = getattr(src, "batch_key", None)
+        if key is None:
+            out[i] = src.start_fetch(keys)
+        else:
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            src, keys = requests[members[0]]
+            out[members[0]] = src.start_fetch(keys)
+            continue
+        waits = type(requests[members[0]][0]).start_fetch_batch([requests[i] for i in members])
+        for i, wait in zip(members, waits):
+            out[i] = wait
+    return out
+
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
                   reuse: Snapshot | None = None) -> Snapshot:
@@ -306,9 +331,11 @@ class SnapshotReader(StorageReader):
         by_source: dict[int, list[Any]] = {}
         for item in plan.items:
             by_source.setdefault(self._owner[self._key(item.storage_index)], []).append(item)
-        # every source is asked at once (remote ones answer in the background), then read
-        waits = {i: self.sources[i].start_fetch({self._key(it.storage_index) for it in items})
-                 for i, items in sorted(by_source.items())}
+        # every source is asked at once (remote ones answer in the background; one call per keeper), then read
+        order = sorted(by_source)
+        started = start_fetches([(self.sources[i], {self._key(it.storage_index) for it in by_source[i]})
+                                 for i in order])
+        waits = dict(zip(order, started))
         for i, items in sorted(by_source.items()):
             got = waits[i]()
             for it in items:

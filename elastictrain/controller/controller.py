@@ -345,7 +345,7 @@ class Controller(WorkerMonitor):
                 continue
             for m in metas:
                 groups.setdefault((m.step, m.generation), []).append(
-                    KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s))
+                    KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s, batched=True))
         out: dict[int, tuple[bool, list[Any]]] = {}
         for (step, _gen), srcs in sorted(groups.items(), reverse=True):
             complete = coverage([x.meta for x in srcs]).complete

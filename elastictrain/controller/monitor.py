@@ -163,9 +163,12 @@ class WorkerMonitor:
                 self._take_poll(slot, ray.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
                 pass
-        for slot in self.group.members():
+        # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
+        # the outstanding ones: a slot's records stay in order
+        asked = [(slot, slot.actor.poll.remote()) for slot in self.group.members()]
+        for slot, ref in asked:
             try:
-                self._take_poll(slot, ray.get(slot.actor.poll.remote(), timeout=timeout))
+                self._take_poll(slot, ray.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001
                 pass
 
