@@ -64,6 +64,8 @@ def _worker(rank: int, world: int, port: int, job: str, out: str) -> None:
                 optim.zero_grad()
             m, o = get_state_dict(model, optim)
             snap = take_snapshot({"model": m, "optim": o, "progress": {"step": 3, "cursor": 48}}, rank=rank, step=3)
+            # the meta's compact pickled form (it travels to every joining rank) gives back the same meta
+            assert pickle.loads(pickle.dumps(snap.meta)) == snap.meta
             full = _full(model, optim)  # collective
             Path(out, f"snap{rank}.pkl").write_bytes(pickle.dumps(snap))
             if rank == 0:

@@ -82,6 +82,7 @@ class Controller(WorkerMonitor):
         self.poll_refs: dict[int, tuple[Any, float]] = {}
         self.waiting_since: float | None = None
         self.open_failure: Failure | None = None
+        self.replacements_due: list[int] = []
         self.preempt_reason: str | None = None
         self.final_error: str | None = None
         self.exit_code = 0
@@ -201,13 +202,17 @@ class Controller(WorkerMonitor):
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
-        if self.sm.state is not State.RECOVERING or self.pending_failures:
-            return  # failed, or a survivor failed as well: handled in the next iteration
-        for slot in self.group.collect_ready(timeout=0):
-            self._on_setup_done(slot)
-        if self.preempt_reason:
-            return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
-        self._regroup(reason="recover")
+        try:
+            if self.sm.state is not State.RECOVERING or self.pending_failures:
+                return  # failed, or a survivor failed as well: handled in the next iteration
+            for slot in self.group.collect_ready(timeout=0):
+                self._on_setup_done(slot)
+            if self.preempt_reason:
+                return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
+            self._regroup(reason="recover")
+        finally:  # the survivors train again (or wait, or regroup once more): now the replacements start
+            if not self.sm.terminal:
+                self._start_replacements()
 
     def _abort_survivors(self) -> None:
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
@@ -261,6 +266,7 @@ class Controller(WorkerMonitor):
         if decision.action == "fail":
             return self._fail(decision.reason)
         if decision.action == "wait":
+            self._start_replacements()  # nothing trains until workers come: no reason to hold them back
             if self.waiting_since is None:
                 self.waiting_since = time.time()
                 self.events.emit("worker_lost", world_size=len(survivors), reason=decision.reason)
