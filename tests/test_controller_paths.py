@@ -4,6 +4,7 @@ FAILED, and a preemption that arrives while RECOVERING."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ class ScriptedWorker:
 
     def run(self, target: int) -> dict[str, Any]:
         status = self.script.get("run", "done")
+        if status == "exit":  # the process dies mid-step
+            os._exit(1)
+        time.sleep(self.script.get("run_s", 0.0))
         return {"status": status, "step": self.step, "slot": self.slot,
                 "error": self.script.get("error") if status != "done" else None}
 
@@ -107,6 +111,9 @@ class FakeGroup(WorkerGroup):
 
     def placed(self, slot: Slot) -> bool:
         return True
+
+    def replace_lost_placement(self, index: int) -> bool:  # fake workers report node "fake": never alive
+        return False
 
     def shortfall(self) -> str:
         return "nothing missing (fake)"
@@ -186,4 +193,37 @@ def test_the_controller_provides_everything_the_monitor_declares(tmp_path, ray_l
     assert declared >= {"group", "ledger", "detector", "_judge", "request_preemption"}
     missing = sorted(n for n in declared if not hasattr(c, n))
     assert not missing, missing
+    group.shutdown()
+
+
+def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recovery(tmp_path, ray_local) -> None:
+    """Elastic: a failed worker's replacement is started once the survivors' next generation is formed --
+    a starting worker takes a core for seconds and would slow the recovery it cannot join. (Strict mode,
+    which must wait for it, starts it at once: test_own_errors_in_a_row_fail_the_run_as_a_crash_loop.)"""
+    # slot 1's process dies in its step; slot 0's step then fails on the dead peer (after the death is seen)
+    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "run_s": 1.0}, 1: {"run": "exit"}},
+                           workers={"min": 1, "max": 2})
+    order: list[tuple[str, int]] = []
+    spawn, form = group.spawn, c._form_generation
+
+    def spawn_logged(index: int) -> Slot:
+        order.append(("spawn", index))
+        return spawn(index)
+
+    def form_logged(chosen: list[Slot], **kw: Any) -> bool:
+        order.append(("formed", len(chosen)))
+        return form(chosen, **kw)
+
+    group.spawn, c._form_generation = spawn_logged, form_logged
+    c.step()  # STARTING -> RUNNING at world 2
+    assert c.sm.state is State.RUNNING and c.world_size == 2
+    for _ in range(20):
+        c.step()
+        if c.sm.state is State.RECOVERING:
+            break
+    assert c.sm.state is State.RECOVERING
+    before = len(order)
+    c.step()  # RECOVERING: the failure is accounted, the survivor regroups alone, then the replacement starts
+    assert c.world_size == 1, (order, c.sm.history)
+    assert order[before:] == [("formed", 1), ("spawn", 1)], order
     group.shutdown()
