@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from checkpoint_fixtures import free_port, fresh, init_gloo, same_state, trained
 
 from elastictrain.checkpoint import CheckpointStore, CheckpointWriter, app_state, apply_app_state, load_checkpoint
 from elastictrain.config import CheckpointConfig
+from tests import ranks
 
 
 def _save_scenario(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -74,7 +74,7 @@ def _death_scenario(rank: int, world: int, port: int, root: str, out: str) -> No
 
 
 def _spawn(fn, *args, world: int = 2, timeout: float = 60.0) -> list[int]:
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     port = free_port()
     procs = [ctx.Process(target=fn, args=(r, world, port, *args)) for r in range(world)]
     for p in procs:

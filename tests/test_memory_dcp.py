@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from elastictrain.checkpoint.memory_dcp import Coverage, SnapshotReader, coverage, take_snapshot
+from tests.ranks import run_ranks
 
 
 def _model() -> torch.nn.Module:
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, port: int, job: str, out: str) -> None:
 
 
 def _spawn(world: int, job: str, out: Path) -> None:
-    mp.start_processes(_worker, args=(world, _free_port(), job, str(out)), nprocs=world, start_method="spawn")
+    run_ranks(_worker, (world, _free_port(), job, str(out)), world)
 
 
 def _flat(tree) -> dict:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from elastictrain.parallel import optim
+from tests.ranks import run_ranks
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("optim")
-    mp.start_processes(_worker, args=(4, _free_port(), str(out)), nprocs=4, start_method="spawn")
+    run_ranks(_worker, (4, _free_port(), str(out)), 4)
     return torch.load(out / "results.pt")
 
 

@@ -7,9 +7,9 @@ import socket
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from elastictrain.worker.state_sync import _buckets, broadcast_state
+from tests.ranks import run_ranks
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -42,7 +42,7 @@ def test_broadcast_is_exact_with_tiny_chunks(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    run_ranks(_worker, (port, str(tmp_path)), 2)
     a, b = (torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in (0, 1))
     assert a["step"] == b["step"] == 7
     from torch.utils._pytree import tree_flatten

@@ -7,8 +7,8 @@ import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tests.ranks import run_ranks
 
 
 def _free_port() -> int:
@@ -44,7 +44,7 @@ def _rank(rank: int, port: int) -> None:
 
 
 def test_word_rides_in_the_last_bucket_and_gradients_are_unchanged():
-    mp.spawn(_rank, args=(_free_port(),), nprocs=2)
+    run_ranks(_rank, (_free_port(),), 2)
 
 
 def test_without_ddp_the_word_takes_its_own_all_reduce():

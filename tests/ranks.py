@@ -1,0 +1,30 @@
+"""Fresh processes, one per rank, for the tests that build gloo groups themselves (outside Ray).
+
+They fork from one ``forkserver`` process that imported torch and the distributed packages once for the
+session, instead of ``spawn`` re-importing them in every process (~3-7 s of CPU each on the 2-core CI
+machine, where the ranks of a 4-process test start one after another). The fork server is a clean
+process started by multiprocessing (no Ray, no threads), so forking it is safe; each rank still gets
+its own interpreter state and its own process group. A rank sees the environment the server was started
+with: set what it needs (``MASTER_PORT``, ...) inside the rank, as these tests do."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+            "torch.distributed.tensor", "elastictrain.worker.loop"]
+multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The fork-server context (for tests that manage their own ``Process`` objects)."""
+    return multiprocessing.get_context("forkserver")
+
+
+def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes; raises if any of them fails (torch's start_processes)."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
