@@ -27,7 +27,9 @@ Figures per plan:
   the first step completed after the ``recovered`` event (the step's ``finished_at``), with the event's source,
   and in brackets from ``os.kill`` to that event (training resumed: detection, drain, rebuild and restore,
   without the first step itself, which under fsdp at world 2 costs several ddp steps: its all-gathers and
-  reduce-scatters). The median of ``--kill-repeats`` runs (default 3; one run varies by +-30% on a shared
+  reduce-scatters; the killed rank's replacement starts once the survivors regrouped, and on this 2-core
+  machine its start-up (imports, model build: a whole core for seconds) runs beside that first step).
+  The median of ``--kill-repeats`` runs (default 3; one run varies by +-30% on a shared
   2-core machine), each run's figure listed below the table. This is not the 25M model: the kill column
   measures detection and the recovery path (survivors / peer tier), which the issue bounds on the tiny job
   (< 2 s; fsdp <= 2x ddp).
