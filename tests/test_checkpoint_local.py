@@ -235,3 +235,5 @@ def test_cli_ls_show_verify_export(tmp_path: Path) -> None:
     assert out.exit_code == 1 and "SHA-256 mismatch" in out.output
     out = runner.invoke(ckpt, ["show", str(tmp_path / "nothing" / "step_000000001")])
     assert out.exit_code == 2 and "no manifest.json" in out.output
+    out = runner.invoke(ckpt, ["ls", str(tmp_path / "nothing")])  # a wrong path: one line, not an empty table
+    assert out.exit_code == 2 and "no checkpoint here" in out.output and "ranks" not in out.output

@@ -66,10 +66,13 @@ def ckpt() -> None:
 @click.argument("uri")
 @_option
 def ls_cmd(uri: str, option: tuple[str, ...]) -> None:
-    """List the committed checkpoints (and uncommitted step dirs) under a run root."""
+    """List the committed checkpoints (and uncommitted step dirs) under a run root (exit 2 if it has none)."""
     try:
         store, _ = _open(uri, option)
         good, bad = store._scan()
+        if not good and not bad:  # a typo'd path must not read as "a run with no checkpoints yet"
+            raise CheckpointError(f"{uri}: no checkpoint here (nothing saved under this path); a run root is "
+                                  "<checkpoint.uri>/<run id>, e.g. ./checkpoints/tiny_gpt")
     except CheckpointError as e:
         _fail(e)
     click.echo(f"{'step':>10}  {'ranks':>5}  {'bytes':>12}  status")
