@@ -137,21 +137,20 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10) -> None:
     """Stop a `ray start --block` and every process of its session: SIGTERM (Ray's own orderly stop), then
     SIGKILL for what is left after ``grace_s`` (the head's orderly stop took ~30 s here, spent waiting on
     processes that have nothing left to save)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            continue
-        if sig == signal.SIGTERM:  # the leader left; what it started in its session goes too
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return
+    _signal_session(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_session(proc, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the whole session is gone already
+        pass
 
 
 @pytest.fixture(scope="module")
