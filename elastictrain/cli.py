@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from elastictrain.config import ConfigError, load_config
+from elastictrain.exit_codes import EXIT_CHECKPOINT, EXIT_CONFIG
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,13 +25,13 @@ def main() -> None:
 @click.option("--ray-address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local Ray)")
 def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address: str | None) -> None:
     """Run the training job described by JOB (a YAML file)."""
-    from elastictrain.trainer import EXIT_CHECKPOINT, EXIT_CONFIG, CheckpointUnavailable, RunDirInUse, Trainer
-
     try:
         config = load_config(job, list(overrides))
         config = _prepare(config)
-    except ConfigError as e:
+    except ConfigError as e:  # before torch is imported: a typo costs half a second, not three
         _die(f"config error: {e}", EXIT_CONFIG)
+    from elastictrain.trainer import CheckpointUnavailable, RunDirInUse, Trainer
+
     try:
         # The task is built (and a python task's entry checked: ConfigError, exit 2) by Trainer, before Ray.
         result = Trainer(config, run_dir=run_dir, ray_address=ray_address).fit()

@@ -15,9 +15,8 @@ from elastictrain.config import ConfigError, JobConfig, build_config, load_confi
 from elastictrain.events import EventLog, write_summary
 from elastictrain.metrics import RunMetrics
 from elastictrain.task import Task
+from elastictrain.exit_codes import EXIT_OK
 from elastictrain.task_loader import task_from_config
-
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_PREEMPTED = 0, 1, 2, 3, 75
 
 
 class CheckpointUnavailable(RuntimeError):

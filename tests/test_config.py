@@ -76,6 +76,28 @@ def test_cli_missing_file(tmp_path):
     assert proc.returncode == 2 and "config file not found" in proc.stderr
 
 
+def test_cli_help_listing_and_a_config_error_do_not_import_torch(tmp_path):
+    """The command line answers ``--help``, ``ckpt ls`` of a missing path and a bad job file without importing
+    torch (seconds on a busy machine); ``from elastictrain import Trainer`` still works (imported on use)."""
+    probe = (
+        "import sys, runpy\n"
+        "sys.argv = sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_module('elastictrain', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print('rc', e.code, 'torch' in sys.modules)\n"
+    )
+    (tmp_path / "bad.yaml").write_text("train: {stpes: 3}\n")
+    for args, rc in ((["--help"], 0), (["ckpt", "ls", str(tmp_path / "nothing")], 2), (["run", "bad.yaml"], 2)):
+        proc = subprocess.run([sys.executable, "-c", probe, "elastictrain", *args], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)
+        assert proc.stdout.strip().splitlines()[-1] == f"rc {rc} False", (args, proc.stdout, proc.stderr)
+    proc = subprocess.run([sys.executable, "-c", "import sys, elastictrain; assert 'torch' not in sys.modules; "
+                           "from elastictrain import Trainer, Task; print(Trainer.__module__, Task.__module__)"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["elastictrain.trainer", "elastictrain.task"], proc.stderr
+
+
 def test_every_config_key_is_documented():
     from elastictrain.config import JobConfig, _all_keys
 

@@ -9,24 +9,30 @@ CLI: the click group :data:`ckpt`.
 """
 
 from elastictrain.checkpoint.errors import CheckpointError
-from elastictrain.checkpoint.loader import app_state, apply_app_state, load_checkpoint
 from elastictrain.checkpoint.manifest import FileInfo, Manifest, ManifestError, ShardReport
 from elastictrain.checkpoint.retention import retention_plan
-from elastictrain.checkpoint.safe_metadata import UnsafeMetadataError, loads_metadata
 from elastictrain.checkpoint.store import CheckpointStore
-from elastictrain.checkpoint.writer import CheckpointWriter
+
+# Imported on first use: torch and DCP (the loader, the writer, the metadata reader), ray (the peer tier),
+# click (the CLI). The store, manifests and retention need none of them (``elastictrain ckpt ls``/``verify``).
+_LAZY = {
+    "app_state": "loader", "apply_app_state": "loader", "load_checkpoint": "loader",
+    "UnsafeMetadataError": "safe_metadata", "loads_metadata": "safe_metadata",
+    "CheckpointWriter": "writer",
+    "ShardKeeper": "memory", "MemoryReplicator": "memory", "KeeperState": "memory", "KeeperSource": "memory",
+    "PutResult": "memory", "keeper_ring": "memory",
+    "ckpt": "cli",
+}
 
 
-def __getattr__(name: str):  # ray and click are imported only by those who use them
-    if name in ("ShardKeeper", "MemoryReplicator", "KeeperState", "KeeperSource", "PutResult", "keeper_ring"):
-        from elastictrain.checkpoint import memory
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
 
-        return getattr(memory, name)
-    if name == "ckpt":
-        from elastictrain.checkpoint.cli import ckpt
-
-        return ckpt
-    raise AttributeError(name)
+        value = getattr(importlib.import_module(f"elastictrain.checkpoint.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'elastictrain.checkpoint' has no attribute {name!r}")
 
 
 __all__ = [

@@ -25,9 +25,10 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a model is fingerprinted (the workers), not by the CLI
+    import torch
 
 # Keys a user may accept as changed (checkpoint.accept_changes); the others always refuse.
 ACCEPTABLE = ("schedule", "optimizer", "data", "task")
@@ -42,6 +43,8 @@ def _digest(obj: Any) -> str:
 
 def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     """Names, shapes and dtypes of ``model.state_dict()`` (no values): what a checkpoint must match to load."""
+    import torch
+
     layout = [[name, list(t.shape), str(t.dtype)] for name, t in sorted(model.state_dict().items())
               if isinstance(t, torch.Tensor)]
     return {"tensors": len(layout), "numel": sum(int(torch.Size(s).numel()) for _, s, _ in layout),
