@@ -46,6 +46,19 @@ def check_data_source(source: str, key: str = "task.data.source") -> None:
                           "too: use a path that exists everywhere, or a URL such as s3://...)")
 
 
+def check_local_gpus(config: JobConfig, gpus: int) -> None:
+    """Raise ConfigError when ``workers.use_gpu`` asks a private local Ray (started by this driver: no
+    autoscaler will ever add a GPU) for more GPUs than this machine has (``gpus``: what torch sees here, the
+    same torch the local workers import). Without it the run would wait ``timeouts.restart_grace_s`` for a
+    placement that cannot happen. A cluster (``--ray-address``/``RAY_ADDRESS``) is not checked: it may grow."""
+    w = config.workers
+    if w.use_gpu and gpus < w.min:
+        raise ConfigError(
+            f"workers.use_gpu=true: each worker takes one GPU and workers.min={w.min} must start, but this "
+            f"machine has {gpus} that torch can use, and the job runs on a local Ray started here (no cluster "
+            "to grow): set workers.use_gpu=false, lower workers.min, or pass --ray-address of a cluster with GPUs")
+
+
 def check_job(config: JobConfig, builtin_task: bool = True) -> None:
     """Every pre-flight check of a job; raises ConfigError naming the field, the value and the fix.
     ``builtin_task`` False: a user Task brings its own data, so ``task.*`` is not checked."""

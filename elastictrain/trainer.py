@@ -73,16 +73,20 @@ class Trainer:
         self.controller: Any = None
 
     def fit(self) -> RunResult:
-        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist),
-        RunDirInUse (a reused run directory) and CheckpointUnavailable (exit 3) before any Ray resource
-        is requested."""
-        from elastictrain.preflight import check_job
+        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist, or GPUs
+        asked of a local Ray on a machine without them), RunDirInUse (a reused run directory) and
+        CheckpointUnavailable (exit 3) before any Ray resource is requested."""
+        from elastictrain.preflight import check_job, check_local_gpus
 
         if (self.run_dir / "events.jsonl").exists():
             raise RunDirInUse(f"run directory {self.run_dir} already holds a run (events.jsonl); a second run "
                               "would mix its events with the first's: pass a new --run-dir or leave it out "
                               "(default: runs/<name>-<timestamp>)")
         check_job(self.config, builtin_task=self._builtin_task)
+        if self._private_local_ray():
+            import torch
+
+            check_local_gpus(self.config, torch.cuda.device_count())
         plan = self._resolve_resume()  # before any Ray resource is requested
         if plan.finished:
             return self._already_finished(plan)
@@ -144,6 +148,13 @@ class Trainer:
                    "final_loss": None, "wall_s": 0.0, "failures": 0, "exit_code": EXIT_OK, "run_id": plan.run_id,
                    "checkpoint": m.location, "checkpoint_root": plan.root_uri, "lineage": plan.lineage}
         return RunResult(summary, self.run_dir, EXIT_OK)
+
+    def _private_local_ray(self) -> bool:
+        """True when :meth:`_init_ray` will start a Ray of its own on this machine (no address given, none
+        initialised): what it can place is this machine's, for good."""
+        import ray
+
+        return not ray.is_initialized() and not (self.ray_address or os.environ.get("RAY_ADDRESS"))
 
     def _init_ray(self) -> None:
         import ray

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,27 @@ def test_cli_help_listing_and_a_config_error_do_not_import_torch(tmp_path):
                            "from elastictrain import Trainer, Task; print(Trainer.__module__, Task.__module__)"],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["elastictrain.trainer", "elastictrain.task"], proc.stderr
+
+
+def test_gpus_asked_of_a_local_ray_without_them_is_a_config_error(tmp_path):
+    from elastictrain.preflight import check_local_gpus
+
+    gpu = build_config(job(workers={"use_gpu": True, "min": 2, "max": 4}))
+    with pytest.raises(ConfigError, match=r"workers.use_gpu=true.*workers.min=2.*has 1 that torch can use"):
+        check_local_gpus(gpu, 1)
+    check_local_gpus(gpu, 2)  # min fits: the run starts and grows as GPUs appear (none will, locally)
+    check_local_gpus(build_config(job(workers={"min": 2, "max": 4})), 0)  # no GPU asked
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU: the command below would train")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(REPO / "jobs" / "tiny_gpt.yaml"), "--set",
+                           "workers.use_gpu=true", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "workers.use_gpu=false" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, no run directory
 
 
 def test_every_config_key_is_documented():
