@@ -8,6 +8,7 @@ credentials for it, and the workers' set-up errors are quoted anyway).
 from __future__ import annotations
 
 import glob
+import socket
 from pathlib import Path
 
 from elastictrain.config import ConfigError, JobConfig
@@ -57,6 +58,37 @@ def check_local_gpus(config: JobConfig, gpus: int) -> None:
             f"workers.use_gpu=true: each worker takes one GPU and workers.min={w.min} must start, but this "
             f"machine has {gpus} that torch can use, and the job runs on a local Ray started here (no cluster "
             "to grow): set workers.use_gpu=false, lower workers.min, or pass --ray-address of a cluster with GPUs")
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """PURE. ``(host, port)`` that a Ray ``address`` connects to first (``host:port`` or ``ray://host:port``);
+    None for the addresses Ray resolves itself (``auto``, ``local``) or cannot be parsed here."""
+    rest = address.strip()
+    if "://" in rest:
+        rest = rest.split("://", 1)[1]
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_ray_address(address: str, where: str, timeout_s: float = 5.0) -> None:
+    """Raise ConfigError when nothing answers at a Ray cluster ``address`` (given by ``where``: the option
+    or variable). Ray's own connect waits without end for a refused local port (measured: over 10 minutes
+    for ``127.0.0.1:<closed>``, Ray 2.60); a TCP connect says it in at most ``timeout_s``."""
+    endpoint = ray_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(unreachable_ray(address, where, e.strerror or type(e).__name__)) from None
+
+
+def unreachable_ray(address: str, where: str, why: str) -> str:
+    """The one line for a Ray cluster that cannot be reached."""
+    return (f"cannot reach a Ray cluster at {address!r} ({where}): {why}; start one (`ray start --head`), fix the "
+            "address, or leave --ray-address and RAY_ADDRESS unset to run on a local Ray started for this job")
 
 
 def check_job(config: JobConfig, builtin_task: bool = True) -> None:

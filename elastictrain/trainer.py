@@ -73,9 +73,9 @@ class Trainer:
         self.controller: Any = None
 
     def fit(self) -> RunResult:
-        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist, or GPUs
-        asked of a local Ray on a machine without them), RunDirInUse (a reused run directory) and
-        CheckpointUnavailable (exit 3) before any Ray resource is requested."""
+        """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist, GPUs asked
+        of a local Ray on a machine without them, a Ray address where nothing answers), RunDirInUse (a reused
+        run directory) and CheckpointUnavailable (exit 3) before any Ray resource is requested."""
         from elastictrain.preflight import check_job, check_local_gpus
 
         if (self.run_dir / "events.jsonl").exists():
@@ -92,6 +92,7 @@ class Trainer:
             return self._already_finished(plan)
         if plan.run_id != self.config.stable_id:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
+        self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)
@@ -105,7 +106,6 @@ class Trainer:
                     plan=self.config.parallel.plan, steps=self.config.train.steps,
                     global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri,
                     checkpoint_root=plan.root_uri, lineage=plan.lineage, note=plan.note)
-        self._init_ray()
         from elastictrain.controller.controller import Controller
 
         self.controller = Controller(self.config, self.task, events, store=plan.store,
@@ -157,14 +157,23 @@ class Trainer:
         return not ray.is_initialized() and not (self.ray_address or os.environ.get("RAY_ADDRESS"))
 
     def _init_ray(self) -> None:
+        """Connect to the cluster (``--ray-address``/``RAY_ADDRESS``) or start a local Ray. Raises ConfigError
+        when nothing answers at the address (one line, exit 2), instead of Ray's traceback or endless wait."""
         import ray
+
+        from elastictrain.preflight import check_ray_address, unreachable_ray
 
         if ray.is_initialized():
             return
         address = self.ray_address or os.environ.get("RAY_ADDRESS")
         kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
         if address:
-            ray.init(address=address, **kwargs)
+            where = "--ray-address" if self.ray_address else "RAY_ADDRESS"
+            check_ray_address(address, where)
+            try:
+                ray.init(address=address, **kwargs)
+            except ConnectionError as e:  # e.g. `auto` with no Ray running here, or a GCS that does not answer
+                raise ConfigError(unreachable_ray(address, where, str(e).split(". ")[0])) from None
         else:
             w = self.config.workers
             cpus = max(os.cpu_count() or 1, int(w.max * w.cpus_per_worker + 0.999))

@@ -120,6 +120,32 @@ def test_gpus_asked_of_a_local_ray_without_them_is_a_config_error(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing started, no run directory
 
 
+def test_a_ray_address_where_nothing_answers_is_one_config_error_line(tmp_path):
+    """Ray's own connect waits without end for a refused local port; the driver says it at once (exit 2)."""
+    import socket
+
+    from elastictrain.preflight import ray_endpoint
+
+    assert ray_endpoint("10.0.0.1:6379") == ("10.0.0.1", 6379)
+    assert ray_endpoint("ray://head.svc:10001") == ("head.svc", 10001)
+    assert ray_endpoint("[::1]:6379") == ("::1", 6379)
+    assert ray_endpoint("auto") is None and ray_endpoint("local") is None
+    with socket.socket() as s:  # a port nothing listens on: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for extra, address_env, where in ((["--ray-address", f"127.0.0.1:{port}"], None, "--ray-address"),
+                                      ([], f"127.0.0.1:{port}", "RAY_ADDRESS")):
+        run_env = env if address_env is None else {**env, "RAY_ADDRESS": address_env}
+        proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(REPO / "jobs" / "tiny_gpt.yaml"),
+                               "--run-dir", str(tmp_path / "run"), *extra],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, env=run_env)
+        assert proc.returncode == 2, proc.stderr
+        lines = [ln for ln in proc.stderr.strip().splitlines() if "authentication" not in ln]  # Ray's notice
+        assert len(lines) == 1 and f"cannot reach a Ray cluster at '127.0.0.1:{port}' ({where})" in lines[0], lines
+        assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_every_config_key_is_documented():
     from elastictrain.config import JobConfig, _all_keys
 
