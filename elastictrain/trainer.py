@@ -13,9 +13,9 @@ from typing import Any, TextIO
 
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
+from elastictrain.exit_codes import EXIT_OK
 from elastictrain.metrics import RunMetrics
 from elastictrain.task import Task
-from elastictrain.exit_codes import EXIT_OK
 from elastictrain.task_loader import task_from_config
 
 
@@ -154,7 +154,10 @@ class Trainer:
         initialised): what it can place is this machine's, for good."""
         import ray
 
-        return not ray.is_initialized() and not (self.ray_address or os.environ.get("RAY_ADDRESS"))
+        return not ray.is_initialized() and not self._address()
+
+    def _address(self) -> str | None:
+        return self.ray_address or os.environ.get("RAY_ADDRESS")
 
     def _init_ray(self) -> None:
         """Connect to the cluster (``--ray-address``/``RAY_ADDRESS``) or start a local Ray. Raises ConfigError
@@ -165,7 +168,7 @@ class Trainer:
 
         if ray.is_initialized():
             return
-        address = self.ray_address or os.environ.get("RAY_ADDRESS")
+        address = self._address()
         kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
         if address:
             where = "--ray-address" if self.ray_address else "RAY_ADDRESS"
