@@ -83,7 +83,7 @@ class Trainer:
                               "would mix its events with the first's: pass a new --run-dir or leave it out "
                               "(default: runs/<name>-<timestamp>)")
         check_job(self.config, builtin_task=self._builtin_task)
-        if self._private_local_ray():
+        if self.config.workers.use_gpu and self._private_local_ray():  # (only then ask CUDA anything here)
             import torch
 
             check_local_gpus(self.config, torch.cuda.device_count())
