@@ -1,8 +1,11 @@
-"""Checks on the driver before any Ray resource is requested: what can be known to fail on every worker
-is reported once, as a config error (exit 2), instead of as N workers' set-up failures.
+"""Checks on the driver before any Ray resource is requested: what can be known to fail on every worker,
+or to never start, is reported once, as a config error (exit 2), instead of as N workers' set-up failures
+or a wait that cannot end.
 
-Only cheap, local facts are checked (a remote URL is left to the workers: the driver may have no
-credentials for it, and the workers' set-up errors are quoted anyway).
+Only cheap facts are checked: a local data path (a remote data URL is left to the workers: the driver may
+have no credentials for it, and the workers' set-up errors are quoted anyway), the GPUs of this machine
+when the job runs on a local Ray started here, and whether anything answers at the Ray address (one TCP
+connect of at most 5 s).
 """
 
 from __future__ import annotations
