@@ -39,7 +39,7 @@ class ScriptedWorker:
              restore: Any = None) -> int | None:
         return None if restore is None else self.step
 
-    def abort_group(self) -> str:
+    def abort_group(self, member_lost: int | None = None) -> str:
         return "noop"
 
     def sync(self, src: int) -> int:
