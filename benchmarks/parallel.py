@@ -31,14 +31,19 @@ Figures per plan:
   the timed steps (median of 3, max over ranks), shown per step at the default cadence
   (``checkpoint.memory_every_steps``, 10) as a share of the median step time (target <= 5%);
 * time to next step after a kill (``--kill-steps N``, 0 skips it): the framework end to end on a local Ray
-  (``Trainer``, the tiny job's model: 2 layers, d_model 64, the same plan and world size, the peer tier at
+  (``Trainer``, the tiny job of ``jobs/tiny_gpt.yaml``: its model -- 2 layers, d_model 64, seq_len 64 --
+  and its batch -- global 32, micro 8, ``--kill-batch`` -- the same plan and world size, the peer tier at
   its default cadence, workers.min 2): rank 1 SIGKILLed by pid once step N/4 is done (the driver sees
   steps up to ~0.5 s late: at N/2 a fast ddp run could finish before its recovery); from ``os.kill`` to
   the first step completed after the ``recovered`` event (the step's ``finished_at``), with the event's source,
   and in brackets from ``os.kill`` to that event (training resumed: detection, drain, rebuild and restore,
-  without the first step itself, which under fsdp at world 2 costs several ddp steps: its all-gathers and
-  reduce-scatters; the killed rank's replacement starts once the survivors regrouped, and on this 2-core
-  machine its start-up (imports, model build: a whole core for seconds) runs beside that first step).
+  without the first step itself, which under fsdp costs more than a ddp step: every micro-batch all-gathers
+  and reduce-scatters each block; the killed rank's replacement starts once the survivors regrouped, and on
+  this 2-core machine its start-up (imports, model build: a whole core for seconds) runs beside that first
+  step). More accumulation makes that first step dearer: ``--kill-batch 16,2`` (4 micro-batches per rank
+  at world 2, the kill runs' batch before it was the tiny job's) measured fsdp 0.54 s against ddp 0.24 s
+  (2.25x; [0.30] against [0.16] to the ``recovered`` event), where the tiny job's batch measured 0.39 s
+  against 0.25 s (1.56x), same machine, same hour.
   The median of ``--kill-repeats`` runs (default 3; one run varies by +-30% on a shared
   2-core machine), each run's figure listed below the table. This is not the 25M model: the kill column
   measures detection and the recovery path (survivors / peer tier), which the issue bounds on the tiny job
@@ -136,7 +141,7 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
-def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[float, float, str]:
+def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
     """The tiny job under ``plan`` on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns (seconds
     from the kill to the first step completed after recovery, seconds to the ``recovered`` event, the
     recovery source)."""
@@ -152,8 +157,8 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int) -> tuple[fl
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
-    spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64}},
-            "train": {"steps": steps, "global_batch": 16, "micro_batch": 2, "log_every": 10_000},
+    spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
+            "train": {"steps": steps, "global_batch": batch[0], "micro_batch": batch[1], "log_every": 10_000},
             "workers": {"min": 2, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
             "recovery": {"min_workers_wait_s": 240},
             "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
@@ -208,6 +213,7 @@ def main() -> None:
     p.add_argument("--plans", default="ddp,fsdp,hsdp")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
     p.add_argument("--kill-repeats", type=int, default=3, help="kill runs per plan (the median is shown)")
+    p.add_argument("--kill-batch", default="32,8", help="global,micro batch of the kill runs' job (jobs/tiny_gpt.yaml's)")
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -227,7 +233,8 @@ def main() -> None:
                       stall / args.memory_every / step_s, train)
     kills = {}
     for plan in rows if args.kill_steps else ():
-        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps) for _ in range(args.kill_repeats)]
+        batch = tuple(int(x) for x in args.kill_batch.split(","))
+        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps, batch) for _ in range(args.kill_repeats)]
         kills[plan] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
     print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
