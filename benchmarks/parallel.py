@@ -26,7 +26,7 @@ Figures per plan:
   once the warm-up steps were done: model built, optimizer state allocated), which leaves out the one-off
   build (every rank builds the whole seeded model before sharding it unless ``parallel.meta_init``);
 * snapshot stall (peer memory tier): what a rank's step thread pays per snapshot -- building its DCP state
-  dict (``TrainingState.state_dict``) plus ``take_snapshot`` refilling the previous snapshot's host buffers
+  dict (``TrainingState.state_dict``) plus ``take_snapshot`` refilling an earlier snapshot's host buffers
   (the steady state of ``MemoryReplicator.push``; sending runs on a background thread) -- measured after
   the timed steps (median of 3, max over ranks), shown per step at the default cadence
   (``checkpoint.memory_every_steps``, 10) as a share of the median step time (target <= 5%);

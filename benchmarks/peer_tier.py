@@ -59,7 +59,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         step_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        # steady state as in MemoryReplicator: the previous (sent) snapshot's host buffers are refilled
+        # steady state as in MemoryReplicator: an earlier snapshot's host buffers are refilled
         snap = take_snapshot({**app_state(model, opt), "progress": {"step": s + 1}}, rank=0, step=s + 1, reuse=snap)
         stall_s.append(time.perf_counter() - t0)
     step, stall = statistics.median(step_s[1:]), statistics.median(stall_s[1:])

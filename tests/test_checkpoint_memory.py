@@ -63,9 +63,25 @@ def test_actor_replicator_and_reader(ray_local) -> None:
 
     dcp.load(target, storage_reader=SnapshotReader([KeeperSource(keeper, meta, timeout_s=30)]), no_dist=True)
     assert torch.equal(target["model"]["w"], torch.full((1000,), 8.0)) and target["progress"] == {"step": 8}
+    # the rank keeps its newest two itself (a lost keeper's are served from here), each intact
+    own = rep.own()
+    assert [o.meta.step for o in own] == [7, 8]
+    assert [float(o.fetch([("model.w", (0,))])[("model.w", (0,))][0]) for o in own] == [7.0, 8.0]
+    rep.push(9, {"model": {"w": torch.full((1000,), 9.0)}, "progress": {"step": 9}})
+    assert rep.flush(timeout=30)
+    assert [o.meta.step for o in rep.own()] == [8, 9]
+    assert rep.own()[1].data[("model.w", (0,))] is own[0].data[("model.w", (0,))]  # step 7's buffer, refilled
+    assert float(rep.own()[0].data[("model.w", (0,))][0]) == 8.0
+    alone = MemoryReplicator(keeper, rank=2, keep_own=False)  # keeper on the rank's own node: one set of buffers
+    for step in (1, 2):
+        alone.push(step, {"model": {"w": torch.full((10,), float(step))}})
+        assert alone.flush(timeout=30)
+    assert [o.meta.step for o in alone.own()] == [2]
+    alone.close(timeout=30)
     ray.kill(keeper)
-    rep.push(9, {"model": {"w": torch.zeros(10)}})
+    rep.reports()
+    rep.push(10, {"model": {"w": torch.zeros(10)}})
     assert rep.flush(timeout=60)
     (dead,) = rep.reports()["results"]
-    assert not dead.accepted and "to its keeper failed" in dead.reason and dead.step == 9
+    assert not dead.accepted and "to its keeper failed" in dead.reason and dead.step == 10
     rep.close(timeout=30)

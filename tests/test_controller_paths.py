@@ -42,6 +42,9 @@ class ScriptedWorker:
     def abort_group(self, member_lost: int | None = None) -> str:
         return "noop"
 
+    def own_snapshots(self) -> list:
+        return []
+
     def sync(self, src: int) -> int:
         return self.step
 

@@ -86,6 +86,43 @@ def test_node_removed_with_its_ranks_and_keeper(tmp_path, cluster):
     assert run.summary["final_step"] == 60 and run.result.exit_code == 0
 
 
+def test_fsdp_node_lost_with_the_keeper_of_the_survivors_snapshots_recovers_from_memory(tmp_path, cluster):
+    """fsdp on two nodes (a rank each; the head, with no CPUs, keeps snapshots too). The node removed hosts
+    one rank and the keeper that held the other rank's snapshots: the keepers alone no longer cover any
+    step, and with no durable checkpoint the run would start over. The survivor still holds its own newest
+    snapshot (``Worker.own_snapshots``): with the lost rank's on the head's keeper it covers the state, so
+    the source is the memory tier, lost work <= two intervals, and the run finishes with every sample once
+    per step."""
+    import ray
+
+    from elastictrain.checkpoint import keeper_ring
+
+    c, nodes = cluster
+    spec = job(train={"steps": 40, "audit_samples": True}, faults=SLOW, parallel={"plan": "fsdp"},
+               checkpoint={"memory_every_steps": 2}, recovery={"min_workers_wait_s": 240},
+               timeouts={**job()["timeouts"], "watchdog_floor_s": 10})
+    bg = BackgroundRun(tmp_path, spec, name="fsdp-node")
+    started = {r: bg.wait_for(lambda e, r=r: e["event"] == "worker_started" and e["rank"] == r, timeout=180)
+               for r in (0, 1)}
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+    ranks_nodes = [started[r]["node_id"] for r in (0, 1)]
+    keeps = keeper_ring(ranks_nodes, [n["NodeID"] for n in ray.nodes() if n.get("Alive")])
+    # the victim: the rank whose node keeps the other rank's snapshots (one of the two always does)
+    victim = 1 if keeps[0] == ranks_nodes[1] else 0
+    assert keeps[1 - victim] == ranks_nodes[victim], (ranks_nodes, keeps)
+    c.remove_node(node_of(nodes, ranks_nodes[victim]))
+    run = bg.finish(timeout=480)
+    assert [f["kind"] for f in run.of("failure")] == ["node_lost"], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 4, rec
+    assert not [e for e in run.of("worker_lost") if e.get("step") == 0], "restarted from scratch"
+    assert run.summary["final_step"] == 40 and run.result.exit_code == 0
+    seen: dict[int, list[int]] = {}  # a step redone after the restore saw the same samples both times
+    for e in run.of("step"):
+        assert seen.setdefault(e["step"], sorted(e["sample_ids"])) == sorted(e["sample_ids"]), e["step"]
+    assert sorted(seen) == list(range(1, 41))
+
+
 def test_survivor_serves_its_snapshot_and_a_joiner_loads_it(ray_local):
     """The survivor-as-source path of sharded layouts, worker side: ``hold_snapshot`` + ``fetch`` on one
     worker, ``load_peer`` through the DCP reader on another (here in one process, no group)."""

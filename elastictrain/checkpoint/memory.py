@@ -188,16 +188,24 @@ class MemoryReplicator:
     complete, so the caller may mutate them right away; a copy from CUDA tensors is queued, and the step
     loop waits for it before its optimizer step) and hands the snapshot to a sender thread, which waits
     for the copy before sending. At most one snapshot waits: a newer push replaces an older one not yet
-    sent. :meth:`reports` returns what the keeper said (and the stall seconds) since the last call;
-    :meth:`close` stops the thread.
+    sent. With ``keep_own`` (the keeper is on another node) the newest two snapshots taken stay in this
+    rank's memory too (:meth:`own`): a node lost with its keeper takes the snapshots it kept for other
+    nodes' ranks, and those ranks serve their own instead (two, like the keeper: the lost rank's newest may
+    not have reached its keeper). A push refills the host buffers of the older one (steady state: a plain
+    copy into memory already faulted in); without ``keep_own``, those of the newest once it is sent (one
+    set of host buffers, as the rank's copies would die with the keeper's node anyway).
+    :meth:`reports` returns what the keeper said (and the stall seconds) since the last call; :meth:`close`
+    stops the thread.
     """
 
-    def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0) -> None:
+    def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0,
+                 keep_own: bool = True) -> None:
         self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
+        self._keep = 2 if keep_own else 1
         self._cv = threading.Condition()
         self._next: Snapshot | None = None
-        self._spare: Snapshot | None = None  # a sent snapshot whose host buffers the next push refills
-        self._busy = False
+        self._sending: Snapshot | None = None
+        self._own: list[Snapshot] = []  # the newest ``_keep`` taken, oldest first (waiting, in flight or sent)
         self._closed = False
         self._results: list[PutResult] = []
         self.stall_s = 0.0
@@ -208,15 +216,24 @@ class MemoryReplicator:
     def push(self, step: int, state_dict: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         with self._cv:
-            spare, self._spare = self._spare, None
-        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=spare)
+            reuse = None
+            if len(self._own) == self._keep:  # the oldest drops out now; its buffers are refilled unless in flight
+                old = self._own.pop(0)
+                reuse = None if old is self._sending or old is self._next else old
+        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=reuse)
         with self._cv:
             self.stall_s += time.perf_counter() - t0
             self.snapshots += 1
-            if self._next is not None:  # replaced before it was sent: its buffers are free again
-                self._spare = self._next
-            self._next = snap
+            self._next = snap  # replaces one not sent yet (still one of this rank's own two)
+            self._own.append(snap)
             self._cv.notify_all()
+
+    def own(self) -> list[Snapshot]:
+        """This rank's newest two snapshots (with ``keep_own``; else the newest), oldest first, whatever its
+        keeper did with them (served to the next generation by ``Worker.fetch``). Read them only while no
+        step runs: a push refills the oldest."""
+        with self._cv:
+            return list(self._own)
 
     def _send_loop(self) -> None:
         while True:
@@ -225,7 +242,7 @@ class MemoryReplicator:
                     self._cv.wait()
                 if self._next is None:
                     return
-                snap, self._next, self._busy = self._next, None, True
+                snap, self._next, self._sending = self._next, None, self._next
             try:
                 result = ray.get(self._keeper.put.remote(snap), timeout=self._timeout_s)
             except Exception as e:  # noqa: BLE001 - keeper died or timed out: a lost replica, not a failed step
@@ -234,14 +251,13 @@ class MemoryReplicator:
                                    rank=snap.meta.rank)
             with self._cv:
                 self._results.append(result)
-                self._busy = False
-                self._spare = snap  # sent (the keeper holds its own copy): reuse its buffers next time
+                self._sending = None
                 self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing waits or is being sent (a condition, not a sleep). False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._next is None and not self._busy, timeout=timeout)
+            return self._cv.wait_for(lambda: self._next is None and self._sending is None, timeout=timeout)
 
     def reports(self) -> dict[str, Any]:
         """Results and stall since the last call: ``{"results": [PutResult], "stall_s", "snapshots"}``."""

@@ -316,14 +316,17 @@ class Controller(WorkerMonitor):
             self.keepers[node] = ShardKeeper.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
 
-    def _keepers_for(self, chosen: list[Slot]) -> list[Any]:
-        """Each member's keeper: on the next node in the ring, never its own unless it is alone."""
+    def _keepers_for(self, chosen: list[Slot]) -> list[tuple[Any, bool]]:
+        """Each member's keeper -- on the next node in the ring, never its own unless it is alone -- and
+        whether it is on another node (then the member keeps its own newest snapshots too: they outlive
+        that keeper's node; on its own node they would die with it, and add nothing)."""
         if not self.keepers:
-            return [None] * len(chosen)
+            return [(None, False)] * len(chosen)
         from elastictrain.checkpoint import keeper_ring
 
-        nodes = keeper_ring([str(s.info.get("node_id")) for s in chosen], list(self.keepers))
-        return [self.keepers.get(n) if n else None for n in nodes]
+        own = [str(s.info.get("node_id")) for s in chosen]
+        nodes = keeper_ring(own, list(self.keepers))
+        return [(self.keepers.get(n) if n else None, n is not None and n != o) for n, o in zip(nodes, own)]
 
     def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
         """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused or
@@ -335,12 +338,16 @@ class Controller(WorkerMonitor):
             self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
                              reason=r["reason"])
 
-    def _peer_tier(self) -> dict[int, tuple[bool, list[Any]]]:
-        """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest)."""
+    def _peer_tier(self, holders: list[Slot] = ()) -> dict[int, tuple[bool, list[Any]]]:
+        """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest).
+        The keepers' snapshots first, then ``holders``' own copies of theirs (live members of the failed
+        generation, ``Worker.own_snapshots``): a node lost with its keeper takes the snapshots it kept for
+        the ranks of another node, which still hold them."""
         from elastictrain.checkpoint import KeeperSource
         from elastictrain.checkpoint.memory_dcp import coverage
 
         groups: dict[tuple[int, int], list[Any]] = {}
+        own = [(s, s.actor.own_snapshots.remote()) for s in holders if s.actor is not None]
         gen, asked = self._early_catalogs
         self._early_catalogs = (None, {})
         if gen != self.generation:  # asked for an earlier generation's recovery: stale
@@ -355,6 +362,15 @@ class Controller(WorkerMonitor):
             for m in metas:
                 groups.setdefault((m.step, m.generation), []).append(
                     KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s, batched=True))
+        for slot, ref in own:
+            try:
+                metas = ray.get(ref, timeout=self.config.timeouts.poll_s)
+            except Exception as e:  # noqa: BLE001 - a survivor that died since: the next recovery finds it
+                log.warning("peer memory tier: slot %s's own snapshots unavailable: %s", slot.index, e)
+                continue
+            for m in metas:
+                groups.setdefault((m.step, m.generation), []).append(
+                    KeeperSource(slot.actor, m, timeout_s=self.config.timeouts.restart_grace_s))
         out: dict[int, tuple[bool, list[Any]]] = {}
         for (step, _gen), srcs in sorted(groups.items(), reverse=True):
             complete = coverage([x.meta for x in srcs]).complete
@@ -397,7 +413,7 @@ class Controller(WorkerMonitor):
         args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.recovery_last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind != "peer":
-            tier = self._peer_tier()
+            tier = self._peer_tier(members)
             manifest = None
             if self.store is not None:
                 # commits run on their own thread: let queued ones land before asking storage (bounded)
@@ -518,7 +534,8 @@ class Controller(WorkerMonitor):
             self._start_keepers()
             keepers = self._keepers_for(chosen)
             try:
-                ray.get([s.actor.attach_keeper.remote(k) for s, k in zip(chosen, keepers)], timeout=t.poll_s)
+                ray.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
+                        timeout=t.poll_s)
             except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
                                  f"generation {gen} failed: {describe_remote_error(e)}")

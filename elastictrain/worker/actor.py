@@ -376,16 +376,18 @@ class Worker:
         optimizer shards, step and data cursor)."""
         return self.runner.state.state_dict()
 
-    def attach_keeper(self, keeper: Any) -> None:
+    def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
         """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
-        ``None`` turns the tier off. Call after ``join`` (snapshots carry this generation and rank)."""
+        ``None`` turns the tier off. ``elsewhere``: the keeper is on another node, so this rank keeps its
+        own newest two snapshots too (``MemoryReplicator``'s ``keep_own``). Call after ``join`` (snapshots
+        carry this generation and rank)."""
         from elastictrain.checkpoint import MemoryReplicator
 
         self._close_replicator(timeout=0)
         if keeper is not None:
             r = self.runner
             self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
-                                                timeout_s=self.config.timeouts.poll_s)
+                                                timeout_s=self.config.timeouts.poll_s, keep_own=elsewhere)
 
     def _close_replicator(self, timeout: float | None) -> None:
         if self._replicator is not None:
@@ -416,14 +418,24 @@ class Worker:
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
         return self._held.meta
 
+    def own_snapshots(self) -> list[Any]:
+        """The ``SnapshotMeta``s of this rank's newest two peer-tier snapshots, which it keeps in its own
+        memory too (``MemoryReplicator.own``). The controller adds them to the tier's sources: a node lost
+        with its keeper takes the snapshots it kept for other nodes' ranks, and a survivor still holds its
+        own. Not on the state thread: answers while a step fails or a load runs."""
+        rep = self._replicator
+        return [] if rep is None else [snap.meta for snap in rep.own()]
+
     def fetch(self, generation: int, rank: int, step: int, keys: list[Any]) -> Any:
-        """Chunks of the snapshot kept by :meth:`hold_snapshot`, packed (same contract as ``ShardKeeper.fetch``)."""
+        """Chunks of the snapshot kept by :meth:`hold_snapshot`, or of one of this rank's own peer-tier
+        snapshots (:meth:`own_snapshots`), packed (same contract as ``ShardKeeper.fetch``)."""
         from elastictrain.checkpoint.memory_dcp import pack
 
-        held = self._held
-        if held is None or (held.meta.generation, held.meta.rank, held.meta.step) != (generation, rank, step):
-            raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
-        return pack(held.fetch(keys))
+        rep = self._replicator
+        for held in [self._held, *([] if rep is None else rep.own())]:
+            if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (generation, rank, step):
+                return pack(held.fetch(keys))
+        raise KeyError(f"slot {self.slot} holds no snapshot of rank {rank} step {step} (generation {generation})")
 
     @_on_state_thread
     def load_peer(self, sources: list[Any]) -> int:
