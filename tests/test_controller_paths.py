@@ -39,7 +39,7 @@ class ScriptedWorker:
              restore: Any = None) -> int | None:
         return None if restore is None else self.step
 
-    def abort_group(self, member_lost: int | None = None) -> str:
+    def abort_group(self) -> str:
         return "noop"
 
     def own_snapshots(self) -> list:

@@ -164,36 +164,3 @@ def coverage_complete(metas) -> bool:
     from elastictrain.checkpoint.memory_dcp import coverage
 
     return coverage(metas).complete
-
-
-@pytest.mark.parametrize("told", [False, True])
-def test_a_survivor_snapshots_its_shards_unless_told_a_member_of_an_unreplicated_mesh_is_lost(told):
-    """A survivor letting go of a broken fsdp step keeps a snapshot to serve the next generation, except
-    when the controller has said this generation lost a member (``abort_group``): with no replicas no set
-    of survivors covers the state then, so the snapshot would only delay waking the peers. One worker in
-    this process, a real (world-size-1) gloo group and fsdp mesh."""
-    import torch.distributed as dist
-
-    from elastictrain import build_config
-    from elastictrain.task import builtin_task
-    from elastictrain.worker.actor import Worker
-
-    config = build_config(job(parallel={"plan": "fsdp"}))
-    w = Worker(config, builtin_task(config), 0)
-    w.setup()
-    host, port = w.open_store(1)
-    try:
-        w.join(1, 0, 1, host, port)
-        w.sync(0)
-        w.runner.step = 3
-        w.abort_group(1 if told else None)  # gloo: nothing to abort, the notice is kept
-        w._release_groups()
-        assert w.runner.model is None and not dist.is_initialized()  # let go of either way
-        if told:
-            assert w._held is None
-            with pytest.raises(RuntimeError, match="holds no snapshot"):
-                w.hold_snapshot()
-        else:
-            assert w.hold_snapshot().step == 3  # the one taken at the release
-    finally:
-        w.shutdown()

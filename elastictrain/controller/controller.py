@@ -197,7 +197,7 @@ class Controller(WorkerMonitor):
     def _recovering(self) -> None:
         killed = self._kill_failed()
         if killed:
-            self._abort_survivors(member_lost=any(f.rank is not None for f, _, _ in killed))
+            self._abort_survivors()
             self._ask_peer_tier()
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
@@ -214,15 +214,12 @@ class Controller(WorkerMonitor):
             if not self.sm.terminal:
                 self._start_replacements()
 
-    def _abort_survivors(self, member_lost: bool = True) -> None:
-        """A worker died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
-        under a sharded layout their shards no longer make a whole state (restored from a reader).
-        ``member_lost``: one of the dead held a rank of this generation (the survivors then know their
-        shards cannot cover the state unless replicated: see ``Worker.abort_group``)."""
+    def _abort_survivors(self) -> None:
+        """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
-        lost = self.generation if member_lost else None
         for s in survivors:
-            s.actor.abort_group.remote(lost)
+            s.actor.abort_group.remote()
         if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:
                 s.has_state = False

@@ -103,7 +103,6 @@ class Worker:
         self._log = configure_worker_logging(slot)  # one line each, "[rank r/w slot s gen g]" prefixed
         self._memory_reports: list[dict[str, Any]] = []
         self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
-        self._member_lost: int | None = None  # a generation the controller said lost a member (abort_group)
 
     # ------------------------------------------------------------------ life cycle
     @_on_state_thread
@@ -200,14 +199,8 @@ class Worker:
         self.runner.uninitialized = False
         return step
 
-    def abort_group(self, member_lost: int | None = None) -> str:
+    def abort_group(self) -> str:
         """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
-        ``member_lost``: the generation that lost a member (None: the dead held no rank of it). Under a
-        layout without replicas (fsdp: ``dp_replicate == 1``) the survivors of that generation can then
-        never cover the state, so a survivor whose step broke skips snapshotting its shards before letting
-        go of them (``_release_groups``: measured 10-17 ms of the tiny job's 40 ms release on a 2-core
-        machine, on the path that wakes a peer blocked behind this rank). Set from this method's thread;
-        the state thread reads it. A notice that comes after the release has started changes nothing.
         NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
         instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
         fail gloo's collectives with it, ``ProcessGroupGloo.abort`` does not wake a blocked collective, and
@@ -216,7 +209,6 @@ class Worker:
         (``_release_groups``). Returns what was done. Checked on one GPU (abort, then a new generation
         trains on: ``tests/test_gpu.py``); a live rank blocked in an NCCL collective on a dead one needs
         two GPUs and has not run."""
-        self._member_lost = member_lost
         if not dist.is_initialized() or not self.config.workers.use_gpu:
             return "noop"
         try:
@@ -292,9 +284,7 @@ class Worker:
         close when the group object is destroyed, which needs every reference gone: the DDP wrapper, the
         step's stats handle, the writer's group, the mesh and DTensor's caches and, under a sharded layout,
         the model and optimizer -- after snapshotting this rank's shards (served by ``hold_snapshot`` /
-        ``fetch``: parameters and optimizer state of its last completed step), unless the controller said
-        this generation lost a member and the layout has no replicas (``abort_group``: no set of survivors
-        can cover the state then, the peer tier or the checkpoint serves it). A replicated model is kept:
+        ``fetch``: parameters and optimizer state of its last completed step). A replicated model is kept:
         it is this rank's whole state. If a reference lingers, nothing breaks: the blocked peer waits for
         its timeout as before."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
@@ -308,12 +298,11 @@ class Worker:
             gc.collect()
             return
         r = self.runner
-        self._held = None
-        if self._member_lost != r.generation or r.layout.dims.dp_replicate > 1:  # else it can serve no one
-            try:
-                self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
-            except Exception as e:  # noqa: BLE001 - no snapshot: the controller finds another source
-                self._log.warning("could not snapshot the state after the failed step: %s", one_line(e))
+        try:
+            self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        except Exception as e:  # noqa: BLE001 - no snapshot: the controller finds another source
+            self._log.warning("could not snapshot the state after the failed step: %s", one_line(e))
+            self._held = None
         self._leave_group()
         r.release()
         forget_earlier_meshes()
