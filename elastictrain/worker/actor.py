@@ -408,10 +408,11 @@ class Worker:
         return self._held.meta
 
     def own_snapshots(self) -> list[Any]:
-        """The ``SnapshotMeta``s of this rank's newest two peer-tier snapshots, which it keeps in its own
-        memory too (``MemoryReplicator.own``). The controller adds them to the tier's sources: a node lost
-        with its keeper takes the snapshots it kept for other nodes' ranks, and a survivor still holds its
-        own. Not on the state thread: answers while a step fails or a load runs."""
+        """The ``SnapshotMeta``s of this rank's newest two peer-tier snapshots (the newest where its keeper
+        shares its node), which it keeps in its own memory too (``MemoryReplicator.own``). The controller
+        adds them to the tier's sources: a node lost with its keeper takes the snapshots it kept for other
+        nodes' ranks, and a survivor still holds its own. Not on the state thread: answers while a step
+        fails or a load runs."""
         rep = self._replicator
         return [] if rep is None else [snap.meta for snap in rep.own()]
 
