@@ -11,10 +11,10 @@ batch, data and seed for every plan.
 
 Why not the 25M the issue names as a floor: there the part no layout shards is half of ddp's peak.
 Measured per process (4 ranks, 25.5M parameters, ``--layers 8``): 309 MiB once torch, DTensor/FSDP and
-the data code are imported (the baseline before the model is built), 36 MiB of dataset and ~37 MiB of
+the data code are imported (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
 activations at the end of the forward (micro batch 2); ddp adds 408 MiB of state (peak 794 MiB), fsdp
 102 MiB of sharded state and ~48 MiB of FSDP2's per-block buffers (peak 546 MiB, 0.69x). Even with no
-per-block buffers at all fsdp would sit at (309 + 36 + 37 + 102) / 794 = 0.61x, so at 25M the figure
+per-block buffers at all fsdp would sit at (309 + 35 + 37 + 102) / 794 = 0.61x, so at 25M the figure
 measures the runtime, not sharding. At 50.7M: ddp 1213 MiB, fsdp 678 MiB, 0.56x (same machine, same run
 settings); a bigger model moves the ratio further towards 0.25x plus the fixed part.
 
