@@ -214,7 +214,8 @@ def main() -> None:
     p.add_argument("--plans", default="ddp,fsdp,hsdp")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
     p.add_argument("--kill-repeats", type=int, default=5, help="kill runs per plan (the median is shown)")
-    p.add_argument("--kill-batch", default="32,8", help="global,micro batch of the kill runs' job (jobs/tiny_gpt.yaml's)")
+    p.add_argument("--kill-batch", default=(32, 8), type=lambda v: tuple(int(x) for x in v.split(",", 1)),
+                   help="global,micro batch of the kill runs' job (default 32,8: jobs/tiny_gpt.yaml's)")
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     args = p.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -234,8 +235,8 @@ def main() -> None:
                       stall / args.memory_every / step_s, train)
     kills = {}
     for plan in rows if args.kill_steps else ():
-        batch = tuple(int(x) for x in args.kill_batch.split(","))
-        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps, batch) for _ in range(args.kill_repeats)]
+        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps, args.kill_batch)
+                for _ in range(args.kill_repeats)]
         kills[plan] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
     print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
