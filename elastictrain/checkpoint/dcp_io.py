@@ -4,8 +4,9 @@
 The writer plugs a :class:`HashingFileSystem` (a DCP ``FileSystemBase`` over fsspec) into DCP's stock
 ``FileSystemWriter``, so DCP keeps doing planning, dedup of replicated tensors and the file layout, while
 every stream it opens is wrapped: SHA-256 and size are computed on the fly (no read-back) and recorded per
-file. Local/Lustre files are fsync'ed on close (we run DCP with ``sync_files=False`` because its fallback for
-streams without a file descriptor is a machine-wide ``os.sync()``).
+file. Local/Lustre files are written back to disk while being written, fsync'ed on close and then dropped
+from the page cache (:mod:`elastictrain.checkpoint.write_behind`; we run DCP with ``sync_files=False``
+because its fallback for streams without a file descriptor is a machine-wide ``os.sync()``).
 
 On S3 there are two ways to get a stream's bytes out (``s3_mode``):
 * ``"buffer"`` (default): keep the file in memory and upload it on close with ``fs.pipe``, which for large
@@ -34,6 +35,7 @@ from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.manifest import FileInfo
 from elastictrain.checkpoint.safe_metadata import loads_metadata
+from elastictrain.checkpoint.write_behind import WriteBehindFile
 
 S3Mode = Literal["buffer", "stream"]
 
@@ -133,14 +135,8 @@ class HashingFileSystem(FileSystemBase):
     @contextmanager
     def _write_stream(self, path: str) -> Generator[tuple[_HashingStream, Any], None, None]:
         if self._local:
-            with open(path, "wb", buffering=4 * 2**20) as f:
-                hashing = _HashingStream(f, self._hasher)
-
-                def finish() -> None:
-                    f.flush()
-                    os.fsync(f.fileno())
-
-                yield hashing, finish
+            with WriteBehindFile(path) as f:  # written back while writing, fsync'ed and dropped at the end
+                yield _HashingStream(f, self._hasher), f.finish
         elif self.s3_mode == "stream":
             with self.fs.open(path, "wb") as f:
                 yield _HashingStream(f, self._hasher), lambda: None
