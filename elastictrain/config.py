@@ -111,6 +111,8 @@ class WorkersConfig(_Section):
     min: int = Field(1, ge=1)
     max: int = Field(2, ge=1)
     spares: int = Field(0, ge=0, description="pre-started standby workers that replace a failed one at once")
+    standby: bool = Field(True, description="after a first replacement, keep one worker process started ahead "
+                                            "(imports done, no resources) for the next one (CPU workers)")
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

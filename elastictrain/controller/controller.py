@@ -515,7 +515,7 @@ class Controller(WorkerMonitor):
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"),
-                                 device=s.info.get("device"))
+                                 device=s.info.get("device"), standby=s.info.get("standby", False))
         self.world_size = world
         self.generation_started_at, self.generation_start_step = time.time(), steps[0]
         accum = layout.accum

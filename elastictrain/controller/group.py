@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.config import JobConfig
@@ -74,9 +74,16 @@ class Slot:
     rank: int | None = None
     started_at: float = 0.0
     incarnation: int = 0
+    from_standby: bool = False  # this incarnation runs in the standby process started ahead
 
 
 class WorkerGroup:
+    # A worker process started ahead (``workers.standby``): its imports are done and it has no slot yet; the
+    # next spawn on its node takes it (set-up only) instead of starting a process. Class-level defaults so
+    # that a subclass with an __init__ of its own (tests' fake groups) has none.
+    _standby: Any = None
+    _standby_probe: Any = None  # its node id, once the process is up (an ObjectRef)
+
     def __init__(self, config: JobConfig, task: Task) -> None:
         self.config = config
         self.task = task
@@ -136,20 +143,71 @@ class WorkerGroup:
         return True
 
     def spawn(self, index: int) -> Slot:
-        """Start a (new) actor in slot ``index`` and its set-up. Non-blocking."""
+        """Start a (new) actor in slot ``index`` and its set-up. Non-blocking. A standby process on the
+        slot's node takes the place if there is one (``slot.info['standby']`` says so once set up)."""
         slot = self.slots[index]
         w = self.config.workers
-        slot.actor = self._actor_cls.options(
-            num_cpus=w.cpus_per_worker, num_gpus=1 if w.use_gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._placement[index][0], placement_group_bundle_index=self._placement[index][1]),
-            max_restarts=0, max_task_retries=0,
-        ).remote(self.config, self.task, index)
-        slot.setup_ref = slot.actor.setup.remote()
+        actor = self._take_standby(index)
+        slot.from_standby = actor is not None
+        if actor is None:
+            actor = self._actor_cls.options(
+                num_cpus=w.cpus_per_worker, num_gpus=1 if w.use_gpu else 0,
+                scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
+            ).remote(self.config, self.task, index)
+        slot.actor = actor
+        slot.setup_ref = slot.actor.setup.remote(index)
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         slot.started_at = time.time()
         slot.incarnation += 1
         return slot
+
+    def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        pg, bundle = self._placement[index]
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+
+    def _bundle_node(self, index: int) -> str | None:
+        pg, bundle = self._placement[index]
+        try:
+            return placement_group_table(pg).get("bundles_to_node_id", {}).get(bundle)
+        except Exception:  # noqa: BLE001 - unknown: the standby is not used
+            return None
+
+    def _start_standby(self, index: int) -> None:
+        """Start a standby process on the node of slot ``index``'s bundle. It asks for no resources (the
+        slot it will take holds them) and does nothing until :meth:`spawn` hands it a slot. CPU workers
+        only: a process started without a GPU cannot take one later."""
+        w = self.config.workers
+        if not w.standby or w.use_gpu or self._standby is not None:
+            return
+        self._standby = self._actor_cls.options(
+            num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
+        ).remote(self.config, self.task, -1)
+        self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+
+    def _take_standby(self, index: int) -> Any:
+        """The standby process for slot ``index``, if one is up (imports done) on that slot's node."""
+        if self._standby is None:
+            return None
+        done, _ = ray.wait([self._standby_probe], timeout=0)
+        if not done:  # still importing: a process of its own starts no later
+            return None
+        try:
+            node = ray.get(self._standby_probe)
+        except Exception:  # noqa: BLE001 - it died (its node went): start another later
+            self._drop_standby()
+            return None
+        if node != self._bundle_node(index):
+            return None
+        actor, self._standby, self._standby_probe = self._standby, None, None
+        return actor
+
+    def _drop_standby(self) -> None:
+        if self._standby is not None:
+            try:
+                ray.kill(self._standby, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._standby, self._standby_probe = None, None
 
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
@@ -164,7 +222,10 @@ class WorkerGroup:
             slot.setup_ref = None
             try:
                 slot.info = ray.get(ref)
+                slot.info["standby"] = slot.from_standby
                 slot.state = SlotState.READY
+                if slot.incarnation > 1:  # a replacement is up: have a process ready for the next one
+                    self._start_standby(slot.index)
             except Exception as e:  # noqa: BLE001 - set-up error becomes a slot failure
                 slot.info = {"error": describe_remote_error(e)}
                 self.kill(slot)
@@ -207,6 +268,7 @@ class WorkerGroup:
         return sorted(self.by_state(SlotState.MEMBER), key=lambda s: s.rank)
 
     def shutdown(self) -> None:
+        self._drop_standby()
         for slot in self.slots:
             if slot.actor is not None and slot.state in (SlotState.MEMBER, SlotState.READY):
                 try:

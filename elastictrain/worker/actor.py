@@ -106,9 +106,13 @@ class Worker:
 
     # ------------------------------------------------------------------ life cycle
     @_on_state_thread
-    def setup(self) -> dict[str, Any]:
-        """The slow start-up (imports, model build, dataset): done while the others keep training."""
+    def setup(self, slot: int | None = None) -> dict[str, Any]:
+        """The slow start-up (imports, model build, dataset): done while the others keep training. ``slot``:
+        the slot this process takes (a standby started ahead was created without one)."""
         t0 = time.perf_counter()
+        if slot is not None and slot != self.slot:
+            self.slot = slot
+            self._log = configure_worker_logging(slot)
         _freeze_imported_objects()
         threads = max(1, int(self.config.workers.cpus_per_worker))
         torch.set_num_threads(threads)
