@@ -17,7 +17,9 @@ redoes (0 to ``ckpt_every - 1``). Besides the measured figures, Ray Train's row 
 over a uniformly random kill: ``(ckpt_every - 1) / 2`` lost steps and the time to next step adjusted by
 ``(expected - measured lost steps) x median step time``.
 C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interval_s`` over a ~100 s run,
-   compared with a failure-free run of the same steps.
+   compared with a failure-free run of the same steps (``--chaos-ckpt-every``: both with checkpoints).
+   Per kill it also reports death -> the replacement's first step: from the kill to the first step
+   completed at full size again.
 
 Metrics, the same definitions for both systems:
 
@@ -36,11 +38,15 @@ Usage::
 
     python benchmarks/recovery.py            # full run, about 8-10 minutes on an idle 2-core machine
     python benchmarks/recovery.py --quick    # smoke run, about 3-4 minutes
+    # endurance under churn (issue #21 item 13): a kill every 15 s over ~100 s, a checkpoint every 20 steps;
+    # C's rows give goodput and, per kill, death_to_replacement_first_step_s_each
+    python benchmarks/recovery.py --only C --chaos-interval 15 --chaos-ckpt-every 20
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -82,6 +88,7 @@ class Plan:
     ckpt_every: int = 10
     chaos_s: float = 100.0
     chaos_interval_s: float = 20.0
+    chaos_ckpt_every: int = 0  # scenario C: a checkpoint every this many steps (0: none)
 
     @classmethod
     def quick(cls) -> Plan:
@@ -90,7 +97,7 @@ class Plan:
     def with_random_kill(self, seed: int) -> Plan:
         """The same plan with ``kill_step`` drawn uniformly from ``[steps/4, steps/2]``."""
         k = random.Random(seed).randint(self.steps // 4, self.steps // 2)
-        return Plan(self.steps, k, self.ckpt_every, self.chaos_s, self.chaos_interval_s)
+        return dataclasses.replace(self, kill_step=k)
 
 
 @dataclass
@@ -466,12 +473,15 @@ def scenario_chaos(plan: Plan, base: Path, step_s: float) -> list[Outcome]:
     compare with a failure-free run of the same steps: once shrinking while a replacement starts (the
     default), once with a pre-started spare (``workers.spares=1``) that takes the place at once."""
     n_steps = max(plan.kill_step, round(plan.chaos_s / step_s))
-    free = run_elastictrain(job_config(plan, n_steps), base / "et-free")
+    every = plan.chaos_ckpt_every
+    ck = (lambda name: base / name / "ckpt") if every else (lambda name: None)
+    cplan = dataclasses.replace(plan, ckpt_every=every or plan.ckpt_every)
+    free = run_elastictrain(job_config(cplan, n_steps, ckpt_dir=ck("et-free")), base / "et-free")
     outcomes = []
     for spares in (0, 1):
         kills: list[float] = []
         name = f"et-chaos-spares{spares}"
-        chaos = run_elastictrain(job_config(plan, n_steps, spares=spares), base / name,
+        chaos = run_elastictrain(job_config(cplan, n_steps, spares=spares, ckpt_dir=ck(name)), base / name,
                                  lambda tail: _chaos_killer(tail, plan.chaos_interval_s, kills))
         outcomes.append(chaos_outcome(n_steps, free, chaos, kills, base, name, spares))
     return outcomes
@@ -511,6 +521,18 @@ def _degraded_spans(records: list[Record]) -> list[float]:
     return spans
 
 
+def back_to_full_size(records: list[Record], t_kill: float) -> float | None:
+    """Seconds from ``t_kill`` to the first step completed at full size after it: death -> the
+    replacement's first step (it joins when the world is back to ``WORKERS``). None: no step completed at
+    full size before the next kill (a replacement slower than the kill interval)."""
+    i = next((i for i, r in enumerate(records) if r["event"] == "generation_started" and r["time"] >= t_kill
+              and r["world_size"] == WORKERS and r["reason"] != "start"), None)
+    if i is None:
+        return None
+    first = next((r for r in records[i:] if r["event"] == "step" and r["world_size"] == WORKERS), None)
+    return None if first is None else round(_t(first) - t_kill, 3)
+
+
 def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: list[float],
                   base: Path, name: str, spares: int) -> Outcome:
     nexts, lost = [], []
@@ -526,6 +548,7 @@ def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: 
         f"elastictrain chaos (spares={spares})", max(nexts) if nexts else None, sum(lost), _window(free) / _window(chaos),
         {"steps": n_steps, "kills": len(kills), "time_to_next_step_each_s": [round(x, 3) for x in nexts],
          "lost_steps_each": lost, "world1_s_each": _degraded_spans(chaos),
+         "death_to_replacement_first_step_s_each": [back_to_full_size(chaos, t) for t in kills],
          "replacement_setup_s_each": [round(r["setup_s"], 2) for r in chaos
                                       if r["event"] == "worker_started" and r["generation"] > 0],
          "window_free_s": round(_window(free), 2),
@@ -582,9 +605,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["A", "B", "C"], action="append", help="run only these scenarios")
     p.add_argument("--verbose", action="store_true", help="show worker logs")
     p.add_argument("--kill-seed", type=int, default=None, help="seed of the random kill step (default: random)")
+    p.add_argument("--chaos-interval", type=float, default=None, help="scenario C: seconds between kills")
+    p.add_argument("--chaos-s", type=float, default=None, help="scenario C: seconds of training (about)")
+    p.add_argument("--chaos-ckpt-every", type=int, default=0, help="scenario C: a checkpoint every N steps")
     args = p.parse_args(argv)
     seed = args.kill_seed if args.kill_seed is not None else random.SystemRandom().randrange(1 << 30)
     plan = (Plan.quick() if args.quick else Plan()).with_random_kill(seed)
+    plan = dataclasses.replace(plan, chaos_ckpt_every=args.chaos_ckpt_every,
+                               chaos_interval_s=args.chaos_interval or plan.chaos_interval_s,
+                               chaos_s=args.chaos_s or plan.chaos_s)
     print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every {plan.ckpt_every} "
           "steps on both sides in the checkpointed rows", flush=True)
     out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
@@ -596,8 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     # address="local": always a private instance, never a cluster another process started on this machine
+    from elastictrain.trainer import local_ray_system_config
+
+    # the system config `elastictrain run` gives its own local Ray (worker processes preload their imports)
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=args.verbose)
+             log_to_driver=args.verbose, _system_config=local_ray_system_config())
     outcomes: list[Outcome] = []
     load_before = os.getloadavg()  # other processes on the machine skew every timing: say how busy it was
     try:
