@@ -4,6 +4,8 @@ slot has its own, so the run starts with what fits and grows when capacity appea
 died gets a new actor in the same bundle: Ray re-places a bundle lost with its node when capacity exists,
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
+With ``workers.standby`` the group keeps, from its first replacement on, one worker process started ahead
+(imports done, no resources of its own) that the next replacement on its node runs in.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
