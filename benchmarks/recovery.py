@@ -18,8 +18,9 @@ over a uniformly random kill: ``(ckpt_every - 1) / 2`` lost steps and the time t
 ``(expected - measured lost steps) x median step time``.
 C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interval_s`` over a ~100 s run,
    compared with a failure-free run of the same steps (``--chaos-ckpt-every``: both with checkpoints).
-   Per kill it also reports death -> the replacement's first step: from the kill to the first step
-   completed at full size again.
+   Per kill it also reports death -> the replacement joined (the next generation at full size) and death
+   -> the replacement's first step (the first step completed at full size; null when the next kill came
+   first: the killer does not wait for the replacement).
 
 Metrics, the same definitions for both systems:
 
@@ -521,7 +522,7 @@ def _degraded_spans(records: list[Record]) -> list[float]:
     return spans
 
 
-def back_to_full_size(records: list[Record], t_kill: float) -> float | None:
+def back_to_full_size(records: list[Record], t_kill: float, t_next_kill: float = float("inf")) -> float | None:
     """Seconds from ``t_kill`` to the first step completed at full size after it: death -> the
     replacement's first step (it joins when the world is back to ``WORKERS``). None: no step completed at
     full size before the next kill (a replacement slower than the kill interval)."""
@@ -530,7 +531,14 @@ def back_to_full_size(records: list[Record], t_kill: float) -> float | None:
     if i is None:
         return None
     first = next((r for r in records[i:] if r["event"] == "step" and r["world_size"] == WORKERS), None)
-    return None if first is None else round(_t(first) - t_kill, 3)
+    return None if first is None or _t(first) > t_next_kill else round(_t(first) - t_kill, 3)
+
+
+def back_in_group(records: list[Record], t_kill: float) -> float | None:
+    """Seconds from ``t_kill`` to the next generation at full size (the replacement joined)."""
+    r = next((r for r in records if r["event"] == "generation_started" and r["time"] >= t_kill
+              and r["world_size"] == WORKERS and r["reason"] != "start"), None)
+    return None if r is None else round(r["time"] - t_kill, 3)
 
 
 def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: list[float],
@@ -548,7 +556,9 @@ def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: 
         f"elastictrain chaos (spares={spares})", max(nexts) if nexts else None, sum(lost), _window(free) / _window(chaos),
         {"steps": n_steps, "kills": len(kills), "time_to_next_step_each_s": [round(x, 3) for x in nexts],
          "lost_steps_each": lost, "world1_s_each": _degraded_spans(chaos),
-         "death_to_replacement_first_step_s_each": [back_to_full_size(chaos, t) for t in kills],
+         "death_to_replacement_joined_s_each": [back_in_group(chaos, t) for t in kills],
+         "death_to_replacement_first_step_s_each": [back_to_full_size(chaos, t, n) for t, n
+                                                    in zip(kills, kills[1:] + [float("inf")])],
          "replacement_setup_s_each": [round(r["setup_s"], 2) for r in chaos
                                       if r["event"] == "worker_started" and r["generation"] > 0],
          "window_free_s": round(_window(free), 2),
