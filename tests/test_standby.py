@@ -56,6 +56,7 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         standby = group._standby  # ... and once it is up, a standby is started
         assert standby is not None
         standby_pid = _pid_of(standby)
+        ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
 
         group.kill(group.slots[0])
         group.spawn(0)
