@@ -139,9 +139,7 @@ def export_cmd(uri: str, out: str, fmt: str, key: str, option: tuple[str, ...]) 
         problems = store.verify(manifest)
         if problems:
             raise CheckpointError(f"{manifest.location} is damaged, not exporting: " + "; ".join(problems))
-        from elastictrain.checkpoint.loader import checkpoint_dir
-
-        n = export_state(checkpoint_dir(manifest, None), out, fmt, key, store.storage_options)
+        n = export_state(manifest, out, fmt, key, store.storage_options)
     except CheckpointError as e:
         _fail(e)
     click.echo(f"wrote {n} tensors from {manifest.location} to {out} ({fmt})")
