@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.manifest import FileInfo, check_relpath
-from elastictrain.checkpoint.safe_bytes import is_safe_planner
+from elastictrain.checkpoint.safe_bytes import UnsafeBytesError, is_safe_planner
 from elastictrain.checkpoint.safe_metadata import UnsafeMetadataError, loads_metadata
 
 S3Mode = Literal["buffer", "stream"]
@@ -293,4 +293,7 @@ class SafeReader(FsspecReader):
             raise CheckpointError(f"{self._uri}: refusing to load with {type(planner).__name__}, which would unpickle "
                                   "the checkpoint's non-tensor entries without restriction; use "
                                   "elastictrain.checkpoint.safe_bytes.SafeLoadPlanner")
-        return super().read_data(plan, planner)
+        try:
+            return super().read_data(plan, planner)
+        except UnsafeBytesError as e:  # name the checkpoint, not only the entry
+            raise UnsafeBytesError(f"{self._uri}: {e}") from None
