@@ -250,3 +250,17 @@ def test_durable_recovery_refuses_a_tampered_checkpoint(tmp_path: Path, ray_loca
     assert [e["source"] for e in run.of("recovered")] == ["checkpoint"]
     assert run.result.exit_code == 0 and run.summary["final_step"] == 16
     assert not marker.exists()
+
+
+def test_retention_never_deletes_a_refused_checkpoint(tmp_path: Path) -> None:
+    """A manifest refused on read (unsigned once a key is set, or tampered) is not an abandoned save:
+    retention keeps its directory for the operator instead of sweeping it."""
+    root = tmp_path / "run"
+    _save(root, [1, 2])  # before the key was set: unsigned
+    signed = _save(root, [3], key=KEY)
+    assert [m.step for m in signed.committed()] == [3]
+    (_step_dir(root, 4)).mkdir()  # an abandoned save (no manifest) older than nothing: kept (may be in flight)
+    (_step_dir(root, 0)).mkdir()  # an abandoned save older than the newest commit: swept
+    assert signed.retain(keep_last=1, keep_every=0) == [0]
+    assert all(_step_dir(root, s).is_dir() for s in (1, 2, 3, 4))
+    assert CheckpointStore(str(root), key=None).read_manifest(1).step == 1

@@ -101,10 +101,10 @@ def _manifest_for(uri: str, option: tuple[str, ...]) -> tuple[CheckpointStore, M
 def show_cmd(uri: str, option: tuple[str, ...]) -> None:
     """Print the manifest of one checkpoint (the newest if URI is a run root)."""
     try:
-        _, manifest = _manifest_for(uri, option)
+        store, manifest = _manifest_for(uri, option)
     except CheckpointError as e:
         _fail(e)
-    click.echo(manifest.to_json())
+    click.echo(manifest.to_json(store.key))
 
 
 @ckpt.command("verify")

@@ -127,15 +127,22 @@ class CheckpointStore:
 
     def _scan(self) -> tuple[list[Manifest], dict[int, str]]:
         """(manifests that parse, sorted by step; {step: why not} for step dirs without a usable one)."""
-        good, bad = [], {}
+        good, uncommitted, refused = self._scan_all()
+        return good, {**uncommitted, **refused}
+
+    def _scan_all(self) -> tuple[list[Manifest], dict[int, str], dict[int, str]]:
+        """(manifests that parse; {step: why} for dirs without a manifest; {step: why} for dirs whose
+        manifest was refused: damaged, tampered, unsigned under a key)."""
+        good, uncommitted, refused = [], {}, {}
         for step in self._steps_on_storage():
             try:
                 good.append(self.read_manifest(step))
             except FileNotFoundError:
-                bad[step] = f"{self.step_uri(step)}: no {MANIFEST_NAME} (save never committed: crashed or abandoned)"
+                uncommitted[step] = (f"{self.step_uri(step)}: no {MANIFEST_NAME} (save never committed: crashed or "
+                                     "abandoned)")
             except ManifestError as e:
-                bad[step] = str(e)
-        return good, bad
+                refused[step] = str(e)
+        return good, uncommitted, refused
 
     def committed(self) -> list[Manifest]:
         """Committed checkpoints whose manifest parses, oldest first (no checksums: cheap)."""
@@ -224,13 +231,15 @@ class CheckpointStore:
 
     def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset(),
                lineage: str | None = None) -> list[int]:
-        """Delete what :func:`retention_plan` says; returns the deleted steps.
+        """Delete what :func:`retention_plan` says; returns the deleted steps. Step directories whose
+        manifest is refused on read are never deleted (an operator looks at them; ``ckpt ls`` lists why).
 
         With ``lineage``, only that trajectory's committed checkpoints count and may go: another run's
         commits under the same root are never deleted. A committed checkpoint loses its manifest first, so
         a crash half-way leaves an uncommitted dir (swept next time), never a committed checkpoint with
         missing files."""
-        good, bad = self._scan()
+        # a refused manifest (damaged, or unsigned once a key is set) is not an abandoned save: not swept
+        good, bad, _refused = self._scan_all()
         others = {m.step for m in good if lineage is not None and lineage_of(m.meta) != lineage}
         good = [m for m in good if m.step not in others]
         in_use = frozenset(in_use) | others
