@@ -264,3 +264,14 @@ def test_retention_never_deletes_a_refused_checkpoint(tmp_path: Path) -> None:
     assert signed.retain(keep_last=1, keep_every=0) == [0]
     assert all(_step_dir(root, s).is_dir() for s in (1, 2, 3, 4))
     assert CheckpointStore(str(root), key=None).read_manifest(1).step == 1
+
+
+def test_resume_auto_does_not_start_over_refused_checkpoints(tmp_path: Path, monkeypatch) -> None:
+    from elastictrain import build_config
+    from elastictrain.checkpoint.resume import plan_resume
+
+    _save(tmp_path / "ckpt" / "t", [1, 2])  # written without a key
+    config = build_config(job(checkpoint={"uri": str(tmp_path / "ckpt")}))
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    with pytest.raises(CheckpointError, match=r"every committed checkpoint .*steps \[1, 2\].*it is not signed"):
+        plan_resume(config, None, builtin_task=True)

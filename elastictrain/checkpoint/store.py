@@ -144,6 +144,11 @@ class CheckpointStore:
                 refused[step] = str(e)
         return good, uncommitted, refused
 
+    def refused(self) -> dict[int, str]:
+        """{step: why} for step directories whose manifest exists but is refused (damaged, tampered,
+        unsigned or badly signed under a key): committed once, perhaps, but not trusted now."""
+        return self._scan_all()[2]
+
     def committed(self) -> list[Manifest]:
         """Committed checkpoints whose manifest parses, oldest first (no checksums: cheap)."""
         return self._scan()[0]
