@@ -223,7 +223,9 @@ def test_tampered_checkpoint_runs_no_code_on_export_or_resume(tmp_path: Path, ra
     explicit = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address,
                                "--run-dir", str(tmp_path / "explicit")], capture_output=True, text=True, timeout=300)
     assert explicit.returncode == 3, explicit.stdout[-2000:] + explicit.stderr[-2000:]
-    assert "io.open" in explicit.stderr and "Traceback" not in explicit.stderr + explicit.stdout
+    said = [line for line in explicit.stderr.splitlines() if "io.open" in line]
+    assert len(said) == 1 and said[0].startswith("elastictrain: failed"), explicit.stderr[-2000:]
+    assert "Traceback" not in explicit.stderr + explicit.stdout
     assert not marker.exists()
 
 
