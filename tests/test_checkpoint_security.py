@@ -139,6 +139,24 @@ def test_storage_paths_must_be_listed_and_inside_the_checkpoint(tmp_path: Path) 
         load_checkpoint(store.read_manifest(2), store.root_uri, app_state(model, opt))
 
 
+def test_reader_refuses_a_planner_that_would_unpickle_freely(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from elastictrain.checkpoint.dcp_io import SafeReader
+    from elastictrain.checkpoint.loader import checkpoint_dir
+
+    root, marker = tmp_path / "run", tmp_path / "pwned"
+    store = _save(root, [1])
+    plant_payload(_step_dir(root, 1), marker)
+    manifest = store.read_manifest(1)
+    reader = SafeReader(checkpoint_dir(manifest, None), expected=manifest.data_files)
+    model, opt = fresh()
+    with pytest.raises(BaseException, match="refusing to load with DefaultLoadPlanner"):
+        dcp.load(app_state(model, opt), storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+    assert not marker.exists()
+
+
 def test_manifest_without_digest_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "run"
     store = _save(root, [1, 2])

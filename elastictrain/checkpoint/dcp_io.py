@@ -241,6 +241,7 @@ class _VerifyingFileSystem:
         check_bytes(data, info, where)
         return data
 
+
 def check_bytes(data: bytes, info: FileInfo, where: str) -> None:
     """Raise CheckpointError unless ``data`` has the size and SHA-256 the manifest recorded."""
     if len(data) != info.size:
