@@ -24,6 +24,7 @@ from elastictrain.checkpoint import (
     ckpt,
     load_checkpoint,
 )
+from elastictrain.checkpoint.manifest import manifest_digest
 from elastictrain.config import CheckpointConfig
 
 
@@ -97,7 +98,7 @@ def _corrupt(step_dir: Path, how: str) -> None:
     elif how in ("dotdot", "absolute"):
         body = json.loads((step_dir / "manifest.json").read_text())
         body["files"]["../x" if how == "dotdot" else "/etc/passwd"] = {"size": 1, "sha256": "0" * 64}
-        body.pop("digest")  # a forger drops (or recomputes) the digest: the path checks still refuse it
+        body["digest"] = manifest_digest(body)  # a forger recomputes the digest: the path checks still refuse it
         (step_dir / "manifest.json").write_text(json.dumps(body))
     elif how == "garbage_manifest":
         (step_dir / "manifest.json").write_text("{not json")

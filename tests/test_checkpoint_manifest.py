@@ -20,7 +20,14 @@ from elastictrain.checkpoint import (
     loads_metadata,
     retention_plan,
 )
-from elastictrain.checkpoint.manifest import build_manifest, check_relpath, manifest_from_json, parse_step_dir, step_dir_name
+from elastictrain.checkpoint.manifest import (
+    build_manifest,
+    check_relpath,
+    manifest_digest,
+    manifest_from_json,
+    parse_step_dir,
+    step_dir_name,
+)
 
 SHA = "a" * 64
 
@@ -31,9 +38,15 @@ def _manifest_json(files: dict) -> str:
     import json
 
     body = json.loads(text)
-    body.pop("digest")  # a hand-edited manifest without the integrity field: the field checks still apply
     body["files"].update(files)
+    body["digest"] = manifest_digest(body)  # a consistent digest: the field checks still apply
     return json.dumps(body)
+
+
+def _digested(body: dict) -> str:
+    import json
+
+    return json.dumps({**body, "digest": manifest_digest(body)})
 
 
 def test_manifest_digest_catches_an_edit() -> None:
@@ -67,7 +80,8 @@ def test_manifest_rejects_paths_outside_the_step_dir(bad: str) -> None:
 
 @pytest.mark.parametrize(
     "text, words",
-    [("{", "not valid JSON"), ("[]", "not an object"), ('{"version": 1}', "missing field 'step'"),
+    [("{", "not valid JSON"), ("[]", "not an object"), (_digested({"version": 1}), "missing field 'step'"),
+         ('{"version": 1}', "has no digest field"),
      (_manifest_json({"x": {"size": -1, "sha256": SHA}}), "invalid size"),
      (_manifest_json({"x": {"size": 1, "sha256": "zz"}}), "invalid sha256")],
 )

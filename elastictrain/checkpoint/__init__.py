@@ -18,6 +18,7 @@ from elastictrain.checkpoint.store import CheckpointStore
 _LAZY = {
     "app_state": "loader", "apply_app_state": "loader", "load_checkpoint": "loader",
     "UnsafeMetadataError": "safe_metadata", "loads_metadata": "safe_metadata",
+    "UnsafeBytesError": "safe_bytes", "loads_plain": "safe_bytes",
     "CheckpointWriter": "writer",
     "ShardKeeper": "memory", "MemoryReplicator": "memory", "KeeperState": "memory", "KeeperSource": "memory",
     "PutResult": "memory", "keeper_ring": "memory",
@@ -48,6 +49,7 @@ __all__ = [
     "PutResult",
     "ShardKeeper",
     "ShardReport",
+    "UnsafeBytesError",
     "UnsafeMetadataError",
     "app_state",
     "apply_app_state",
@@ -55,5 +57,6 @@ __all__ = [
     "keeper_ring",
     "load_checkpoint",
     "loads_metadata",
+    "loads_plain",
     "retention_plan",
 ]

@@ -101,10 +101,10 @@ def _manifest_for(uri: str, option: tuple[str, ...]) -> tuple[CheckpointStore, M
 def show_cmd(uri: str, option: tuple[str, ...]) -> None:
     """Print the manifest of one checkpoint (the newest if URI is a run root)."""
     try:
-        _, manifest = _manifest_for(uri, option)
+        store, manifest = _manifest_for(uri, option)
     except CheckpointError as e:
         _fail(e)
-    click.echo(manifest.to_json())
+    click.echo(manifest.to_json(store.key))
 
 
 @ckpt.command("verify")
@@ -139,9 +139,7 @@ def export_cmd(uri: str, out: str, fmt: str, key: str, option: tuple[str, ...]) 
         problems = store.verify(manifest)
         if problems:
             raise CheckpointError(f"{manifest.location} is damaged, not exporting: " + "; ".join(problems))
-        from elastictrain.checkpoint.loader import checkpoint_dir
-
-        n = export_state(checkpoint_dir(manifest, None), out, fmt, key, store.storage_options)
+        n = export_state(manifest, out, fmt, key, store.storage_options)
     except CheckpointError as e:
         _fail(e)
     click.echo(f"wrote {n} tensors from {manifest.location} to {out} ({fmt})")

@@ -1,5 +1,7 @@
-"""DCP storage plumbing: a writer that checksums every byte as it is written, and a reader whose
-``.metadata`` is loaded with the restricted unpickler.
+"""DCP storage plumbing: a writer that checksums every byte as it is written, and a reader that runs no
+code from storage: ``.metadata`` goes through the restricted unpickler (:mod:`.safe_metadata`), bytes items
+through the plain-data loader (:mod:`.safe_bytes`), every file it opens must be listed in the manifest with
+the size and SHA-256 it has, and every path the metadata names must stay inside the checkpoint directory.
 
 The writer plugs a :class:`HashingFileSystem` (a DCP ``FileSystemBase`` over fsspec) into DCP's stock
 ``FileSystemWriter``, so DCP keeps doing planning, dedup of replicated tensors and the file layout, while
@@ -28,13 +30,14 @@ from typing import Any, Literal
 
 import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.errors import CheckpointError
-from elastictrain.checkpoint.manifest import FileInfo
-from elastictrain.checkpoint.safe_metadata import loads_metadata
+from elastictrain.checkpoint.manifest import FileInfo, check_relpath
+from elastictrain.checkpoint.safe_bytes import UnsafeBytesError, is_safe_planner
+from elastictrain.checkpoint.safe_metadata import UnsafeMetadataError, loads_metadata
 from elastictrain.checkpoint.write_behind import WriteBehindFile
 
 S3Mode = Literal["buffer", "stream"]
@@ -201,8 +204,9 @@ class HashingWriter(FileSystemWriter):
 
 
 class _VerifyingFileSystem:
-    """Wraps a DCP reader's file system: a file listed in ``expected`` is read whole, its size and SHA-256
-    checked, and served from memory. So each rank verifies exactly what it reads, once, while reading."""
+    """Wraps a DCP reader's file system: only files listed in ``expected`` can be opened; each is read
+    whole, its size and SHA-256 checked, and served from memory. So each rank verifies exactly what it
+    reads, once, while reading, and a file the manifest does not list is never read at all."""
 
     def __init__(self, inner: Any, base: str, uri: str, expected: dict[str, FileInfo]) -> None:
         self._inner = inner
@@ -216,16 +220,22 @@ class _VerifyingFileSystem:
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         path = os.fspath(path)
-        rel = path[len(self._base) + 1:] if path.startswith(self._base + "/") else os.path.basename(path)
-        info = self._expected.get(rel)
-        if "r" not in mode or info is None:
-            with self._inner.create_stream(path, mode) as f:
-                yield f
-            return
+        if "r" not in mode:
+            raise CheckpointError(f"{self._uri}: a checkpoint reader never writes ({path})")
+        rel = path[len(self._base) + 1:] if path.startswith(self._base + "/") else path
+        yield io.BytesIO(self.read_listed(rel))
+
+    def read_listed(self, rel: str) -> bytes:
+        """The bytes of ``rel`` (relative to the checkpoint directory), checked against the manifest;
+        CheckpointError when the manifest does not list it or its bytes differ."""
         where = storage.join(self._uri, rel)
-        data = storage.guarded("reading", where, lambda: self._inner.fs.cat_file(path))
+        info = self._expected.get(rel)
+        if info is None:
+            raise CheckpointError(f"{where}: the checkpoint's manifest does not list this file; refusing to read it "
+                                  "(the checkpoint may have been tampered with)")
+        data = storage.guarded("reading", where, lambda: self._inner.fs.cat_file(storage.join(self._base, rel)))
         check_bytes(data, info, where)
-        yield io.BytesIO(data)
+        return data
 
 
 def check_bytes(data: bytes, info: FileInfo, where: str) -> None:
@@ -237,26 +247,50 @@ def check_bytes(data: bytes, info: FileInfo, where: str) -> None:
 
 
 class SafeReader(FsspecReader):
-    """DCP ``FsspecReader`` that never unpickles arbitrary code from ``.metadata``. With ``expected``
-    (the manifest's files) every file it reads is checked against its recorded size and SHA-256."""
+    """DCP ``FsspecReader`` that runs no code from storage. ``expected`` (the manifest's files, keyed
+    relative to ``uri``) is required: only those files are read, each checked against its recorded size
+    and SHA-256; ``.metadata`` is unpickled with an allow-list; every storage path it names must be a
+    listed file inside ``uri``; bytes items are loaded only through a planner of :mod:`.safe_bytes`."""
 
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
-                 expected: dict[str, FileInfo] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *,
+                 expected: dict[str, FileInfo]) -> None:
         super().__init__(uri, **(storage_options or {}))
         self._uri = uri
-        self._expected = dict(expected or {})
-        if self._expected:
-            self.fs = _VerifyingFileSystem(self.fs, os.fspath(self.path), uri, self._expected)
+        self._expected = dict(expected)
+        self.fs = _VerifyingFileSystem(self.fs, os.fspath(self.path), uri, self._expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        where = storage.join(self._uri, os.path.basename(os.fspath(path)))
-        data = storage.guarded("reading", where, lambda: self.fs.fs.cat_file(os.fspath(path)))
-        info = self._expected.get(os.path.basename(os.fspath(path)))
-        if info is not None:
-            check_bytes(data, info, where)
-        metadata = loads_metadata(data, where)
+        name = os.path.basename(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+        data = self.fs.read_listed(name)
+        metadata = loads_metadata(data, storage.join(self._uri, name))
+        self._check_storage_paths(metadata, storage.join(self._uri, name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_storage_paths(self, metadata: Metadata, where: str) -> None:
+        """Every item's file is a plain relative path the manifest lists, at a sane offset, untransformed."""
+        for index, info in (metadata.storage_data or {}).items():
+            if not isinstance(info, _StorageInfo):
+                raise UnsafeMetadataError(f"{where}: storage entry of {index} is a {type(info).__name__}")
+            check_relpath(info.relative_path, where)
+            if info.relative_path not in self._expected:
+                raise UnsafeMetadataError(f"{where}: names the file {info.relative_path!r}, which the manifest does "
+                                          "not list; refusing it (the checkpoint may have been tampered with)")
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+                raise UnsafeMetadataError(f"{where}: storage entry of {index} has offset {info.offset!r} and "
+                                          f"length {info.length!r}")
+            if info.transform_descriptors:  # elastictrain writes none; a reader would look up extensions by name
+                raise UnsafeMetadataError(f"{where}: storage entry of {index} asks for transforms "
+                                          f"{list(info.transform_descriptors)}, which elastictrain never writes")
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if not is_safe_planner(planner):
+            raise CheckpointError(f"{self._uri}: refusing to load with {type(planner).__name__}, which would unpickle "
+                                  "the checkpoint's non-tensor entries without restriction; use "
+                                  "elastictrain.checkpoint.safe_bytes.SafeLoadPlanner")
+        try:
+            return super().read_data(plan, planner)
+        except UnsafeBytesError as e:  # name the checkpoint, not only the entry
+            raise UnsafeBytesError(f"{self._uri}: {e}") from None

@@ -8,7 +8,8 @@ import torch
 from torch.utils._pytree import tree_flatten_with_path
 
 from elastictrain.checkpoint.errors import CheckpointError
-from elastictrain.checkpoint.loader import load_full
+from elastictrain.checkpoint.loader import checkpoint_dir, load_full
+from elastictrain.checkpoint.manifest import Manifest
 
 
 def _flatten(state: Any) -> dict[str, torch.Tensor]:
@@ -18,8 +19,9 @@ def _flatten(state: Any) -> dict[str, torch.Tensor]:
             for path, leaf in pairs if isinstance(leaf, torch.Tensor)}
 
 
-def export_state(step_uri: str, out: str, fmt: str, key: str | None, storage_options: dict[str, Any] | None) -> int:
-    """Write ``key`` of the checkpoint at ``step_uri`` to ``out``; returns the number of tensors.
+def export_state(manifest: Manifest, out: str, fmt: str, key: str | None, storage_options: dict[str, Any] | None) -> int:
+    """Write ``key`` of the committed checkpoint ``manifest`` (as read from its step directory) to ``out``;
+    returns the number of tensors. Only the files the manifest lists are read, each checked as it is read.
 
     safetensors keeps tensors only (flattened dotted names); raises CheckpointError when the
     ``safetensors`` package is not installed."""
@@ -33,7 +35,7 @@ def export_state(step_uri: str, out: str, fmt: str, key: str | None, storage_opt
                 "export --format safetensors needs the 'safetensors' package (pip install safetensors); "
                 "or use --format torch"
             ) from None
-    state = load_full(step_uri, key, storage_options)
+    state = load_full(checkpoint_dir(manifest, None), manifest.data_files, key, storage_options)
     flat = _flatten(state)
     if fmt == "safetensors":
         save_file(flat, out)

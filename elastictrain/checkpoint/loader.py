@@ -2,8 +2,9 @@
 
 DCP reshards on load: the metadata records each tensor's global shape and chunks, every rank asks for what
 its own state dict holds. For DDP (replicated tensors) that means every rank reads every tensor, whatever
-world size wrote them. ``.metadata`` goes through the restricted unpickler; tensors through DCP's
-``torch.load(weights_only=True)``.
+world size wrote them. Nothing read runs code: only the files the manifest lists are read (each checked
+against its size and SHA-256), ``.metadata`` goes through the restricted unpickler, non-tensor entries
+through the plain-data loader (:mod:`.safe_bytes`), tensors through DCP's ``torch.load(weights_only=True)``.
 
 Optimizer state: a fresh ``Adam`` has an empty ``state`` so a plain ``optimizer.state_dict()`` gives DCP
 nothing to load into. :func:`app_state` uses ``get_state_dict``, which materialises the optimizer state and
@@ -23,7 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import SafeReader
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
-from elastictrain.checkpoint.manifest import Manifest, step_dir_name
+from elastictrain.checkpoint.manifest import FileInfo, Manifest, step_dir_name
+from elastictrain.checkpoint.safe_bytes import SafeFullLoadPlanner, SafeLoadPlanner
 
 
 def _describe(exc: BaseException, uri: str, action: str) -> str:
@@ -84,23 +86,27 @@ def load_checkpoint(
     reader = SafeReader(uri, storage_options, expected=manifest.data_files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
     try:
-        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
+                 no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures; name the URI
         raise CheckpointError(_describe(e, uri, "loading")) from None
 
 
-def load_full(step_uri: str, key: str | None = "model", storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_full(step_uri: str, expected: dict[str, FileInfo], key: str | None = "model",
+              storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read a whole checkpoint (or its ``key`` subtree) into one process as a nested dict of full CPU
-    tensors, without a model to load into (consolidation/export). Single process, no collectives."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    tensors, without a model to load into (consolidation/export). Single process, no collectives.
+    ``expected`` is the manifest's files under ``step_uri`` (:attr:`Manifest.data_files`): only those are
+    read, each checked against its size and SHA-256."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    planner = _EmptyStateDictLoadPlanner(keys={key} if key else None)
+    planner = SafeFullLoadPlanner(keys={key} if key else None)
     try:
-        _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options), planner=planner, no_dist=True)
+        _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options, expected=expected),
+                         planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001

@@ -5,7 +5,9 @@ ranks wrote (size + SHA-256) and the job metadata needed to resume: the world si
 job fingerprint (:mod:`elastictrain.checkpoint.compat`), the run id and lineage, and the config. There is
 no separate "data position" field: the step with ``train.global_batch`` and ``train.seed`` (both in the
 fingerprint) defines it (step ``s`` starts at global position ``s * global_batch``). A ``digest`` field
-(SHA-256 of the rest of the manifest) lets a reader check the manifest's own integrity cheaply.
+(SHA-256 of the rest of the manifest) lets a reader check the manifest's own integrity cheaply; it is
+required on read. It detects damage, not tampering (anyone can recompute it): with a key, ``signature``
+(HMAC-SHA256, :mod:`elastictrain.checkpoint.signing`) does that, and a reader given the key requires it.
 Nothing here touches storage. Every path named in a manifest is validated to stay inside the step
 directory, so a tampered manifest cannot make ``verify``/``load`` read or delete files elsewhere.
 """
@@ -21,6 +23,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.signing import sign, signature_problem
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -68,8 +71,9 @@ class Manifest:
     version: int = FORMAT_VERSION
     location: str = field(default="", compare=False)
 
-    def to_json(self) -> str:
-        body = {
+    def to_json(self, key: bytes | None = None) -> str:
+        """The stored JSON, with its ``digest``; with ``key`` also its HMAC ``signature``."""
+        body: dict[str, Any] = {
             "version": self.version,
             "step": self.step,
             "world_size": self.world_size,
@@ -78,6 +82,8 @@ class Manifest:
             "shards": {str(r): s for r, s in sorted(self.shards.items())},
             "meta": self.meta,
         }
+        if key is not None:
+            body["signature"] = sign(body, key)
         body["digest"] = manifest_digest(body)
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
 
@@ -171,16 +177,24 @@ def _parse_files(raw: dict[str, Any], where: str) -> dict[str, FileInfo]:
     return files
 
 
-def manifest_from_json(text: str | bytes, where: str = "manifest", location: str = "") -> Manifest:
-    """Parse and validate; raise :class:`ManifestError` naming ``where`` and the problem."""
+def manifest_from_json(text: str | bytes, where: str = "manifest", location: str = "",
+                       key: bytes | None = None) -> Manifest:
+    """Parse and validate; raise :class:`ManifestError` naming ``where`` and the problem. The ``digest``
+    is required; with ``key`` (the signing key) a valid ``signature`` is required too."""
     try:
         body = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{where}: not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(body, dict):
         raise ManifestError(f"{where}: top level is not an object")
-    if "digest" in body and body["digest"] != manifest_digest(body):
+    if "digest" not in body:
+        raise ManifestError(f"{where}: has no digest field; a committed manifest always has one, so this one was "
+                            "hand-made or edited: refusing it")
+    if body["digest"] != manifest_digest(body):
         raise ManifestError(f"{where}: its digest does not match its contents; the manifest was changed or damaged")
+    unsigned = signature_problem(body, key)
+    if unsigned:
+        raise ManifestError(f"{where}: {unsigned}; refusing it")
     version = _require(body, "version", int, where)
     if version > FORMAT_VERSION:
         raise ManifestError(f"{where}: format version {version} is newer than this elastictrain ({FORMAT_VERSION})")

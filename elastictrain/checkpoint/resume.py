@@ -5,7 +5,8 @@ Rules (docs/config.md, ``checkpoint.resume``):
 * A run's checkpoints live under ``<checkpoint.uri>/<run id>``; the run id is ``run_id`` (default ``name``).
 * ``auto``: continue the newest committed checkpoint of that root whose files are present with their
   recorded sizes (the ranks check the SHA-256 of what they read). Committed checkpoints that are all
-  damaged are an error, not a silent fresh start over them.
+  damaged (or whose manifests are all refused: tampered, unsigned under a signing key) are an error, not
+  a silent fresh start over them.
 * ``never``: a fresh trajectory. If the root already holds step directories, the run takes a new unique
   run id ``<run id>-<UTC time>-<4 hex>`` (printed, recorded in the manifest and the summary), so it never
   writes into, deletes from, or falls back to another run's checkpoints.
@@ -78,7 +79,7 @@ def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None =
     if c.resume == "auto":
         manifest, skipped = store.latest_valid(checksums=False)
         if manifest is None:
-            damaged = [m.step for m in store.committed()]
+            damaged = sorted([m.step for m in store.committed()] + list(store.refused()))
             if damaged:
                 raise CheckpointError(
                     f"checkpoint.resume=auto: every committed checkpoint under {store.root_uri} (steps "

@@ -6,6 +6,11 @@ A step directory without a manifest is not a checkpoint (an abandoned or crashed
 overwritten. ``verify`` (``ckpt verify``) recomputes sizes and SHA-256 of the listed files; resume and
 recovery check sizes only and leave the checksums to the ranks that read the files. Resume takes the newest
 committed checkpoint that verifies and says why newer ones were skipped. No torch.distributed here.
+
+A manifest must carry its digest; with a signing key (``ELASTICTRAIN_CHECKPOINT_KEY``, read when the store
+is made: :mod:`elastictrain.checkpoint.signing`) commits are signed and unsigned or badly signed manifests are
+refused like damaged ones. A file in the committed attempt directory that the manifest does not list makes
+the checkpoint damaged too (readers never open such a file).
 """
 
 from __future__ import annotations
@@ -29,13 +34,19 @@ from elastictrain.checkpoint.manifest import (
     step_dir_name,
 )
 from elastictrain.checkpoint.retention import retention_plan
+from elastictrain.checkpoint.signing import key_from_env
+
+_FROM_ENV: Any = object()
 
 
 class CheckpointStore:
     """Checkpoints of one run under ``root_uri`` (= ``<checkpoint.uri>/<run stable id>``)."""
 
-    def __init__(self, root_uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root_uri: str, storage_options: dict[str, Any] | None = None,
+                 key: bytes | None = _FROM_ENV) -> None:
+        """``key``: the manifest signing key; by default ``ELASTICTRAIN_CHECKPOINT_KEY`` (None when unset)."""
         self.root_uri = root_uri.rstrip("/")
+        self.key: bytes | None = key_from_env() if key is _FROM_ENV else key
         self.storage_options = dict(storage_options or {})
         self._fs, self._root = storage.open_fs(self.root_uri, self.storage_options)
 
@@ -63,7 +74,7 @@ class CheckpointStore:
         manifest = build_manifest(step, world, reports, meta, time.time())
         self._check_files_present(manifest)
         where = storage.join(self.step_uri(step), MANIFEST_NAME)
-        data = manifest.to_json().encode()
+        data = manifest.to_json(self.key).encode()
         try:
             storage.write_atomic(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), data, create_only=True, uri=where)
         except FileExistsError:
@@ -109,29 +120,42 @@ class CheckpointStore:
         """The manifest of ``step``; FileNotFoundError if uncommitted, ManifestError if it does not parse."""
         where = storage.join(self.step_uri(step), MANIFEST_NAME)
         data = storage.read_bytes(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), where)
-        manifest = manifest_from_json(data, where, location=self.step_uri(step))
+        manifest = manifest_from_json(data, where, location=self.step_uri(step), key=self.key)
         if manifest.step != step:
             raise ManifestError(f"{where}: says step {manifest.step} but lies in {step_dir_name(step)}")
         return manifest
 
     def _scan(self) -> tuple[list[Manifest], dict[int, str]]:
         """(manifests that parse, sorted by step; {step: why not} for step dirs without a usable one)."""
-        good, bad = [], {}
+        good, uncommitted, refused = self._scan_all()
+        return good, {**uncommitted, **refused}
+
+    def _scan_all(self) -> tuple[list[Manifest], dict[int, str], dict[int, str]]:
+        """(manifests that parse; {step: why} for dirs without a manifest; {step: why} for dirs whose
+        manifest was refused: damaged, tampered, unsigned under a key)."""
+        good, uncommitted, refused = [], {}, {}
         for step in self._steps_on_storage():
             try:
                 good.append(self.read_manifest(step))
             except FileNotFoundError:
-                bad[step] = f"{self.step_uri(step)}: no {MANIFEST_NAME} (save never committed: crashed or abandoned)"
+                uncommitted[step] = (f"{self.step_uri(step)}: no {MANIFEST_NAME} (save never committed: crashed or "
+                                     "abandoned)")
             except ManifestError as e:
-                bad[step] = str(e)
-        return good, bad
+                refused[step] = str(e)
+        return good, uncommitted, refused
+
+    def refused(self) -> dict[int, str]:
+        """{step: why} for step directories whose manifest exists but is refused (damaged, tampered,
+        unsigned or badly signed under a key): committed once, perhaps, but not trusted now."""
+        return self._scan_all()[2]
 
     def committed(self) -> list[Manifest]:
         """Committed checkpoints whose manifest parses, oldest first (no checksums: cheap)."""
         return self._scan()[0]
 
     def verify(self, manifest: Manifest, checksums: bool = True) -> list[str]:
-        """Problems with the files of ``manifest`` (missing, size, SHA-256); ``[]`` means intact."""
+        """Problems with the files of ``manifest`` (missing, size, SHA-256, files it does not list in its
+        attempt directory); ``[]`` means intact."""
         base_uri = manifest.location or self.step_uri(manifest.step)
         fs, base = storage.open_fs(base_uri, self.storage_options)
         sizes = storage.list_sizes(fs, base, base_uri)
@@ -145,6 +169,8 @@ class CheckpointStore:
                 problems.append(f"{uri}: size {sizes[rel]} != {info.size} recorded (truncated or overwritten)")
             elif checksums and storage.sha256_of(fs, storage.join(base, rel), uri) != info.sha256:
                 problems.append(f"{uri}: SHA-256 mismatch (contents changed after the save)")
+        for rel in unlisted_files(manifest, sizes):
+            problems.append(f"{storage.join(base_uri, rel)}: not listed by the manifest (added after the commit)")
         return problems
 
     def latest_valid(self, checksums: bool = True, lineage: str | None = None) -> tuple[Manifest | None, list[str]]:
@@ -200,7 +226,7 @@ class CheckpointStore:
                 f"checkpoint.resume={uri!r}: {where} does not exist (not a committed checkpoint); "
                 "point it at a step directory with a manifest, or use resume=auto"
             ) from None
-        manifest = manifest_from_json(data, where, location=step_uri)
+        manifest = manifest_from_json(data, where, location=step_uri, key=self.key)
         problems = self.verify(manifest, checksums=False)
         if problems:
             raise CheckpointError(f"checkpoint.resume={uri!r} is damaged: " + "; ".join(problems))
@@ -210,13 +236,15 @@ class CheckpointStore:
 
     def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset(),
                lineage: str | None = None) -> list[int]:
-        """Delete what :func:`retention_plan` says; returns the deleted steps.
+        """Delete what :func:`retention_plan` says; returns the deleted steps. Step directories whose
+        manifest is refused on read are never deleted (an operator looks at them; ``ckpt ls`` lists why).
 
         With ``lineage``, only that trajectory's committed checkpoints count and may go: another run's
         commits under the same root are never deleted. A committed checkpoint loses its manifest first, so
         a crash half-way leaves an uncommitted dir (swept next time), never a committed checkpoint with
         missing files."""
-        good, bad = self._scan()
+        # a refused manifest (damaged, or unsigned once a key is set) is not an abandoned save: not swept
+        good, bad, _refused = self._scan_all()
         others = {m.step for m in good if lineage is not None and lineage_of(m.meta) != lineage}
         good = [m for m in good if m.step not in others]
         in_use = frozenset(in_use) | others
@@ -227,3 +255,11 @@ class CheckpointStore:
                 storage.remove_file(self._fs, storage.join(self._step_path(step), MANIFEST_NAME), self.step_uri(step))
             storage.remove_tree(self._fs, self._step_path(step), self.step_uri(step))
         return delete
+
+
+def unlisted_files(manifest: Manifest, present: Iterable[str]) -> list[str]:
+    """Files of ``present`` (relative to the step directory) in the committed attempt directory of
+    ``manifest`` that it does not list. Other attempt directories (saves that never committed) are not its."""
+    prefix = manifest.data_dir + "/" if manifest.data_dir else ""
+    mine = (p for p in present if (p.startswith(prefix) if prefix else "/" not in p))
+    return sorted(p for p in mine if p != MANIFEST_NAME and p not in manifest.files)

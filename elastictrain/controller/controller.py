@@ -547,14 +547,15 @@ class Controller(WorkerMonitor):
         from elastictrain.checkpoint import CheckpointError
 
         while True:
+            refs = [s.actor.load.remote(manifest, self.ckpt_root) for s in chosen]
             try:
-                ray.get([s.actor.load.remote(manifest, self.ckpt_root) for s in chosen],
-                        timeout=self.config.timeouts.restart_grace_s)
+                ray.get(refs, timeout=self.config.timeouts.restart_grace_s)
                 return manifest
             except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, CheckpointError):
                     raise
+                self._collect_errors(refs)
                 older = (None if explicit or self.store is None
                          else self.store.older_valid(manifest.step, self.lineage))
                 where = getattr(manifest, "location", "") or f"step {manifest.step}"
@@ -564,6 +565,16 @@ class Controller(WorkerMonitor):
                 if older is None:
                     raise CheckpointLoadFailed(f"could not load checkpoint {where}: {cause}") from None
                 manifest = older
+
+    def _collect_errors(self, refs: list[Any]) -> None:
+        """Take the results of the other members' calls after one failed: Ray prints an error nobody took
+        as an "Unhandled error" traceback on the driver's console, and the first error says it all."""
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+                pass
 
     def _fail_checkpoint(self, reason: str) -> None:
         """End the run with exit 3 (the documented checkpoint error), not as a worker failure."""

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from elastictrain.checkpoint.safe_bytes import SafeLoadPlanner
 from elastictrain.data.cursor import CursorState
 from elastictrain.parallel.optim import init_state
 
@@ -124,7 +125,8 @@ class TrainingState:
         tensor, each deciding its sharding afresh on a new mesh: measured 35-55 ms of a recovering fsdp
         rank's load for the tiny GPT). Where anything does not alias, ``set_state_dict`` loads it all."""
         target = self.state_dict()
-        dcp.load(target, storage_reader=reader, no_dist=True)
+        # non-tensor entries as plain data only: a durable reader refuses any other planner (safe_bytes.py)
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         if aliases_live_state(target, self.model, self.optimizer):
             self._check_cursor(target)
             load_param_groups(self.optimizer, target["optim"]["param_groups"])

@@ -1,0 +1,96 @@
+"""Loading DCP's bytes items (the non-tensor leaves of a state dict) without running code.
+
+DCP saves every non-tensor leaf (``optim.param_groups.0.lr``, ``betas``, ``eps``, ``params``...) as a
+``torch.save`` archive inside a ``.distcp`` file, and its stock load planner reads them back with
+``torch.load(weights_only=False)``: a full unpickler over bytes that come from storage. Here a bytes item is
+opened as the zip archive ``torch.save`` writes, its one ``data.pkl`` is unpickled with an allow-list of plain
+data (numbers, strings, bytes, bools, None, and lists, tuples, dicts, sets of those) and no persistent ids
+(a bytes item never holds a tensor), and anything else raises :class:`UnsafeBytesError` before an object is
+built from it. :class:`SafeLoadPlanner` and :class:`SafeFullLoadPlanner` are DCP load planners that read
+bytes items this way; :class:`~elastictrain.checkpoint.dcp_io.SafeReader` refuses to serve any other planner.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from typing import Any
+
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from elastictrain.checkpoint.errors import CheckpointError
+
+# module -> names a plain-data pickle (protocol 2, as torch.save writes it) may name
+_PLAIN: dict[str, frozenset[str]] = {
+    "builtins": frozenset({"set", "frozenset", "complex", "bytearray"}),
+    "__builtin__": frozenset({"set", "frozenset", "complex", "bytearray"}),  # protocol 2 from Python 2 names
+    "_codecs": frozenset({"encode"}),  # how protocol 2 spells a bytes object: encode(str, "latin1")
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class UnsafeBytesError(CheckpointError):
+    """A bytes item holds something other than plain data; nothing was built from it."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BufferedIOBase, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _PLAIN.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeBytesError(
+            f"{self._where} refers to {module}.{name}, but a checkpoint's non-tensor entries hold plain data only; "
+            "refusing to load it (the checkpoint may have been tampered with)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeBytesError(f"{self._where} holds a tensor storage reference, which a non-tensor entry never "
+                               "does; refusing to load it (the checkpoint may have been tampered with)")
+
+
+def loads_plain(data: bytes, where: str = "bytes item") -> Any:
+    """The plain-data value of a ``torch.save`` archive ``data``; raise :class:`UnsafeBytesError` when it
+    names anything but plain data, :class:`CheckpointError` when it is not such an archive."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{where}: expected one data.pkl in the archive, found {len(pickles)}")
+            payload = archive.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(f"{where}: not a torch.save archive ({e}); the checkpoint is corrupt") from None
+    try:
+        return _PlainUnpickler(io.BytesIO(payload), where).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated/corrupt pickles raise many different types
+        raise CheckpointError(f"{where}: the entry is corrupt ({type(e).__name__}: {e})") from None
+
+
+class _PlainBytes:
+    """``load_bytes`` of DCP's default planner, with :func:`loads_plain` in place of ``torch.load``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = loads_plain(value.getvalue(), f"checkpoint entry {fqn!r}")
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[fqn] = obj  # type: ignore[attr-defined]
+
+
+class SafeLoadPlanner(_PlainBytes, DefaultLoadPlanner):
+    """DCP's default load planner, loading bytes items as plain data only (pass it to ``dcp.load``)."""
+
+
+class SafeFullLoadPlanner(_PlainBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds a whole state dict from the metadata (export), loading bytes items as plain data only."""
+
+
+def is_safe_planner(planner: Any) -> bool:
+    return isinstance(planner, _PlainBytes)
