@@ -419,6 +419,7 @@ class Controller(WorkerMonitor):
                 manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
                 for why in skipped:
                     self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+                manifest = manifest or self._branch_point()
             decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
                                             durable_step=None if manifest is None else int(manifest.step), **args)
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
@@ -438,6 +439,13 @@ class Controller(WorkerMonitor):
             for s in chosen:
                 s.has_state = False
         return None
+
+    def _branch_point(self) -> Any:
+        """The checkpoint this run started from, while the run has committed none of its own: a run branched
+        from an explicit checkpoint URI (a new lineage, maybe another root) finds nothing of its own on
+        storage before its first commit, and must not restart from step 0 over the branch."""
+        m = self.resume_manifest
+        return m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
 
     def _survivor_restore(self, pool: list[Slot], cand: sources.Candidate) -> PeerRestore:
         """Survivors ``cand.ranks`` (found in ``pool``, members of the next generation or not) snapshot their
@@ -678,6 +686,14 @@ class Controller(WorkerMonitor):
             return False
         return step in self.committer.committed_steps
 
+    def _save_final(self, members: list[Slot]) -> None:
+        """With durable checkpoints configured, the final state is always committed (whatever
+        ``every_steps``): running the job again answers "already finished", and extending it resumes here."""
+        step = self.ledger.last_step
+        if self.store is None or not members or not step or step in self.committer.committed_steps:
+            return
+        self._save_now(members, step)
+
     def _collect_reports(self, members: list[Slot]) -> None:
         """Wait for the members' in-flight saves and hand every report to the committer."""
         for s in members:
@@ -701,6 +717,7 @@ class Controller(WorkerMonitor):
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
+            self._save_final(members)
             if members:  # collective under a sharded layout: every member takes part, rank 0 answers
                 t = self.config.timeouts.poll_s
                 self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]

@@ -342,7 +342,7 @@ class Worker:
 
     def _open_writer(self, rank: int, world_size: int, generation: int) -> None:
         root = self._root_uri()
-        if root is None or not (self.config.checkpoint.every_steps or self.config.checkpoint.on_preempt):
+        if root is None:  # with durable checkpoints configured there is always a writer: the final state is saved
             return
         from elastictrain.checkpoint import CheckpointWriter
 

@@ -1,0 +1,55 @@
+"""Work is never lost: the final state is always committed, a branched run recovers from its branch point,
+a preemption during recovery still saves, and errors while recovering or finishing end the run cleanly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastictrain import Trainer, build_config
+from elastictrain.checkpoint import CheckpointStore
+from tests.conftest import job, run_job
+
+
+def _ck(tmp_path: Path, **extra) -> dict:
+    return {"uri": str(tmp_path / "ckpt"), "keep_last": 5, "when_busy": "wait", "memory_every_steps": 0, **extra}
+
+
+def test_a_finished_run_always_commits_its_final_step(tmp_path, ray_local):
+    """every_steps 0 (and a train.steps that is no multiple of it): the final step is committed, and the
+    same job run again is "already finished" instead of training from step 0 again."""
+    spec = job(name="fin", train={"steps": 7}, checkpoint=_ck(tmp_path, every_steps=0))
+    run = run_job(tmp_path, spec, name="a")
+    assert run.result.exit_code == 0
+    assert [e["step"] for e in run.of("checkpoint_saved")] == [7], run.of("checkpoint_failed")
+    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "fin")).committed()] == [7]
+    result = Trainer(build_config(spec), run_dir=tmp_path / "b", console=None).fit()
+    assert result.exit_code == 0 and result.summary.get("already_finished") is True, result.summary
+
+
+def test_final_step_committed_off_the_cadence(tmp_path, ray_local):
+    run = run_job(tmp_path, job(name="off", train={"steps": 7}, checkpoint=_ck(tmp_path, every_steps=5)))
+    assert run.result.exit_code == 0
+    assert [e["step"] for e in run.of("checkpoint_saved")] == [5, 7], run.of("checkpoint_failed")
+    assert run.summary["checkpoints_committed"] == [5, 7]
+
+
+def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
+    """A run started under a new run id from an explicit checkpoint URI has nothing of its own on storage
+    before its first commit: a sharded failure (no survivor covers the state, no peer tier) must resume from
+    the branch point, not restart from step 0 and commit over the branch."""
+    base = run_job(tmp_path, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp_path, every_steps=5)),
+                   name="trunk")
+    assert base.summary["checkpoints_committed"] == [5]
+    branch_uri = str(tmp_path / "ckpt" / "trunk" / "step_000000005")
+    kill = [{"rank": 1, "step": 7, "kind": "kill", "generation": 0}]
+    spec = job(name="trunk", run_id="branch", train={"steps": 9}, parallel={"plan": "fsdp"},
+               workers={"min": 2, "max": 2}, recovery={"mode": "strict"}, faults=kill,
+               checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))
+    run = run_job(tmp_path, spec, name="branch")
+    assert run.result.exit_code == 0, run.summary
+    (rec,) = run.of("recovered")
+    assert rec["source"] == "checkpoint" and rec["step"] == 5, rec
+    assert not [e for e in run.of("worker_lost") if e.get("step") == 0], "restarted from scratch"
+    steps = [e["step"] for e in run.of("step")]
+    assert min(steps) == 6 and 1 not in steps, steps
+    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "branch")).committed()] == [9]
