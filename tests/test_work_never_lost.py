@@ -53,3 +53,50 @@ def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
     steps = [e["step"] for e in run.of("step")]
     assert min(steps) == 6 and 1 not in steps, steps
     assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "branch")).committed()] == [9]
+
+
+def test_a_worker_dying_while_the_run_finishes_still_ends_the_run_cleanly(tmp_path, ray_local):
+    """Rank 1 is SIGKILLed while the controller gathers the final model (after the final commit): the run
+    fails with exit 1 and says the final step is committed; summary.json and run_finished are written."""
+    kill = [{"rank": 1, "step": 4, "point": "finish", "kind": "kill"}]
+    run = run_job(tmp_path, job(name="dies", train={"steps": 4}, faults=kill, checkpoint=_ck(tmp_path, every_steps=0)))
+    assert run.result.exit_code == 1 and run.summary["state"] == "failed", run.summary
+    (failed,) = run.of("run_failed")
+    assert "final model of step 4" in failed["reason"] and "committed" in failed["reason"], failed
+    assert run.summary["checkpoints_committed"] == [4]
+    (finished,) = run.of("run_finished")
+    assert finished["exit_code"] == 1
+
+
+def test_a_storage_error_during_recovery_ends_the_run_with_exit_3(tmp_path, ray_local):
+    """fsdp without the peer tier: after rank 1 dies only storage holds the state, and storage fails (its
+    root is a symlink loop). The run must not restart from step 0 over the committed checkpoints: it ends
+    with exit 3, summary.json and run_finished written, and the checkpoints intact once storage is back."""
+    import os
+    import signal
+
+    from tests.cluster_fixtures import SLOW
+    from tests.conftest import BackgroundRun
+
+    spec = job(name="st", train={"steps": 60}, parallel={"plan": "fsdp"}, workers={"min": 2, "max": 2},
+               recovery={"mode": "strict"}, faults=SLOW, checkpoint=_ck(tmp_path, every_steps=2))
+    bg = BackgroundRun(tmp_path, spec)
+    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=120)
+    bg.wait_for(lambda e: e["event"] == "checkpoint_saved", timeout=120)
+    root = tmp_path / "ckpt" / "st"
+    away = tmp_path / "away"
+    os.rename(root, away)
+    os.symlink(root, root)  # every listing of the root now fails (ELOOP)
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+        run = bg.finish(timeout=240)
+    finally:
+        os.unlink(root)
+        os.rename(away, root)
+    assert run.result.exit_code == 3 and run.summary["state"] == "failed", run.summary
+    assert not run.of("recovered") and not [e for e in run.of("worker_lost") if e.get("step") == 0]
+    (failed,) = run.of("run_failed")
+    assert "storage failed during recovery" in failed["reason"], failed
+    assert [e["exit_code"] for e in run.of("run_finished")] == [3]
+    committed = CheckpointStore(str(root)).committed()
+    assert committed and [m.step for m in committed] == [s for s in run.summary["checkpoints_committed"]][-5:]

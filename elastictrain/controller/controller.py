@@ -106,7 +106,13 @@ class Controller(WorkerMonitor):
     def run(self) -> dict[str, Any]:
         try:
             while not self.sm.terminal:
-                self.step()
+                state = self.sm.state
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - never escapes: summary.json and run_finished follow
+                    log.debug("controller error in state %s", state.name, exc_info=True)
+                    self._fail(f"controller error while {state.value}: {describe_remote_error(e)} (last "
+                               f"committed checkpoint: {(self.committer.committed_steps or [None])[-1]})")
         finally:
             self.group.shutdown()
             self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
@@ -283,6 +289,8 @@ class Controller(WorkerMonitor):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
+        except CheckpointLoadFailed as e:  # storage failed and nothing else holds the state: exit 3
+            return self._fail_checkpoint(str(e))
         if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.terminal:
                 return
@@ -411,17 +419,16 @@ class Controller(WorkerMonitor):
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind != "peer":
             tier = self._peer_tier(members)
-            manifest = None
-            if self.store is not None:
-                # commits run on their own thread: let queued ones land before asking storage (bounded)
-                self.committer.drain(timeout=self.config.timeouts.poll_s)
-                # sizes only (ranks check what they read); only this run's own trajectory, never another's
-                manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
-                for why in skipped:
-                    self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
-                manifest = manifest or self._branch_point()
+            manifest, storage_error = self._durable_source()
             decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
                                             durable_step=None if manifest is None else int(manifest.step), **args)
+            if storage_error and decision.chosen.kind == "scratch":
+                # storage did not answer: whether a committed checkpoint exists is unknown, so never restart
+                # from step 0 (and commit over it); the committed checkpoints are left as they are
+                raise CheckpointLoadFailed(
+                    f"storage failed during recovery ({storage_error}) and no survivor or peer-tier snapshot "
+                    "holds the state: not restarting from step 0 over committed checkpoints, which are "
+                    "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
@@ -439,6 +446,24 @@ class Controller(WorkerMonitor):
             for s in chosen:
                 s.has_state = False
         return None
+
+    def _durable_source(self) -> tuple[Any, str | None]:
+        """(the newest committed checkpoint of this run's lineage -- or its branch point -- or None, the
+        storage error that kept it from being found, or None). Never raises."""
+        if self.store is None:
+            return None, None
+        try:
+            # commits run on their own thread: let queued ones land before asking storage (bounded)
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
+            # sizes only (ranks check what they read); only this run's own trajectory, never another's
+            manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
+        except Exception as e:  # noqa: BLE001 - storage unreachable or failing: the caller decides
+            why = describe_remote_error(e)
+            self.events.emit("checkpoint_failed", step=None, reason=f"storage error during recovery: {why}")
+            return None, why
+        for why in skipped:
+            self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+        return manifest or self._branch_point(), None
 
     def _branch_point(self) -> Any:
         """The checkpoint this run started from, while the run has committed none of its own: a run branched
@@ -718,13 +743,27 @@ class Controller(WorkerMonitor):
             self.ledger.flush_partial()
             members = self.group.members()
             self._save_final(members)
-            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
-                t = self.config.timeouts.poll_s
-                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
-                if self.config.train.save_final_model:
-                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+            try:
+                self._gather_final_model(members)
+            except Exception as e:  # noqa: BLE001 - a worker dying here ends the run like any other error
+                return self._fail(self._finish_failed(e))
         self.exit_code = code
         self.sm.to(state, reason)
+
+    def _gather_final_model(self, members: list[Slot]) -> None:
+        if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+            t = self.config.timeouts.poll_s
+            self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
+            if self.config.train.save_final_model:
+                self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+
+    def _finish_failed(self, e: Exception) -> str:
+        """Why a run that trained every step still failed: a worker died while the final model was gathered."""
+        step, last = self.ledger.last_step, (self.committer.committed_steps or [None])[-1]
+        where = (f"the final step is committed (checkpoint of step {last}): running the job again answers "
+                 "\"already finished\" and `elastictrain ckpt export` writes the model") if last == step else (
+                 f"the last committed checkpoint is step {last}")
+        return f"a worker failed while the final model of step {step} was gathered: {describe_remote_error(e)}; {where}"
 
     def _fail(self, reason: str) -> None:
         if self.sm.terminal:  # terminal states are final: the first ending stands

@@ -507,8 +507,11 @@ class Worker:
     # ------------------------------------------------------------------ inspection
     @_on_state_thread
     def digest(self) -> dict[str, Any] | None:
-        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member."""
-        return self.runner.state_digest()
+        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member. The
+        controller calls it when the run finished (fault point ``finish``)."""
+        r = self.runner
+        r.faults.fire(rank=r.rank, step=r.step, point="finish", generation=r.generation)
+        return r.state_digest()
 
     @_on_state_thread
     def parameters(self) -> dict[str, torch.Tensor] | None:
