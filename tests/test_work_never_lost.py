@@ -100,3 +100,62 @@ def test_a_storage_error_during_recovery_ends_the_run_with_exit_3(tmp_path, ray_
     assert [e["exit_code"] for e in run.of("run_finished")] == [3]
     committed = CheckpointStore(str(root)).committed()
     assert committed and [m.step for m in committed] == [s for s in run.summary["checkpoints_committed"]][-5:]
+
+
+def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path, ray_local):
+    """Strict mode, 2 workers, durable checkpoints but no periodic ones and no peer tier: rank 1 is SIGKILLed,
+    and the driver gets SIGTERM as soon as the failure is seen (the controller waits for the replacement).
+    The survivor regroups to save: exit 75 with a committed checkpoint of the survivor's step, not a
+    resubmission from step 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+    import yaml
+
+    from elastictrain.events import read_events
+    from tests.cluster_fixtures import SLOW
+
+    spec = job(name="pw", train={"steps": 400}, recovery={"mode": "strict"}, workers={"min": 2, "max": 2},
+               faults=SLOW, checkpoint=_ck(tmp_path, every_steps=0))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    address = ray.get_runtime_context().gcs_address
+    run_dir = tmp_path / "a"
+    proc = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address,
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_for(pred, timeout=120.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if (run_dir / "events.jsonl").exists():
+                for e in read_events(run_dir):
+                    if pred(e):
+                        return e
+            assert proc.poll() is None, proc.communicate()[0][-2000:]
+            time.sleep(0.05)
+        raise AssertionError("no such event")
+
+    try:
+        victim = wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+        wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+        os.kill(victim["pid"], signal.SIGKILL)
+        failure = wait_for(lambda e: e["event"] == "failure")
+        proc.send_signal(signal.SIGTERM)  # while the controller recovers (waits for the replacement)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-2000:]
+    assert "Traceback" not in out
+    events = read_events(run_dir)
+    (pre,) = [e for e in events if e["event"] == "preempted"]
+    assert pre["checkpoint"] is True and pre["step"] >= failure["step"] - 1, (pre, failure)
+    newest, _ = CheckpointStore(str(tmp_path / "ckpt" / "pw")).latest_valid()
+    assert newest is not None and newest.step == pre["step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoints_committed"] == [pre["step"]]

@@ -237,15 +237,51 @@ class Controller(WorkerMonitor):
         self._early_catalogs = (self.generation, {node: k.catalog.remote() for node, k in self.keepers.items()})
 
     def _checkpointing(self) -> None:
-        """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
+        """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
+        Preempted while recovering (or waiting for workers), the survivors left their process groups and
+        hold no writer: they first regroup -- with whoever is ready -- to save (``_regroup_to_save``)."""
         self._drain_runs(timeout=self.config.timeouts.collective_s)
+        save = self.config.checkpoint.on_preempt and self.store is not None
+        if save and self.sm.history and self.sm.history[-1][0] is State.RECOVERING:
+            save = self._regroup_to_save()
+            if self.sm.terminal:
+                return
         step = self.ledger.last_step
         members = [s for s in self.group.members() if s.state is SlotState.MEMBER]
         saved = False
-        if self.config.checkpoint.on_preempt and self.store is not None and members and step:
+        if save and members and step:
             saved = self._save_now(members, step)
         self.events.emit("preempted", step=step, checkpoint=saved, reason=self.preempt_reason)
         self._finish(State.PREEMPTED, self.preempt_reason or "preempted", code=75)
+
+    def _regroup_to_save(self) -> bool:
+        """Finish the interrupted recovery far enough to save: survivors and ready joiners form a generation
+        (any world size the plan runs at) restored from the best source, and start no step loop; the
+        caller then saves it. Nothing to do when the best source is a committed checkpoint or step 0: a save
+        would hold nothing newer. On any failure the preemption goes on without a checkpoint (said in a
+        ``warning``): it must end within the grace period. True if the members can save."""
+        for slot in self.group.collect_ready(timeout=0):
+            self._on_setup_done(slot)
+        survivors = sorted((s for s in self.group.slots if s.state is SlotState.MEMBER), key=lambda s: s.rank)
+        ready = sorted(self.group.by_state(SlotState.READY), key=lambda s: s.index)
+        decision = policy.save_membership(available=len(survivors) + len(ready), spec=self.plan_spec)
+        why = None
+        if decision.action != "go":
+            why = decision.reason
+        else:
+            chosen = (survivors + ready)[: decision.world_size]
+            try:
+                resume = self._recovery_source(chosen, self.world_size, survivors)
+            except (SurvivorLost, CheckpointLoadFailed) as e:
+                resume, why = None, str(e)
+            if why is None and (self.recovery_source in ("checkpoint", "scratch")):
+                why = f"nothing newer than what storage holds to save ({self.recovery_reason})"
+            elif why is None and not self._form_generation(chosen, reason="preempt", resume=resume, start=False):
+                why = "a worker failed while regrouping to save"
+        if why is not None and not self.sm.terminal:
+            self.events.emit("warning", source="preemption", reason=f"preempted while recovering: no "
+                             f"just-in-time checkpoint ({why})")
+        return why is None
 
     # ------------------------------------------------------------------ generations
     def _membership(self, available: int, current: int) -> policy.Membership:
@@ -497,9 +533,10 @@ class Controller(WorkerMonitor):
         extra = sorted(ready, key=lambda s: s.index)
         return (keep + extra)[:world]
 
-    def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None) -> bool:
+    def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None, start: bool = True) -> bool:
         """Rendezvous ``chosen`` (in rank order) as a new generation, sync state from the most advanced
-        survivor, and start the step loop. False if a member failed on the way (recorded as a failure)."""
+        survivor, and start the step loop (not with ``start=False``: a generation that only saves). False if
+        a member failed on the way (recorded as a failure)."""
         self._poll_members_blocking()
         self.ledger.flush_partial()
         self.generation += 1
@@ -560,6 +597,8 @@ class Controller(WorkerMonitor):
             self.recovery_source = "peer"
         else:
             self._close_recovery(start_step=steps[0])
+        if not start:
+            return True
         if self.config.checkpoint.memory_every_steps:
             self._start_keepers()
             keepers = self._keepers_for(chosen)
