@@ -7,6 +7,7 @@ from pathlib import Path
 
 from elastictrain import Trainer, build_config
 from elastictrain.checkpoint import CheckpointStore
+from tests.cluster_fixtures import cluster, node_of  # noqa: F401 - fixture
 from tests.conftest import job, run_job
 
 
@@ -159,3 +160,39 @@ def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path
     assert newest is not None and newest.step == pre["step"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoints_committed"] == [pre["step"]]
+
+
+def test_drain_notice_while_waiting_for_a_replacement_commits_what_the_survivor_holds(tmp_path, cluster):
+    """Two nodes, strict mode, no periodic checkpoints: rank 1's node is lost and, while the controller waits
+    for a replacement (none can be placed), the survivor's node gets a Ray drain notice. The notice is a
+    preemption there too: the survivor regroups to save, exit 75 with its step committed (before: unseen
+    until the wait ran out, exit 1)."""
+    import time
+
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    from tests.cluster_fixtures import SLOW
+    from tests.conftest import BackgroundRun
+
+    c, nodes = cluster
+    spec = job(name="dr", train={"steps": 400}, recovery={"mode": "strict", "min_workers_wait_s": 30},
+               workers={"min": 2, "max": 2},
+               faults=SLOW, checkpoint=_ck(tmp_path, every_steps=0))
+    bg = BackgroundRun(tmp_path, spec, name="dr")
+    started = {e["rank"]: e for e in [bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == r)
+                                      for r in (0, 1)]}
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8)
+    c.remove_node(node_of(nodes, started[1]["node_id"]))
+    failure = bg.wait_for(lambda e: e["event"] == "failure")
+    gcs = ray._raylet.GcsClient(address=c.address)
+    accepted, why = gcs.drain_node(started[0]["node_id"],
+                                   autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "spot instance reclaimed", int(time.time() * 1000) + 60_000)
+    assert accepted, why
+    run = bg.finish(timeout=120)
+    assert run.result.exit_code == 75 and run.summary["state"] == "preempted", run.summary
+    (pre,) = run.of("preempted")
+    assert pre["checkpoint"] is True and started[0]["node_id"] in pre["reason"], pre
+    assert pre["step"] >= failure["step"] - 1
+    assert CheckpointStore(str(tmp_path / "ckpt" / "dr")).latest_valid()[0].step == pre["step"]

@@ -213,6 +213,7 @@ class Controller(WorkerMonitor):
                 return  # failed, or a survivor failed as well: handled in the next iteration
             for slot in self.group.collect_ready(timeout=0):
                 self._on_setup_done(slot)
+            self._check_drains()  # a drain notice while recovering (or waiting for workers) preempts too
             if self.preempt_reason:
                 return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
             self._regroup(reason="recover")
