@@ -196,3 +196,58 @@ def test_drain_notice_while_waiting_for_a_replacement_commits_what_the_survivor_
     assert pre["checkpoint"] is True and started[0]["node_id"] in pre["reason"], pre
     assert pre["step"] >= failure["step"] - 1
     assert CheckpointStore(str(tmp_path / "ckpt" / "dr")).latest_valid()[0].step == pre["step"]
+
+
+def test_a_snapshot_replaced_before_it_was_sent_is_reported(ray_local):
+    """The keeper holds every put (a slow network): of three pushes at most one is in flight and one
+    waits, so one is replaced unsent. It is reported as a drop that breaks the bound, none goes unnamed."""
+    import asyncio
+
+    import ray
+    import torch
+
+    from elastictrain.checkpoint import MemoryReplicator
+    from elastictrain.checkpoint.memory import KeeperState
+
+    @ray.remote(num_cpus=0)
+    class GatedKeeper:
+        def __init__(self) -> None:
+            self.gate, self.state = asyncio.Event(), KeeperState(10_000_000)
+
+        async def put(self, snap):
+            await self.gate.wait()
+            return self.state.put(snap)
+
+        async def open(self) -> None:
+            self.gate.set()
+
+    keeper = GatedKeeper.remote()
+    rep = MemoryReplicator(keeper, rank=0, generation=0, timeout_s=30)
+    for step in (1, 2, 3):
+        rep.push(step, {"model": {"w": torch.full((100,), float(step))}})
+    ray.get(keeper.open.remote())
+    assert rep.flush(timeout=30)
+    out = rep.reports()
+    sent = {r.step for r in out["results"]}
+    dropped = {d.step: d for d in out["dropped"]}
+    assert dropped and sent | set(dropped) == {1, 2, 3} and not sent & set(dropped), (sent, dropped)
+    assert all(d.cause == "replaced_unsent" and not d.bound_holds for d in dropped.values())
+    rep.close(timeout=30)
+    ray.kill(keeper)
+
+
+def test_budget_evictions_are_events_that_say_the_bound_breaks(tmp_path, ray_local):
+    """One worker, a keeper budget that holds one snapshot but not two: every snapshot after the first
+    evicts the one before. Each eviction is a ``memory_snapshot_dropped`` event with ``bound_holds: false``."""
+    from elastictrain.task import builtin_task
+
+    spec = job(train={"steps": 6}, workers={"min": 1, "max": 1}, checkpoint={"memory_every_steps": 2})
+    params = sum(p.numel() * p.element_size() for p in builtin_task(build_config(spec)).model_fn().parameters())
+    # a snapshot holds the parameters and Adam's two moments: ~3x; the budget fits one, not two
+    spec["checkpoint"]["memory_budget_gib"] = 4 * params / 2**30
+    run = run_job(tmp_path, spec)
+    assert run.result.exit_code == 0 and not run.of("memory_snapshot_rejected"), run.of("memory_snapshot_rejected")
+    dropped = run.of("memory_snapshot_dropped")
+    assert [(e["step"], e["cause"], e["bound_holds"]) for e in dropped] == [(2, "evicted", False),
+                                                                              (4, "evicted", False)], dropped
+    assert "memory_budget_gib" in dropped[0]["reason"]

@@ -371,14 +371,21 @@ class Controller(WorkerMonitor):
         return [(self.keepers.get(n) if n else None, n is not None and n != o) for n, o in zip(nodes, own)]
 
     def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
-        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused or
-        that could not be sent -- an event and a log line each, never silent."""
+        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused,
+        that could not be sent, or that was dropped (replaced unsent, evicted) -- an event and a log line
+        each, never silent."""
         self.memory_stall_s += report["stall_s"]
         self.memory_snapshots += report["snapshots"]
         for r in report["rejected"]:
             log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
             self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
                              reason=r["reason"])
+        for d in report.get("dropped", ()):
+            log.warning("peer memory tier: snapshot of rank %s step %s dropped (%s): %s", d["rank"], d["step"],
+                        d["cause"], d["reason"])
+            self.events.emit("memory_snapshot_dropped", rank=d["rank"], slot=slot.index, step=d["step"],
+                             generation=d["generation"], cause=d["cause"], bound_holds=d["bound_holds"],
+                             reason=d["reason"])
 
     def _peer_tier(self, holders: list[Slot] = ()) -> dict[int, tuple[bool, list[Any]]]:
         """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest).

@@ -14,6 +14,7 @@ durable checkpoint.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import gc
 import os
@@ -380,15 +381,16 @@ class Worker:
 
     def _close_replicator(self, timeout: float | None) -> None:
         if self._replicator is not None:
-            self._memory_reports.append(self._memory_report())
             self._replicator.close(timeout=timeout)
+            self._memory_reports.append(self._memory_report())  # after close: a snapshot left unsent is a drop
             self._replicator = None
 
     def _memory_report(self) -> dict[str, Any]:
         got = self._replicator.reports()
         return {"stall_s": got["stall_s"], "snapshots": got["snapshots"],
                 "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
-                             for p in got["results"] if not p.accepted]}
+                             for p in got["results"] if not p.accepted],
+                "dropped": [dataclasses.asdict(d) for d in got["dropped"]]}
 
     @_on_state_thread
     def hold_snapshot(self) -> Any:
