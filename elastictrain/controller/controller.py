@@ -482,7 +482,7 @@ class Controller(WorkerMonitor):
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
             return manifest
-        if kind == "scratch":
+        if kind == "scratch" and self.sm.state is not State.CHECKPOINTING:  # (preempted: nothing restarts)
             self.events.emit("worker_lost", world_size=0, step=0,
                              reason="every worker holding training state was lost and no other source holds "
                                     f"it: restarting from step 0 ({decision.reason})")
@@ -807,9 +807,11 @@ class Controller(WorkerMonitor):
     def _finish_failed(self, e: Exception) -> str:
         """Why a run that trained every step still failed: a worker died while the final model was gathered."""
         step, last = self.ledger.last_step, (self.committer.committed_steps or [None])[-1]
-        where = (f"the final step is committed (checkpoint of step {last}): running the job again answers "
-                 "\"already finished\" and `elastictrain ckpt export` writes the model") if last == step else (
-                 f"the last committed checkpoint is step {last}")
+        if last == step:
+            where = (f"the final step is committed (checkpoint of step {last}): running the job again answers "
+                     "\"already finished\" and `elastictrain ckpt export` writes the model")
+        else:
+            where = "no checkpoint is committed" if last is None else f"the last committed checkpoint is step {last}"
         return f"a worker failed while the final model of step {step} was gathered: {describe_remote_error(e)}; {where}"
 
     def _fail(self, reason: str) -> None:
