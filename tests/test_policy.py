@@ -14,6 +14,7 @@ from elastictrain.controller.policy import (
     find_stragglers,
     hang_bound,
     pick_source,
+    save_membership,
     setup_verdict,
 )
 from elastictrain.data.cursor import valid_world_sizes
@@ -249,3 +250,15 @@ def test_pick_source_property(steps: dict[int, int]) -> None:
     r = pick_source(steps)
     assert steps[r] == max(steps.values())
     assert all(q > r for q, s in steps.items() if s == steps[r] and q != r)
+
+
+def test_save_membership_takes_the_largest_valid_world_whatever_the_mode():
+    """Preempted while recovering: any world size the plan runs at can save (a checkpoint reshards)."""
+    from elastictrain.parallel.plan import PlanSpec
+
+    assert save_membership(available=1, spec=PlanSpec("ddp", 16, 4)).world_size == 1
+    assert save_membership(available=3, spec=PlanSpec("ddp", 16, 4)).world_size == 2  # 16 = 4 x 2 x 2
+    hsdp = save_membership(available=3, spec=PlanSpec("hsdp", 16, 2, shard_size=2))
+    assert hsdp.action == "go" and hsdp.world_size == 2, hsdp
+    none = save_membership(available=0, spec=PlanSpec("ddp", 16, 4))
+    assert none.action == "fail" and "nothing to save" in none.reason

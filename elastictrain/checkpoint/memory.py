@@ -20,7 +20,11 @@ The keeper holds the newest :data:`KEEP_PER_RANK` snapshots of each (generation,
 a complete set of one step survives while the next step's pushes are in flight -- inside a byte budget.
 When a put would exceed the budget, the oldest puts of other ranks are evicted; a snapshot larger than
 the whole budget is rejected. Every put returns a :class:`PutResult`; the worker reports rejected ones
-to the controller, which emits ``memory_snapshot_rejected`` and a log line (never silent).
+to the controller, which emits ``memory_snapshot_rejected`` and a log line (never silent). A snapshot taken
+and then dropped -- replaced by the next before it was sent, left unsent when the replicator closed, or
+evicted from a keeper for the budget -- is a :class:`Dropped` in the replicator's reports, which the
+controller turns into a ``memory_snapshot_dropped`` event that says whether the documented bound on lost
+work (about K steps, two intervals with one in flight) still holds.
 
 Stall: the snapshot copy on the step thread is the only stall (from CUDA it is only queued: the copy runs
 on a side stream, see ``checkpoint/host_copy.py``); serialising and sending it to the keeper runs on the
@@ -49,6 +53,30 @@ class PutResult:
     evicted: list[tuple[int, int, int]] = field(default_factory=list)  # (generation, rank, step) dropped
     step: int = -1
     rank: int = -1
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A snapshot that was taken but is no longer (or never was) in a keeper, and what that does to the
+    bound on lost work. ``cause``: ``replaced_unsent``, ``unsent_at_close`` or ``evicted``."""
+
+    generation: int
+    rank: int
+    step: int
+    cause: str
+    reason: str
+    bound_holds: bool
+
+
+def drops_of(result: PutResult) -> list[Dropped]:
+    """The evictions a keeper made to keep ``result``'s snapshot within its budget. Each leaves that rank
+    fewer than two snapshots: while the next one is in flight no complete step may remain, so a failure
+    then falls back to an older source -- the bound of about two intervals does not hold."""
+    return [Dropped(g, r, st, "evicted", f"evicted from its keeper to keep rank {result.rank} step "
+                    f"{result.step} within checkpoint.memory_budget_gib; lost work may exceed two "
+                    "memory_every_steps intervals while a rank's next snapshot is in flight (raise the budget)",
+                    bound_holds=False)
+            for g, r, st in result.evicted]
 
 
 class KeeperState:
@@ -208,6 +236,7 @@ class MemoryReplicator:
         self._own: list[Snapshot] = []  # the newest ``_keep`` taken, oldest first (waiting, in flight or sent)
         self._closed = False
         self._results: list[PutResult] = []
+        self._dropped: list[Dropped] = []
         self.stall_s = 0.0
         self.snapshots = 0
         self._thread = threading.Thread(target=self._send_loop, name="memory-tier-sender", daemon=True)
@@ -224,6 +253,12 @@ class MemoryReplicator:
         with self._cv:
             self.stall_s += time.perf_counter() - t0
             self.snapshots += 1
+            if self._next is not None:  # replaced before it was sent: it never reaches the keeper
+                self._dropped.append(Dropped(
+                    self._generation, self._rank, self._next.meta.step, "replaced_unsent",
+                    f"replaced by step {step} before it was sent: sending to the keeper is slower than one "
+                    "snapshot every memory_every_steps steps, so lost work may exceed two intervals until it "
+                    "catches up (raise memory_every_steps)", bound_holds=False))
             self._next = snap  # replaces one not sent yet (still one of this rank's own two)
             self._own.append(snap)
             self._cv.notify_all()
@@ -251,6 +286,7 @@ class MemoryReplicator:
                                    rank=snap.meta.rank)
             with self._cv:
                 self._results.append(result)
+                self._dropped.extend(drops_of(result))
                 self._sending = None
                 self._cv.notify_all()
 
@@ -260,10 +296,12 @@ class MemoryReplicator:
             return self._cv.wait_for(lambda: self._next is None and self._sending is None, timeout=timeout)
 
     def reports(self) -> dict[str, Any]:
-        """Results and stall since the last call: ``{"results": [PutResult], "stall_s", "snapshots"}``."""
+        """Results, drops and stall since the last call: ``{"results": [PutResult], "dropped": [Dropped],
+        "stall_s", "snapshots"}``."""
         with self._cv:
-            out = {"results": self._results, "stall_s": self.stall_s, "snapshots": self.snapshots}
-            self._results, self.stall_s, self.snapshots = [], 0.0, 0
+            out = {"results": self._results, "dropped": self._dropped, "stall_s": self.stall_s,
+                   "snapshots": self.snapshots}
+            self._results, self._dropped, self.stall_s, self.snapshots = [], [], 0.0, 0
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -271,6 +309,11 @@ class MemoryReplicator:
         self.flush(timeout)
         with self._cv:
             self._closed = True
+            if self._next is not None:  # its generation ended first; the next one snapshots its own state
+                self._dropped.append(Dropped(
+                    self._generation, self._rank, self._next.meta.step, "unsent_at_close",
+                    f"generation {self._generation} ended before it was sent; until the next generation's "
+                    "first snapshot the tier holds older steps only", bound_holds=False))
             self._next = None
             self._cv.notify_all()
         self._thread.join(timeout)

@@ -106,7 +106,13 @@ class Controller(WorkerMonitor):
     def run(self) -> dict[str, Any]:
         try:
             while not self.sm.terminal:
-                self.step()
+                state = self.sm.state
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - never escapes: summary.json and run_finished follow
+                    log.debug("controller error in state %s", state.name, exc_info=True)
+                    self._fail(f"controller error while {state.value}: {describe_remote_error(e)} (last "
+                               f"committed checkpoint: {(self.committer.committed_steps or [None])[-1]})")
         finally:
             self.group.shutdown()
             self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
@@ -207,6 +213,7 @@ class Controller(WorkerMonitor):
                 return  # failed, or a survivor failed as well: handled in the next iteration
             for slot in self.group.collect_ready(timeout=0):
                 self._on_setup_done(slot)
+            self._check_drains()  # a drain notice while recovering (or waiting for workers) preempts too
             if self.preempt_reason:
                 return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
             self._regroup(reason="recover")
@@ -231,15 +238,51 @@ class Controller(WorkerMonitor):
         self._early_catalogs = (self.generation, {node: k.catalog.remote() for node, k in self.keepers.items()})
 
     def _checkpointing(self) -> None:
-        """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit."""
+        """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
+        Preempted while recovering (or waiting for workers), the survivors left their process groups and
+        hold no writer: they first regroup -- with whoever is ready -- to save (``_regroup_to_save``)."""
         self._drain_runs(timeout=self.config.timeouts.collective_s)
+        save = self.config.checkpoint.on_preempt and self.store is not None
+        if save and self.sm.history and self.sm.history[-1][0] is State.RECOVERING:
+            save = self._regroup_to_save()
+            if self.sm.terminal:
+                return
         step = self.ledger.last_step
         members = [s for s in self.group.members() if s.state is SlotState.MEMBER]
         saved = False
-        if self.config.checkpoint.on_preempt and self.store is not None and members and step:
+        if save and members and step:
             saved = self._save_now(members, step)
         self.events.emit("preempted", step=step, checkpoint=saved, reason=self.preempt_reason)
         self._finish(State.PREEMPTED, self.preempt_reason or "preempted", code=75)
+
+    def _regroup_to_save(self) -> bool:
+        """Finish the interrupted recovery far enough to save: survivors and ready joiners form a generation
+        (any world size the plan runs at) restored from the best source, and start no step loop; the
+        caller then saves it. Nothing to do when the best source is a committed checkpoint or step 0: a save
+        would hold nothing newer. On any failure the preemption goes on without a checkpoint (said in a
+        ``warning``): it must end within the grace period. True if the members can save."""
+        for slot in self.group.collect_ready(timeout=0):
+            self._on_setup_done(slot)
+        survivors = sorted((s for s in self.group.slots if s.state is SlotState.MEMBER), key=lambda s: s.rank)
+        ready = sorted(self.group.by_state(SlotState.READY), key=lambda s: s.index)
+        decision = policy.save_membership(available=len(survivors) + len(ready), spec=self.plan_spec)
+        why = None
+        if decision.action != "go":
+            why = decision.reason
+        else:
+            chosen = (survivors + ready)[: decision.world_size]
+            try:
+                resume = self._recovery_source(chosen, self.world_size, survivors)
+            except (SurvivorLost, CheckpointLoadFailed) as e:
+                resume, why = None, str(e)
+            if why is None and (self.recovery_source in ("checkpoint", "scratch")):
+                why = f"nothing newer than what storage holds to save ({self.recovery_reason})"
+            elif why is None and not self._form_generation(chosen, reason="preempt", resume=resume, start=False):
+                why = "a worker failed while regrouping to save"
+        if why is not None and not self.sm.terminal:
+            self.events.emit("warning", source="preemption", reason=f"preempted while recovering: no "
+                             f"just-in-time checkpoint ({why})")
+        return why is None
 
     # ------------------------------------------------------------------ generations
     def _membership(self, available: int, current: int) -> policy.Membership:
@@ -283,6 +326,8 @@ class Controller(WorkerMonitor):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
+        except CheckpointLoadFailed as e:  # storage failed and nothing else holds the state: exit 3
+            return self._fail_checkpoint(str(e))
         if not self._form_generation(chosen, reason=reason, resume=resume):
             if self.sm.terminal:
                 return
@@ -326,14 +371,21 @@ class Controller(WorkerMonitor):
         return [(self.keepers.get(n) if n else None, n is not None and n != o) for n, o in zip(nodes, own)]
 
     def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
-        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused or
-        that could not be sent -- an event and a log line each, never silent."""
+        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused,
+        that could not be sent, or that was dropped (replaced unsent, evicted) -- an event and a log line
+        each, never silent."""
         self.memory_stall_s += report["stall_s"]
         self.memory_snapshots += report["snapshots"]
         for r in report["rejected"]:
             log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
             self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
                              reason=r["reason"])
+        for d in report.get("dropped", ()):
+            log.warning("peer memory tier: snapshot of rank %s step %s dropped (%s): %s", d["rank"], d["step"],
+                        d["cause"], d["reason"])
+            self.events.emit("memory_snapshot_dropped", rank=d["rank"], slot=slot.index, step=d["step"],
+                             generation=d["generation"], cause=d["cause"], bound_holds=d["bound_holds"],
+                             reason=d["reason"])
 
     def _peer_tier(self, holders: list[Slot] = ()) -> dict[int, tuple[bool, list[Any]]]:
         """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest).
@@ -411,16 +463,16 @@ class Controller(WorkerMonitor):
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind != "peer":
             tier = self._peer_tier(members)
-            manifest = None
-            if self.store is not None:
-                # commits run on their own thread: let queued ones land before asking storage (bounded)
-                self.committer.drain(timeout=self.config.timeouts.poll_s)
-                # sizes only (ranks check what they read); only this run's own trajectory, never another's
-                manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
-                for why in skipped:
-                    self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+            manifest, storage_error = self._durable_source()
             decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
                                             durable_step=None if manifest is None else int(manifest.step), **args)
+            if storage_error and decision.chosen.kind == "scratch":
+                # storage did not answer: whether a committed checkpoint exists is unknown, so never restart
+                # from step 0 (and commit over it); the committed checkpoints are left as they are
+                raise CheckpointLoadFailed(
+                    f"storage failed during recovery ({storage_error}) and no survivor or peer-tier snapshot "
+                    "holds the state: not restarting from step 0 over committed checkpoints, which are "
+                    "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
@@ -430,7 +482,7 @@ class Controller(WorkerMonitor):
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
             return manifest
-        if kind == "scratch":
+        if kind == "scratch" and self.sm.state is not State.CHECKPOINTING:  # (preempted: nothing restarts)
             self.events.emit("worker_lost", world_size=0, step=0,
                              reason="every worker holding training state was lost and no other source holds "
                                     f"it: restarting from step 0 ({decision.reason})")
@@ -438,6 +490,31 @@ class Controller(WorkerMonitor):
             for s in chosen:
                 s.has_state = False
         return None
+
+    def _durable_source(self) -> tuple[Any, str | None]:
+        """(the newest committed checkpoint of this run's lineage -- or its branch point -- or None, the
+        storage error that kept it from being found, or None). Never raises."""
+        if self.store is None:
+            return None, None
+        try:
+            # commits run on their own thread: let queued ones land before asking storage (bounded)
+            self.committer.drain(timeout=self.config.timeouts.poll_s)
+            # sizes only (ranks check what they read); only this run's own trajectory, never another's
+            manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
+        except Exception as e:  # noqa: BLE001 - storage unreachable or failing: the caller decides
+            why = describe_remote_error(e)
+            self.events.emit("checkpoint_failed", step=None, reason=f"storage error during recovery: {why}")
+            return None, why
+        for why in skipped:
+            self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
+        return manifest or self._branch_point(), None
+
+    def _branch_point(self) -> Any:
+        """The checkpoint this run started from, while the run has committed none of its own: a run branched
+        from an explicit checkpoint URI (a new lineage, maybe another root) finds nothing of its own on
+        storage before its first commit, and must not restart from step 0 over the branch."""
+        m = self.resume_manifest
+        return m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
 
     def _survivor_restore(self, pool: list[Slot], cand: sources.Candidate) -> PeerRestore:
         """Survivors ``cand.ranks`` (found in ``pool``, members of the next generation or not) snapshot their
@@ -464,9 +541,10 @@ class Controller(WorkerMonitor):
         extra = sorted(ready, key=lambda s: s.index)
         return (keep + extra)[:world]
 
-    def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None) -> bool:
+    def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None, start: bool = True) -> bool:
         """Rendezvous ``chosen`` (in rank order) as a new generation, sync state from the most advanced
-        survivor, and start the step loop. False if a member failed on the way (recorded as a failure)."""
+        survivor, and start the step loop (not with ``start=False``: a generation that only saves). False if
+        a member failed on the way (recorded as a failure)."""
         self._poll_members_blocking()
         self.ledger.flush_partial()
         self.generation += 1
@@ -527,6 +605,8 @@ class Controller(WorkerMonitor):
             self.recovery_source = "peer"
         else:
             self._close_recovery(start_step=steps[0])
+        if not start:
+            return True
         if self.config.checkpoint.memory_every_steps:
             self._start_keepers()
             keepers = self._keepers_for(chosen)
@@ -689,6 +769,14 @@ class Controller(WorkerMonitor):
             return False
         return step in self.committer.committed_steps
 
+    def _save_final(self, members: list[Slot]) -> None:
+        """With durable checkpoints configured, the final state is always committed (whatever
+        ``every_steps``): running the job again answers "already finished", and extending it resumes here."""
+        step = self.ledger.last_step
+        if self.store is None or not members or not step or step in self.committer.committed_steps:
+            return
+        self._save_now(members, step)
+
     def _collect_reports(self, members: list[Slot]) -> None:
         """Wait for the members' in-flight saves and hand every report to the committer."""
         for s in members:
@@ -712,13 +800,30 @@ class Controller(WorkerMonitor):
             self._flush_checkpoints()
             self.ledger.flush_partial()
             members = self.group.members()
-            if members:  # collective under a sharded layout: every member takes part, rank 0 answers
-                t = self.config.timeouts.poll_s
-                self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
-                if self.config.train.save_final_model:
-                    self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+            self._save_final(members)
+            try:
+                self._gather_final_model(members)
+            except Exception as e:  # noqa: BLE001 - a worker dying here ends the run like any other error
+                return self._fail(self._finish_failed(e))
         self.exit_code = code
         self.sm.to(state, reason)
+
+    def _gather_final_model(self, members: list[Slot]) -> None:
+        if members:  # collective under a sharded layout: every member takes part, rank 0 answers
+            t = self.config.timeouts.poll_s
+            self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
+            if self.config.train.save_final_model:
+                self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+
+    def _finish_failed(self, e: Exception) -> str:
+        """Why a run that trained every step still failed: a worker died while the final model was gathered."""
+        step, last = self.ledger.last_step, (self.committer.committed_steps or [None])[-1]
+        if last == step:
+            where = (f"the final step is committed (checkpoint of step {last}): running the job again answers "
+                     "\"already finished\" and `elastictrain ckpt export` writes the model")
+        else:
+            where = "no checkpoint is committed" if last is None else f"the last committed checkpoint is step {last}"
+        return f"a worker failed while the final model of step {step} was gathered: {describe_remote_error(e)}; {where}"
 
     def _fail(self, reason: str) -> None:
         if self.sm.terminal:  # terminal states are final: the first ending stands

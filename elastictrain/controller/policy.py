@@ -20,6 +20,19 @@ class Membership:
     reason: str
 
 
+def save_membership(*, available: int, spec: PlanSpec) -> Membership:
+    """Preempted while recovering (or waiting for workers): how many of the ``available`` workers (survivors
+    plus ready joiners) form a generation that only saves what they hold. Any world size the plan can run
+    at serves -- a checkpoint reshards on load -- so neither ``recovery.mode`` nor ``workers.min`` applies:
+    the largest valid one that fits. ``go`` or ``fail`` (no valid world size)."""
+    fits = valid_world_sizes(spec, available) if available > 0 else []
+    if not fits:
+        return Membership("fail", 0, f"{available} worker(s) available: no world size the plan "
+                                     f"{spec.plan!r} can run at, nothing to save with")
+    return Membership("go", fits[-1], f"preempted while recovering: {fits[-1]} of {available} available "
+                                      "worker(s) regroup to save what they hold (a checkpoint reshards on load)")
+
+
 def hang_bound(step_times: Sequence[float], t: TimeoutsConfig) -> float:
     """Seconds without progress after which a rank counts as hung: ``watchdog_factor`` x the median recent
     step time, within [watchdog_floor_s, step_watchdog_cap_s]. Before any step: the cap."""

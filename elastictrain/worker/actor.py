@@ -14,6 +14,7 @@ durable checkpoint.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import gc
 import os
@@ -346,7 +347,7 @@ class Worker:
 
     def _open_writer(self, rank: int, world_size: int, generation: int) -> None:
         root = self._root_uri()
-        if root is None or not (self.config.checkpoint.every_steps or self.config.checkpoint.on_preempt):
+        if root is None:  # with durable checkpoints configured there is always a writer: the final state is saved
             return
         from elastictrain.checkpoint import CheckpointWriter
 
@@ -384,15 +385,16 @@ class Worker:
 
     def _close_replicator(self, timeout: float | None) -> None:
         if self._replicator is not None:
-            self._memory_reports.append(self._memory_report())
             self._replicator.close(timeout=timeout)
+            self._memory_reports.append(self._memory_report())  # after close: a snapshot left unsent is a drop
             self._replicator = None
 
     def _memory_report(self) -> dict[str, Any]:
         got = self._replicator.reports()
         return {"stall_s": got["stall_s"], "snapshots": got["snapshots"],
                 "rejected": [{"step": p.step, "rank": p.rank, "reason": p.reason}
-                             for p in got["results"] if not p.accepted]}
+                             for p in got["results"] if not p.accepted],
+                "dropped": [dataclasses.asdict(d) for d in got["dropped"]]}
 
     @_on_state_thread
     def hold_snapshot(self) -> Any:
@@ -511,8 +513,11 @@ class Worker:
     # ------------------------------------------------------------------ inspection
     @_on_state_thread
     def digest(self) -> dict[str, Any] | None:
-        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member."""
-        return self.runner.state_digest()
+        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member. The
+        controller calls it when the run finished (fault point ``finish``)."""
+        r = self.runner
+        r.faults.fire(rank=r.rank, step=r.step, point="finish", generation=r.generation)
+        return r.state_digest()
 
     @_on_state_thread
     def parameters(self) -> dict[str, torch.Tensor] | None:
