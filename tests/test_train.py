@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import elastictrain
+
 from tests.conftest import job, run_job
 
 
@@ -12,6 +14,8 @@ def test_two_workers_train_and_loss_falls(tmp_path, ray_local):
     assert run.result.exit_code == 0
     names = [e["event"] for e in run.events]
     assert names[0] == "run_started" and names[-1] == "run_finished"
+    # What produced the run is on record (a report or a bug says which elastictrain wrote it).
+    assert run.events[0]["version"] == run.events[-1]["version"] == run.summary["version"] == elastictrain.__version__
     started = run.of("worker_started")
     assert sorted(e["rank"] for e in started) == [0, 1]
     assert all(e["pid"] > 0 and e["node_id"] for e in started)
