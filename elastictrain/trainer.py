@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from elastictrain import __version__
+from elastictrain import __version__, ray_console
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
 from elastictrain.exit_codes import EXIT_OK
@@ -95,6 +95,8 @@ class Trainer:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        ray_console.install()  # Ray's paragraph on each dead worker goes to ray_errors.log, not the console
+        ray_console.set_run_dir(self.run_dir)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)
         events.listeners.append(RunMetrics(self.config.stable_id))  # Prometheus, through Ray's metrics agent
