@@ -197,9 +197,9 @@ def test_admission_by_fingerprint_is_pure():
 
 def test_worker_with_other_data_is_refused_at_rendezvous(tmp_path, ray_local):
     """Item 10 with real workers: the dataset grows after the first two builds (a Parquet prefix that grew
-    while the run trained); rank 1 is killed at step 2 and every replacement, which builds the grown data,
+    while the run trained); rank 1 is killed at step 2 and its replacement, which builds the grown data,
     is refused with a reason naming the data and never trained with: both slots are needed (min 2), so the
-    run ends in a crash loop (exit 1) at the step where it lost rank 1."""
+    run ends in a crash loop (exit 1: the kill and the refusal in a row) at the step where it lost rank 1."""
     counter = tmp_path / "builds"
     counter.mkdir()
     task = Task(model_fn=lambda: _Linear(4), loss_fn=lambda m, b, _s: m(b["x"]).pow(2).mean(dim=1),
