@@ -5,7 +5,8 @@ executing a task by an unexpected system error ... OOM killer ...") and its erro
 it on stdout (``ray._private.worker.listen_error_messages`` -> ``print_to_stdstream``, prefixed
 ``(raylet)``). For elastictrain a dead worker is an expected, handled failure, already reported by one
 ``failure`` event; the paragraph reads like a crash. :func:`install` routes these paragraphs to
-``RUN_DIR/ray_errors.log`` of the run in progress (and to the ``elastictrain.ray`` logger at INFO);
+``RUN_DIR/ray_errors.log`` of the latest run this process started (one can arrive after its run ended)
+and to the ``elastictrain.ray`` logger at INFO;
 every other message Ray publishes is printed as before. Ray's own session logs are untouched.
 
 The hook replaces the module attribute the listener thread looks up on every message; if a Ray version
@@ -22,7 +23,7 @@ from typing import Any
 _log = logging.getLogger("elastictrain.ray")
 _WORKER_DEATH = "A worker died or was killed while executing"
 _lock = threading.Lock()
-_sink: Path | None = None  # RUN_DIR/ray_errors.log of the run in progress
+_sink: Path | None = None  # RUN_DIR/ray_errors.log of the latest run
 _installed = False
 
 
@@ -55,7 +56,7 @@ def install() -> None:
 
 
 def set_run_dir(run_dir: Path | None) -> None:
-    """Where diverted paragraphs go (``run_dir/ray_errors.log``); ``None`` when no run is in progress."""
+    """Where diverted paragraphs go from now on (``run_dir/ray_errors.log``); ``None``: the logger only."""
     global _sink
     with _lock:
         _sink = None if run_dir is None else Path(run_dir) / "ray_errors.log"
