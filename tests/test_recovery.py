@@ -12,6 +12,7 @@ import pytest
 # math is unchanged.
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_60, BackgroundRun, job, run_job
+from tests.test_ray_console import assert_paragraph_diverted
 
 
 def _audit(run, global_batch=16, seq_len=32):
@@ -117,9 +118,11 @@ def test_all_workers_lost_recovers_from_memory_replica(tmp_path, ray_local):
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
 
 
-def test_spare_replaces_a_failed_worker_without_shrinking(tmp_path, ray_local):
+def test_spare_replaces_a_failed_worker_without_shrinking(tmp_path, ray_local, capfd):
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
     run = run_job(tmp_path, job(train={"steps": 14}, workers={"spares": 1}, faults=[kill]))
+    assert run.result.exit_code == 0 and [e["kind"] for e in run.of("failure")] == ["process_died"]
+    assert_paragraph_diverted(run.dir, capfd)  # the failure event said it; Ray's paragraph is in the log
     assert not run.of("resized") and {e["world_size"] for e in run.of("step")} == {2}
     (recovered,) = run.of("recovered")
     assert recovered["lost_steps"] == 0 and recovered["world_size"] == 2
