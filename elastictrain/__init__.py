@@ -14,6 +14,8 @@ use, so ``import elastictrain`` and the command line's ``--help``, ``ckpt ls`` a
 for importing torch (~1.5-3 s).
 """
 
+__version__ = "0.1.0"  # before the imports below, so modules they load can read it
+
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 
 _LAZY = {"Trainer": "elastictrain.trainer", "RunResult": "elastictrain.trainer", "Task": "elastictrain.task",
@@ -32,4 +34,3 @@ def __getattr__(name: str):
 
 __all__ = ["Trainer", "RunResult", "Task", "JobConfig", "ConfigError", "load_config", "build_config",
            "warmup_cosine"]
-__version__ = "0.1.0"

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import click
 
+from elastictrain import __version__
 from elastictrain.config import ConfigError, load_config
 from elastictrain.exit_codes import EXIT_CHECKPOINT, EXIT_CONFIG
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="elastictrain", message="%(prog)s %(version)s")
 def main() -> None:
     """elastictrain: fault-tolerant distributed PyTorch training on Ray."""
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from elastictrain import __version__, ray_console
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
 from elastictrain.exit_codes import EXIT_OK
@@ -108,6 +109,8 @@ class Trainer:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        ray_console.install()  # Ray's paragraph on each dead worker goes to ray_errors.log, not the console
+        ray_console.set_run_dir(self.run_dir)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)
         events.listeners.append(RunMetrics(self.config.stable_id))  # Prometheus, through Ray's metrics agent
@@ -115,7 +118,8 @@ class Trainer:
             print(f"elastictrain: run directory {self.run_dir}", file=self.console, flush=True)
             if plan.note:
                 print(f"elastictrain: {plan.note}", file=self.console, flush=True)
-        events.emit("run_started", name=self.config.name, run_id=self.config.stable_id, run_dir=str(self.run_dir),
+        events.emit("run_started", name=self.config.name, version=__version__, run_id=self.config.stable_id,
+                    run_dir=str(self.run_dir),
                     workers_min=self.config.workers.min, workers_max=self.config.workers.max,
                     plan=self.config.parallel.plan, steps=self.config.train.steps,
                     global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri,
@@ -129,13 +133,14 @@ class Trainer:
             summary = self.controller.run()
         finally:
             restore()
-        summary.update(run_id=self.config.stable_id, checkpoint_root=plan.root_uri, lineage=plan.lineage)
+        summary.update(version=__version__, run_id=self.config.stable_id, checkpoint_root=plan.root_uri,
+                       lineage=plan.lineage)
         if self.controller.final_state is not None:
             import torch
 
             torch.save(self.controller.final_state, self.run_dir / "final_model.pt")
         write_summary(self.run_dir, summary)
-        events.emit("run_finished", state=summary["state"], final_step=summary["final_step"],
+        events.emit("run_finished", version=__version__, state=summary["state"], final_step=summary["final_step"],
                     final_loss=summary["final_loss"], wall_s=summary["wall_s"], exit_code=summary["exit_code"])
         if tb is not None:
             tb.close()
@@ -158,7 +163,8 @@ class Trainer:
                    "to train again use a new run_id or --set checkpoint.resume=never")
         if self.console is not None:
             print(f"elastictrain: {message}", file=self.console, flush=True)
-        summary = {"state": "finished", "already_finished": True, "message": message, "final_step": m.step,
+        summary = {"version": __version__, "state": "finished", "already_finished": True, "message": message,
+                   "final_step": m.step,
                    "final_loss": None, "wall_s": 0.0, "failures": 0, "exit_code": EXIT_OK, "run_id": plan.run_id,
                    "checkpoint": m.location, "checkpoint_root": plan.root_uri, "lineage": plan.lineage}
         return RunResult(summary, self.run_dir, EXIT_OK)

@@ -226,11 +226,24 @@ def test_cli_ls_show_verify_export(tmp_path: Path) -> None:
     exported = torch.load(target, weights_only=True)
     expect = trained(seed=2)[0].state_dict()
     assert exported.keys() == expect.keys() and all(torch.equal(exported[k], expect[k]) for k in expect)
+    # safetensors is installed with the test extra (transformers needs it): the file holds the same tensors.
+    from safetensors.torch import load_file
+
     out = runner.invoke(ckpt, ["export", str(root), "--out", str(tmp_path / "m.st"), "--format", "safetensors"])
+    assert out.exit_code == 0, out.output
+    st = load_file(str(tmp_path / "m.st"))
+    assert st.keys() == expect.keys() and all(torch.equal(st[k], expect[k]) for k in expect)
+    # Without the package (an import of it fails): one line naming the fix, exit 2, no file.
+    import sys
+
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "safetensors" or k.startswith("safetensors.")}
+    sys.modules["safetensors"] = None  # type: ignore[assignment] - makes `import safetensors...` raise ImportError
     try:
-        import safetensors  # noqa: F401
-    except ImportError:
-        assert out.exit_code == 2 and "pip install safetensors" in out.output
+        out = runner.invoke(ckpt, ["export", str(root), "--out", str(tmp_path / "n.st"), "--format", "safetensors"])
+    finally:
+        del sys.modules["safetensors"]
+        sys.modules.update(saved)
+    assert out.exit_code == 2 and "pip install safetensors" in out.output and not (tmp_path / "n.st").exists()
     _corrupt(root / "step_000000002", "flip")
     out = runner.invoke(ckpt, ["verify", str(root / "step_000000002")])
     assert out.exit_code == 1 and "SHA-256 mismatch" in out.output

@@ -162,3 +162,13 @@ def test_peer_tier_is_on_by_default_and_its_budget_must_be_positive():
     for bad in (0, -1.5, "nan"):
         with pytest.raises(ConfigError, match=r"checkpoint.memory_budget_gib: .*(greater than 0|finite)"):
             build_config(job(checkpoint={"memory_budget_gib": bad}))
+
+
+def test_version_option_prints_the_package_version() -> None:
+    from click.testing import CliRunner
+
+    import elastictrain
+    from elastictrain.cli import main
+
+    out = CliRunner().invoke(main, ["--version"])
+    assert out.exit_code == 0 and out.output == f"elastictrain {elastictrain.__version__}\n", out.output

@@ -37,13 +37,12 @@ def test_too_few_workers_for_too_long_fails_clearly(tmp_path, cluster):
     bg = BackgroundRun(tmp_path, spec, name="min")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5)
-    t0 = time.time()
     c.remove_node(node_of(nodes, victim["node_id"]))
     run = bg.finish(timeout=120)
     assert run.result.exit_code == 1 and run.summary["state"] == "failed"
     (failed,) = run.of("run_failed")
     assert "recovery.min_workers_wait_s=3" in failed["reason"] and "lower workers.min" in failed["reason"]
-    assert time.time() - t0 < 60
+    assert run.summary["final_step"] < 400  # it gave up waiting for a second worker, long before the end
 
 
 def test_drain_notice_preempts_with_checkpoint(tmp_path, cluster):

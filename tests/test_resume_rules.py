@@ -196,18 +196,30 @@ def test_admission_by_fingerprint_is_pure():
 
 
 def test_worker_with_other_data_is_refused_at_rendezvous(tmp_path, ray_local):
-    """Item 10 with real workers: the dataset grows after the first build (a Parquet prefix that grew); the
-    worker that built the other one is refused with a clear reason, never trained with."""
+    """Item 10 with real workers: the dataset grows after the first two builds (a Parquet prefix that grew
+    while the run trained); rank 1 is killed at step 2 and its replacement, which builds the grown data,
+    is refused with a reason naming the data and never trained with: both slots are needed (min 2), so the
+    run ends in a crash loop (exit 1: the kill and the refusal in a row) at the step where it lost rank 1."""
     counter = tmp_path / "builds"
     counter.mkdir()
     task = Task(model_fn=lambda: _Linear(4), loss_fn=lambda m, b, _s: m(b["x"]).pow(2).mean(dim=1),
                 optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.01), dataset_fn=_GrowingData(str(counter)))
-    spec = job(name="grow", train={"steps": 3}, recovery={"max_failures": 2, "max_failures_per_rank": 1})
+    spec = job(name="grow", train={"steps": 4}, workers={"min": 2, "max": 2},
+               faults=[{"rank": 1, "step": 2, "point": "before_step", "kind": "kill"}],
+               recovery={"max_failures": 10, "max_failures_per_rank": 1})  # the kill, one refusal: a loop
     result = Trainer(build_config(spec), task, run_dir=tmp_path / "g", console=None).fit()
     events = [json.loads(x) for x in (tmp_path / "g" / "events.jsonl").read_text().splitlines()]
-    refused = [e for e in events if e["event"] == "failure" and "refused" in (e.get("reason") or "")]
-    assert refused and "data:" in refused[0]["reason"], [e for e in events if e["event"] == "failure"]
-    assert result.exit_code in (0, 1)
+    failures = [e for e in events if e["event"] == "failure"]
+    refused = [e for e in failures if "refused" in (e.get("reason") or "")]
+    assert refused and all("data:" in e["reason"] for e in refused), failures
+    assert len(list(counter.iterdir())) >= 3  # two first builds, then the grown one (refused)
+    assert result.exit_code == 1, result.summary
+    error = result.summary["error"]
+    assert "a crash loop" in error and "refused" in error and "data:" in error, error
+    # Never trained with: no step after rank 1 was lost (a step event of the kill's step may be lost with it).
+    lost_at = failures[0]["step"]
+    assert all(e["step"] <= lost_at and e["world_size"] == 2 for e in events if e["event"] == "step")
+    assert result.summary["final_step"] <= lost_at
 
 
 class _GrowingData:
@@ -224,7 +236,7 @@ class _GrowingData:
                 break
             except FileExistsError:
                 n += 1
-        return [{"x": torch.full((8,), float(i))} for i in range(64 + min(n, 1))]
+        return [{"x": torch.full((8,), float(i))} for i in range(64 + (n >= 2))]
 
 
 def test_resume_plan_rules(tmp_path):

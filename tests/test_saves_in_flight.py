@@ -62,7 +62,11 @@ def test_stalled_s3_save_in_flight_does_not_stall_recovery_and_never_commits(tmp
     try:
         s3fs.S3FileSystem(**moto.options()).mkdir("ckpt")
         ck = {"uri": "s3://ckpt/runs", "every_steps": 10, "storage_options": moto.options()}
-        spec = job(train={"steps": 80}, checkpoint=ck, faults=SLOW)
+        # A collective timeout far beyond the waits below: recovery that waited for the stalled writer up to
+        # timeouts.collective_s (as it used to) would not be seen within them. No clock is compared.
+        timeouts = {"collective_s": 300, "step_watchdog_cap_s": 310, "poll_s": 320, "restart_grace_s": 330,
+                    "watchdog_floor_s": 2}
+        spec = job(train={"steps": 80}, checkpoint=ck, faults=SLOW, timeouts=timeouts)
         bg = BackgroundRun(tmp_path, spec)
         victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1, timeout=120)
         bg.wait_for(lambda e: e["event"] == "checkpoint_saved" and e["step"] == 10, timeout=120)
@@ -77,8 +81,6 @@ def test_stalled_s3_save_in_flight_does_not_stall_recovery_and_never_commits(tmp
         print(f"stalled S3, save in flight at the kill: downtime_s={recovered['downtime_s']} "
               f"recovery_s={recovered['recovery_s']}")
         assert run.result.exit_code == 0 and run.summary["final_step"] == 80
-        # Loose: it used to wait for the writer up to timeouts.collective_s (15 here), then join its thread.
-        assert recovered["downtime_s"] < spec["timeouts"]["collective_s"], recovered
         assert stalled not in run.summary["checkpoints_committed"]  # the abandoned save never commits
         store = CheckpointStore("s3://ckpt/runs/t", moto.options())
         assert stalled not in [m.step for m in store.committed()]

@@ -28,11 +28,14 @@ def _rank(rank: int, port: int) -> None:
         ref.load_state_dict(model.state_dict())
         ddp, plain = DDP(model, bucket_cap_mb=0.1), DDP(ref, bucket_cap_mb=0.1)  # several buckets
         stats = StepStats(ddp)
+        # The hook is installed: a silent fallback to a separate all-reduce would give the same values below.
+        assert stats.carries
         for it in range(3):
             x = torch.randn(8, 300, generator=torch.Generator().manual_seed(rank * 10 + it))
             sent = stats.send(torch.tensor([float(rank + 1), float(rank == 1 and it == 2)], dtype=torch.float64))
             ddp(x).sum().backward()
             word = sent.wait()
+            assert sent.carried  # the sum came out of the last bucket's all-reduce, not one of its own
             plain(x).sum().backward()
             assert torch.equal(word, torch.tensor([3.0, float(it == 2)], dtype=torch.float64)), word
             for a, b in zip(model.parameters(), ref.parameters()):
@@ -47,13 +50,20 @@ def test_word_rides_in_the_last_bucket_and_gradients_are_unchanged():
     run_ranks(_rank, (_free_port(),), 2)
 
 
-def test_without_ddp_the_word_takes_its_own_all_reduce():
+def _rank_without_ddp(rank: int, port: int) -> None:
     from elastictrain.worker.step_stats import StepStats
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        assert torch.equal(StepStats(None).send(torch.tensor([2.0, 0.0], dtype=torch.float64)).wait(),
-                           torch.tensor([2.0, 0.0], dtype=torch.float64))
+        stats = StepStats(None)
+        assert not stats.carries
+        sent = stats.send(torch.tensor([float(rank + 1), float(rank == 1)], dtype=torch.float64))
+        # Summed over both ranks (a skipped all-reduce would leave each rank its own word).
+        assert torch.equal(sent.wait(), torch.tensor([3.0, 1.0], dtype=torch.float64))
+        assert not sent.carried
     finally:
         dist.destroy_process_group()
+
+
+def test_without_ddp_the_word_takes_its_own_all_reduce():
+    run_ranks(_rank_without_ddp, (_free_port(),), 2)

@@ -29,6 +29,11 @@ class _Sent:
     def __init__(self, stats: "StepStats | None", work: Any = None, word: torch.Tensor | None = None) -> None:
         self._stats, self._work, self._word = stats, work, word
 
+    @property
+    def carried(self) -> bool:
+        """True when the word rides in the last gradient bucket (no collective of its own)."""
+        return self._work is None
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
@@ -52,6 +57,11 @@ class StepStats:
                 ddp.register_comm_hook(None, self._hook)
             except RuntimeError:  # the user's parallelize_fn registered its own hook: keep it, send apart
                 self._carry = False
+
+    @property
+    def carries(self) -> bool:
+        """True when the comm hook is installed and :meth:`send` rides in the last bucket."""
+        return self._carry
 
     def send(self, word: torch.Tensor) -> _Sent:
         """Sum ``word`` (float64) over the group, riding in the last gradient bucket when possible."""
