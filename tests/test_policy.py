@@ -96,6 +96,16 @@ def test_wait_clock() -> None:
     assert _decide(mode="strict", current=2, waiting_since=900.0, **{**kw, "min_workers": 1}).action == "fail"
 
 
+def test_strict_mode_failure_names_a_fix_that_applies_there() -> None:
+    """Strict mode waits for its whole world size: with workers.min already live, lowering workers.min
+    changes nothing, so the reason must not advise it; it names recovery.mode (issue #21 item 9)."""
+    d = _decide(mode="strict", available=3, current=4, min_workers=2, wait_limit_s=60.0, now=1000.0,
+                waiting_since=900.0)
+    assert d.action == "fail" and d.world_size == 4
+    assert "lower workers.min" not in d.reason
+    assert "recovery.mode=elastic" in d.reason and "only 3 of the 4 workers" in d.reason
+
+
 def test_enough_workers_go_even_after_a_long_wait() -> None:
     assert _decide(available=2, min_workers=2, waiting_since=0.0, now=1e6).action == "go"
 

@@ -51,10 +51,14 @@ def decide_membership(
             return Membership("go", w, f"{available} workers available; largest valid world size is {w}")
         target, need = (min(valid) if valid else min_workers), (min(valid) if valid else min_workers)
     if waited >= wait_limit_s:
+        # strict mode needs the whole world size back: workers.min plays no part there, so the fix named
+        # is capacity or elastic mode (which shrinks to what is there)
+        fix = ("recovery.mode=strict keeps the world size: add capacity or set recovery.mode=elastic"
+               if mode == "strict" else "add capacity or lower workers.min")
         return Membership(
             "fail", target,
             f"only {available} of the {need} workers needed were available for {waited:.0f}s "
-            f"(recovery.min_workers_wait_s={wait_limit_s:g}); add capacity or lower workers.min",
+            f"(recovery.min_workers_wait_s={wait_limit_s:g}); {fix}",
         )
     return Membership("wait", target, f"waiting for workers: {available} available, {need} needed")
 
