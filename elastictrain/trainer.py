@@ -93,6 +93,11 @@ class Trainer:
         if plan.run_id != self.config.stable_id:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
+        if self.config.workers.use_gpu and self.config.parallel.plan == "hsdp":  # a node's GPUs are known now
+            from elastictrain.controller.controller import gpus_per_node
+            from elastictrain.preflight import check_plan_on_gpus
+
+            check_plan_on_gpus(self.config, gpus_per_node())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         events = EventLog(self.run_dir, console=self.console, log_every=self.config.train.log_every)
         tb = _tensorboard(self.run_dir, events)

@@ -94,7 +94,7 @@ class Controller(WorkerMonitor):
         self.recovery_last_step = 0  # newest completed step known when the recovery source was chosen
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
-        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
+        self.plan_spec = spec_from_config(config, gpus_per_node() if config.workers.use_gpu else None)
         self.keepers: dict[str, Any] = {}
         # (generation, node -> catalog ref) asked at failure detection (_ask_peer_tier), taken by _peer_tier
         self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
@@ -728,7 +728,7 @@ class Controller(WorkerMonitor):
         })
 
 
-def _gpus_per_node() -> int | None:
+def gpus_per_node() -> int | None:
     """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
     counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
     counts = [c for c in counts if c > 0]
