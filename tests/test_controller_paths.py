@@ -60,7 +60,7 @@ class ScriptedWorker:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
                 "phase_since": time.time(), "records": [], "ckpt": [], "now": time.time()}
 
-    def request_stop(self) -> None:
+    def request_stop(self, generation: int | None = None) -> None:
         pass
 
     def flush_checkpoints(self) -> list:

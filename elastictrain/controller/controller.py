@@ -612,7 +612,7 @@ class Controller(WorkerMonitor):
 
     def _stop_members(self) -> None:
         for slot in self.group.members():
-            slot.actor.request_stop.remote()
+            slot.actor.request_stop.remote(self.generation)  # a late one must not stop the next generation
 
     def _can_grow(self) -> bool:
         ready = self.group.by_state(SlotState.READY)

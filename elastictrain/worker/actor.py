@@ -162,6 +162,9 @@ class Worker:
         # A rebuilt (sharded) model is the seeded initial state (step 0, identical on every rank) until a
         # restore step (``restore`` below, restore_from) loads the generation's state into it.
         self.runner.attach(rank, world_size, generation, layout)
+        # a stop asked of an earlier generation that arrived after its run returned ends here (after attach:
+        # one arriving from now on names an earlier generation than the runner's and is ignored)
+        self._stop.clear()
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
         return None if restore is None else self.load_peer(restore)
@@ -311,8 +314,13 @@ class Worker:
     def _result(self, status: str, error: str | None = None) -> dict[str, Any]:
         return {"status": status, "step": self.runner.step, "error": error, "slot": self.slot}
 
-    def request_stop(self) -> None:
-        """Ask the group to stop at the next step boundary (all ranks agree through the step's all-reduce)."""
+    def request_stop(self, generation: int | None = None) -> None:
+        """Ask the group to stop at the next step boundary (all ranks agree through the step's all-reduce).
+        ``generation``: the generation the controller means to stop; a request that arrives once this worker
+        joined a later one is ignored (it would stop the new generation after one step). A request that
+        arrives after ``run`` returned is dropped by the next ``join``."""
+        if generation is not None and self.runner is not None and self.runner.generation != generation:
+            return
         self._stop.set()
 
     def poll(self) -> dict[str, Any]:
