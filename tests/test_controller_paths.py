@@ -230,3 +230,26 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     assert c.world_size == 1, (order, c.sm.history)
     assert order[before:] == [("formed", 1), ("spawn", 1)], order
     group.shutdown()
+
+
+def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray_local) -> None:
+    """An 8-worker node lost twice within the window is two failures for the budget (default
+    recovery.max_failures=10), not 16 that end the run; a worker of a lost node found by a later recovery
+    is not counted again. Every lost worker still gets its own ``failure`` event (#21 item 8)."""
+    from elastictrain.controller.detect import Failure
+
+    c, group = _controller(tmp_path, {}, workers={"min": 1, "max": 16}, train={"global_batch": 16, "micro_batch": 1})
+    now = time.time()
+
+    def lost(node: str, slots: range) -> list[tuple[Failure, str, str]]:
+        return [(Failure(i, i, "process_died", "worker process died", now, now, 30, 30, 0), "node_lost", node)
+                for i in slots]
+
+    c._account_failures(lost("node-a", range(0, 8)))
+    c._account_failures(lost("node-b", range(8, 14)) + lost("node-a", range(14, 16)))  # a straggler of node-a
+    assert not c.sm.terminal, c.final_error
+    assert [(r.kind, r.node) for r in c.failure_log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
+    assert "lost with 8 workers" in c.failure_log[0].reason
+    events = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert len(events) == 16 and c.ledger.failures == 16  # each lost worker is reported
+    group.shutdown()

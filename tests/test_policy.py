@@ -259,3 +259,21 @@ def test_pick_source_property(steps: dict[int, int]) -> None:
     r = pick_source(steps)
     assert steps[r] == max(steps.values())
     assert all(q > r for q, s in steps.items() if s == steps[r] and q != r)
+
+
+def test_budget_counts_a_lost_node_once() -> None:
+    from elastictrain.controller.policy import FailureRecord, budget_records
+
+    def rec(slot, kind="node_lost", node="n1", progress=0):
+        return FailureRecord(1.0, slot, kind, "died", progress, node if kind == "node_lost" else None)
+
+    new = [rec(0, progress=2), rec(1, kind="exception"), rec(2, progress=9), rec(3, node="n2")]
+    got = budget_records(new, [])
+    assert [(r.kind, r.slot, r.node) for r in got] == [("node_lost", 0, "n1"), ("exception", 1, None),
+                                                       ("node_lost", 3, "n2")]
+    assert got[0].progress == 9 and "lost with 2 workers (slots [0, 2])" in got[0].reason
+    assert budget_records([rec(5), rec(6, node="n3")], got) == [rec(6, node="n3")]  # n1 was charged already
+    # two 8-worker nodes lost in the window stay within the default budget
+    log = budget_records([rec(i, node="a") for i in range(8)], [])
+    log += budget_records([rec(i, node="b") for i in range(8)], log)
+    assert len(log) == 2 and failure_verdict(log, 2.0, RecoveryConfig()) is None

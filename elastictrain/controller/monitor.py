@@ -45,6 +45,7 @@ class MonitorHost(Protocol):
     generation_start_step: int
     open_failure: Failure | None
     replacements_due: list[int]              # slots of failed workers whose replacements are not started yet
+    failure_log: list[policy.FailureRecord]  # what the failure budget judged so far
 
     def request_preemption(self, reason: str) -> None: ...
     def _on_setup_done(self, slot: Slot) -> None: ...
@@ -265,8 +266,10 @@ class WorkerMonitor:
                              step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
             if self.open_failure is None:
                 self.open_failure = f
-        verdicts = [self._judge(policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress))
-                    for f, kind, _ in killed]
+        # a lost node is one failure of the node, not one per worker it hosted (policy.budget_records)
+        records = policy.budget_records([policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node)
+                                         for f, kind, node in killed], self.failure_log)
+        verdicts = [self._judge(r) for r in records]
         verdict = next((v for v in verdicts if v), None)
         if verdict:
             return self._fail(verdict)
