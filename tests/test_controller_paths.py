@@ -37,6 +37,8 @@ class ScriptedWorker:
 
     def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None,
              restore: Any = None) -> int | None:
+        if self.script.get("join_error"):  # e.g. a joiner whose restore fails: its own error
+            raise ValueError(self.script["join_error"])
         return None if restore is None else self.step
 
     def abort_group(self) -> str:
@@ -252,4 +254,21 @@ def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray
     assert "lost with 8 workers" in c.failure_log[0].reason
     events = [e for e in read_events(tmp_path) if e["event"] == "failure"]
     assert len(events) == 16 and c.ledger.failures == 16  # each lost worker is reported
+    group.shutdown()
+
+
+def test_a_rendezvous_error_is_charged_to_the_member_that_raised_it(tmp_path, ray_local) -> None:
+    """Every member still answers, one member's join raises its own error: that member is the failure,
+    quoted -- not the first chosen member, a healthy one (#21 item 6)."""
+    c, group = _controller(tmp_path, {1: {"join_error": "CursorError: the snapshot's data order differs"}},
+                           workers={"min": 2, "max": 2})
+    c.step()  # STARTING: slot 1's join fails
+    assert c.sm.state is State.RECOVERING, c.sm.history
+    c.step()  # RECOVERING: the failed member is killed and accounted
+    failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert failures, c.sm.history
+    first = failures[0]
+    assert (first["slot"], first["kind"]) == (1, "exception"), failures
+    assert "data order differs" in first["reason"] and "rendezvous of generation 0" in first["reason"]
+    assert all(f["slot"] == 1 for f in failures), failures
     group.shutdown()

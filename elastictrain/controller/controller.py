@@ -20,7 +20,8 @@ from elastictrain.controller import policy, sources
 from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
-from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
+                                           call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import WorkerMonitor
@@ -477,12 +478,13 @@ class Controller(WorkerMonitor):
                 s.state = SlotState.READY
         t = self.config.timeouts
         try:
-            host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
+            host, port = call_members([(chosen[0], chosen[0].actor.open_store.remote(gen))], t.poll_s,
+                                      "opening the rendezvous store")[0]
             layout = self.layout(world)
             # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
             peer = resume.sources if isinstance(resume, PeerRestore) else None
-            got = ray.get([s.actor.join.remote(gen, r, world, host, port, layout, peer) for r, s in enumerate(chosen)],
-                          timeout=t.restart_grace_s)
+            got = call_members([(s, s.actor.join.remote(gen, r, world, host, port, layout, peer))
+                                for r, s in enumerate(chosen)], t.restart_grace_s, "join")
             if isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
@@ -500,12 +502,16 @@ class Controller(WorkerMonitor):
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
             src = policy.pick_source({r: self._slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
-            steps = ray.get([s.actor.sync.remote(src) for s in chosen], timeout=t.restart_grace_s)
+            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync")
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
-            self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
+            # charged to the member whose part failed (its own error quoted), not to whoever comes first
+            if isinstance(e, MemberCallFailed):
+                self._detect_dead(chosen, f"failed during rendezvous of generation {gen} ({e.what})", e.outcomes)
+            else:
+                self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
         self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
         for r, s in enumerate(chosen):
@@ -547,14 +553,14 @@ class Controller(WorkerMonitor):
         from elastictrain.checkpoint import CheckpointError
 
         while True:
+            calls = [(s, s.actor.load.remote(manifest, self.ckpt_root)) for s in chosen]
             try:
-                ray.get([s.actor.load.remote(manifest, self.ckpt_root) for s in chosen],
-                        timeout=self.config.timeouts.restart_grace_s)
+                ray.get([ref for _, ref in calls], timeout=self.config.timeouts.restart_grace_s)
                 return manifest
             except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, CheckpointError):
-                    raise
+                    raise MemberCallFailed("checkpoint load", call_outcomes(calls), e) from e
                 older = (None if explicit or self.store is None
                          else self.store.older_valid(manifest.step, self.lineage))
                 where = getattr(manifest, "location", "") or f"step {manifest.step}"
