@@ -44,6 +44,15 @@ class ScriptedWorker:
     def abort_group(self) -> str:
         return "noop"
 
+    def hold_snapshot(self, expect: Any = None) -> Any:
+        """Serves what ``script["holds"]`` says its runner holds: (generation, rank, step)."""
+        from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+
+        if self.script.get("hold_error"):
+            raise RuntimeError(self.script["hold_error"])
+        gen, rank, step = self.script.get("holds") or expect
+        return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen)
+
     def own_snapshots(self) -> list:
         return []
 
@@ -271,4 +280,74 @@ def test_a_rendezvous_error_is_charged_to_the_member_that_raised_it(tmp_path, ra
     assert (first["slot"], first["kind"]) == (1, "exception"), failures
     assert "data order differs" in first["reason"] and "rendezvous of generation 0" in first["reason"]
     assert all(f["slot"] == 1 for f in failures), failures
+    group.shutdown()
+
+
+def _sharded_after_start(tmp_path: Path, scripts: dict[int, dict[str, Any]], **sections: Any) -> tuple[Controller, FakeGroup]:
+    """An fsdp controller whose generation 0 (two members) stands, both survivors at step 5."""
+    c, group = _controller(tmp_path, scripts, parallel={"plan": "fsdp"}, workers={"min": 1, "max": 2}, **sections)
+    c.step()
+    assert c.sm.state is State.RUNNING and c.world_size == 2
+    for s in group.slots:
+        s.info["step"] = 5
+    return c, group
+
+
+def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_local) -> None:
+    """After a failed rendezvous the survivors' runners hold generation 1's layout at step 0 while the
+    controller still describes them by generation 0 at step 5: the served snapshots are checked, found not
+    to be what was asked, and another source is used -- never generation 1's shards as generation 0's, and
+    no failure charged to the healthy survivors (#21 item 7)."""
+    c, group = _sharded_after_start(tmp_path, {0: {"holds": (1, 0, 0)}, 1: {"holds": (1, 1, 0)}})
+    members = group.members()
+    got = c._recovery_source(members, 2, members)
+    assert got is None and c.recovery_source == "scratch", (got, c.recovery_source)
+    assert not c.pending_failures
+    warning = [e for e in read_events(tmp_path) if e["event"] == "warning" and e["source"] == "recovery"][0]
+    assert "served generation 1 rank 0 step 0, not generation 0 rank 0 step 5" in warning["reason"]
+    group.shutdown()
+
+
+def test_a_survivor_refusing_to_serve_is_not_charged_a_failure(tmp_path, ray_local) -> None:
+    c, group = _sharded_after_start(tmp_path, {1: {"hold_error": "slot 1 holds generation 1 rank 0 step 0"}})
+    members = group.members()
+    assert c._recovery_source(members, 2, members) is None and c.recovery_source == "scratch"
+    assert not c.pending_failures
+    group.shutdown()
+
+
+def test_sharded_survivors_serving_what_was_asked_restore_from_peers(tmp_path, ray_local) -> None:
+    c, group = _sharded_after_start(tmp_path, {})
+    members = group.members()
+    got = c._recovery_source(members, 2, members)
+    assert got.kind == "peer" and got.step == 5 and [s.meta.rank for s in got.sources] == [0, 1]
+    group.shutdown()
+
+
+class _Store:
+    """A store that records whether it was asked (a stalled one would block the recovery)."""
+
+    root_uri = "memory://unused"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def latest_valid(self, **kw: Any) -> tuple[Any, list[str]]:
+        self.asked += 1
+        return None, []
+
+
+def test_sharded_recovery_does_not_ask_storage_when_the_memory_tier_covers_the_state(tmp_path, ray_local) -> None:
+    """fsdp lost a member: survivors do not cover the state, the peer memory tier does (step 4): storage is
+    not drained nor listed -- unless this run committed a newer step than the tier holds (#21 item 11)."""
+    c, group = _sharded_after_start(tmp_path, {})
+    c.store = store = _Store()
+    survivor = group.members()[0]
+    c._peer_tier = lambda holders: {4: (True, ["snapshot sources of step 4"])}
+    got = c._recovery_source([survivor], 2, [survivor])
+    assert (got.kind, got.step, got.sources) == ("memory", 4, ["snapshot sources of step 4"])
+    assert store.asked == 0 and "storage not asked" in c.recovery_reason
+    c.committer.committed_steps.append(5)  # a newer committed step than the tier's: storage is asked
+    c._recovery_source([survivor], 2, [survivor])
+    assert store.asked == 1
     group.shutdown()

@@ -38,7 +38,17 @@ POLL_INTERVAL_S = 0.5
 
 
 class SurvivorLost(RuntimeError):
-    """A survivor chosen as a recovery source failed before serving its state."""
+    """A survivor chosen as a recovery source died before serving its state (``outcomes``: whose part
+    failed, for :meth:`WorkerMonitor._detect_dead`)."""
+
+    def __init__(self, reason: str, holders: list[Slot], outcomes: list[Any]) -> None:
+        super().__init__(reason)
+        self.holders, self.outcomes = holders, outcomes
+
+
+class SurvivorsStale(RuntimeError):
+    """Live survivors cannot serve the state the source decision counted on (their runners moved on in a
+    failed rendezvous, or released it): not their failure; another source is picked."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ class Controller(WorkerMonitor):
         # (generation, node -> catalog ref) asked at failure detection (_ask_peer_tier), taken by _peer_tier
         self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
         self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
+        self.prev_generation = -1  # the generation prev_ranks describes (the last one formed)
         self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -280,7 +291,7 @@ class Controller(WorkerMonitor):
         try:
             resume = self._recovery_source(chosen, old, survivors)
         except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
-            self._detect_dead(chosen, str(e))
+            self._detect_dead(e.holders, str(e), e.outcomes)
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
@@ -410,23 +421,36 @@ class Controller(WorkerMonitor):
         self.recovery_last_step = max(known)
         args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.recovery_last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        if decision.chosen.kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
+            try:
+                restore = self._survivor_restore(pool, decision.chosen)
+                self.recovery_source, self.recovery_reason = "peer", decision.reason
+                log.info("recovery source: %s", decision.reason)
+                return restore
+            except SurvivorsStale as e:  # not their failure: their state is not what was counted on
+                self.events.emit("warning", source="recovery", reason=f"survivors cannot serve step "
+                                 f"{decision.chosen.step}: {e}; picking another source")
+                args["survivors"] = {}
+                decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        manifest = None
         if decision.chosen.kind != "peer":
             tier = self._peer_tier(members)
-            manifest = None
-            if self.store is not None:
+            decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()}, durable_step=None,
+                                            storage_asked=False, **args)
+            # storage only when survivors and the tier do not cover the state (a stalled store would delay
+            # the recovery by a drain and a listing), or this run committed a newer step than the tier holds
+            if self.store is not None and sources.storage_needed(decision, self.committer.committed_steps):
                 # commits run on their own thread: let queued ones land before asking storage (bounded)
                 self.committer.drain(timeout=self.config.timeouts.poll_s)
                 # sizes only (ranks check what they read); only this run's own trajectory, never another's
                 manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
                 for why in skipped:
                     self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
-            decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
-                                            durable_step=None if manifest is None else int(manifest.step), **args)
+                decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
+                                                durable_step=None if manifest is None else int(manifest.step), **args)
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
-        if kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
-            return self._survivor_restore(pool, decision.chosen)
         if kind == "memory":
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
@@ -448,10 +472,18 @@ class Controller(WorkerMonitor):
 
         by_rank = {self.prev_ranks[s.index]: s for s in pool if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
+        gen = self.prev_generation  # the generation the decision describes them by (not a failed one since)
         try:
-            metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
-        except Exception as e:  # noqa: BLE001 - any holder failing is a failure like any other
-            raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}: {e}") from e
+            metas = call_members([(s, s.actor.hold_snapshot.remote((gen, r, cand.step)))
+                                  for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot")
+        except MemberCallFailed as e:
+            if any(o.status in ("dead", "pending") for o in e.outcomes):  # a holder died or hangs: its failure
+                raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}",
+                                   holders, e.outcomes) from e
+            raise SurvivorsStale(str(e)) from e  # live holders refused: their state moved on
+        why = sources.check_served(metas, cand.ranks, cand.step, gen)
+        if why:
+            raise SurvivorsStale(why)
         return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
                                        for s, m in zip(holders, metas)], "peer")
 
@@ -513,7 +545,7 @@ class Controller(WorkerMonitor):
             else:
                 self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
-        self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
+        self.prev_ranks, self.prev_generation = {s.index: r for r, s in enumerate(chosen)}, gen
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True

@@ -399,17 +399,24 @@ class Worker:
                              for p in got["results"] if not p.accepted]}
 
     @_on_state_thread
-    def hold_snapshot(self) -> Any:
+    def hold_snapshot(self, expect: tuple[int, int, int] | None = None) -> Any:
         """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
         the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
         ``SnapshotMeta``; the previous held snapshot is dropped. A survivor whose step a peer broke took it already
-        (``_release_groups``): that one is served."""
+        (``_release_groups``): that one is served. ``expect``: the (generation, rank, step) the controller
+        counts on; a held snapshot of exactly that is served even if this runner joined a later generation
+        since (a failed rendezvous), and a runner that holds something else raises RuntimeError instead of
+        serving another layout or step."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
 
         r = self.runner
         held = self._held
-        if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (r.generation, r.rank, r.step):
-            return held.meta  # taken when this rank's step failed (``_release_groups``): still current
+        current = (r.generation, r.rank, r.step)
+        if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (expect or current):
+            return held.meta  # taken when this rank's step failed (``_release_groups``): still what is asked
+        if expect is not None and current != tuple(expect):
+            raise RuntimeError(f"slot {self.slot} holds generation {r.generation} rank {r.rank} step {r.step}, not "
+                               f"the generation {expect[0]} rank {expect[1]} step {expect[2]} asked for")
         if r.model is None:
             raise RuntimeError(f"slot {self.slot} released its state after a failed step and holds no snapshot")
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
