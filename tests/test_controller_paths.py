@@ -283,7 +283,8 @@ def test_a_rendezvous_error_is_charged_to_the_member_that_raised_it(tmp_path, ra
     group.shutdown()
 
 
-def _sharded_after_start(tmp_path: Path, scripts: dict[int, dict[str, Any]], **sections: Any) -> tuple[Controller, FakeGroup]:
+def _sharded_after_start(tmp_path: Path, scripts: dict[int, dict[str, Any]],
+                         **sections: Any) -> tuple[Controller, FakeGroup]:
     """An fsdp controller whose generation 0 (two members) stands, both survivors at step 5."""
     c, group = _controller(tmp_path, scripts, parallel={"plan": "fsdp"}, workers={"min": 1, "max": 2}, **sections)
     c.step()

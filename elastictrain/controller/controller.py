@@ -23,7 +23,7 @@ from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.detect import Failure, FailureDetector, blame
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
@@ -477,7 +477,9 @@ class Controller(WorkerMonitor):
             metas = call_members([(s, s.actor.hold_snapshot.remote((gen, r, cand.step)))
                                   for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot")
         except MemberCallFailed as e:
-            if any(o.status in ("dead", "pending") for o in e.outcomes):  # a holder died or hangs: its failure
+            # a holder died or hangs: its failure; live holders that refused (their state moved on) are not.
+            # (ray.get fails fast: a refusal can come back while another holder's call is still pending)
+            if any(o.status != "own" for o in blame(e.outcomes)):
                 raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}",
                                    holders, e.outcomes) from e
             raise SurvivorsStale(str(e)) from e  # live holders refused: their state moved on
