@@ -254,8 +254,8 @@ class JobConfig(_Section):
 
         spec = spec_from_config(self)
         if spec.plan == "hsdp" and self.workers.use_gpu and self.parallel.shard_size is None:
-            # shard_size defaults to the GPUs of a node, known only on the cluster: the controller checks
-            # it at start; here only the data rule is checked.
+            # shard_size defaults to the GPUs of a node, known only on the cluster: the driver checks it
+            # once connected (preflight.check_plan_on_gpus); here only the data rule is checked.
             spec = type(spec)("fsdp", spec.global_batch, spec.micro_batch)
         valid = valid_world_sizes(spec, self.workers.max)
         for w in (self.workers.min, self.workers.max):

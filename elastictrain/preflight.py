@@ -63,6 +63,26 @@ def check_local_gpus(config: JobConfig, gpus: int) -> None:
             "to grow): set workers.use_gpu=false, lower workers.min, or pass --ray-address of a cluster with GPUs")
 
 
+def check_plan_on_gpus(config: JobConfig, gpus_per_node: int | None) -> None:
+    """Raise ConfigError when hsdp on GPUs, with ``parallel.shard_size`` unset, takes a node's GPUs
+    (``gpus_per_node``, the smallest GPU node of the cluster) as its shard group and ``workers.min`` or
+    ``workers.max`` is not a whole number of such groups. The config check cannot know the GPUs of a node;
+    without this one every worker would start before the first rendezvous found no usable world size."""
+    from elastictrain.parallel.plan import is_valid, spec_from_config
+
+    p, w = config.parallel, config.workers
+    if p.plan != "hsdp" or not w.use_gpu or p.shard_size is not None or not gpus_per_node:
+        return
+    spec = spec_from_config(config, gpus_per_node)
+    bad = [(name, n) for name, n in (("workers.min", w.min), ("workers.max", w.max)) if not is_valid(spec, n)[0]]
+    if bad:
+        name, n = bad[0]
+        raise ConfigError(
+            f"parallel.shard_size is unset, so hsdp shards over the {gpus_per_node} GPUs of a node, but {name}="
+            f"{n} is not usable with it ({is_valid(spec, n)[1]}): set parallel.shard_size to a size that "
+            f"divides workers.min and workers.max, or make them multiples of {gpus_per_node}")
+
+
 def ray_endpoint(address: str) -> tuple[str, int] | None:
     """PURE. ``(host, port)`` that a Ray ``address`` connects to first (``host:port`` or ``ray://host:port``);
     None for the addresses Ray resolves itself (``auto``, ``local``) or cannot be parsed here."""

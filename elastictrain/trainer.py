@@ -108,6 +108,11 @@ class Trainer:
         if plan.run_id != self.config.stable_id:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
+        if self.config.workers.use_gpu and self.config.parallel.plan == "hsdp":  # a node's GPUs are known now
+            from elastictrain.controller.controller import gpus_per_node
+            from elastictrain.preflight import check_plan_on_gpus
+
+            check_plan_on_gpus(self.config, gpus_per_node())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ray_console.install()  # Ray's paragraph on each dead worker goes to ray_errors.log, not the console
         ray_console.set_run_dir(self.run_dir)

@@ -172,3 +172,21 @@ def test_version_option_prints_the_package_version() -> None:
 
     out = CliRunner().invoke(main, ["--version"])
     assert out.exit_code == 0 and out.output == f"elastictrain {elastictrain.__version__}\n", out.output
+
+
+def test_hsdp_on_gpus_needs_whole_nodes_or_a_shard_size() -> None:
+    """hsdp on GPUs with parallel.shard_size unset shards over a node's GPUs: a world that is not a
+    multiple of them is a config error (exit 2 through the CLI) naming parallel.shard_size, found on the
+    driver once it knows the cluster's GPUs per node -- not after every worker started (#21 item 9)."""
+    from elastictrain.preflight import check_plan_on_gpus
+
+    spec = job(workers={"min": 4, "max": 12, "use_gpu": True}, parallel={"plan": "hsdp"},
+               train={"global_batch": 96, "micro_batch": 1})
+    cfg = build_config(spec)  # the node's GPUs are unknown here: only the data rule is checked
+    with pytest.raises(ConfigError) as e:
+        check_plan_on_gpus(cfg, gpus_per_node=8)
+    msg = str(e.value)
+    assert "parallel.shard_size" in msg and "workers.min=4" in msg and "8 GPUs" in msg and "\n" not in msg
+    check_plan_on_gpus(cfg, gpus_per_node=4)  # 4 and 12 are whole 4-GPU groups
+    check_plan_on_gpus(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"shard_size": 2})}), 8)
+    check_plan_on_gpus(cfg, gpus_per_node=None)  # no GPU node (yet): the controller waits for capacity

@@ -37,10 +37,21 @@ class ScriptedWorker:
 
     def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None,
              restore: Any = None) -> int | None:
+        if self.script.get("join_error"):  # e.g. a joiner whose restore fails: its own error
+            raise ValueError(self.script["join_error"])
         return None if restore is None else self.step
 
     def abort_group(self) -> str:
         return "noop"
+
+    def hold_snapshot(self, expect: Any = None) -> Any:
+        """Serves what ``script["holds"]`` says its runner holds: (generation, rank, step)."""
+        from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+
+        if self.script.get("hold_error"):
+            raise RuntimeError(self.script["hold_error"])
+        gen, rank, step = self.script.get("holds") or expect
+        return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen)
 
     def own_snapshots(self) -> list:
         return []
@@ -60,7 +71,7 @@ class ScriptedWorker:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
                 "phase_since": time.time(), "records": [], "ckpt": [], "now": time.time()}
 
-    def request_stop(self) -> None:
+    def request_stop(self, generation: int | None = None) -> None:
         pass
 
     def flush_checkpoints(self) -> list:
@@ -229,4 +240,115 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     c.step()  # RECOVERING: the failure is accounted, the survivor regroups alone, then the replacement starts
     assert c.world_size == 1, (order, c.sm.history)
     assert order[before:] == [("formed", 1), ("spawn", 1)], order
+    group.shutdown()
+
+
+def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray_local) -> None:
+    """An 8-worker node lost twice within the window is two failures for the budget (default
+    recovery.max_failures=10), not 16 that end the run; a worker of a lost node found by a later recovery
+    is not counted again. Every lost worker still gets its own ``failure`` event (#21 item 8)."""
+    from elastictrain.controller.detect import Failure
+
+    c, group = _controller(tmp_path, {}, workers={"min": 1, "max": 16}, train={"global_batch": 16, "micro_batch": 1})
+    now = time.time()
+
+    def lost(node: str, slots: range) -> list[tuple[Failure, str, str]]:
+        return [(Failure(i, i, "process_died", "worker process died", now, now, 30, 30, 0), "node_lost", node)
+                for i in slots]
+
+    c._account_failures(lost("node-a", range(0, 8)))
+    c._account_failures(lost("node-b", range(8, 14)) + lost("node-a", range(14, 16)))  # a straggler of node-a
+    assert not c.sm.terminal, c.final_error
+    assert [(r.kind, r.node) for r in c.failure_log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
+    assert "lost with 8 workers" in c.failure_log[0].reason
+    events = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert len(events) == 16 and c.ledger.failures == 16  # each lost worker is reported
+    group.shutdown()
+
+
+def test_a_rendezvous_error_is_charged_to_the_member_that_raised_it(tmp_path, ray_local) -> None:
+    """Every member still answers, one member's join raises its own error: that member is the failure,
+    quoted -- not the first chosen member, a healthy one (#21 item 6)."""
+    c, group = _controller(tmp_path, {1: {"join_error": "CursorError: the snapshot's data order differs"}},
+                           workers={"min": 2, "max": 2})
+    c.step()  # STARTING: slot 1's join fails
+    assert c.sm.state is State.RECOVERING, c.sm.history
+    c.step()  # RECOVERING: the failed member is killed and accounted
+    failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert failures, c.sm.history
+    first = failures[0]
+    assert (first["slot"], first["kind"]) == (1, "exception"), failures
+    assert "data order differs" in first["reason"] and "rendezvous of generation 0" in first["reason"]
+    assert all(f["slot"] == 1 for f in failures), failures
+    group.shutdown()
+
+
+def _sharded_after_start(tmp_path: Path, scripts: dict[int, dict[str, Any]],
+                         **sections: Any) -> tuple[Controller, FakeGroup]:
+    """An fsdp controller whose generation 0 (two members) stands, both survivors at step 5."""
+    c, group = _controller(tmp_path, scripts, parallel={"plan": "fsdp"}, workers={"min": 1, "max": 2}, **sections)
+    c.step()
+    assert c.sm.state is State.RUNNING and c.world_size == 2
+    for s in group.slots:
+        s.info["step"] = 5
+    return c, group
+
+
+def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_local) -> None:
+    """After a failed rendezvous the survivors' runners hold generation 1's layout at step 0 while the
+    controller still describes them by generation 0 at step 5: the served snapshots are checked, found not
+    to be what was asked, and another source is used -- never generation 1's shards as generation 0's, and
+    no failure charged to the healthy survivors (#21 item 7)."""
+    c, group = _sharded_after_start(tmp_path, {0: {"holds": (1, 0, 0)}, 1: {"holds": (1, 1, 0)}})
+    members = group.members()
+    got = c._recovery_source(members, 2, members)
+    assert got is None and c.recovery_source == "scratch", (got, c.recovery_source)
+    assert not c.pending_failures
+    warning = [e for e in read_events(tmp_path) if e["event"] == "warning" and e["source"] == "recovery"][0]
+    assert "served generation 1 rank 0 step 0, not generation 0 rank 0 step 5" in warning["reason"]
+    group.shutdown()
+
+
+def test_a_survivor_refusing_to_serve_is_not_charged_a_failure(tmp_path, ray_local) -> None:
+    c, group = _sharded_after_start(tmp_path, {1: {"hold_error": "slot 1 holds generation 1 rank 0 step 0"}})
+    members = group.members()
+    assert c._recovery_source(members, 2, members) is None and c.recovery_source == "scratch"
+    assert not c.pending_failures
+    group.shutdown()
+
+
+def test_sharded_survivors_serving_what_was_asked_restore_from_peers(tmp_path, ray_local) -> None:
+    c, group = _sharded_after_start(tmp_path, {})
+    members = group.members()
+    got = c._recovery_source(members, 2, members)
+    assert got.kind == "peer" and got.step == 5 and [s.meta.rank for s in got.sources] == [0, 1]
+    group.shutdown()
+
+
+class _Store:
+    """A store that records whether it was asked (a stalled one would block the recovery)."""
+
+    root_uri = "memory://unused"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def latest_valid(self, **kw: Any) -> tuple[Any, list[str]]:
+        self.asked += 1
+        return None, []
+
+
+def test_sharded_recovery_does_not_ask_storage_when_the_memory_tier_covers_the_state(tmp_path, ray_local) -> None:
+    """fsdp lost a member: survivors do not cover the state, the peer memory tier does (step 4): storage is
+    not drained nor listed -- unless this run committed a newer step than the tier holds (#21 item 11)."""
+    c, group = _sharded_after_start(tmp_path, {})
+    c.store = store = _Store()
+    survivor = group.members()[0]
+    c._peer_tier = lambda holders: {4: (True, ["snapshot sources of step 4"])}
+    got = c._recovery_source([survivor], 2, [survivor])
+    assert (got.kind, got.step, got.sources) == ("memory", 4, ["snapshot sources of step 4"])
+    assert store.asked == 0 and "storage not asked" in c.recovery_reason
+    c.committer.committed_steps.append(5)  # a newer committed step than the tier's: storage is asked
+    c._recovery_source([survivor], 2, [survivor])
+    assert store.asked == 1
     group.shutdown()

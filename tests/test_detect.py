@@ -48,3 +48,15 @@ def test_no_hang_within_the_bound_or_before_warm_up_cap() -> None:
     members = [WorkerView(0, 0, poll_sent_at=150.0)]
     assert d.find_hangs(members, now=154.0, progress_at=150.0, step_times=[0.5] * 8, **AT) == []
     assert d.find_hangs(members, now=200.0, progress_at=150.0, step_times=[], **AT) == []  # cap is 60 s
+
+
+def test_blame_names_the_member_whose_part_failed() -> None:
+    from elastictrain.controller.detect import CallOutcome, blame
+
+    ok, peer = CallOutcome(0, "ok"), CallOutcome(2, "peer", "RuntimeError: Connection closed by peer")
+    own = CallOutcome(1, "own", "ValueError: bad snapshot")
+    dead = CallOutcome(3, "dead", "ActorDiedError: The actor is dead")
+    assert blame([ok, own, peer]) == [own]          # not the first member, not the peer's victim
+    assert blame([ok, own, peer, dead]) == [dead]   # a death explains the others' errors
+    assert blame([ok, CallOutcome(1, "pending"), peer]) == [CallOutcome(1, "pending")]  # hung in the call
+    assert blame([ok, CallOutcome(1, "ok")]) == [] and blame([CallOutcome(0, "pending")]) == []

@@ -68,3 +68,23 @@ def test_drain_notice_preempts_with_checkpoint(tmp_path, cluster):
     (pre,) = run.of("preempted")
     assert pre["checkpoint"] is True and victim["node_id"] in pre["reason"]
     assert CheckpointStore(str(tmp_path / "ck" / "drain")).latest_valid()[0].step == pre["step"]
+
+
+def test_a_node_lost_with_two_workers_is_one_failure_of_the_budget(tmp_path, cluster):
+    """Two workers on each node (half a CPU each); one node is lost with both of its workers. With
+    recovery.max_failures=1 the run goes on at world 2: a lost node is one failure, not one per worker it
+    hosted (before, 2 failures > 1 ended the run). Each worker still gets its own event (#21 item 8)."""
+    c, nodes = cluster
+    slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(4)]
+    spec = job(train={"steps": 40}, workers={"min": 1, "max": 4, "cpus_per_worker": 0.5}, faults=slow,
+               recovery={"max_failures": 1})
+    bg = BackgroundRun(tmp_path, spec, name="node2")
+    bg.wait_for(lambda e: e["event"] == "generation_started" and e["world_size"] == 4, timeout=120)
+    victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3)
+    c.remove_node(node_of(nodes, victim["node_id"]))
+    run = bg.finish(timeout=240)
+    failures = run.of("failure")
+    assert [f["kind"] for f in failures] == ["node_lost", "node_lost"], failures
+    assert {f["node_id"] for f in failures} == {victim["node_id"]}
+    assert run.result.exit_code == 0 and run.summary["final_step"] == 40, run.summary

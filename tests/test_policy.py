@@ -97,6 +97,16 @@ def test_wait_clock() -> None:
     assert _decide(mode="strict", current=2, waiting_since=900.0, **{**kw, "min_workers": 1}).action == "fail"
 
 
+def test_strict_mode_failure_names_a_fix_that_applies_there() -> None:
+    """Strict mode waits for its whole world size: with workers.min already live, lowering workers.min
+    changes nothing, so the reason must not advise it; it names recovery.mode (issue #21 item 9)."""
+    d = _decide(mode="strict", available=3, current=4, min_workers=2, wait_limit_s=60.0, now=1000.0,
+                waiting_since=900.0)
+    assert d.action == "fail" and d.world_size == 4
+    assert "lower workers.min" not in d.reason
+    assert "recovery.mode=elastic" in d.reason and "only 3 of the 4 workers" in d.reason
+
+
 def test_enough_workers_go_even_after_a_long_wait() -> None:
     assert _decide(available=2, min_workers=2, waiting_since=0.0, now=1e6).action == "go"
 
@@ -262,3 +272,21 @@ def test_save_membership_takes_the_largest_valid_world_whatever_the_mode():
     assert hsdp.action == "go" and hsdp.world_size == 2, hsdp
     none = save_membership(available=0, spec=PlanSpec("ddp", 16, 4))
     assert none.action == "fail" and "nothing to save" in none.reason
+
+
+def test_budget_counts_a_lost_node_once() -> None:
+    from elastictrain.controller.policy import FailureRecord, budget_records
+
+    def rec(slot, kind="node_lost", node="n1", progress=0):
+        return FailureRecord(1.0, slot, kind, "died", progress, node if kind == "node_lost" else None)
+
+    new = [rec(0, progress=2), rec(1, kind="exception"), rec(2, progress=9), rec(3, node="n2")]
+    got = budget_records(new, [])
+    assert [(r.kind, r.slot, r.node) for r in got] == [("node_lost", 0, "n1"), ("exception", 1, None),
+                                                       ("node_lost", 3, "n2")]
+    assert got[0].progress == 9 and "lost with 2 workers (slots [0, 2])" in got[0].reason
+    assert budget_records([rec(5), rec(6, node="n3")], got) == [rec(6, node="n3")]  # n1 was charged already
+    # two 8-worker nodes lost in the window stay within the default budget
+    log = budget_records([rec(i, node="a") for i in range(8)], [])
+    log += budget_records([rec(i, node="b") for i in range(8)], log)
+    assert len(log) == 2 and failure_verdict(log, 2.0, RecoveryConfig()) is None

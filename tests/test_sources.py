@@ -79,3 +79,36 @@ def test_ranking_properties(mesh, data) -> None:
     # DDP (one shard) with a survivor at the newest step loses only the step in flight
     if shard == 1 and newest == last:
         assert d.chosen.kind == "peer" and d.lost_steps <= 1
+
+
+def test_storage_is_needed_only_when_survivors_and_the_tier_do_not_cover() -> None:
+    from elastictrain.controller.sources import storage_needed
+
+    def ranked(memory: dict[int, bool], survivors: dict[int, int]):
+        return rank_sources(dp_replicate=1, dp_shard=2, survivors=survivors, memory=memory, durable_step=None,
+                            last_step=9, storage_asked=False)
+
+    tier = ranked({8: True}, {0: 9})  # shard 1's holder is gone: the tier's step 8 covers
+    assert tier.chosen.kind == "memory" and "storage not asked" in tier.reason
+    assert not storage_needed(tier, []) and not storage_needed(tier, [4, 8])
+    assert storage_needed(tier, [9])                  # this run committed a newer step than the tier holds
+    assert storage_needed(ranked({8: False}, {0: 9}), [])  # incomplete tier: storage may hold the state
+    assert not storage_needed(ranked({}, {0: 9, 1: 9}), [])  # survivors cover it
+
+
+def test_served_snapshots_must_be_the_asked_rank_step_and_generation() -> None:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+    from elastictrain.controller.sources import check_served
+
+    def meta(rank: int, step: int = 5, gen: int = 3) -> SnapshotMeta:  # rank r holds rows 2r..2r+1 of w (4x3)
+        chunk = ChunkStorageMetadata(torch.Size([2 * rank, 0]), torch.Size([2, 3]))
+        md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]), [chunk])
+        return SnapshotMeta(rank, step, {"w": md}, frozenset(), {}, 24, gen)
+
+    assert check_served([meta(0), meta(1)], (0, 1), 5, 3) == ""
+    assert "generation 4 rank 0 step 5, not generation 3" in check_served([meta(0, gen=4), meta(1)], (0, 1), 5, 3)
+    assert "step 0, not" in check_served([meta(0), meta(1, step=0)], (0, 1), 5, 3)
+    assert "do not cover" in check_served([meta(0)], (0,), 5, 3)

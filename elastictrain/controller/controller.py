@@ -20,9 +20,10 @@ from elastictrain.controller import policy, sources
 from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
-from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
+                                           call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.detect import Failure, FailureDetector
+from elastictrain.controller.detect import Failure, FailureDetector, blame
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
@@ -37,7 +38,17 @@ POLL_INTERVAL_S = 0.5
 
 
 class SurvivorLost(RuntimeError):
-    """A survivor chosen as a recovery source failed before serving its state."""
+    """A survivor chosen as a recovery source died before serving its state (``outcomes``: whose part
+    failed, for :meth:`WorkerMonitor._detect_dead`)."""
+
+    def __init__(self, reason: str, holders: list[Slot], outcomes: list[Any]) -> None:
+        super().__init__(reason)
+        self.holders, self.outcomes = holders, outcomes
+
+
+class SurvivorsStale(RuntimeError):
+    """Live survivors cannot serve the state the source decision counted on (their runners moved on in a
+    failed rendezvous, or released it): not their failure; another source is picked."""
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,12 @@ class Controller(WorkerMonitor):
         self.recovery_last_step = 0  # newest completed step known when the recovery source was chosen
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
-        self.plan_spec = spec_from_config(config, _gpus_per_node() if config.workers.use_gpu else None)
+        self.plan_spec = spec_from_config(config, gpus_per_node() if config.workers.use_gpu else None)
         self.keepers: dict[str, Any] = {}
         # (generation, node -> catalog ref) asked at failure detection (_ask_peer_tier), taken by _peer_tier
         self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
         self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
+        self.prev_generation = -1  # the generation prev_ranks describes (the last one formed)
         self._start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
@@ -322,7 +334,7 @@ class Controller(WorkerMonitor):
         try:
             resume = self._recovery_source(chosen, old, survivors)
         except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
-            self._detect_dead(chosen, str(e))
+            self._detect_dead(e.holders, str(e), e.outcomes)
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
@@ -461,23 +473,38 @@ class Controller(WorkerMonitor):
         self.recovery_last_step = max(known)
         args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.recovery_last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        if decision.chosen.kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
+            try:
+                restore = self._survivor_restore(pool, decision.chosen)
+                self.recovery_source, self.recovery_reason = "peer", decision.reason
+                log.info("recovery source: %s", decision.reason)
+                return restore
+            except SurvivorsStale as e:  # not their failure: their state is not what was counted on
+                self.events.emit("warning", source="recovery", reason=f"survivors cannot serve step "
+                                 f"{decision.chosen.step}: {e}; picking another source")
+                args["survivors"] = {}
+                decision = sources.rank_sources(memory={}, durable_step=None, **args)
+        manifest = None
         if decision.chosen.kind != "peer":
             tier = self._peer_tier(members)
-            manifest, storage_error = self._durable_source()
-            decision = sources.rank_sources(memory={k: v[0] for k, v in tier.items()},
-                                            durable_step=None if manifest is None else int(manifest.step), **args)
-            if storage_error and decision.chosen.kind == "scratch":
-                # storage did not answer: whether a committed checkpoint exists is unknown, so never restart
-                # from step 0 (and commit over it); the committed checkpoints are left as they are
-                raise CheckpointLoadFailed(
-                    f"storage failed during recovery ({storage_error}) and no survivor or peer-tier snapshot "
-                    "holds the state: not restarting from step 0 over committed checkpoints, which are "
-                    "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
+            memory = {k: v[0] for k, v in tier.items()}
+            decision = sources.rank_sources(memory=memory, durable_step=None, storage_asked=False, **args)
+            # storage only when survivors and the tier do not cover the state (a stalled store would delay
+            # the recovery by a drain and a listing), or this run committed a newer step than the tier holds
+            if self.store is not None and sources.storage_needed(decision, self.committer.committed_steps):
+                manifest, storage_error = self._durable_source()
+                decision = sources.rank_sources(memory=memory,
+                                                durable_step=None if manifest is None else int(manifest.step), **args)
+                if storage_error and decision.chosen.kind == "scratch":
+                    # storage did not answer: whether a committed checkpoint exists is unknown, so never
+                    # restart from step 0 (and commit over it); the committed checkpoints are left as they are
+                    raise CheckpointLoadFailed(
+                        f"storage failed during recovery ({storage_error}) and no survivor or peer-tier snapshot "
+                        "holds the state: not restarting from step 0 over committed checkpoints, which are "
+                        "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
         self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
         log.info("recovery source: %s", decision.reason)
         kind = decision.chosen.kind
-        if kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
-            return self._survivor_restore(pool, decision.chosen)
         if kind == "memory":
             return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         if kind == "checkpoint":
@@ -524,10 +551,20 @@ class Controller(WorkerMonitor):
 
         by_rank = {self.prev_ranks[s.index]: s for s in pool if s.index in self.prev_ranks and s.rank is not None}
         holders = [by_rank[r] for r in cand.ranks]
+        gen = self.prev_generation  # the generation the decision describes them by (not a failed one since)
         try:
-            metas = ray.get([s.actor.hold_snapshot.remote() for s in holders], timeout=self.config.timeouts.poll_s)
-        except Exception as e:  # noqa: BLE001 - any holder failing is a failure like any other
-            raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}: {e}") from e
+            metas = call_members([(s, s.actor.hold_snapshot.remote((gen, r, cand.step)))
+                                  for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot")
+        except MemberCallFailed as e:
+            # a holder died or hangs: its failure; live holders that refused (their state moved on) are not.
+            # (ray.get fails fast: a refusal can come back while another holder's call is still pending)
+            if any(o.status != "own" for o in blame(e.outcomes)):
+                raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}",
+                                   holders, e.outcomes) from e
+            raise SurvivorsStale(str(e)) from e  # live holders refused: their state moved on
+        why = sources.check_served(metas, cand.ranks, cand.step, gen)
+        if why:
+            raise SurvivorsStale(why)
         return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
                                        for s, m in zip(holders, metas)], "peer")
 
@@ -555,12 +592,13 @@ class Controller(WorkerMonitor):
                 s.state = SlotState.READY
         t = self.config.timeouts
         try:
-            host, port = ray.get(chosen[0].actor.open_store.remote(gen), timeout=t.poll_s)
+            host, port = call_members([(chosen[0], chosen[0].actor.open_store.remote(gen))], t.poll_s,
+                                      "opening the rendezvous store")[0]
             layout = self.layout(world)
             # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
             peer = resume.sources if isinstance(resume, PeerRestore) else None
-            got = ray.get([s.actor.join.remote(gen, r, world, host, port, layout, peer) for r, s in enumerate(chosen)],
-                          timeout=t.restart_grace_s)
+            got = call_members([(s, s.actor.join.remote(gen, r, world, host, port, layout, peer))
+                                for r, s in enumerate(chosen)], t.restart_grace_s, "join")
             if isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
@@ -578,14 +616,18 @@ class Controller(WorkerMonitor):
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
             src = policy.pick_source({r: self._slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
-            steps = ray.get([s.actor.sync.remote(src) for s in chosen], timeout=t.restart_grace_s)
+            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync")
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
-            self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
+            # charged to the member whose part failed (its own error quoted), not to whoever comes first
+            if isinstance(e, MemberCallFailed):
+                self._detect_dead(chosen, f"failed during rendezvous of generation {gen} ({e.what})", e.outcomes)
+            else:
+                self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
-        self.prev_ranks = {s.index: r for r, s in enumerate(chosen)}
+        self.prev_ranks, self.prev_generation = {s.index: r for r, s in enumerate(chosen)}, gen
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
@@ -627,15 +669,15 @@ class Controller(WorkerMonitor):
         from elastictrain.checkpoint import CheckpointError
 
         while True:
-            refs = [s.actor.load.remote(manifest, self.ckpt_root) for s in chosen]
+            calls = [(s, s.actor.load.remote(manifest, self.ckpt_root)) for s in chosen]
             try:
-                ray.get(refs, timeout=self.config.timeouts.restart_grace_s)
+                ray.get([ref for _, ref in calls], timeout=self.config.timeouts.restart_grace_s)
                 return manifest
             except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, CheckpointError):
-                    raise
-                self._collect_errors(refs)
+                    raise MemberCallFailed("checkpoint load", call_outcomes(calls), e) from e
+                self._collect_errors([ref for _, ref in calls])
                 older = (None if explicit or self.store is None
                          else self.store.older_valid(manifest.step, self.lineage))
                 where = getattr(manifest, "location", "") or f"step {manifest.step}"
@@ -703,7 +745,7 @@ class Controller(WorkerMonitor):
 
     def _stop_members(self) -> None:
         for slot in self.group.members():
-            slot.actor.request_stop.remote()
+            slot.actor.request_stop.remote(self.generation)  # a late one must not stop the next generation
 
     def _can_grow(self) -> bool:
         ready = self.group.by_state(SlotState.READY)
@@ -844,7 +886,7 @@ class Controller(WorkerMonitor):
         })
 
 
-def _gpus_per_node() -> int | None:
+def gpus_per_node() -> int | None:
     """GPUs of the smallest alive GPU node (hsdp's default shard group size), or None without GPUs."""
     counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
     counts = [c for c in counts if c > 0]

@@ -39,6 +39,30 @@ class WorkerView:
     dead: bool = False
 
 
+@dataclass(frozen=True)
+class CallOutcome:
+    """How one member's part of a collective call (join, load, sync, hold_snapshot) ended: ``ok``,
+    ``pending`` (not returned), ``dead`` (its actor died), ``own`` (it raised its own error) or ``peer`` (it
+    raised because the communication with a peer failed). ``error``: its own error in one line."""
+
+    slot: int
+    status: str
+    error: str = ""
+
+
+def blame(outcomes: Sequence[CallOutcome]) -> list[CallOutcome]:
+    """Whose failure a failed collective call of the members is: the members whose actor died; else those
+    that raised their own error (not a peer's: a member that raised because a peer broke the call is its
+    victim); else, if some returned, those that did not (hung in the call). Empty when nothing names one
+    (every part returned, or none did): the caller decides. Never a healthy member for another's error."""
+    for status in ("dead", "own"):
+        hit = [o for o in outcomes if o.status == status]
+        if hit:
+            return hit
+    pending = [o for o in outcomes if o.status == "pending"]
+    return pending if len(pending) < len(outcomes) else []
+
+
 class FailureDetector:
     """Collects failures (one per slot until taken) from the observations it is given."""
 

@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.config import JobConfig
+from elastictrain.controller.detect import CallOutcome
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 
@@ -41,6 +42,49 @@ def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
         text = " ".join(str(err).strip().splitlines()[-1].split())
     line = f"{type(err).__name__}: {text}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class MemberCallFailed(RuntimeError):
+    """A call made on several members failed; ``outcomes`` says how each member's part ended (see
+    :func:`elastictrain.controller.detect.blame` for whose failure it is)."""
+
+    def __init__(self, what: str, outcomes: list[CallOutcome], cause: BaseException) -> None:
+        errors = "; ".join(f"slot {o.slot} {o.status}: {o.error}" for o in outcomes if o.error)
+        super().__init__(f"{what} failed ({errors or describe_remote_error(cause)})")
+        self.what, self.outcomes = what, outcomes
+
+
+def call_outcomes(calls: list[tuple[Slot, Any]]) -> list[CallOutcome]:
+    """How each member's call (``(slot, ref)``) ended, without waiting (see :class:`CallOutcome`)."""
+    from elastictrain.worker.errors import is_communication_error
+
+    refs = [ref for _, ref in calls]
+    done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    out = []
+    for slot, ref in calls:
+        if ref not in done:
+            out.append(CallOutcome(slot.index, "pending"))
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            out.append(CallOutcome(slot.index, "dead", describe_remote_error(e)))
+        except Exception as e:  # noqa: BLE001 - classified: its own error, or a peer's broken communication
+            cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
+            peer = isinstance(cause, BaseException) and is_communication_error(cause)
+            out.append(CallOutcome(slot.index, "peer" if peer else "own", describe_remote_error(e)))
+        else:
+            out.append(CallOutcome(slot.index, "ok"))
+    return out
+
+
+def call_members(calls: list[tuple[Slot, Any]], timeout: float, what: str) -> list[Any]:
+    """``ray.get`` of the members' calls ``(slot, ref)``, in order. Raises :class:`MemberCallFailed` with
+    every member's outcome when any part fails or the call outlasts ``timeout``."""
+    try:
+        return ray.get([ref for _, ref in calls], timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - whose failure it is: the outcomes tell
+        raise MemberCallFailed(what, call_outcomes(calls), e) from e
 
 
 def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, float]]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import ray
@@ -19,7 +20,7 @@ import ray
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
-from elastictrain.controller.detect import Failure, FailureDetector, WorkerView
+from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.ledger import Ledger
 from elastictrain.events import EventLog
@@ -45,6 +46,7 @@ class MonitorHost(Protocol):
     generation_start_step: int
     open_failure: Failure | None
     replacements_due: list[int]              # slots of failed workers whose replacements are not started yet
+    failure_log: list[policy.FailureRecord]  # what the failure budget judged so far
 
     def request_preemption(self, reason: str) -> None: ...
     def _on_setup_done(self, slot: Slot) -> None: ...
@@ -214,8 +216,11 @@ class WorkerMonitor:
     def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
         self.detector.report(self._view(slot), kind, reason, now=time.time(), **self._when())
 
-    def _detect_dead(self, slots: list[Slot], reason: str) -> None:
-        """After a failed collective call: find which of ``slots`` is dead or unresponsive."""
+    def _detect_dead(self, slots: list[Slot], reason: str, outcomes: Sequence[CallOutcome] = ()) -> None:
+        """After a failed collective call: find which of ``slots`` is dead or unresponsive; if every one
+        answers, charge the member(s) whose part of the call failed (``outcomes``, see
+        :func:`~elastictrain.controller.detect.blame`), quoting its own error; only when nothing names one,
+        the first."""
         refs = {s.actor.poll.remote(): s for s in slots if s.actor is not None}
         done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
         for ref, slot in refs.items():
@@ -227,7 +232,15 @@ class WorkerMonitor:
                     ok = False
             if not ok:
                 self._add_failure(slot, "process_died", reason)
-        if not self.pending_failures and slots:
+        if self.pending_failures or not slots:
+            return
+        by_index = {s.index: s for s in slots}
+        culprits = [o for o in blame(outcomes) if o.slot in by_index]
+        kinds = {"dead": "process_died", "own": "exception", "pending": "hang"}
+        for o in culprits:
+            why = o.error or "did not return from the call while its peers did"
+            self._add_failure(by_index[o.slot], kinds[o.status], f"{reason}: {why}")
+        if not culprits:
             self._add_failure(slots[0], "exception", reason)
 
     def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
@@ -265,8 +278,10 @@ class WorkerMonitor:
                              step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
             if self.open_failure is None:
                 self.open_failure = f
-        verdicts = [self._judge(policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress))
-                    for f, kind, _ in killed]
+        # a lost node is one failure of the node, not one per worker it hosted (policy.budget_records)
+        records = policy.budget_records([policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node)
+                                         for f, kind, node in killed], self.failure_log)
+        verdicts = [self._judge(r) for r in records]
         verdict = next((v for v in verdicts if v), None)
         if verdict:
             return self._fail(verdict)

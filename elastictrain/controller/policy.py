@@ -64,10 +64,14 @@ def decide_membership(
             return Membership("go", w, f"{available} workers available; largest valid world size is {w}")
         target, need = (min(valid) if valid else min_workers), (min(valid) if valid else min_workers)
     if waited >= wait_limit_s:
+        # strict mode needs the whole world size back: workers.min plays no part there, so the fix named
+        # is capacity or elastic mode (which shrinks to what is there)
+        fix = ("recovery.mode=strict keeps the world size: add capacity or set recovery.mode=elastic"
+               if mode == "strict" else "add capacity or lower workers.min")
         return Membership(
             "fail", target,
             f"only {available} of the {need} workers needed were available for {waited:.0f}s "
-            f"(recovery.min_workers_wait_s={wait_limit_s:g}); add capacity or lower workers.min",
+            f"(recovery.min_workers_wait_s={wait_limit_s:g}); {fix}",
         )
     return Membership("wait", target, f"waiting for workers: {available} available, {need} needed")
 
@@ -83,6 +87,31 @@ class FailureRecord:
     kind: str
     reason: str
     progress: int
+    node: str | None = None  # the lost node, for ``node_lost`` (one failure of the node: budget_records)
+
+
+def budget_records(new: Sequence[FailureRecord], log: Sequence[FailureRecord]) -> list[FailureRecord]:
+    """The failures the budget counts among ``new`` (given the ``log`` counted so far): a lost node is ONE
+    failure, however many workers it hosted and however many recoveries found them -- the first ``node_lost``
+    record of a node (Ray never reuses a node id) stands for all, with the most progress any of them made;
+    every other failure counts as it is. Without this one 8-GPU node lost twice in an hour was 16 failures
+    and ended a run under the default budget."""
+    charged = {r.node for r in log if r.kind == "node_lost" and r.node}
+    lost: dict[str, list[FailureRecord]] = {}
+    out: list[FailureRecord] = []
+    for r in new:
+        if r.kind != "node_lost" or not r.node:
+            out.append(r)
+        elif r.node not in charged:
+            if r.node not in lost:
+                out.append(r)  # its place in the order; replaced by the node's record below
+            lost.setdefault(r.node, []).append(r)
+    merged = {rs[0].node: FailureRecord(
+        rs[0].at, rs[0].slot, "node_lost",
+        rs[0].reason if len(rs) == 1 else f"node {rs[0].node} lost with {len(rs)} workers (slots "
+        f"{sorted(x.slot for x in rs if x.slot is not None)}): {rs[0].reason}",
+        max(x.progress for x in rs), rs[0].node) for rs in lost.values()}
+    return [merged[r.node] if r.kind == "node_lost" and r.node in merged else r for r in out]
 
 
 def failure_verdict(records: Sequence[FailureRecord], now: float, cfg: RecoveryConfig) -> str | None:

@@ -19,8 +19,10 @@ unit-testable, and the decision's ``reason`` goes into the event log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from elastictrain.checkpoint.memory_dcp import SnapshotMeta, coverage
 
 KINDS = ("peer", "memory", "checkpoint", "scratch")  # also the ``source`` of the ``recovered`` event
 
@@ -63,13 +65,14 @@ def _peer(dp_replicate: int, dp_shard: int, survivors: Mapping[int, int]) -> tup
 
 def rank_sources(
     *, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int], memory: Mapping[int, bool],
-    durable_step: int | None, last_step: int,
+    durable_step: int | None, last_step: int, storage_asked: bool = True,
 ) -> SourceDecision:
     """Rank the recovery sources.
 
     ``survivors``: rank in the failed generation's mesh -> completed steps it holds. ``memory``: step ->
     whether the peer tier's snapshots of that step cover everything. ``durable_step``: newest committed
     checkpoint, or None. ``last_step``: the newest step the group completed (for ``lost_steps``).
+    ``storage_asked`` False: storage was not listed (see :func:`storage_needed`), and the reason says so.
     Raises ``ValueError`` on mesh dims < 1.
     """
     if dp_replicate < 1 or dp_shard < 1:
@@ -92,7 +95,7 @@ def rank_sources(
     if durable_step is not None:
         found.append(Candidate("checkpoint", durable_step, (), f"committed checkpoint of step {durable_step}"))
     else:
-        notes.append("no committed checkpoint")
+        notes.append("no committed checkpoint" if storage_asked else "storage not asked")
     found.append(Candidate("scratch", 0, (), "no source holds training state: restart from step 0"))
     ranked = tuple(sorted(found, key=lambda c: (-c.step, KINDS.index(c.kind))))
     chosen = ranked[0]
@@ -101,3 +104,28 @@ def rank_sources(
     if notes and chosen.kind != "peer":
         reason += " (" + "; ".join(notes) + ")"
     return SourceDecision(chosen, ranked, lost, reason)
+
+
+def storage_needed(decision: SourceDecision, committed_steps: Sequence[int]) -> bool:
+    """Whether the durable checkpoint must be looked up, given the ranking without it: only when neither the
+    survivors nor the peer memory tier cover the state, or when a checkpoint this run committed (known to
+    the driver without I/O) is newer than what they hold. Asking costs a drain of queued commits and a
+    listing, which a stalled store turns into seconds of recovery."""
+    if decision.chosen.kind in ("peer", "memory"):
+        return bool(committed_steps) and max(committed_steps) > decision.chosen.step
+    return True
+
+
+def check_served(metas: Sequence[SnapshotMeta], ranks: Sequence[int], step: int, generation: int) -> str:
+    """Pure check of the snapshots live survivors served for a peer restore: ``metas[i]`` must be rank
+    ``ranks[i]`` of ``generation`` (the layout the decision described them by) at ``step``, and together
+    cover every element. Returns why not, or "" when they are what was asked. A survivor whose runner moved
+    on in a failed rendezvous since would otherwise serve another layout's shards or another step."""
+    if len(metas) != len(ranks):
+        return f"{len(metas)} snapshots served for {len(ranks)} survivors"
+    for rank, m in zip(ranks, metas):
+        if (m.generation, m.rank, m.step) != (generation, rank, step):
+            return (f"the survivor of rank {rank} served generation {m.generation} rank {m.rank} step {m.step}, "
+                    f"not generation {generation} rank {rank} step {step}")
+    cov = coverage(list(metas))
+    return "" if cov.complete else f"the survivors' snapshots do not cover the state: {'; '.join(cov.missing[:3])}"

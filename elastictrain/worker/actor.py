@@ -167,6 +167,9 @@ class Worker:
         # A rebuilt (sharded) model is the seeded initial state (step 0, identical on every rank) until a
         # restore step (``restore`` below, restore_from) loads the generation's state into it.
         self.runner.attach(rank, world_size, generation, layout)
+        # a stop asked of an earlier generation that arrived after its run returned ends here (after attach:
+        # one arriving from now on names an earlier generation than the runner's and is ignored)
+        self._stop.clear()
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
         return None if restore is None else self.load_peer(restore)
@@ -316,8 +319,13 @@ class Worker:
     def _result(self, status: str, error: str | None = None) -> dict[str, Any]:
         return {"status": status, "step": self.runner.step, "error": error, "slot": self.slot}
 
-    def request_stop(self) -> None:
-        """Ask the group to stop at the next step boundary (all ranks agree through the step's all-reduce)."""
+    def request_stop(self, generation: int | None = None) -> None:
+        """Ask the group to stop at the next step boundary (all ranks agree through the step's all-reduce).
+        ``generation``: the generation the controller means to stop; a request that arrives once this worker
+        joined a later one is ignored (it would stop the new generation after one step). A request that
+        arrives after ``run`` returned is dropped by the next ``join``."""
+        if generation is not None and self.runner is not None and self.runner.generation != generation:
+            return
         self._stop.set()
 
     def poll(self) -> dict[str, Any]:
@@ -397,17 +405,24 @@ class Worker:
                 "dropped": [dataclasses.asdict(d) for d in got["dropped"]]}
 
     @_on_state_thread
-    def hold_snapshot(self) -> Any:
+    def hold_snapshot(self, expect: tuple[int, int, int] | None = None) -> Any:
         """Snapshot this survivor's current state (collective-free) and keep it to serve ``fetch`` while
         the next generation loads from it (sharded layouts: survivors are a reader source). Returns its
         ``SnapshotMeta``; the previous held snapshot is dropped. A survivor whose step a peer broke took it already
-        (``_release_groups``): that one is served."""
+        (``_release_groups``): that one is served. ``expect``: the (generation, rank, step) the controller
+        counts on; a held snapshot of exactly that is served even if this runner joined a later generation
+        since (a failed rendezvous), and a runner that holds something else raises RuntimeError instead of
+        serving another layout or step."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
 
         r = self.runner
         held = self._held
-        if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (r.generation, r.rank, r.step):
-            return held.meta  # taken when this rank's step failed (``_release_groups``): still current
+        current = (r.generation, r.rank, r.step)
+        if held is not None and (held.meta.generation, held.meta.rank, held.meta.step) == (expect or current):
+            return held.meta  # taken when this rank's step failed (``_release_groups``): still what is asked
+        if expect is not None and current != tuple(expect):
+            raise RuntimeError(f"slot {self.slot} holds generation {r.generation} rank {r.rank} step {r.step}, not "
+                               f"the generation {expect[0]} rank {expect[1]} step {expect[2]} asked for")
         if r.model is None:
             raise RuntimeError(f"slot {self.slot} released its state after a failed step and holds no snapshot")
         self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
