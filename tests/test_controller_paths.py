@@ -342,9 +342,9 @@ def test_sharded_recovery_does_not_ask_storage_when_the_memory_tier_covers_the_s
     """fsdp lost a member: survivors do not cover the state, the peer memory tier does (step 4): storage is
     not drained nor listed -- unless this run committed a newer step than the tier holds (#21 item 11)."""
     c, group = _sharded_after_start(tmp_path, {})
-    c.store = store = _Store()
+    c.sources.store = store = _Store()
     survivor = group.members()[0]
-    c._peer_tier = lambda holders: {4: (True, ["snapshot sources of step 4"])}
+    c.sources.peer_tier = lambda holders, generation: {4: (True, ["snapshot sources of step 4"])}
     got = c._recovery_source([survivor], 2, [survivor])
     assert (got.kind, got.step, got.sources) == ("memory", 4, ["snapshot sources of step 4"])
     assert store.asked == 0 and "storage not asked" in c.recovery_reason

@@ -3,27 +3,30 @@
 It places workers, forms membership generations (a rendezvous per generation), drives the step loop
 through ``run``/``poll``/``request_stop`` and, on a failure, regroups the survivors at the last step
 boundary without restarting them. Decisions come from :mod:`elastictrain.controller.policy`; this module
-executes them. ``step()`` advances one iteration, so tests can drive it.
+executes them. Where a new generation's state comes from (survivors, the peer memory tier, the durable
+checkpoint) is gathered by :mod:`elastictrain.controller.gather`. ``step()`` advances one iteration, so
+tests can drive it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from elastictrain.config import JobConfig
-from elastictrain.controller import policy, sources
+from elastictrain.controller import policy
 from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.drain import DrainWatcher
+from elastictrain.controller.gather import (CheckpointLoadFailed, PeerRestore, Previous, SourceGatherer,
+                                            SurvivorLost, slot_step)
 from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.detect import Failure, FailureDetector, blame
+from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
@@ -35,34 +38,6 @@ log = logging.getLogger("elastictrain.controller")
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
-
-
-class SurvivorLost(RuntimeError):
-    """A survivor chosen as a recovery source died before serving its state (``outcomes``: whose part
-    failed, for :meth:`WorkerMonitor._detect_dead`)."""
-
-    def __init__(self, reason: str, holders: list[Slot], outcomes: list[Any]) -> None:
-        super().__init__(reason)
-        self.holders, self.outcomes = holders, outcomes
-
-
-class SurvivorsStale(RuntimeError):
-    """Live survivors cannot serve the state the source decision counted on (their runners moved on in a
-    failed rendezvous, or released it): not their failure; another source is picked."""
-
-
-@dataclass(frozen=True)
-class PeerRestore:
-    """Every member loads (resharding) from snapshots of one step that cover the state: ``KeeperSource``s
-    of the peer memory tier (``kind="memory"``) or of live survivors (``kind="peer"``)."""
-
-    step: int
-    sources: list[Any]
-    kind: str
-
-
-class CheckpointLoadFailed(RuntimeError):
-    """No checkpoint could be loaded into the members: a checkpoint error (exit 3), not a worker failure."""
 
 
 class Controller(WorkerMonitor):
@@ -106,12 +81,12 @@ class Controller(WorkerMonitor):
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, gpus_per_node() if config.workers.use_gpu else None)
-        self.keepers: dict[str, Any] = {}
-        # (generation, node -> catalog ref) asked at failure detection (_ask_peer_tier), taken by _peer_tier
-        self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
         self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
         self.prev_generation = -1  # the generation prev_ranks describes (the last one formed)
-        self._start_keepers()
+        m = resume_manifest  # the branch point: a recovery source until the run commits its own
+        branch = m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
+        self.sources = SourceGatherer(config, events, store, self.committer, self.lineage, branch, self.layout)
+        self.sources.start_keepers()
         self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
 
     # ------------------------------------------------------------------ public
@@ -216,7 +191,7 @@ class Controller(WorkerMonitor):
         killed = self._kill_failed()
         if killed:
             self._abort_survivors()
-            self._ask_peer_tier()
+            self.sources.ask_peer_tier(self.generation)
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
         self._drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
@@ -242,12 +217,6 @@ class Controller(WorkerMonitor):
         if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:
                 s.has_state = False
-
-    def _ask_peer_tier(self) -> None:
-        """Ask every keeper for its catalog now, so the answers arrive while the survivors leave the failed
-        step (``_peer_tier`` takes them; a keeper receiving the last snapshots answers after them). Asked
-        later it would add its wait to the recovery: measured 0.2 s of a 1.5 s fsdp recovery on 4 CPU ranks."""
-        self._early_catalogs = (self.generation, {node: k.catalog.remote() for node, k in self.keepers.items()})
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
@@ -353,34 +322,26 @@ class Controller(WorkerMonitor):
         self.sm.to(State.RUNNING, f"generation {self.generation} with {self.world_size} workers ({reason})")
 
     # ------------------------------------------------------------------ recovery sources
-    def _start_keepers(self) -> None:
-        """The peer memory tier: one ShardKeeper per alive node (bound to it: it dies with its node);
-        keepers of nodes that left are forgotten. Idempotent: called at start and for each generation."""
-        if not self.config.checkpoint.memory_every_steps:
-            return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from elastictrain.checkpoint import ShardKeeper
-
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        for node in [n for n in self.keepers if n not in alive]:
-            del self.keepers[node]
-        budget = max(1, int(self.config.checkpoint.memory_budget_gib * (1 << 30)))
-        for node in sorted(alive - set(self.keepers)):
-            self.keepers[node] = ShardKeeper.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
-
-    def _keepers_for(self, chosen: list[Slot]) -> list[tuple[Any, bool]]:
-        """Each member's keeper -- on the next node in the ring, never its own unless it is alone -- and
-        whether it is on another node (then the member keeps its own newest snapshots too: they outlive
-        that keeper's node; on its own node they would die with it, and add nothing)."""
-        if not self.keepers:
-            return [(None, False)] * len(chosen)
-        from elastictrain.checkpoint import keeper_ring
-
-        own = [str(s.info.get("node_id")) for s in chosen]
-        nodes = keeper_ring(own, list(self.keepers))
-        return [(self.keepers.get(n) if n else None, n is not None and n != o) for n, o in zip(nodes, own)]
+    def _recovery_source(self, chosen: list[Slot], old_world: int, alive: list[Slot] = ()) -> Any:
+        """Where the next generation's state comes from (:meth:`SourceGatherer.gather`): None when live
+        survivors hold it all (the broadcast path) or nothing does (step 0, announced here), a
+        :class:`PeerRestore`, or a manifest. Records ``recovery_source``/``recovery_reason`` for the
+        ``recovered`` event. ``alive``: every live member of the previous generation, chosen or not."""
+        known = [self.ledger.last_step, self.ledger.latest_record_step]
+        if self.open_failure is not None:
+            known.append(self.open_failure.last_step)
+        prev = Previous(self.prev_generation, self.prev_ranks, old_world)
+        got = self.sources.gather(chosen, alive, prev, self.generation, known)
+        self.recovery_source, self.recovery_reason, self.recovery_last_step = got.kind, got.reason, got.last_step
+        log.info("recovery source: %s", got.reason)
+        if got.kind == "scratch" and self.sm.state is not State.CHECKPOINTING:  # (preempted: nothing restarts)
+            self.events.emit("worker_lost", world_size=0, step=0,
+                             reason="every worker holding training state was lost and no other source holds "
+                                    f"it: restarting from step 0 ({got.reason})")
+            self.ledger.last_step = 0
+            for s in chosen:
+                s.has_state = False
+        return got.resume
 
     def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
         """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused,
@@ -398,175 +359,6 @@ class Controller(WorkerMonitor):
             self.events.emit("memory_snapshot_dropped", rank=d["rank"], slot=slot.index, step=d["step"],
                              generation=d["generation"], cause=d["cause"], bound_holds=d["bound_holds"],
                              reason=d["reason"])
-
-    def _peer_tier(self, holders: list[Slot] = ()) -> dict[int, tuple[bool, list[Any]]]:
-        """step -> (complete, KeeperSources of the newest generation that covers it, or of the newest).
-        The keepers' snapshots first, then ``holders``' own copies of theirs (live members of the failed
-        generation, ``Worker.own_snapshots``): a node lost with its keeper takes the snapshots it kept for
-        the ranks of another node, which still hold them."""
-        from elastictrain.checkpoint import KeeperSource
-        from elastictrain.checkpoint.memory_dcp import coverage
-
-        groups: dict[tuple[int, int], list[Any]] = {}
-        own = [(s, s.actor.own_snapshots.remote()) for s in holders if s.actor is not None]
-        gen, asked = self._early_catalogs
-        self._early_catalogs = (None, {})
-        if gen != self.generation:  # asked for an earlier generation's recovery: stale
-            asked = {}
-        for node, keeper in sorted(self.keepers.items()):
-            try:
-                ref = asked.get(node) or keeper.catalog.remote()
-                metas = ray.get(ref, timeout=self.config.timeouts.poll_s)
-            except Exception as e:  # noqa: BLE001 - a keeper lost with its node: its snapshots are gone
-                log.warning("peer memory tier: keeper on node %s unavailable: %s", node, e)
-                continue
-            for m in metas:
-                groups.setdefault((m.step, m.generation), []).append(
-                    KeeperSource(keeper, m, timeout_s=self.config.timeouts.restart_grace_s, batched=True))
-        for slot, ref in own:
-            try:
-                metas = ray.get(ref, timeout=self.config.timeouts.poll_s)
-            except Exception as e:  # noqa: BLE001 - a survivor that died since: the next recovery finds it
-                log.warning("peer memory tier: slot %s's own snapshots unavailable: %s", slot.index, e)
-                continue
-            for m in metas:
-                groups.setdefault((m.step, m.generation), []).append(
-                    KeeperSource(slot.actor, m, timeout_s=self.config.timeouts.restart_grace_s))
-        out: dict[int, tuple[bool, list[Any]]] = {}
-        for (step, _gen), srcs in sorted(groups.items(), reverse=True):
-            complete = coverage([x.meta for x in srcs]).complete
-            if step not in out or (complete and not out[step][0]):
-                out[step] = (complete, srcs)
-        return out
-
-    def _mesh_dims(self, world: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) of the generation of ``world`` ranks, from the plan resolver."""
-        dims = self.layout(world).dims
-        return dims.dp_replicate, dims.dp_shard
-
-    def _recovery_source(self, chosen: list[Slot], old_world: int, alive: list[Slot] = ()) -> Any:
-        """Pick where the next generation's state comes from (:func:`sources.rank_sources`): None when
-        live survivors hold it all (the broadcast path), a :class:`PeerRestore` for the peer memory tier,
-        a manifest for the durable checkpoint. Storage and keepers are only asked when survivors do not
-        cover the state. Records ``recovery_source``/``recovery_reason`` for the ``recovered`` event.
-        ``alive``: every live member of the previous generation, chosen or not -- a survivor left out of a
-        folded mesh still serves its shards."""
-        rep, shard = self._mesh_dims(old_world) if old_world else (1, 1)
-        # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
-        # DTensors, which the replicated broadcast path does not move)
-        sharded = bool(old_world) and self.layout(old_world).plan != "ddp"
-        # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
-        pool = list(chosen) + [s for s in alive if s not in chosen]
-        members = [s for s in pool if s.index in self.prev_ranks and s.rank is not None]
-        # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
-        # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after
-        # a clean stop takes the same path: all shards survive, the covering ranks serve them.
-        survivors = {self.prev_ranks[s.index]: self._slot_step(s) for s in members}
-        if not survivors and not sharded and any(s.has_state for s in chosen):  # state, no rank: replica 0
-            survivors = {0: max(self._slot_step(s) for s in chosen if s.has_state)}
-            rep, shard = max(1, old_world), 1
-        # the newest completed step anyone knows of (records and survivors run ahead of the polls): the
-        # same count ``_close_recovery`` reports as ``lost_steps``
-        known = [self.ledger.last_step, self.ledger.latest_record_step, *survivors.values()]
-        if self.open_failure is not None:
-            known.append(self.open_failure.last_step)
-        self.recovery_last_step = max(known)
-        args = dict(dp_replicate=rep, dp_shard=shard, survivors=survivors, last_step=self.recovery_last_step)
-        decision = sources.rank_sources(memory={}, durable_step=None, **args)
-        if decision.chosen.kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
-            try:
-                restore = self._survivor_restore(pool, decision.chosen)
-                self.recovery_source, self.recovery_reason = "peer", decision.reason
-                log.info("recovery source: %s", decision.reason)
-                return restore
-            except SurvivorsStale as e:  # not their failure: their state is not what was counted on
-                self.events.emit("warning", source="recovery", reason=f"survivors cannot serve step "
-                                 f"{decision.chosen.step}: {e}; picking another source")
-                args["survivors"] = {}
-                decision = sources.rank_sources(memory={}, durable_step=None, **args)
-        manifest = None
-        if decision.chosen.kind != "peer":
-            tier = self._peer_tier(members)
-            memory = {k: v[0] for k, v in tier.items()}
-            decision = sources.rank_sources(memory=memory, durable_step=None, storage_asked=False, **args)
-            # storage only when survivors and the tier do not cover the state (a stalled store would delay
-            # the recovery by a drain and a listing), or this run committed a newer step than the tier holds
-            if self.store is not None and sources.storage_needed(decision, self.committer.committed_steps):
-                manifest, storage_error = self._durable_source()
-                decision = sources.rank_sources(memory=memory,
-                                                durable_step=None if manifest is None else int(manifest.step), **args)
-                if storage_error and decision.chosen.kind == "scratch":
-                    # storage did not answer: whether a committed checkpoint exists is unknown, so never
-                    # restart from step 0 (and commit over it); the committed checkpoints are left as they are
-                    raise CheckpointLoadFailed(
-                        f"storage failed during recovery ({storage_error}) and no survivor or peer-tier snapshot "
-                        "holds the state: not restarting from step 0 over committed checkpoints, which are "
-                        "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
-        self.recovery_source, self.recovery_reason = decision.chosen.kind, decision.reason
-        log.info("recovery source: %s", decision.reason)
-        kind = decision.chosen.kind
-        if kind == "memory":
-            return PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
-        if kind == "checkpoint":
-            return manifest
-        if kind == "scratch" and self.sm.state is not State.CHECKPOINTING:  # (preempted: nothing restarts)
-            self.events.emit("worker_lost", world_size=0, step=0,
-                             reason="every worker holding training state was lost and no other source holds "
-                                    f"it: restarting from step 0 ({decision.reason})")
-            self.ledger.last_step = 0
-            for s in chosen:
-                s.has_state = False
-        return None
-
-    def _durable_source(self) -> tuple[Any, str | None]:
-        """(the newest committed checkpoint of this run's lineage -- or its branch point -- or None, the
-        storage error that kept it from being found, or None). Never raises."""
-        if self.store is None:
-            return None, None
-        try:
-            # commits run on their own thread: let queued ones land before asking storage (bounded)
-            self.committer.drain(timeout=self.config.timeouts.poll_s)
-            # sizes only (ranks check what they read); only this run's own trajectory, never another's
-            manifest, skipped = self.store.latest_valid(checksums=False, lineage=self.lineage)
-        except Exception as e:  # noqa: BLE001 - storage unreachable or failing: the caller decides
-            why = describe_remote_error(e)
-            self.events.emit("checkpoint_failed", step=None, reason=f"storage error during recovery: {why}")
-            return None, why
-        for why in skipped:
-            self.events.emit("checkpoint_failed", step=None, reason=f"skipped on recovery: {why}")
-        return manifest or self._branch_point(), None
-
-    def _branch_point(self) -> Any:
-        """The checkpoint this run started from, while the run has committed none of its own: a run branched
-        from an explicit checkpoint URI (a new lineage, maybe another root) finds nothing of its own on
-        storage before its first commit, and must not restart from step 0 over the branch."""
-        m = self.resume_manifest
-        return m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
-
-    def _survivor_restore(self, pool: list[Slot], cand: sources.Candidate) -> PeerRestore:
-        """Survivors ``cand.ranks`` (found in ``pool``, members of the next generation or not) snapshot their
-        live shards (collective-free) and serve them; every member of the next generation then reads its
-        new shards from them (no storage, no keeper)."""
-        from elastictrain.checkpoint import KeeperSource
-
-        by_rank = {self.prev_ranks[s.index]: s for s in pool if s.index in self.prev_ranks and s.rank is not None}
-        holders = [by_rank[r] for r in cand.ranks]
-        gen = self.prev_generation  # the generation the decision describes them by (not a failed one since)
-        try:
-            metas = call_members([(s, s.actor.hold_snapshot.remote((gen, r, cand.step)))
-                                  for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot")
-        except MemberCallFailed as e:
-            # a holder died or hangs: its failure; live holders that refused (their state moved on) are not.
-            # (ray.get fails fast: a refusal can come back while another holder's call is still pending)
-            if any(o.status != "own" for o in blame(e.outcomes)):
-                raise SurvivorLost(f"failed while snapshotting its state for generation {self.generation + 1}",
-                                   holders, e.outcomes) from e
-            raise SurvivorsStale(str(e)) from e  # live holders refused: their state moved on
-        why = sources.check_served(metas, cand.ranks, cand.step, gen)
-        if why:
-            raise SurvivorsStale(why)
-        return PeerRestore(cand.step, [KeeperSource(s.actor, m, timeout_s=self.config.timeouts.restart_grace_s)
-                                       for s, m in zip(holders, metas)], "peer")
 
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
@@ -614,7 +406,7 @@ class Controller(WorkerMonitor):
                 self.ledger.last_step = int(resume.step)
                 self.events.emit("resumed", step=int(resume.step), world_size=world,
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
-            src = policy.pick_source({r: self._slot_step(s) for r, s in enumerate(chosen) if s.has_state}
+            src = policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
             steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync")
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
@@ -650,8 +442,8 @@ class Controller(WorkerMonitor):
         if not start:
             return True
         if self.config.checkpoint.memory_every_steps:
-            self._start_keepers()
-            keepers = self._keepers_for(chosen)
+            self.sources.start_keepers()
+            keepers = self.sources.keepers_for(chosen)
             try:
                 ray.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
                         timeout=t.poll_s)
@@ -721,9 +513,6 @@ class Controller(WorkerMonitor):
         if self.reference_fingerprint is None and decision.reference is not None:
             self.reference_fingerprint = decision.reference
             self.committer.meta["fingerprint"] = {**self.driver_fingerprint, **decision.reference}
-
-    def _slot_step(self, slot: Slot) -> int:
-        return int(slot.info.get("step", 0))
 
     def _close_recovery(self, start_step: int) -> None:
         """The new generation stands: account the recovery. ``lost_steps`` counts completed steps that must
