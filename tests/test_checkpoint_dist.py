@@ -62,14 +62,21 @@ def _load_scenario(rank: int, world: int, port: int, manifest_blob: bytes, out: 
 def _death_scenario(rank: int, world: int, port: int, root: str, out: str) -> None:
     group = init_gloo(rank, world, port, timeout_s=5.0)
     model, opt = trained(seed=0, steps=1)
-    writer = CheckpointWriter(CheckpointConfig(), root, rank, world, group, close_timeout_s=20)
-    writer.save_async(7, app_state(model, opt))
     if rank == 1:
         # The peer vanishes during the save, once its own shard file is on disk (so the save has passed
-        # its planning collectives): rank 0, waiting in the save's last collective, must get an error.
-        while not any(Path(root).rglob("__1_*.distcp")):
-            time.sleep(0.01)
-        os._exit(3)
+        # its planning collectives) and before it reports its write: rank 0, waiting in the save's last
+        # collective, must get an error. (Watching for the file from another thread raced the tiny write.)
+        from elastictrain.checkpoint import dcp_io
+
+        write_data = dcp_io.HashingWriter.write_data
+
+        def write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
+            write_data(self, plan, planner).wait()
+            os._exit(3)
+
+        dcp_io.HashingWriter.write_data = write_then_die
+    writer = CheckpointWriter(CheckpointConfig(), root, rank, world, group, close_timeout_s=20)
+    writer.save_async(7, app_state(model, opt))
     reports = writer.wait(60)  # returns the report only if the save ended (with an error), not if it hangs
     writer.close()
     Path(out, "death.pkl").write_bytes(pickle.dumps(reports))
