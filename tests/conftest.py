@@ -13,6 +13,7 @@ import ray
 
 from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
+from elastictrain.trainer import local_ray_system_config
 
 # A small but real job: the byte-level GPT on Python's docs, 2 workers, seconds per run on 2 CPU cores.
 BASE_JOB: dict[str, Any] = {
@@ -38,8 +39,11 @@ def job(**sections: Any) -> dict[str, Any]:
 
 
 def _ensure_local_ray() -> None:
+    # The system config of the private local Ray `elastictrain run` starts (workers preload the worker actor's
+    # module): tests run on the Ray the CLI runs on, and tests/test_worker_preload.py checks it on this one.
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _system_config=local_ray_system_config())
 
 
 @pytest.fixture

@@ -1,38 +1,52 @@
 """The private local Ray of ``elastictrain run`` starts its worker processes with the worker actor's module
 already imported (Ray's ``preload_python_modules``), so an actor placed on a pre-started process skips the
-imports (torch, DTensor, DCP: most of a worker's start). Checked in the worker process itself: no timing."""
+imports (torch, DTensor, DCP: most of a worker's start). Checked in two links, no timing: ``Trainer._init_ray``
+starts its private Ray with ``local_ray_system_config()``, and a worker process of a Ray started with that
+system config (the session's local Ray, tests/conftest.py) has the module imported before it does any work."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
-from elastictrain.trainer import WORKER_PRELOAD_MODULES, local_ray_system_config
+import pytest
+import ray
 
-PROBE = """
-import sys, ray
-from elastictrain.trainer import Trainer
-Trainer({"name": "preload-probe"}, console=None, run_dir=sys.argv[1])._init_ray()
+from elastictrain.trainer import WORKER_PRELOAD_MODULES, Trainer, local_ray_system_config
 
-@ray.remote(num_cpus=0)
-def imported(names):
-    import sys
-    return [n in sys.modules for n in names]
-
-print("IMPORTED", ray.get(imported.remote(list(sys.argv[2:]))))
-ray.shutdown()
-"""
+# The probe below is shipped by value: a worker importing this test module (and what it imports) could import
+# the very module it looks for.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_config_names_the_worker_actor_module() -> None:
     assert local_ray_system_config() == {"preload_python_modules": ["elastictrain.worker.actor"]}
 
 
-def test_local_ray_workers_have_the_worker_module_imported_before_any_work(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "run"), *WORKER_PRELOAD_MODULES],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "IMPORTED [True]" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+def test_trainer_starts_its_private_local_ray_with_that_config(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh `elastictrain run` process
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: calls.append({"args": args, **kwargs}))
+    Trainer({"name": "preload-probe"}, console=None, run_dir=tmp_path / "run")._init_ray()
+    (call,) = calls
+    assert call["address"] == "local" and not call["args"]
+    assert call["_system_config"] == local_ray_system_config()
+
+
+@ray.remote(num_cpus=0)
+def _imported(names: list[str]) -> list[bool]:
+    import sys
+
+    return [n in sys.modules for n in names]
+
+
+def test_local_ray_workers_have_the_worker_module_imported_before_any_work(ray_local) -> None:
+    # A runtime env of its own: Ray starts a worker process for this probe alone, one that has run nothing
+    # before (the session's task workers may have imported anything while working for other tests).
+    fresh = {"env_vars": {"ELASTICTRAIN_PRELOAD_PROBE": uuid.uuid4().hex}}
+    names = list(WORKER_PRELOAD_MODULES)
+    assert ray.get(_imported.options(runtime_env=fresh).remote(names), timeout=300) == [True] * len(names)
