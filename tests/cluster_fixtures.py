@@ -6,6 +6,7 @@ Import into a test module with ``from tests.cluster_fixtures import SLOW, cluste
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,23 +16,71 @@ from ray.cluster_utils import Cluster
 
 SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in (0, 1)]
 
+WORKER_NODES = 2
+_DRAINING = 3  # ray.rpc.NodeSnapshot.DRAINING (as elastictrain/controller/drain.py reads it)
 
-@pytest.fixture
-def cluster() -> Iterator[tuple[Cluster, list[Any]]]:
-    """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node. The session's
-    local Ray is shut down first (``ray_local`` brings it back for the next test that asks)."""
+
+@pytest.fixture(scope="module")
+def _module_cluster() -> Iterator[Cluster]:
+    """One local multi-node Ray per test module (starting one costs seconds; a test gets it topped up)."""
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0,
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
     })
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    try:
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+
+
+def _top_up(c: Cluster, timeout: float = 90.0) -> None:
+    """Bring ``c`` back to what a new cluster is: a 0-CPU head and ``WORKER_NODES`` live, undrained 1-CPU
+    worker nodes, all their CPUs free. A node a test drained (or that died) is removed, a lost one replaced."""
+    from ray._raylet import GcsClient
+
+    infos = GcsClient(address=c.address).get_all_node_info(timeout=10)
+    state = {nid.hex(): info for nid, info in infos.items()}
+    for node in list(c.worker_nodes):
+        info = state.get(node.node_id)
+        if info is None or info.state != 0 or info.state_snapshot.state == _DRAINING:  # 0: GcsNodeInfo.ALIVE
+            c.remove_node(node)
+    while len(c.worker_nodes) > WORKER_NODES:
+        c.remove_node(c.worker_nodes[-1])
+    while len(c.worker_nodes) < WORKER_NODES:
+        c.add_node(num_cpus=1)
     c.wait_for_nodes()
+    want = {n.node_id for n in c.list_all_nodes()}
+    deadline = time.time() + timeout
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        if (alive == want and ray.cluster_resources().get("CPU") == WORKER_NODES
+                and ray.available_resources().get("CPU") == WORKER_NODES):
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"cluster not back to {WORKER_NODES} free worker nodes: alive {alive}, want "
+                                 f"{want}, {ray.available_resources()} of {ray.cluster_resources()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def cluster(_module_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
+    """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node. The session's
+    local Ray is shut down first (``ray_local`` brings it back for the next test that asks).
+
+    The Ray processes are shared by a module's tests, each its own Ray job (the driver reconnects, so what a
+    test's job left -- actors, placement groups -- goes with it) on a cluster topped back up to two fresh,
+    free worker nodes: nodes a test removed or drained are replaced."""
+    c = _module_cluster
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(address=c.address, log_to_driver=False)
-    yield c, nodes
+    _top_up(c)
+    yield c, list(c.worker_nodes)
     ray.shutdown()
-    c.shutdown()
 
 
 def node_of(nodes: list[Any], node_id: str) -> Any:

@@ -213,47 +213,60 @@ def _one_line_error(stderr: str) -> str:
 
 
 def test_tampered_checkpoint_runs_no_code_on_export_or_resume(tmp_path: Path, ray_local) -> None:
+    """One committed checkpoint of a real run, tampered, then read three ways: ``ckpt export`` and a run
+    resuming it explicitly (two CLI processes) while a run with resume=auto trains beside them. The three
+    only read step 10 (a committed step is never overwritten), so they run at once instead of in turn."""
     import ray
+    import yaml
 
     marker = tmp_path / "pwned"
     ck = _ckpt(tmp_path)
     run_job(tmp_path, job(name="atk", train={"steps": 10}, checkpoint=ck), name="first")
     step10 = _step_dir(tmp_path / "ckpt" / "atk", 10)
     plant_payload(step10, marker)
-    export = subprocess.run([sys.executable, "-m", "elastictrain", "ckpt", "export", str(step10), "--key", "optim",
-                             "--out", str(tmp_path / "optim.pt")], capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and "io.open" in _one_line_error(export.stderr)
-    assert not marker.exists()
-    # resume=auto: the ranks refuse step 10, the run says so and continues from step 5
-    again = run_job(tmp_path, job(name="atk", train={"steps": 15}, checkpoint={**ck, "accept_changes": ["schedule"]}),
-                    name="again")
-    (bad,) = [e for e in again.of("checkpoint_failed") if "could not load" in e["reason"]]
-    assert bad["step"] == 10 and "io.open" in bad["reason"] and "trying step 5" in bad["reason"], bad
-    assert [e["step"] for e in again.of("resumed")] == [5] and again.result.exit_code == 0
-    assert not marker.exists()
-    # the checkpoint named explicitly: one line, exit 3 (the documented checkpoint error), no traceback
+    export = subprocess.Popen([sys.executable, "-m", "elastictrain", "ckpt", "export", str(step10), "--key", "optim",
+                               "--out", str(tmp_path / "optim.pt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    # the checkpoint named explicitly, in the CLI
     path = tmp_path / "job.yaml"
-    import yaml
-
     path.write_text(yaml.safe_dump(job(name="atk2", train={"steps": 15},
                                        checkpoint={**ck, "resume": str(step10), "accept_changes": ["schedule"]})))
     address = ray.get_runtime_context().gcs_address
-    explicit = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address,
-                               "--run-dir", str(tmp_path / "explicit")], capture_output=True, text=True, timeout=300)
-    assert explicit.returncode == 3, explicit.stdout[-2000:] + explicit.stderr[-2000:]
-    said = [line for line in explicit.stderr.splitlines() if "io.open" in line]
-    assert len(said) == 1 and said[0].startswith("elastictrain: failed"), explicit.stderr[-2000:]
-    assert "Traceback" not in explicit.stderr + explicit.stdout
-    assert not marker.exists()
+    explicit = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address,
+                                 "--run-dir", str(tmp_path / "explicit")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        # resume=auto: the ranks refuse step 10, the run says so and continues from step 5
+        again = run_job(tmp_path, job(name="atk", train={"steps": 15},
+                                      checkpoint={**ck, "accept_changes": ["schedule"]}), name="again")
+        export_out, export_err = export.communicate(timeout=120)
+        explicit_out, explicit_err = explicit.communicate(timeout=300)
+    finally:
+        for proc in (export, explicit):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    # export: one line, exit 2, nothing run
+    assert export.returncode == 2 and "io.open" in _one_line_error(export_err), export_out
+    (bad,) = [e for e in again.of("checkpoint_failed") if "could not load" in e["reason"]]
+    assert bad["step"] == 10 and "io.open" in bad["reason"] and "trying step 5" in bad["reason"], bad
+    assert [e["step"] for e in again.of("resumed")] == [5] and again.result.exit_code == 0
+    # the checkpoint named explicitly: one line, exit 3 (the documented checkpoint error), no traceback
+    assert explicit.returncode == 3, explicit_out[-2000:] + explicit_err[-2000:]
+    said = [line for line in explicit_err.splitlines() if "io.open" in line]
+    assert len(said) == 1 and said[0].startswith("elastictrain: failed"), explicit_err[-2000:]
+    assert "Traceback" not in explicit_err + explicit_out
+    assert not marker.exists()  # by none of the three
 
 
 def test_durable_recovery_refuses_a_tampered_checkpoint(tmp_path: Path, ray_local) -> None:
     """One worker, no peer tier: a killed worker's replacement loads the durable checkpoint. The worker
-    trains slowly (so the controller's polls collect the save of step 10 and commit it), then stops
-    (SIGSTOP) at step 14, before step 15's save and before the watchdog would act; step 10 is tampered and
-    the worker SIGKILLed: the recovery refuses step 10, says so, and recovers from step 5."""
+    trains slowly from step 9 (so the controller's polls collect the save of step 10 and commit it; step 5's
+    save is committed while steps 6 to 10 run), then stops (SIGSTOP) at step 14, before step 15's save and
+    before the watchdog would act; step 10 is tampered and the worker SIGKILLed: the recovery refuses
+    step 10, says so, and recovers from step 5."""
     marker = tmp_path / "pwned"
-    faults = [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.5, "generation": 0},
+    faults = [{"rank": 0, "step": 9, "kind": "slow", "seconds": 0.5, "generation": 0},
               {"rank": 0, "step": 14, "kind": "hang", "point": "before_step", "generation": 0}]
     spec = job(name="rec", train={"steps": 16}, workers={"min": 1, "max": 1}, faults=faults,
                timeouts={"collective_s": 15, "step_watchdog_cap_s": 60, "watchdog_floor_s": 60, "poll_s": 70,
