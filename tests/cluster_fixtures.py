@@ -1,7 +1,7 @@
 """Shared by the tests that act on a running job: ``SLOW`` (every step of both ranks 30 ms longer, so a test
 can act between steps) and ``cluster``, a multi-node local Ray on one machine.
 
-Import into a test module with ``from tests.cluster_fixtures import SLOW, cluster  # noqa: F401``.
+Import into a test module with ``from tests.cluster_fixtures import SLOW, _module_cluster, cluster  # noqa: F401``
 """
 
 from __future__ import annotations

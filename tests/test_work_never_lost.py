@@ -7,7 +7,7 @@ from pathlib import Path
 
 from elastictrain import Trainer, build_config
 from elastictrain.checkpoint import CheckpointStore
-from tests.cluster_fixtures import cluster, node_of  # noqa: F401 - fixture
+from tests.cluster_fixtures import _module_cluster, cluster, node_of  # noqa: F401 - fixtures
 from tests.conftest import job, run_job
 
 
