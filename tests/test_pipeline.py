@@ -49,9 +49,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(rank: int, world: int, spec: dict[str, Any], port: int, out: str) -> None:
-    """One rank: the worker's StepRunner on a gloo group, seeded init, STEPS steps; rank 0 saves the
-    losses, the step records' pipeline fields and the gathered whole model."""
+def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out: str) -> None:
+    """One rank: for each of ``layouts`` (parallel sections, one after another on the same gloo group) the
+    worker's StepRunner, seeded init, STEPS steps; rank 0 saves each run's losses, step records' pipeline
+    fields, audited sample ids and the gathered whole model."""
     import dataclasses
 
     import torch.distributed as dist
@@ -62,33 +63,49 @@ def _train(rank: int, world: int, spec: dict[str, Any], port: int, out: str) -> 
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
 
+    torch.set_num_threads(1)  # as a worker does (cpus_per_worker): two ranks on two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = []
     try:
-        cfg = build_config(spec)
-        task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
-        runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
-        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-        if runner.uninitialized:
-            runner.init_from_seed()
-        records = [runner.run_step(False)[0] for _ in range(STEPS)]
-        full = runner.state.full_model_state()
+        for parallel in layouts:
+            cfg = build_config(_spec(world, **parallel))
+            task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
+            runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
+            runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+            if runner.uninitialized:
+                runner.init_from_seed()
+            records = [runner.run_step(False)[0] for _ in range(STEPS)]
+            full = runner.state.full_model_state()
+            results.append({"losses": [r.loss for r in records], "pipeline": [r.pipeline for r in records],
+                            "ids": [sorted(r.sample_ids) for r in records], "params": full})
         if rank == 0:
-            torch.save({"losses": [r.loss for r in records], "pipeline": [r.pipeline for r in records],
-                        "ids": [sorted(r.sample_ids) for r in records], "params": full}, out)
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, world: int, **parallel: Any) -> dict[str, Any]:
-    out = str(tmp_path / f"{world}-{'-'.join(f'{k}{v}' for k, v in parallel.items())}.pt")
-    run_ranks(_train, (world, _spec(world, **parallel), _free_port(), out), nprocs=world)
+def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = str(tmp_path / f"w{world}.pt")
+    run_ranks(_train, (world, layouts, _free_port(), out), nprocs=world)
     return torch.load(out)
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("ref"), 1)
+    return _run(tmp_path_factory.mktemp("ref"), 1, [{}])[0]
+
+
+# zero_bubble's split backward with activation checkpointing (pytorch#136766) works on torch 2.13: run too
+PP2 = [{"pp": 2, "pp_schedule": s} for s in SCHEDULES] + [
+    {"pp": 2, "pp_schedule": "zero_bubble", "activation_checkpointing": True}]
+PP2_DP2 = [{"pp": 2, "plan": "ddp"}, {"pp": 2, "plan": "fsdp"}]
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(tmp_path_factory) -> list[dict[str, Any]]:
+    """Every layout of PP2 on one pair of processes (one start-up for all)."""
+    return _run(tmp_path_factory.mktemp("pp2"), 2, PP2)
 
 
 def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
@@ -100,9 +117,10 @@ def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
     assert got["ids"] == ref["ids"]  # the audit counts every sample once (first-stage ranks only)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp2_every_schedule_matches_one_process(tmp_path, one_process, schedule):
-    got = _run(tmp_path, 2, pp=2, pp_schedule=schedule)
+@pytest.mark.parametrize("index", range(len(PP2)), ids=[
+    p["pp_schedule"] + ("+ac" if p.get("activation_checkpointing") else "") for p in PP2])
+def test_pp2_every_schedule_matches_one_process(pp2_runs, one_process, index):
+    got, schedule = pp2_runs[index], PP2[index]["pp_schedule"]
     _matches(got, one_process)
     fields = got["pipeline"][-1]
     assert (fields["pp"], fields["schedule"], fields["n_microbatches"]) == (2, schedule, 8)
@@ -110,11 +128,11 @@ def test_pp2_every_schedule_matches_one_process(tmp_path, one_process, schedule)
     assert 0.0 <= fields["bubble_measured"] < 1.0
 
 
-@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_pp2_by_dp2_matches_one_process(tmp_path, one_process, plan):
-    got = _run(tmp_path, 4, pp=2, plan=plan)
-    _matches(got, one_process)
-    assert got["pipeline"][0]["n_microbatches"] == 4  # G / (D * micro_batch): D = 2 per stage
+def test_pp2_by_dp2_matches_one_process(tmp_path, one_process):
+    """pp2 x dp2 on 4 processes, ddp then fsdp inside each stage."""
+    for got in _run(tmp_path, 4, PP2_DP2):
+        _matches(got, one_process)
+        assert got["pipeline"][0]["n_microbatches"] == 4  # G / (D * micro_batch): D = 2 per stage
 
 
 def test_a_task_without_pipeline_hooks_is_refused():
