@@ -262,3 +262,27 @@ def test_pp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local):
         assert abs(losses[step] - loss) <= LOSS_RTOL * abs(loss), (step, losses[step], loss)
     pr, pf = ddp.final_params(), ref.final_params()
     assert max((pr[k] - pf[k]).abs().max().item() for k in pf) <= PARAM_ATOL
+
+
+def _batch_p2p(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        peer = 1 - rank
+        for round_ in range(3):  # send and receive in one batch, both ranks at once (what 1f1b's steady state does)
+            out, got = torch.full((4,), float(rank + 10 * round_)), torch.empty(4)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, got, peer)])
+            for w in works:
+                w.wait()
+            if not torch.equal(got, torch.full((4,), float(peer + 10 * round_))):
+                raise AssertionError(f"rank {rank} round {round_} received {got.tolist()}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_batch_p2p_does_not_hang():
+    """pytorch#132644 (gloo's batch_isend_irecv hanging, fixed by #152938): on our torch a mixed send/recv
+    batch completes (the collective timeout of 30 s would fail it otherwise)."""
+    run_ranks(_batch_p2p, (_free_port(),), nprocs=2)
