@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.parallel.pipeline import PipelineError
 from tests.conftest import job, run_job
 from tests.ranks import run_ranks
@@ -108,6 +109,7 @@ def test_pp2_every_schedule_matches_one_process(tmp_path, one_process, schedule)
     assert (fields["pp"], fields["schedule"], fields["n_microbatches"]) == (2, schedule, 8)
     assert fields["stages_per_rank"] == (1 if schedule in ("gpipe", "1f1b") else 2)
     assert 0.0 <= fields["bubble_measured"] < 1.0
+    assert fields["bubble_timeline"] == round(schedule_bubble(schedule, 2, 8, fields["stages_per_rank"]), 4)
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
