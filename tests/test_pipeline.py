@@ -171,11 +171,22 @@ def test_pp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local):
     def task(s):
         return dataclasses.replace(builtin_task(build_config(s)), lr_fn=None)
 
+    def ref_ids(step):
+        from elastictrain.data.cursor import step_sample_ids
+        from elastictrain.data.datasets import TokenWindows, load_text_tokens
+
+        n = len(TokenWindows(load_text_tokens("builtin:pydoc"), MODEL["seq_len"]))
+        return step_sample_ids(step - 1, 16, 0, n).tolist()
+
     first = spec(2, 4, pp=2)
     pp = run_job(tmp_path, first, task=task(first), name="pp2")
     assert pp.result.exit_code == 0, pp.summary
     steps = pp.of("step")
     assert {e["world_size"] for e in steps} == {1} and {e["accum"] for e in steps} == {8}
+    last = steps[-1]  # the step event's pipeline fields
+    assert (last["pp"], last["schedule"], last["n_microbatches"], last["stages_per_rank"]) == (2, "1f1b", 8, 1)
+    assert 0.0 <= last["bubble_measured"] < 1.0 and set(last["bubble_by_rank"]) <= {"0", "1"}
+    assert sorted(last["sample_ids"]) == sorted(ref_ids(4))  # counted once: from the first stage's rank
     then = spec(1, 6)
     ddp = run_job(tmp_path, then, task=task(then), name="ddp1")
     assert ddp.result.exit_code == 0, ddp.summary

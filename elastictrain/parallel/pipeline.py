@@ -218,7 +218,6 @@ class PipelineModel(ParallelModel):
     def run_micro_batches(self, n: int, loss_fn: LossFn, scale: float, hooks: StepHooks) -> MicroStepResult:
         """One ``schedule.step`` over this rank's ``n`` micro-batches (the schedule's ``n_microbatches``).
         ``loss_fn`` (the whole model's) is not used: the last stage applies ``Task.pipeline.loss_fn``."""
-        t0 = time.perf_counter()
         if n != self.layout.accum:
             raise RuntimeError(f"{n} micro-batches for a schedule built for {self.layout.accum}")
         hooks.phase("compute")
@@ -235,18 +234,20 @@ class PipelineModel(ParallelModel):
         args = tuple(self._inputs_fn(batch)) if any(s.is_first for s in self.stages) else ()
         rows = torch.arange(seeds.numel(), device=device)
         last = any(s.is_last for s in self.stages)
+        s0 = time.perf_counter()
         try:
             self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
         finally:
+            wall = time.perf_counter() - s0
             self._clock.hooks = self._loss.hooks = None
             self._loss.batch = {}
         hooks.phase("collective")
         word = hooks.send(self._loss.loss_sum)  # async: overlaps the gradient reduction
         if self.grad_group is not None:
             _average_grads(list(self.model.parameters()), self.grad_group)
-        return MicroStepResult(word, self._clock.compute_s, time.perf_counter() - t0,
-                               schedule=self.layout.pp_schedule, n_microbatches=n,
-                               stages_per_rank=self.layout.stages_per_rank)
+        # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
+        return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
+                               n_microbatches=n, stages_per_rank=self.layout.stages_per_rank)
 
 
 def _average_grads(params: list[torch.Tensor], group: Any) -> None:
