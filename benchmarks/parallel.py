@@ -1,7 +1,31 @@
-"""ddp vs fsdp vs hsdp on 4 CPU processes: throughput and peak memory per process, in one run.
+"""ddp vs fsdp vs hsdp on 4 CPU processes and ddp2 vs pp2 on 2: throughput, peak memory, bubble, in one run.
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
-[--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10]``
+[--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
+[--pp 2] [--pp-schedules 1f1b]``
+
+The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
+measured; ``--plans ''`` leaves out the 4-process plans and ``--kill-steps 0`` their kill runs)::
+
+    python benchmarks/parallel.py --plans '' --kill-steps 0 --steps 8 --warmup 3 \
+        --pp-schedules 1f1b,gpipe,interleaved_1f1b,zero_bubble,zbv
+
+Pipeline rows (``--pp P``, default 2; ``--pp 0`` skips them): ``ddpP`` and, per schedule of
+``--pp-schedules``, ``ppP-<schedule>`` (P stages, one pipeline: D = 1, so each step runs
+``m = global_batch / micro_batch`` micro-batches through the schedule, 8 by default), all on P processes
+with the same model, data and global batch; printed after the table, each beside its target:
+* samples/s of ``ppP`` over ``ddpP`` (target >= 0.85 at m = 8: the 1f1b bubble alone costs 1/9);
+* peak memory per process over ``ddpP``, the three measures of the table (target <= 0.6 at >= 50M
+  parameters; a smaller ``--layers``/``--d-model`` prints the ratios without a verdict);
+* the bubble: measured (the step records' ``bubble_measured``: ``1 - compute/wall`` of each rank's
+  ``schedule.step``, mean over ranks and timed steps) against the schedule's timeline at unit costs
+  (``elastictrain/parallel/bubble.py``; target: within 5 points at p = 2, m = 8). On CPU the measured
+  share also holds the schedule's own p2p and Python time, which only a model whose micro-batch compute
+  dwarfs them (the default) makes small;
+* the timeline bubble of every schedule at the same p and m (targets: interleaved_1f1b below 1f1b, zbv below
+  interleaved_1f1b);
+* kill -> next step under pp2 x dp2 against ddp: left out (said in the output) until recovery under pp is
+  on this branch.
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
@@ -248,14 +272,14 @@ class Row:
 
 
 def _print_table(rows: list[Row], base: Row | None, kills: dict) -> None:
-    print(f"{'layout':12} {'procs':>5} {'samples/s':>10} {'peak MiB':>9} {'x base':>6} {'peak-base MiB':>14} "
+    print(f"{'layout':20} {'procs':>5} {'samples/s':>10} {'peak MiB':>9} {'x base':>6} {'peak-base MiB':>14} "
           f"{'x base':>6} {'train peak':>11} {'x base':>6} {'snap stall':>10} {'next step after kill (resumed)':>30}")
     for r in rows:
         rp = f"{r.peak / base.peak:.2f}" if base else "-"
         rs = f"{r.state / base.state:.2f}" if base else "-"
         rt = f"{r.train / base.train:.2f}" if base else "-"
         kill = f"{kills[r.label][0]:.2f} s [{kills[r.label][1]:.2f}] ({kills[r.label][2]})" if r.label in kills else "-"
-        print(f"{r.label:12} {r.world:5} {r.samples_s:10.2f} {r.peak:9.0f} {rp:>6} {r.state:14.0f} {rs:>6} "
+        print(f"{r.label:20} {r.world:5} {r.samples_s:10.2f} {r.peak:9.0f} {rp:>6} {r.state:14.0f} {rs:>6} "
               f"{r.train:11.0f} {rt:>6} {r.stall:10.1%} {kill:>30}")
 
 
