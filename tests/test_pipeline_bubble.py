@@ -7,6 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+import torch
 
 from elastictrain.parallel.bubble import (
     BubbleError,
@@ -154,3 +155,81 @@ def test_measured_idle_is_clamped():
     assert measured_idle(1.2, 1.0) == 0.0  # timer granularity: busy a hair above wall
     assert measured_idle(-1.0, 1.0) == 1.0
     assert measured_idle(0.5, 0.0) == 0.0
+
+
+def _record_orders(rank: int, world: int, port: int, m: int, out: str) -> None:
+    """One rank: each schedule of torch 2.13 run for real on a gloo pair, tiny Linear stages whose
+    forward / backward / weight-backward calls are recorded in the order the schedule makes them."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    class Recording(PipelineStage):
+        log: list[tuple[int, str, int]]
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            self.log.append((self.stage_index, "F", fwd_chunk_id))
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            self.log.append((self.stage_index, "B" if full_backward else "I", bwd_chunk_id))
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            self.log.append((self.stage_index, "W", bwd_chunk_id))
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        classes = {"gpipe": ts.ScheduleGPipe, "1f1b": ts.Schedule1F1B, "interleaved_1f1b": ts.ScheduleInterleaved1F1B,
+                   "zero_bubble": ts.ScheduleInterleavedZeroBubble, "zbv": ts.ScheduleZBVZeroBubble}
+        orders: dict[str, list[tuple[int, str, int]]] = {}
+        for name, cls in classes.items():
+            v = 1 if name in ("gpipe", "1f1b") else 2
+            n = world * v
+            indices = [rank, n - 1 - rank] if name == "zbv" else [rank + k * world for k in range(v)]
+            log: list[tuple[int, str, int]] = []
+            stages = []
+            for index in indices:
+                stage = Recording(nn.Linear(4, 4), index, n, torch.device("cpu"))
+                stage.log = log
+                stages.append(stage)
+            loss = lambda output, target: ((output - target) ** 2).sum()  # noqa: E731
+            schedule = cls(stages[0] if v == 1 else stages, m, loss_fn=loss, scale_grads=False)
+            x = torch.randn(m * 2, 4)
+            first = any(s.is_first for s in stages)
+            last = any(s.is_last for s in stages)
+            schedule.step(*((x,) if first else ()), target=torch.zeros(m * 2, 4) if last else None)
+            log.clear()  # the first step also infers shapes; the second is the steady state
+            schedule.step(*((x,) if first else ()), target=torch.zeros(m * 2, 4) if last else None)
+            orders[name] = list(log)
+        torch.save(orders, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_action_lists_are_the_order_torch_runs(tmp_path):
+    """The lists the timeline is computed from are the order in which torch 2.13 actually calls each
+    stage's forward, backward and weight backward (2 gloo ranks, every schedule, m = 4)."""
+    import socket
+
+    from tests.ranks import run_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m, out = 4, str(tmp_path / "orders")
+    run_ranks(_record_orders, (2, port, m, out), nprocs=2)
+    ran = {rank: torch.load(f"{out}.{rank}") for rank in (0, 1)}
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"):
+        v = 1 if schedule in ("gpipe", "1f1b") else 2
+        ours = schedule_actions(schedule, 2, m, v)
+        for rank in (0, 1):
+            assert [str(op) for op in ours[rank]] == [f"{s}{k}{i}" for s, k, i in ran[rank][schedule]], (schedule, rank)
