@@ -103,8 +103,9 @@ def _rss_kb() -> int:
 
 
 def _layout_parallel(name: str, pp_schedule: str) -> dict:
-    """A row's ``parallel`` config: ``ddp``/``fsdp``/``hsdp`` as is; ``pp2`` = pp 2 (``pp2-zbv``: that
-    schedule instead of ``--pp-schedule``); ``pp2xdp2`` = pp 2 with 2 ddp replicas per stage."""
+    """A layout name's ``parallel`` config: ``ddp``/``fsdp``/``hsdp`` as is; ``pp2-zbv`` = pp 2 under that
+    schedule (``pp2``: ``pp_schedule``); ``pp2xdp2`` = pp 2, ddp inside each stage (the data-parallel size
+    is what the world size leaves: 2 replicas per stage on 4 processes)."""
     if not name.startswith("pp"):
         return {"plan": name, "shard_size": 2}
     head, _, schedule = name.partition("-")
@@ -186,10 +187,10 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
-def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
-    """The tiny job under ``plan`` on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns (seconds
-    from the kill to the first step completed after recovery, seconds to the ``recovered`` event, the
-    recovery source)."""
+def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
+    """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`) on a local Ray;
+    rank 1 SIGKILLed after step steps // 4. Returns (seconds from the kill to the first step completed after
+    recovery, seconds to the ``recovered`` event, the recovery source)."""
     import signal
     import tempfile
     import threading
@@ -202,13 +203,13 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tupl
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
-    spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
+    spec = {"name": f"kill-{layout}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
             "train": {"steps": steps, "global_batch": batch[0], "micro_batch": batch[1], "log_every": 10_000},
-            "workers": {"min": 2, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
+            "workers": {"min": 2, "max": world}, "parallel": _layout_parallel(layout, "1f1b"),
             "recovery": {"min_workers_wait_s": 240},
             "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                          "watchdog_floor_s": 10}}
-    run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{plan}-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{layout}-"))
     trainer = Trainer(build_config(spec), run_dir=run_dir, console=None)
     thread = threading.Thread(target=trainer.fit, daemon=True)
     thread.start()
@@ -224,7 +225,7 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tupl
         victim = victim or first(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
         thread.join(0.05)
     if victim is None or not thread.is_alive():
-        raise RuntimeError(f"{plan}: the run ended before the kill; see {run_dir}")
+        raise RuntimeError(f"{layout}: the run ended before the kill; see {run_dir}")
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     thread.join(600)
@@ -287,7 +288,7 @@ def _verdict(ok: bool) -> str:
     return "[met]" if ok else "[NOT met]"
 
 
-def _print_pp_rows(pp: int, base: Row, pipes: list[Row], args: argparse.Namespace) -> None:
+def _print_pp_rows(pp: int, base: Row, pipes: list[Row]) -> None:
     """The issue's pipeline targets, each figure printed beside its target."""
     from elastictrain.parallel.bubble import SCHEDULES, formula_bubble, schedule_bubble
     from elastictrain.parallel.plan import default_stages_per_rank
@@ -323,8 +324,16 @@ def _print_pp_rows(pp: int, base: Row, pipes: list[Row], args: argparse.Namespac
     if {"1f1b", "interleaved_1f1b", "zbv"} <= values.keys():
         print(f"  target interleaved_1f1b < 1f1b: {_verdict(values['interleaved_1f1b'] < values['1f1b'])}; "
               f"target zbv < interleaved_1f1b: {_verdict(values['zbv'] < values['interleaved_1f1b'])}")
-    print("  kill -> next step under pp2 x dp2 (target <= 2x ddp): left out -- recovery under pp (the pp "
-          "coverage rule of the recovery sources) is not on this branch yet")
+
+
+def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
+    if "pp2xdp2" in kills and "ddp" in kills:
+        ratio = kills["pp2xdp2"][0] / kills["ddp"][0]
+        print(f"  kill -> next step under pp2 x dp2: {kills['pp2xdp2'][0]:.2f} s ({kills['pp2xdp2'][2]}) vs ddp "
+              f"{kills['ddp'][0]:.2f} s on {args.world} processes = {ratio:.2f}x (target <= 2x) {_verdict(ratio <= 2)}")
+    else:
+        print("  kill -> next step under pp2 x dp2 (target <= 2x ddp): not run (--kill-pp runs it; it needs "
+              "recovery under pp: snapshots covering every pipeline stage)")
 
 
 def main() -> None:
@@ -348,6 +357,8 @@ def main() -> None:
     p.add_argument("--kill-batch", default=(32, 8), type=lambda v: tuple(int(x) for x in v.split(",", 1)),
                    help="global,micro batch of the kill runs' job (default 32,8: jobs/tiny_gpt.yaml's)")
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
+    p.add_argument("--kill-pp", action="store_true",
+                   help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
     args = p.parse_args()
     args.pp_schedule = "1f1b"  # what a bare "ppN" layout name means (_layout_parallel)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -357,11 +368,16 @@ def main() -> None:
     base = _run_row(f"ddp{args.pp}", "ddp", args.pp, args, out) if schedules else None
     pipes = [_run_row(f"pp{args.pp}-{s}", f"pp{args.pp}-{s}", args.pp, args, out) for s in schedules]
     kills = {}
-    for row in plans if args.kill_steps else ():
-        runs = [_time_to_next_step_after_kill(row.label, args.world, args.kill_steps, args.kill_batch)
+    killed = [row.label for row in plans]
+    if args.kill_pp:
+        if args.world != 4:
+            raise SystemExit("--kill-pp runs pp2 x dp2: it needs --world 4")
+        killed += (["ddp"] if "ddp" not in killed else []) + ["pp2xdp2"]
+    for label in killed if args.kill_steps else ():
+        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
                 for _ in range(args.kill_repeats)]
-        kills[row.label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                            "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+        kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
     first = (plans or [base])[0]
     print(f"params={first.params / 1e6:.1f}M global_batch={args.global_batch} micro_batch={args.micro_batch} "
           f"steps={args.steps} (warmup {args.warmup}) load1={os.getloadavg()[0]:.1f} "
@@ -377,7 +393,9 @@ def main() -> None:
               f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
               "step done [to the recovered event] (recovery source)")
     if base is not None:
-        _print_pp_rows(args.pp, base, pipes, args)
+        _print_pp_rows(args.pp, base, pipes)
+    if base is not None or args.kill_pp:
+        _print_pp_kill(kills, args)
 
 
 if __name__ == "__main__":
