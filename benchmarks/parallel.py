@@ -379,7 +379,8 @@ def main() -> None:
         kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                         "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
     first = (plans or [base])[0]
-    print(f"params={first.params / 1e6:.1f}M global_batch={args.global_batch} micro_batch={args.micro_batch} "
+    model = f"params={first.params / 1e6:.1f}M " if first is not None else ""
+    print(f"{model}global_batch={args.global_batch} micro_batch={args.micro_batch} "
           f"steps={args.steps} (warmup {args.warmup}) load1={os.getloadavg()[0]:.1f} "
           f"(x base: against ddp at the same process count)")
     if plans:
