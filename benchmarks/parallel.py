@@ -2,12 +2,13 @@
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
 [--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
-[--pp 2] [--pp-schedules 1f1b]``
+[--pp 2] [--pp-schedules 1f1b] [--kill-pp]``
 
 The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
-measured; ``--plans ''`` leaves out the 4-process plans and ``--kill-steps 0`` their kill runs)::
+measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
+pp2 x dp2 on 4 processes, which need recovery under pp on the branch)::
 
-    python benchmarks/parallel.py --plans '' --kill-steps 0 --steps 8 --warmup 3 \
+    python benchmarks/parallel.py --plans '' --steps 8 --warmup 3 --kill-pp \
         --pp-schedules 1f1b,gpipe,interleaved_1f1b,zero_bubble,zbv
 
 Pipeline rows (``--pp P``, default 2; ``--pp 0`` skips them): ``ddpP`` and, per schedule of
@@ -20,12 +21,14 @@ with the same model, data and global batch; printed after the table, each beside
 * the bubble: measured (the step records' ``bubble_measured``: ``1 - compute/wall`` of each rank's
   ``schedule.step``, mean over ranks and timed steps) against the schedule's timeline at unit costs
   (``elastictrain/parallel/bubble.py``; target: within 5 points at p = 2, m = 8). On CPU the measured
-  share also holds the schedule's own p2p and Python time, which only a model whose micro-batch compute
-  dwarfs them (the default) makes small;
+  share also holds the p2p waits and the schedule's Python time between chunks: on a tiny model
+  (``--layers 4 --d-model 64``) they dominate (0.5-0.7 measured on a loaded 2-core machine), so only a
+  model whose micro-batch compute dwarfs them (the default) speaks to the target;
 * the timeline bubble of every schedule at the same p and m (targets: interleaved_1f1b below 1f1b, zbv below
   interleaved_1f1b);
-* kill -> next step under pp2 x dp2 against ddp: left out (said in the output) until recovery under pp is
-  on this branch.
+* kill -> next step under pp2 x dp2 against ddp (``--kill-pp``; target <= 2x): the kill runs below, the
+  tiny job on ``--world 4`` (rank 1 is stage 0's second replica: the replica source), median of
+  ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
