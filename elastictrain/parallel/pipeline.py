@@ -76,32 +76,40 @@ class PipelineError(ValueError):
 class StageSet(nn.Module):
     """This rank's stage modules as one module whose parameters keep the whole model's names.
 
-    Each stage's top-level children are registered here under their own names; ``nn.ModuleDict`` children
-    of the same name (a slice of the model's blocks per stage) merge into one. A name two stages both own
-    as a non-dict module is an error (every parameter belongs to one stage). Not called: the schedule runs
-    the stages."""
+    Each stage's children are registered here under their own names. A name only one stage has is that
+    stage's module itself; a name several stages share (GPT's ``blocks`` ModuleDict, a Hugging Face model's
+    ``model`` container holding each stage's slice of ``layers``) becomes a fresh container (``nn.ModuleDict``
+    or ``nn.Module``) merged from theirs, level by level, so no stage's own module is changed. A shared name
+    whose modules hold no parameters at all (a rotary-embedding helper every stage keeps) is kept once. A
+    parameter two stages both hold is an error (every parameter belongs to one stage). Not called: the
+    schedule runs the stages."""
 
     def __init__(self, stages: list[nn.Module]) -> None:
         super().__init__()
-        for stage in stages:
-            for name, child in stage.named_children():
-                mine = self._modules.get(name)
-                if mine is None:
-                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
-                                    else child)
-                elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-                    clash = set(mine.keys()) & set(child.keys())
-                    if clash:
-                        raise PipelineError(f"two pipeline stages both own {name}.{sorted(clash)[0]}: each module "
-                                            "must belong to one stage (check Task.pipeline.stage_fn)")
-                    mine.update(dict(child.items()))
-                else:
-                    raise PipelineError(f"two pipeline stages both own module {name!r}: each module must belong "
-                                        "to one stage (check Task.pipeline.stage_fn)")
-        for stage in stages:  # parameters registered on a stage itself (not on a child) have no home here
+        for stage in stages:  # parameters registered on a stage itself (not on a child) have no name here
             if any(True for _ in stage.parameters(recurse=False)):
                 raise PipelineError(f"a stage module ({type(stage).__name__}) holds parameters of its own; keep "
-                                    "them on child modules named as in the whole model")
+                                    "them on child modules named as in the whole model (Task.pipeline.stage_fn)")
+        _merge_children(self, stages, "")
+
+
+def _merge_children(into: nn.Module, sources: list[nn.Module], path: str) -> None:
+    names: dict[str, None] = {}
+    for src in sources:
+        names.update(dict.fromkeys(src._modules))
+    for name in names:
+        kids = [src._modules[name] for src in sources if src._modules.get(name) is not None]
+        kids = list({id(k): k for k in kids}.values())
+        if len(kids) == 1 or not any(True for k in kids for _ in k.parameters()):
+            into.add_module(name, kids[0])
+            continue
+        where = f"{path}{name}"
+        if any(True for k in kids for _ in k.parameters(recurse=False)):
+            raise PipelineError(f"two pipeline stages both hold the parameters of {where!r}: each parameter must "
+                                "belong to one stage (check Task.pipeline.stage_fn)")
+        merged = nn.ModuleDict() if isinstance(kids[0], nn.ModuleDict) else nn.Module()
+        into.add_module(name, merged)
+        _merge_children(merged, kids, where + ".")
 
 
 class _Clock:
