@@ -44,7 +44,7 @@ import functools
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 COSTS: dict[str, int] = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -215,8 +215,8 @@ def _is_compute(action: object) -> bool:
     return getattr(getattr(action, "computation_type", None), "value", None) in COSTS
 
 
-def _op(action: object) -> Op:
-    return Op(int(action.stage_index), str(action.computation_type.value), int(action.microbatch_index))  # type: ignore[attr-defined]
+def _op(action: Any) -> Op:
+    return Op(int(action.stage_index), str(action.computation_type.value), int(action.microbatch_index))
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Op]:
