@@ -32,7 +32,8 @@ gpipe's ``pipeline_order`` matches its loop and is used; 1f1b's ``pipeline_order
 last rank's micro-batches off by one (``1F1 .. 1F4`` for m = 4: its warm-up count is 0 there while the loop
 warms up with one forward), so 1f1b's list is generated here from the loop itself (warm-up
 ``min(m, p - s)`` forwards, then one backward and one forward alternately, then the remaining backwards);
-tests/test_pipeline_bubble.py cross-checks it against torch's list on every other rank.
+tests/test_pipeline_bubble.py cross-checks it against torch's list on every other rank, and every
+schedule's list against the order in which torch calls the stages' forward/backward on a real gloo pair.
 
 **Measured.** :func:`measured_idle` is the same share for a measured step: the part of a rank's wall time in
 ``schedule.step`` not spent computing, so every caller reports it alike.
