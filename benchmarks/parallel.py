@@ -1,7 +1,34 @@
-"""ddp vs fsdp vs hsdp on 4 CPU processes: throughput and peak memory per process, in one run.
+"""ddp vs fsdp vs hsdp on 4 CPU processes and ddp2 vs pp2 on 2: throughput, peak memory, bubble, in one run.
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
-[--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10]``
+[--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
+[--pp 2] [--pp-schedules 1f1b] [--kill-pp]``
+
+The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
+measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
+pp2 x dp2 on 4 processes, which need recovery under pp on the branch)::
+
+    python benchmarks/parallel.py --plans '' --steps 8 --warmup 3 --kill-pp \
+        --pp-schedules 1f1b,gpipe,interleaved_1f1b,zero_bubble,zbv
+
+Pipeline rows (``--pp P``, default 2; ``--pp 0`` skips them): ``ddpP`` and, per schedule of
+``--pp-schedules``, ``ppP-<schedule>`` (P stages, one pipeline: D = 1, so each step runs
+``m = global_batch / micro_batch`` micro-batches through the schedule, 8 by default), all on P processes
+with the same model, data and global batch; printed after the table, each beside its target:
+* samples/s of ``ppP`` over ``ddpP`` (target >= 0.85 at m = 8: the 1f1b bubble alone costs 1/9);
+* peak memory per process over ``ddpP``, the three measures of the table (target <= 0.6 at >= 50M
+  parameters; a smaller ``--layers``/``--d-model`` prints the ratios without a verdict);
+* the bubble: measured (the step records' ``bubble_measured``: ``1 - compute/wall`` of each rank's
+  ``schedule.step``, mean over ranks and timed steps) against the schedule's timeline at unit costs
+  (``elastictrain/parallel/bubble.py``; target: within 5 points at p = 2, m = 8). On CPU the measured
+  share also holds the p2p waits and the schedule's Python time between chunks: on a tiny model
+  (``--layers 4 --d-model 64``) they dominate (0.5-0.7 measured on a loaded 2-core machine), so only a
+  model whose micro-batch compute dwarfs them (the default) speaks to the target;
+* the timeline bubble of every schedule at the same p and m (targets: interleaved_1f1b below 1f1b, zbv below
+  interleaved_1f1b);
+* kill -> next step under pp2 x dp2 against ddp (``--kill-pp``; target <= 2x): the kill runs below, the
+  tiny job on ``--world 4`` (rank 1 is stage 0's second replica: the replica source), median of
+  ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
@@ -68,6 +95,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,7 +105,18 @@ def _rss_kb() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: str, out: str) -> None:
+def _layout_parallel(name: str, pp_schedule: str) -> dict:
+    """A layout name's ``parallel`` config: ``ddp``/``fsdp``/``hsdp`` as is; ``pp2-zbv`` = pp 2 under that
+    schedule (``pp2``: ``pp_schedule``); ``pp2xdp2`` = pp 2, ddp inside each stage (the data-parallel size
+    is what the world size leaves: 2 replicas per stage on 4 processes)."""
+    if not name.startswith("pp"):
+        return {"plan": name, "shard_size": 2}
+    head, _, schedule = name.partition("-")
+    pp = int(head[2:].split("x")[0])
+    return {"plan": "ddp", "shard_size": 2, "pp": pp, "pp_schedule": schedule or pp_schedule}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -92,27 +131,36 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, plan: st
         "task": {"model": {"seq_len": 64, "n_layer": args.layers, "n_head": 8, "d_model": args.d_model,
                            "dropout": 0.0}},
         "train": {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch},
-        "workers": {"min": world, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
+        "workers": {"min": world, "max": world}, "parallel": _layout_parallel(layout, args.pp_schedule),
     })
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     task = builtin_task(cfg)
     baseline = _rss_kb()
     runner = StepRunner(task, cfg.train, FaultInjector([]), parallel=cfg.parallel)
     runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-    params = sum(p.numel() for p in runner.model.parameters())
-    t0 = 0.0
+    if runner.uninitialized:  # pipeline stages: every rank keeps its stages' keys of the seeded model
+        runner.init_from_seed()
+    params = sum(p.numel() for p in runner.model.parameters())  # DTensors count their global size
+    if runner.layout.dims.pp > 1:  # a stage rank holds its stages only: the whole model is every stage once
+        per_rank = [0] * world
+        dist.all_gather_object(per_rank, params)
+        params = sum(n for r, n in enumerate(per_rank) if r % runner.layout.dims.dp == 0)
+    t0, idle = 0.0, []
     for s in range(args.steps):
         if s == args.warmup:
             dist.barrier()
             _reset_peak_rss()  # the training peak starts here: model built, optimizer state allocated
             t0 = time.perf_counter()
-        runner.run_step(False)
+        record, _ = runner.run_step(False)
+        if s >= args.warmup and record.pipeline:
+            idle.append(record.pipeline["bubble_measured"])
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     train_peak = _peak_rss_kb()
     stall = _snapshot_stall(runner, rank)
-    with open(os.path.join(out, f"{plan}.{rank}"), "w") as f:
-        f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak}\n")
+    bubble = statistics.mean(idle) if idle else float("nan")
+    with open(os.path.join(out, f"{layout}.{rank}"), "w") as f:
+        f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak} {bubble} {runner.layout.accum}\n")
     dist.destroy_process_group()
 
 
@@ -142,10 +190,10 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
-def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
-    """The tiny job under ``plan`` on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns (seconds
-    from the kill to the first step completed after recovery, seconds to the ``recovered`` event, the
-    recovery source)."""
+def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
+    """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`) on a local Ray;
+    rank 1 SIGKILLed after step steps // 4. Returns (seconds from the kill to the first step completed after
+    recovery, seconds to the ``recovered`` event, the recovery source)."""
     import signal
     import tempfile
     import threading
@@ -158,13 +206,13 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tupl
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
-    spec = {"name": f"kill-{plan}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
+    spec = {"name": f"kill-{layout}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
             "train": {"steps": steps, "global_batch": batch[0], "micro_batch": batch[1], "log_every": 10_000},
-            "workers": {"min": 2, "max": world}, "parallel": {"plan": plan, "shard_size": 2},
+            "workers": {"min": 2, "max": world}, "parallel": _layout_parallel(layout, "1f1b"),
             "recovery": {"min_workers_wait_s": 240},
             "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                          "watchdog_floor_s": 10}}
-    run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{plan}-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{layout}-"))
     trainer = Trainer(build_config(spec), run_dir=run_dir, console=None)
     thread = threading.Thread(target=trainer.fit, daemon=True)
     thread.start()
@@ -180,7 +228,7 @@ def _time_to_next_step_after_kill(plan: str, world: int, steps: int, batch: tupl
         victim = victim or first(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
         thread.join(0.05)
     if victim is None or not thread.is_alive():
-        raise RuntimeError(f"{plan}: the run ended before the kill; see {run_dir}")
+        raise RuntimeError(f"{layout}: the run ended before the kill; see {run_dir}")
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     thread.join(600)
@@ -198,10 +246,101 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_row(label: str, layout: str, world: int, args: argparse.Namespace, out: str) -> tuple:
+    """Run one layout on ``world`` spawned processes; its figures (see the module docstring)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
+    ranks = [open(os.path.join(out, f"{layout}.{r}")).read().split() for r in range(world)]
+    elapsed = float(ranks[0][0])
+    step_s = elapsed / (args.steps - args.warmup)
+    return Row(label=label, world=world, samples_s=(args.steps - args.warmup) * args.global_batch / elapsed,
+               peak=max(int(r[1]) for r in ranks) / 1024, state=max(int(r[1]) - int(r[2]) for r in ranks) / 1024,
+               params=int(ranks[0][3]), stall=max(float(r[4]) for r in ranks) / args.memory_every / step_s,
+               train=max(int(r[5]) for r in ranks) / 1024,
+               bubble=statistics.mean(float(r[6]) for r in ranks), accum=int(ranks[0][7]))
+
+
+@dataclass
+class Row:
+    label: str
+    world: int
+    samples_s: float
+    peak: float  # MiB, max over ranks, whole life
+    state: float  # MiB, peak minus the pre-model baseline
+    params: int  # the whole model's
+    stall: float  # snapshot stall per step, share of the step time
+    train: float  # MiB, training peak (after the warm-up)
+    bubble: float  # measured idle share of schedule.step, mean over ranks and timed steps (nan: no pipeline)
+    accum: int  # micro-batches per rank per step (a pipeline's n_microbatches)
+
+
+def _print_table(rows: list[Row], base: Row | None, kills: dict) -> None:
+    print(f"{'layout':20} {'procs':>5} {'samples/s':>10} {'peak MiB':>9} {'x base':>6} {'peak-base MiB':>14} "
+          f"{'x base':>6} {'train peak':>11} {'x base':>6} {'snap stall':>10} {'next step after kill (resumed)':>30}")
+    for r in rows:
+        rp = f"{r.peak / base.peak:.2f}" if base else "-"
+        rs = f"{r.state / base.state:.2f}" if base else "-"
+        rt = f"{r.train / base.train:.2f}" if base else "-"
+        kill = f"{kills[r.label][0]:.2f} s [{kills[r.label][1]:.2f}] ({kills[r.label][2]})" if r.label in kills else "-"
+        print(f"{r.label:20} {r.world:5} {r.samples_s:10.2f} {r.peak:9.0f} {rp:>6} {r.state:14.0f} {rs:>6} "
+              f"{r.train:11.0f} {rt:>6} {r.stall:10.1%} {kill:>30}")
+
+
+def _verdict(ok: bool) -> str:
+    return "[met]" if ok else "[NOT met]"
+
+
+def _print_pp_rows(pp: int, base: Row, pipes: list[Row]) -> None:
+    """The issue's pipeline targets, each figure printed beside its target."""
+    from elastictrain.parallel.bubble import SCHEDULES, formula_bubble, schedule_bubble
+    from elastictrain.parallel.plan import default_stages_per_rank
+
+    m = pipes[0].accum
+    print(f"\npipeline rows: pp{pp} (D = 1, m = {m} micro-batches) against ddp{pp}, both on {pp} processes, "
+          f"same model ({base.params / 1e6:.1f}M params), data and global batch")
+    for r in pipes:
+        schedule = r.label.split("-", 1)[1]
+        print(f"  {r.label}: samples/s x ddp{pp} = {r.samples_s / base.samples_s:.3f} (target >= 0.85 at m = 8) "
+              f"{_verdict(r.samples_s / base.samples_s >= 0.85)}")
+        big = base.params >= 50e6
+        ratios = [(what, a / b) for what, a, b in (("peak", r.peak, base.peak), ("peak-base", r.state, base.state),
+                                                   ("train peak", r.train, base.train))]
+        shown = ", ".join(f"{what} {x:.3f}" + (f" {_verdict(x <= 0.6)}" if big else "") for what, x in ratios)
+        print(f"  {r.label}: memory per process x ddp{pp}: {shown} (target <= 0.6 at >= 50M params"
+              f"{'' if big else '; this model is smaller: the target does not apply'})")
+        timeline = schedule_bubble(schedule, pp, m, default_stages_per_rank(schedule))
+        gap = abs(r.bubble - timeline) * 100
+        print(f"  {r.label}: bubble measured {r.bubble:.4f} (mean over ranks and timed steps of 1 - compute/wall of "
+              f"schedule.step) vs timeline {timeline:.4f}: {gap:.1f} points (target <= 5 at p = 2, m = 8) "
+              f"{_verdict(gap <= 5)}")
+    parts, values = [], {}
+    for schedule in SCHEDULES:
+        v = default_stages_per_rank(schedule)
+        try:
+            values[schedule] = schedule_bubble(schedule, pp, m, v)
+            parts.append(f"{schedule} (v={v}) {values[schedule]:.4f}")
+        except ValueError as e:
+            parts.append(f"{schedule} (v={v}) refused: {e}")
+    print(f"timeline bubble at p = {pp}, m = {m} (unit costs F=1 B=2 I=W=1; formula (p-1)/(m+p-1) = "
+          f"{formula_bubble(pp, m):.4f}): " + ", ".join(parts))
+    if {"1f1b", "interleaved_1f1b", "zbv"} <= values.keys():
+        print(f"  target interleaved_1f1b < 1f1b: {_verdict(values['interleaved_1f1b'] < values['1f1b'])}; "
+              f"target zbv < interleaved_1f1b: {_verdict(values['zbv'] < values['interleaved_1f1b'])}")
+
+
+def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
+    if "pp2xdp2" in kills and "ddp" in kills:
+        ratio = kills["pp2xdp2"][0] / kills["ddp"][0]
+        print(f"  kill -> next step under pp2 x dp2: {kills['pp2xdp2'][0]:.2f} s ({kills['pp2xdp2'][2]}) vs ddp "
+              f"{kills['ddp'][0]:.2f} s on {args.world} processes = {ratio:.2f}x (target <= 2x) {_verdict(ratio <= 2)}")
+    else:
+        print("  kill -> next step under pp2 x dp2 (target <= 2x ddp): not run (--kill-pp runs it; it needs "
+              "recovery under pp: snapshots covering every pipeline stage)")
+
+
 def main() -> None:
     import tempfile
-
-    import torch.multiprocessing as mp
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4)
@@ -211,52 +350,56 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--plans", default="ddp,fsdp,hsdp")
+    p.add_argument("--plans", default="ddp,fsdp,hsdp", help="data-parallel plans on --world processes ('': none)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline degree of the pipeline rows (0: no pipeline rows)")
+    p.add_argument("--pp-schedules", default="1f1b",
+                   help="schedules run as pipeline rows, comma-separated (gpipe, 1f1b, interleaved_1f1b, "
+                        "zero_bubble, zbv); the timeline bubble is printed for all of them regardless")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
     p.add_argument("--kill-repeats", type=int, default=5, help="kill runs per plan (the median is shown)")
     p.add_argument("--kill-batch", default=(32, 8), type=lambda v: tuple(int(x) for x in v.split(",", 1)),
                    help="global,micro batch of the kill runs' job (default 32,8: jobs/tiny_gpt.yaml's)")
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
+    p.add_argument("--kill-pp", action="store_true",
+                   help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
     args = p.parse_args()
+    args.pp_schedule = "1f1b"  # what a bare "ppN" layout name means (_layout_parallel)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
     out = tempfile.mkdtemp(prefix="parallel-bench-")
-    rows = {}
-    for plan in args.plans.split(","):
-        mp.start_processes(_worker, args=(args.world, _free_port(), args, plan, out), nprocs=args.world,
-                           start_method="spawn")
-        ranks = [open(os.path.join(out, f"{plan}.{r}")).read().split() for r in range(args.world)]
-        elapsed = float(ranks[0][0])
-        peak = max(int(r[1]) for r in ranks) / 1024
-        state = max(int(r[1]) - int(r[2]) for r in ranks) / 1024
-        stall = max(float(r[4]) for r in ranks)
-        train = max(int(r[5]) for r in ranks) / 1024
-        step_s = elapsed / (args.steps - args.warmup)
-        rows[plan] = ((args.steps - args.warmup) * args.global_batch / elapsed, peak, state, int(ranks[0][3]),
-                      stall / args.memory_every / step_s, train)
+    plans = [_run_row(plan, plan, args.world, args, out) for plan in args.plans.split(",") if plan]
+    schedules = [s for s in args.pp_schedules.split(",") if s] if args.pp > 1 else []
+    base = _run_row(f"ddp{args.pp}", "ddp", args.pp, args, out) if schedules else None
+    pipes = [_run_row(f"pp{args.pp}-{s}", f"pp{args.pp}-{s}", args.pp, args, out) for s in schedules]
     kills = {}
-    for plan in rows if args.kill_steps else ():
-        runs = [_time_to_next_step_after_kill(plan, args.world, args.kill_steps, args.kill_batch)
+    killed = [row.label for row in plans]
+    if args.kill_pp:
+        if args.world != 4:
+            raise SystemExit("--kill-pp runs pp2 x dp2: it needs --world 4")
+        killed += (["ddp"] if "ddp" not in killed else []) + ["pp2xdp2"]
+    for label in killed if args.kill_steps else ():
+        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
                 for _ in range(args.kill_repeats)]
-        kills[plan] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                       "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
-    print(f"world={args.world} params={rows[next(iter(rows))][3] / 1e6:.1f}M global_batch={args.global_batch} "
-          f"micro_batch={args.micro_batch} steps={args.steps} (warmup {args.warmup}) "
-          f"load1={os.getloadavg()[0]:.1f}")
-    base = rows.get("ddp")
-    print(f"{'plan':6} {'samples/s':>10} {'peak MiB':>9} {'x ddp':>6} {'peak-base MiB':>14} {'x ddp':>6} "
-          f"{'train peak':>11} {'x ddp':>6} {'snap stall':>10} {'next step after kill (resumed)':>30}")
-    for plan, (sps, peak, state, _, stall, train) in rows.items():
-        rp = f"{peak / base[1]:.2f}" if base else "-"
-        rs = f"{state / base[2]:.2f}" if base else "-"
-        rt = f"{train / base[5]:.2f}" if base else "-"
-        kill = f"{kills[plan][0]:.2f} s [{kills[plan][1]:.2f}] ({kills[plan][2]})" if plan in kills else "-"
-        print(f"{plan:6} {sps:10.2f} {peak:9.0f} {rp:>6} {state:14.0f} {rs:>6} {train:11.0f} {rt:>6} {stall:10.1%} "
-              f"{kill:>30}")
+        kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+    first = (plans or [base])[0]
+    model = f"params={first.params / 1e6:.1f}M " if first is not None else ""
+    print(f"{model}global_batch={args.global_batch} micro_batch={args.micro_batch} "
+          f"steps={args.steps} (warmup {args.warmup}) load1={os.getloadavg()[0]:.1f} "
+          f"(x base: against ddp at the same process count)")
+    if plans:
+        _print_table(plans, next((r for r in plans if r.label == "ddp"), None), kills)
+    if base is not None:
+        _print_table([base, *pipes], base, {})
     for plan, (*_, each) in kills.items():
         print(f"kill runs {plan}: next step {each} s")
-    print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
-          f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
-          "step done [to the recovered event] (recovery source)")
+    if plans:
+        print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
+              f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
+              "step done [to the recovered event] (recovery source)")
+    if base is not None:
+        _print_pp_rows(args.pp, base, pipes)
+    if base is not None or args.kill_pp:
+        _print_pp_kill(kills, args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.parallel.pipeline import PipelineError
 from tests.conftest import job, run_job
 from tests.ranks import run_ranks
@@ -156,6 +157,7 @@ def test_pp2_every_schedule_matches_one_process(pp2_runs, one_process, index):
     # x its stages x forward + backward per step), "collective" while it waits on its peer, idle after
     computes = sum(1 for a, b in zip(got["phases"], got["phases"][1:]) if a == "collective" and b == "compute")
     assert computes >= STEPS * (2 * 8 - 1) and got["phases"][-1] == "idle", got["phases"][:12]  # 1st: from load
+    assert fields["bubble_timeline"] == round(schedule_bubble(schedule, 2, 8, fields["stages_per_rank"]), 4)
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed: the Llama example needs it")

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig
+from elastictrain.parallel.bubble import measured_idle
 
 
 def _is_block_list(module: nn.Module) -> bool:
@@ -156,8 +157,9 @@ class MicroStepResult:
 
     @property
     def idle_share(self) -> float:
-        """This rank's share of the call not spent computing: under a pipeline, its measured bubble."""
-        return max(0.0, (self.wall_s - self.compute_s) / self.wall_s) if self.wall_s > 0 else 0.0
+        """This rank's share of the call not spent computing: under a pipeline, its measured bubble
+        (:func:`elastictrain.parallel.bubble.measured_idle`, as every report of it)."""
+        return measured_idle(self.compute_s, self.wall_s)
 
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]

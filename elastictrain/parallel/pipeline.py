@@ -177,7 +177,8 @@ class _StageLoss:
 
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         part = {k: v[rows] for k, v in self.batch.items()}
-        per_sample = self.loss_fn(output, part)
+        with self.clock.compute():  # the last stage's forward includes its loss (the bubble timeline's F)
+            per_sample = self.loss_fn(output, part)
         if per_sample.shape != rows.shape:
             raise PipelineError(f"Task.pipeline.loss_fn returned shape {tuple(per_sample.shape)} for a micro-batch "
                                 f"of {rows.numel()} samples: return the per-sample losses, shape [B]")

@@ -30,6 +30,7 @@ from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
+from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, wrap
 from elastictrain.parallel.plan import Layout
@@ -341,15 +342,9 @@ def _pipeline_fields(layout: Layout, done: MicroStepResult) -> dict[str, Any] | 
     parallel/bubble.py) and this rank's measured idle share of ``schedule.step``."""
     if done.schedule is None:
         return None
-    try:  # TODO(#22): parallel/bubble.py comes with the bubble-timeline branch; None until it is merged
-        from elastictrain.parallel.bubble import schedule_bubble
-
-        timeline: float | None = schedule_bubble(done.schedule, layout.dims.pp, done.n_microbatches or 0,
-                                                 done.stages_per_rank or 1)
-    except ImportError:
-        timeline = None
+    timeline = schedule_bubble(done.schedule, layout.dims.pp, done.n_microbatches or 0, done.stages_per_rank or 1)
     return {"pp": layout.dims.pp, "schedule": done.schedule, "n_microbatches": done.n_microbatches,
-            "stages_per_rank": done.stages_per_rank, "bubble_timeline": timeline,
+            "stages_per_rank": done.stages_per_rank, "bubble_timeline": round(timeline, 4),
             "bubble_measured": round(done.idle_share, 4)}
 
 
