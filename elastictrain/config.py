@@ -138,6 +138,23 @@ class ParallelConfig(_Section):
     meta_init: bool = Field(False, description="fsdp/hsdp: build the model on the meta device, shard it, then "
                                                "load the seeded initial values from rank 0 (no rank holds "
                                                "the whole model)")
+    pp: int = Field(1, ge=1, description="pipeline stages' ranks: the world is pp x the data-parallel size; "
+                                         "parallel.plan lays out the data-parallel ranks of each stage")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
+        "1f1b", description="torch.distributed.pipelining schedule (pp > 1)")
+    stages_per_rank: int | None = Field(None, ge=1, description="virtual stages per pp rank; null = what the "
+                                                               "schedule needs (1, or 2 for the looped ones)")
+
+    @model_validator(mode="after")
+    def _stages_fit_schedule(self) -> ParallelConfig:
+        if self.stages_per_rank is None:  # every schedule name is valid then (the Literal checked it)
+            return self
+        from elastictrain.parallel.plan import stages_rule  # imports torch: not on the --help path
+
+        why = stages_rule(self.pp_schedule, self.stages_per_rank)
+        if why:
+            raise ValueError(why)
+        return self
 
     @model_validator(mode="after")
     def _mixed_precision_needs_fsdp(self) -> ParallelConfig:
@@ -263,9 +280,20 @@ class JobConfig(_Section):
             if not ok:
                 raise ValueError(
                     f"workers.min/max: world size {w} is not usable: {why}; valid world sizes up to "
-                    f"workers.max={self.workers.max}: {valid or 'none'} (parallel.plan={self.parallel.plan}); "
+                    f"workers.max={self.workers.max}: {valid or 'none'} (parallel.plan={self.parallel.plan}"
+                    + (f", pp={self.parallel.pp}" if self.parallel.pp > 1 else "") + "); "
                     "change workers.min/max, the batch sizes or parallel.shard_size"
                 )
+        p, m = self.parallel, self.task.model
+        if p.pp > 1 and self.task.kind == "tiny_gpt":
+            from elastictrain.parallel.plan import default_stages_per_rank
+
+            stages = p.pp * (p.stages_per_rank or default_stages_per_rank(p.pp_schedule))
+            if m.n_layer < stages:
+                raise ValueError(
+                    f"task.model.n_layer={m.n_layer} blocks cannot fill {stages} pipeline stages (parallel.pp="
+                    f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise n_layer to >= {stages} "
+                    "or lower parallel.pp / stages_per_rank")
         for f in self.faults:
             if f.rank >= self.workers.max:
                 raise ValueError(f"faults: rank {f.rank} does not exist with workers.max={self.workers.max}")

@@ -58,3 +58,62 @@ def test_membership_picks_the_largest_world_the_plan_can_use():
     assert (hsdp.action, hsdp.world_size) == ("go", 2)
     waiting = decide_membership(available=1, plan="hsdp", shard_size=2, **common)
     assert waiting.action == "wait" and waiting.world_size == 2
+
+
+# ------------------------------------------------------------------------------------------ pipeline (pp)
+def test_pp_is_an_outer_factor_of_the_mesh():
+    spec = PlanSpec("ddp", global_batch=16, micro_batch=2, pp=2)
+    assert valid_world_sizes(spec, 8) == [2, 4, 8]  # whole pipelines; D = W/2 must divide 16/2
+    layout = resolve(spec, 4)
+    assert layout.dims.names == ("pp", "dp_replicate") and layout.dims.shape == (2, 2)
+    assert (layout.dims.dp, layout.accum, layout.n_stages, layout.stages_per_rank) == (2, 4, 2, 1)
+    assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert not layout.replicated  # a stage rank never holds the whole model
+    hsdp = resolve(PlanSpec("hsdp", 16, 2, shard_size=2, pp=2), 8)
+    assert hsdp.dims.names == ("pp", "dp_replicate", "dp_shard") and hsdp.dims.shape == (2, 2, 2)
+    assert [hsdp.coords(r) for r in (3, 4, 7)] == [(0, 3), (1, 0), (1, 3)]
+    assert resolve(PlanSpec("ddp", 16, 2), 4).dims.names == ("dp_replicate",)  # pp=1: mesh unchanged
+    with pytest.raises(PlanError, match=r"pp=2 needs a multiple of 2 workers .*usable world sizes .*pp=2 \(1f1b\): "
+                                        r"\[2, 4, 8\]"):
+        resolve(spec, 3)
+
+
+def test_schedule_rules_on_micro_batches_are_plan_rules():
+    # 1f1b: n_microbatches >= pp. G=8, m=2: D=1 -> 4 micro-batches, D=2 -> 2, D=4 -> 1 (< pp=2)
+    assert valid_world_sizes(PlanSpec("ddp", 8, 2, pp=2, pp_schedule="1f1b"), 8) == [2, 4]
+    assert valid_world_sizes(PlanSpec("ddp", 8, 2, pp=2, pp_schedule="gpipe"), 8) == [2, 4, 8]
+    ok, why = is_valid(PlanSpec("ddp", 8, 2, pp=2), 8)
+    assert not ok and "at least pp=2 micro-batches per step, got 1" in why
+    # interleaved / zero bubble: n % max(1, n // pp) == 0. G=10, m=1, pp=2: D=1 -> 10 ok, D=2 -> 5 (rounds 2): no
+    for sched in ("interleaved_1f1b", "zero_bubble"):
+        spec = PlanSpec("ddp", 10, 1, pp=2, pp_schedule=sched)
+        assert valid_world_sizes(spec, 20) == [2, 10, 20], sched
+        ok, why = is_valid(spec, 4)
+        assert not ok and "multiple of its rounds" in why
+        assert resolve(spec, 2).stages_per_rank == 2 and resolve(spec, 2).n_stages == 4
+    assert valid_world_sizes(PlanSpec("ddp", 10, 1, pp=2, pp_schedule="zbv"), 20) == [2, 4, 10, 20]
+
+
+def test_pp_config_errors_list_what_is_valid():
+    with pytest.raises(ConfigError, match=r"parallel.pp_schedule: Input should be 'gpipe', '1f1b', "
+                                          r"'interleaved_1f1b', 'zero_bubble' or 'zbv'"):
+        build_config(job(parallel={"pp": 2, "pp_schedule": "dualpipe"}))
+    with pytest.raises(ConfigError, match=r"zbv runs exactly 2 stages per rank .* got parallel.stages_per_rank=3"):
+        build_config(job(parallel={"pp": 2, "pp_schedule": "zbv", "stages_per_rank": 3}))
+    with pytest.raises(ConfigError, match=r"1f1b runs exactly 1 stage per rank"):
+        build_config(job(parallel={"pp": 2, "stages_per_rank": 2}))
+    with pytest.raises(ConfigError, match=r"task.model.n_layer=1 blocks cannot fill 4 pipeline stages .*raise "
+                                          r"n_layer to >= 4"):
+        build_config(job(parallel={"pp": 2, "pp_schedule": "interleaved_1f1b"}, workers={"min": 2, "max": 2}))
+    with pytest.raises(ConfigError, match=r"world size 3 is not usable: pp=2 needs a multiple of 2 workers"):
+        build_config(job(parallel={"pp": 2}, workers={"min": 2, "max": 3}))
+    cfg = build_config(job(parallel={"pp": 2, "pp_schedule": "zbv"}, workers={"min": 2, "max": 4},
+                           task={"model": {"n_layer": 4}}))
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank) == (2, "zbv", None)
+
+
+def test_membership_keeps_whole_pipelines():
+    spec = PlanSpec("ddp", 16, 2, pp=2)
+    got = decide_membership(available=3, current=4, mode="elastic", min_workers=1, max_workers=4, global_batch=16,
+                            micro_batch=2, waiting_since=None, now=0.0, wait_limit_s=10.0, spec=spec)
+    assert (got.action, got.world_size) == ("go", 2)

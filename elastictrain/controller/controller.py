@@ -273,7 +273,7 @@ class Controller(WorkerMonitor):
             max_workers=w.max, global_batch=tr.global_batch, micro_batch=tr.micro_batch,
             waiting_since=self.waiting_since, now=time.time(),
             wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
-            shard_size=self.plan_spec.shard_size,
+            shard_size=self.plan_spec.shard_size, spec=self.plan_spec,
         )
 
     def layout(self, world_size: int) -> Layout:

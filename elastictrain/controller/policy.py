@@ -45,12 +45,13 @@ def hang_bound(step_times: Sequence[float], t: TimeoutsConfig) -> float:
 def decide_membership(
     *, available: int, current: int, mode: str, min_workers: int, max_workers: int, global_batch: int,
     micro_batch: int, waiting_since: float | None, now: float, wait_limit_s: float, plan: str = "ddp",
-    shard_size: int = CPU_DEFAULT_SHARD_SIZE,
+    shard_size: int = CPU_DEFAULT_SHARD_SIZE, spec: PlanSpec | None = None,
 ) -> Membership:
     """How many workers form the next generation, given ``available`` ready workers (survivors plus
     ready joiners). Elastic: the largest world size valid for the plan (see parallel/plan.py; hsdp needs
-    whole shard groups, so a broken group re-plans to fewer, whole groups); strict: exactly ``current``."""
-    spec = PlanSpec(plan, global_batch, micro_batch, shard_size)
+    whole shard groups, so a broken group re-plans to fewer, whole groups; pp whole pipelines); strict:
+    exactly ``current``. ``spec`` (the job's whole plan, pp included) replaces plan/shard_size when given."""
+    spec = spec or PlanSpec(plan, global_batch, micro_batch, shard_size)
     valid = [w for w in valid_world_sizes(spec, max_workers) if w >= min_workers]
     waited = 0.0 if waiting_since is None else now - waiting_since
     if mode == "strict":

@@ -6,12 +6,21 @@ validator, the controller's membership policy and the worker's step loop all ask
 
 Rules, checked together:
 
-* the mesh is ``dp_replicate x dp_shard x tp x pp`` with ``tp = pp = 1`` today (the slots exist so that
-  tensor and pipeline parallelism add a factor here and nowhere else);
-* ``ddp``: ``dp_replicate = W``; ``fsdp``: ``dp_shard = W``; ``hsdp``: ``dp_shard = shard_size`` and
-  ``dp_replicate = W / shard_size`` (``W`` must be a positive multiple of ``shard_size``);
-* the data rule on the data-parallel size ``D = dp_replicate * dp_shard`` (see data/cursor.py):
-  ``global_batch % (D * micro_batch) == 0``; then ``accum = global_batch // (D * micro_batch)``.
+* the mesh is ``pp x dp_replicate x dp_shard`` (outermost first; ``tp = 1`` today, its slot exists so that
+  tensor parallelism adds a factor here and nowhere else). ``W = pp * D`` with ``D = dp_replicate *
+  dp_shard`` the data-parallel size of each pipeline stage: ``W`` must be a multiple of ``pp``;
+* ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
+  ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
+  be a positive multiple of ``shard_size``);
+* the data rule on ``D`` (see data/cursor.py): ``global_batch % (D * micro_batch) == 0``; then ``accum =
+  global_batch // (D * micro_batch)``, which under ``pp > 1`` is the pipeline's ``n_microbatches``;
+* under ``pp > 1`` the schedule's own rules on ``n_microbatches`` (torch 2.13,
+  ``torch.distributed.pipelining.schedules``): ``1f1b`` needs ``n_microbatches >= pp``; ``interleaved_1f1b``
+  and ``zero_bubble`` need ``n_microbatches`` to be a multiple of their round count ``max(1, n // pp)``;
+  ``gpipe`` and ``zbv`` take any count (:func:`schedule_rule`).
+
+Rank order is row-major over ``(pp, dp_replicate, dp_shard)``: rank ``r`` is on pipeline coordinate
+``r // D`` with data-parallel rank ``r % D`` (:meth:`Layout.coords`); stage 0's ranks are ``0..D-1``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,10 @@ from elastictrain.data.cursor import CursorError, check_layout
 
 PlanName = Literal["ddp", "fsdp", "hsdp"]
 PLANS: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# Virtual stages per pp rank that each schedule runs with (torch 2.13): the single-stage schedules exactly 1,
+# ZBV exactly 2 (its V shape), the looped ones any count >= 2 (default 2).
+_STAGES_DEFAULT = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
 
 # hsdp's shard group size when parallel.shard_size is unset and workers have no GPUs (CPU tests, laptops):
 # two processes per shard group, so that 4 workers give a real 2 x 2 mesh.
@@ -43,6 +56,9 @@ class PlanSpec:
     global_batch: int
     micro_batch: int
     shard_size: int = CPU_DEFAULT_SHARD_SIZE
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int | None = None  # None: what the schedule needs (default_stages_per_rank)
 
 
 @dataclass(frozen=True)
@@ -66,7 +82,9 @@ class MeshDims:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",)}.get(self.plan, ("dp_replicate", "dp_shard"))
+        """Mesh axes, outermost first: ``pp`` only when ``pp > 1`` (ddp/fsdp/hsdp meshes are unchanged)."""
+        dp = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",)}.get(self.plan, ("dp_replicate", "dp_shard"))
+        return ("pp", *dp) if self.pp > 1 else dp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,6 +98,8 @@ class Layout:
     dims: MeshDims
     accum: int
     reason: str
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
 
     @property
     def plan(self) -> str:
@@ -87,8 +107,58 @@ class Layout:
 
     @property
     def replicated(self) -> bool:
-        """Every rank holds the whole training state (no shard axis): any survivor can restore a joiner."""
-        return self.dims.dp_shard == 1
+        """Every rank holds the whole training state (no shard axis, no pipeline stages): any survivor can
+        restore a joiner. False under ``pp > 1``: a stage rank never holds the whole model."""
+        return self.dims.dp_shard == 1 and self.dims.pp == 1
+
+    @property
+    def n_stages(self) -> int:
+        """Virtual pipeline stages in all: ``pp * stages_per_rank`` (1 without pipelining)."""
+        return self.dims.pp * self.stages_per_rank if self.dims.pp > 1 else 1
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(pp coordinate, data-parallel rank)`` of ``rank`` (row-major mesh order, see the module doc)."""
+        return rank // self.dims.dp, rank % self.dims.dp
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    """The virtual stages per rank a schedule needs when ``parallel.stages_per_rank`` is unset."""
+    return _STAGES_DEFAULT.get(schedule, 1)
+
+
+def stages_rule(schedule: str, stages_per_rank: int | None) -> str | None:
+    """Why ``stages_per_rank`` cannot run ``schedule`` (None when it can)."""
+    if schedule not in PP_SCHEDULES:
+        return f"parallel.pp_schedule={schedule!r} is not one of {list(PP_SCHEDULES)}"
+    if stages_per_rank is None:
+        return None
+    if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
+        return (f"parallel.pp_schedule={schedule} runs exactly 1 stage per rank, got parallel.stages_per_rank="
+                f"{stages_per_rank}; unset it, or pick interleaved_1f1b/zero_bubble for more")
+    if schedule == "zbv" and stages_per_rank != 2:
+        return (f"parallel.pp_schedule=zbv runs exactly 2 stages per rank (its V shape), got "
+                f"parallel.stages_per_rank={stages_per_rank}; unset it or set it to 2")
+    if schedule in ("interleaved_1f1b", "zero_bubble") and stages_per_rank < 2:
+        return (f"parallel.pp_schedule={schedule} is a looped schedule of >= 2 stages per rank, got "
+                f"parallel.stages_per_rank={stages_per_rank}; unset it (2) or use pp_schedule=1f1b")
+    return None
+
+
+def schedule_rule(schedule: str, pp: int, n_microbatches: int) -> str | None:
+    """Why torch 2.13's ``schedule`` cannot run ``n_microbatches`` micro-batches on ``pp`` ranks (None when
+    it can): the checks its constructors make, as a pure function, so that unusable world sizes are listed
+    before any worker starts."""
+    if pp <= 1:
+        return None
+    if schedule == "1f1b" and n_microbatches < pp:
+        return (f"pp_schedule=1f1b needs at least pp={pp} micro-batches per step, got {n_microbatches} "
+                "(global_batch / (data-parallel size x micro_batch))")
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            return (f"pp_schedule={schedule} needs the micro-batches per step ({n_microbatches}) to be a "
+                    f"multiple of its rounds max(1, {n_microbatches} // pp={pp}) = {rounds}")
+    return None
 
 
 def effective_shard_size(shard_size: int | None, use_gpu: bool, gpus_per_node: int | None = None) -> int:
@@ -102,15 +172,22 @@ def effective_shard_size(shard_size: int | None, use_gpu: bool, gpus_per_node: i
 
 def _dims(spec: PlanSpec, world_size: int) -> MeshDims | str:
     """Mesh dims for ``world_size``, or the reason the plan cannot use it."""
+    pp = spec.pp
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        return f"parallel.pp must be a positive int, got {pp!r}"
+    if world_size % pp:
+        return f"pp={pp} needs a multiple of {pp} workers (whole pipelines), got {world_size}"
+    d = world_size // pp
     if spec.plan == "ddp":
-        return MeshDims(dp_replicate=world_size, plan="ddp")
+        return MeshDims(dp_replicate=d, pp=pp, plan="ddp")
     if spec.plan == "fsdp":
-        return MeshDims(dp_shard=world_size, plan="fsdp")
+        return MeshDims(dp_shard=d, pp=pp, plan="fsdp")
     if spec.plan == "hsdp":
         s = spec.shard_size
-        if world_size % s:
-            return f"hsdp needs a multiple of parallel.shard_size={s} workers, got {world_size}"
-        return MeshDims(dp_replicate=world_size // s, dp_shard=s, plan="hsdp")
+        if d % s:
+            per = f" data-parallel ranks per stage (world {world_size} / pp={pp})" if pp > 1 else " workers"
+            return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
+        return MeshDims(dp_replicate=d // s, dp_shard=s, pp=pp, plan="hsdp")
     return f"parallel.plan={spec.plan!r} is not one of {list(PLANS)}"
 
 
@@ -126,7 +203,15 @@ def _try(spec: PlanSpec, world_size: int) -> Layout | str:
         return (f"train.global_batch={spec.global_batch} is not a multiple of data-parallel size {dims.dp} x "
                 f"train.micro_batch={spec.micro_batch}")
     shape = " x ".join(f"{n}={v}" for n, v in zip(dims.names, dims.shape))
-    return Layout(dims, accum, f"{spec.plan} on {world_size} workers: mesh {shape}, accum {accum}")
+    if dims.pp == 1:
+        return Layout(dims, accum, f"{spec.plan} on {world_size} workers: mesh {shape}, accum {accum}")
+    bad = stages_rule(spec.pp_schedule, spec.stages_per_rank) or schedule_rule(spec.pp_schedule, dims.pp, accum)
+    if bad:
+        return bad
+    v = spec.stages_per_rank or default_stages_per_rank(spec.pp_schedule)
+    return Layout(dims, accum, f"{spec.plan} x pp on {world_size} workers: mesh {shape}, {spec.pp_schedule} "
+                               f"with {dims.pp * v} stages ({v} per rank), {accum} micro-batches",
+                  pp_schedule=spec.pp_schedule, stages_per_rank=v)
 
 
 def valid_world_sizes(spec: PlanSpec, max_world: int) -> list[int]:
@@ -147,7 +232,8 @@ def resolve(spec: PlanSpec, world_size: int) -> Layout:
     if isinstance(got, Layout):
         return got
     usable = valid_world_sizes(spec, _LISTED)
-    raise PlanError(f"{got}; usable world sizes (1..{_LISTED}) for parallel.plan={spec.plan}: "
+    what = f"parallel.plan={spec.plan}" + (f", pp={spec.pp} ({spec.pp_schedule})" if spec.pp > 1 else "")
+    raise PlanError(f"{got}; usable world sizes (1..{_LISTED}) for {what}: "
                     f"{usable or 'none'}; change the worker count, the batch sizes or the plan")
 
 
@@ -155,4 +241,5 @@ def spec_from_config(config: object, gpus_per_node: int | None = None) -> PlanSp
     """The :class:`PlanSpec` of a ``JobConfig`` (duck-typed to keep this module free of the config)."""
     p, t, w = config.parallel, config.train, config.workers  # type: ignore[attr-defined]
     return PlanSpec(p.plan, t.global_batch, t.micro_batch,
-                    effective_shard_size(p.shard_size, w.use_gpu, gpus_per_node))
+                    effective_shard_size(p.shard_size, w.use_gpu, gpus_per_node),
+                    pp=p.pp, pp_schedule=p.pp_schedule, stages_per_rank=p.stages_per_rank)
