@@ -380,11 +380,10 @@ class Worker:
         return self.runner.state.state_dict()
 
     def _stage(self) -> dict[str, int]:
-        """This rank's pipeline coordinate in its generation's mesh, recorded in its snapshots: the pp axis
-        is outermost in row-major rank order, so stage ``rank // (world / pp)`` (0 of 1 without pipelining)."""
+        """This rank's pipeline coordinate in its generation's mesh (``Layout.coords``; 0 of 1 without
+        pipelining), recorded in its snapshots for :func:`~elastictrain.checkpoint.memory_dcp.coverage`."""
         r = self.runner
-        dims = r.layout.dims
-        return {"pp_rank": r.rank // (dims.world_size // dims.pp), "pp_size": dims.pp}
+        return {"pp_rank": r.layout.coords(r.rank)[0], "pp_size": r.layout.dims.pp}
 
     def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
         """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;

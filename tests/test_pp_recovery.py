@@ -1,0 +1,138 @@
+"""Pipeline parallel recovers like every other layout (real Ray, real gloo, real SIGKILL / SIGTERM): a dead
+stage rank's state comes from a replica of its stage (pp2 x dp2), else the peer memory tier (pp2 alone),
+else storage; the world shrinks to whole pipelines and grows back; a pp2 checkpoint resumes under ddp.
+Each run ends with the loss of an uninterrupted one and every step saw exactly its samples."""
+
+from __future__ import annotations
+
+import copy
+
+from tests.conftest import BASE_JOB, job, run_job
+
+STEPS = 16
+# two blocks: one per stage of pp2 (the built-in GPT needs n_layer >= pp)
+MODEL = {**BASE_JOB["task"]["model"], "n_layer": 2}
+TASK = {**copy.deepcopy(BASE_JOB["task"]), "model": MODEL}
+TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
+# the uninterrupted reference: one process, the same math (pipelined layouts differ by fp32 sum order only)
+CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
+
+
+def _slow(world: int, seconds: float = 0.03, generation: int | None = None) -> list[dict]:
+    return [{"rank": r, "step": 1, "kind": "slow", "seconds": seconds, "generation": generation}
+            for r in range(world)]
+
+
+def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
+    t = job()["timeouts"]
+    return job(task=TASK, train={**TRAIN, "audit_samples": True}, workers={"min": min_workers, "max": world},
+               parallel={"plan": "ddp", "pp": 2}, faults=_slow(world) + faults,
+               recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240},
+               **sections)
+
+
+def _audit(run, steps: int = STEPS) -> None:
+    """Every step 1..steps ran and saw exactly its global-cursor samples (a step redone after a restore
+    from the tier saw the same samples both times), whatever rank reported it."""
+    from elastictrain.data.cursor import step_sample_ids
+    from elastictrain.data.datasets import TokenWindows, load_text_tokens
+
+    n = len(TokenWindows(load_text_tokens("builtin:pydoc"), MODEL["seq_len"]))
+    seen: dict[int, list[int]] = {}
+    for e in run.of("step"):
+        ids = sorted(e["sample_ids"])
+        assert ids == sorted(step_sample_ids(e["step"] - 1, TRAIN["global_batch"], 0, n).tolist()), e["step"]
+        assert seen.setdefault(e["step"], ids) == ids
+    assert sorted(seen) == list(range(1, steps + 1))
+
+
+def _like_clean(run, clean) -> None:
+    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    _audit(run)
+    lf, lc = run.summary["final_loss"], clean.summary["final_loss"]
+    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+
+
+def _kept_their_process(run, slots) -> None:
+    for slot in slots:
+        assert len({e["pid"] for e in run.of("worker_started") if e["slot"] == slot}) == 1, slot
+
+
+def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_grows(tmp_path, ray_local,
+                                                                                      clean_run):
+    """pp2 x dp2 on 4 (stage 0 = ranks 0,1; stage 1 = ranks 2,3): rank 1 is SIGKILLed mid-step. Rank 0
+    holds stage 0 and ranks 2,3 stage 1: the survivors serve their snapshots (no keeper, no storage), the
+    3 left fold to one whole pipeline (pp2 x dp1) and grow back to 4 once the replacement is up (the folded
+    generation runs slowly so that happens). Every survivor keeps its process."""
+    kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
+    run = run_job(tmp_path, _spec(4, 2, [kill, *_slow(2, 0.5, generation=1)]), name="pp2dp2")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
+    assert "survivors [0, 2] hold every stage's every shard" in rec["reason"], rec
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole pipelines only: 3 workers run one pipeline
+    _kept_their_process(run, [0, 2, 3])
+    _like_clean(run, clean_run(CLEAN))
+
+
+def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, clean_run):
+    """pp2 alone on 2: stage 1's only rank is SIGKILLed mid-step; no survivor holds stage 1, the peer tier
+    (a snapshot every step) does. The replacement loads stage 1 from the keeper, rank 0 its own stage."""
+    kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
+    run = run_job(tmp_path, _spec(2, 2, [kill], checkpoint={"memory_every_steps": 1}), name="pp2mem")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
+    assert "lack (pipeline stage, shard coordinate) [(1, 0)]" in rec["reason"], rec
+    _kept_their_process(run, [0])
+    _like_clean(run, clean_run(CLEAN))
+
+
+def test_pp2_sigterm_then_resumed_under_ddp_ends_with_the_clean_loss(tmp_path, ray_local, clean_run):
+    """SIGTERM to the driver of a pp2 run (what ``ray job stop`` and Kubernetes send): it stops at a step
+    boundary, commits, exits 75. The same job resumed under ddp on one worker loads both stages' entries
+    by name into the whole model and ends with the uninterrupted run's loss."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+    import yaml
+
+    ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 0, "memory_every_steps": 0}
+    spec = _spec(2, 2, [], checkpoint=ckpt, name="ppterm")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    address = ray.get_runtime_context().gcs_address
+    events = tmp_path / "a" / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address,
+                             "--run-dir", str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if events.exists() and any(e.get("event") == "step" and e["step"] >= 5
+                                       for e in map(json.loads, events.read_text().splitlines())):
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75 and "Traceback" not in out, out[-2000:]
+    (pre,) = [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "preempted"]
+    assert pre["checkpoint"] is True and 5 <= pre["step"] < STEPS, pre
+    ddp = copy.deepcopy(spec)
+    ddp["parallel"] = {"plan": "ddp"}
+    ddp["workers"] = {"min": 1, "max": 1}
+    ddp["faults"] = []
+    run = run_job(tmp_path, ddp, name="b")
+    (resumed,) = run.of("resumed")
+    assert resumed["step"] == pre["step"], resumed
+    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    lf, lc = run.summary["final_loss"], clean_run(CLEAN).summary["final_loss"]
+    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
