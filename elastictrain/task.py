@@ -39,6 +39,11 @@ class Task:
       (None): :func:`elastictrain.parallel.parallelize.parallelize` -- activation checkpointing if asked,
       then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
       and then the root. Return a DDP module, an FSDP2 module, or a plain one; the step loop adapts.
+      Under ``parallel.pp > 1`` it is applied to each pipeline stage module, on the mesh of that stage's
+      data-parallel ranks.
+    - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
+      (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
+      (:data:`GPT_PIPELINE`) is the documented example.
     """
 
     model_fn: Callable[[], torch.nn.Module]
@@ -50,6 +55,33 @@ class Task:
     grad_clip: float | None = None
     name: str = "task"
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
+    pipeline: PipelineHooks | None = None
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """How a model runs as a pipeline (``parallel.pp > 1``; see elastictrain/parallel/pipeline.py).
+
+    - ``stage_fn(model, stage, n_stages)`` returns the module of virtual stage ``stage`` of ``n_stages``.
+      ``model`` is a private copy of the whole model (meta parameters: values are loaded later by name), so
+      the stage may take its modules from it. The stage's parameters must keep the whole model's fully
+      qualified names (keep the attribute names; hold a slice of a ``ModuleList`` as an ``nn.ModuleDict``
+      keyed by the original indices): checkpoints and recovery snapshots are keyed by those names, so a
+      state saved under one pp loads under any other layout. Every parameter of the model must be owned by
+      exactly one stage.
+    - The stage is called as ``stage(*x, seeds=seeds)``: ``x`` is ``inputs_fn(batch)`` on the first stage
+      and the previous stage's output(s) elsewhere; ``seeds`` (int64 ``[B]``, the per-sample seeds
+      ``loss_fn`` gets) reach every stage, so dropout masks depend on (seed, step, sample id, position) and
+      never on where the stage boundaries are. A stage's output is a tensor or a tuple of tensors (what the
+      next stage takes).
+    - ``inputs_fn(batch)``: the tuple of tensors the first stage takes from a collated micro-batch.
+    - ``loss_fn(output, batch)``: the per-sample losses (shape ``[B]``) from the last stage's output and the
+      micro-batch, as ``Task.loss_fn`` would return them for the whole model.
+    """
+
+    stage_fn: Callable[[torch.nn.Module, int, int], torch.nn.Module]
+    inputs_fn: Callable[[Batch], tuple[torch.Tensor, ...]]
+    loss_fn: Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
 def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
@@ -82,6 +114,35 @@ def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) 
 
     logits = model(batch["input"], sample_seeds=sample_seeds)
     return per_sample_loss(logits, batch["target"])
+
+
+@dataclass(frozen=True)
+class GPTStages:
+    """The built-in GPT's ``PipelineHooks.stage_fn``: embeddings on the first stage, ``ln_f`` and the head on
+    the last, the blocks balanced (``splits``: the first block of stages 1.., for a manual split)."""
+
+    splits: tuple[int, ...] | None = None
+
+    def __call__(self, model: torch.nn.Module, stage: int, n_stages: int) -> torch.nn.Module:
+        from elastictrain.models.gpt import GPTStage
+        from elastictrain.parallel.stages import block_ranges
+
+        blocks = block_ranges(len(model.blocks), n_stages, self.splits)[stage]
+        return GPTStage(model, blocks, first=stage == 0, last=stage == n_stages - 1)
+
+
+def _gpt_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
+    return (batch["input"],)
+
+
+def _gpt_stage_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    from elastictrain.models.gpt import per_sample_loss
+
+    return per_sample_loss(logits, batch["target"])
+
+
+GPT_PIPELINE = PipelineHooks(stage_fn=GPTStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)
+"""The built-in GPT as a pipeline: the example of :class:`PipelineHooks`."""
 
 
 @dataclass(frozen=True)
@@ -132,4 +193,5 @@ def builtin_task(config: JobConfig) -> Task:
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
+        pipeline=GPT_PIPELINE,
     )

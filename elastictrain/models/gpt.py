@@ -20,6 +20,7 @@ from torch import nn
 __all__ = [
     "GPT",
     "GPTConfig",
+    "GPTStage",
     "dropout_seed",
     "param_count",
     "per_sample_loss",
@@ -204,6 +205,35 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, sample_seeds)
         return self.head(self.ln_f(x))
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a :class:`GPT`: the modules it owns, under the full model's names.
+
+    Built from a (meta or seeded) GPT whose other modules are dropped: the first stage holds ``tok_emb``,
+    ``pos_emb`` and ``drop_emb``, the last ``ln_f`` and ``head``, each stage its range of ``blocks`` in an
+    ``nn.ModuleDict`` keyed by the block's index in the whole model, so a parameter keeps its fully
+    qualified name (``blocks.3.qkv.weight``) and a checkpoint of any split loads under any other layout.
+    ``forward(x, seeds=None)``: ``x`` is the token ids (first stage) or the previous stage's activations;
+    ``seeds`` (the per-sample seeds, passed to every stage) drive dropout exactly as in the whole model.
+    Returns the logits on the last stage, the activations elsewhere."""
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb, self.drop_emb = model.tok_emb, model.pos_emb, model.drop_emb
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop_emb(self.tok_emb(x) + self.pos_emb(positions), seeds)
+        for block in self.blocks.values():
+            x = block(x, seeds)
+        return self.head(self.ln_f(x)) if self.last else x
 
 
 def _init_weights(module: nn.Module) -> None:

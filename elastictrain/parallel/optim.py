@@ -129,30 +129,46 @@ def _put_back(param: torch.Tensor, shard: torch.Tensor, value: Any, views: dict[
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = None,
+                   across: Any = None) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their global 2-norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. DTensor gradients placed only
     by ``Shard``/``Replicate`` are clipped on their local shards (see the module doc); any other mix goes
-    to torch's own function. Collective over the sharded mesh dimensions."""
+    to torch's own function. Collective over the sharded mesh dimensions. ``across``: a process group whose
+    ranks hold the OTHER parameters of the model (pipeline stages: the pp group); the squared norms are
+    summed over it too, so every stage clips by the norm of all parameters."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not all(isinstance(g, DTensor) and all(type(pl) in (Shard, Replicate) for pl in g.placements)
-                            for g in grads):
+    local_ok = all(not isinstance(g, DTensor) or all(type(pl) in (Shard, Replicate) for pl in g.placements)
+                   for g in grads)
+    if across is None and (not grads or not local_ok or not all(isinstance(g, DTensor) for g in grads)):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
+    if not local_ok:
+        raise ValueError("gradient clipping across pipeline stages needs plain or Shard/Replicate DTensor "
+                         "gradients")
     by_dims: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        dims = tuple(i for i, pl in enumerate(g.placements) if type(pl) is Shard)
-        by_dims[(g.device_mesh, dims)].append(g.to_local())
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if type(pl) is Shard)
+            by_dims[(g.device_mesh, dims)].append(g.to_local())
+        else:
+            by_dims[(None, ())].append(g)
     total_sq = None
-    for (mesh, dims), shards in by_dims.items():
+    for (mesh, dims), shards in by_dims.items():  # mesh None: plain (replicated) gradients
         norms = torch._foreach_norm(shards, 2) if foreach else [torch.linalg.vector_norm(t, 2) for t in shards]
         sq = torch.linalg.vector_norm(torch.stack(norms), 2) ** 2
         for d in dims:  # a sum over each sharded dimension in turn: a sum over all their ranks
             dist.all_reduce(sq, group=mesh.get_group(d))
         total_sq = sq if total_sq is None else total_sq + sq
+    if across is not None:
+        if total_sq is None:  # a rank without gradients (cannot happen for a stage, but sum a zero anyway)
+            total_sq = torch.zeros((), device=params[0].device if params else "cpu")
+        dist.all_reduce(total_sq, group=across)
     total = total_sq.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     shards = [t for ts in by_dims.values() for t in ts]
+    if not shards:
+        return total
     if foreach:
         torch._foreach_mul_(shards, coef.to(shards[0].device))
     else:

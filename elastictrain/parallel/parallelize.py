@@ -5,18 +5,22 @@ activation checkpointing (if asked) on each repeated block, then DDP, or FSDP2 (
 repeated block, then the root) on a 1-D (``fsdp``) or 2-D replicate x shard (``hsdp``) mesh.
 
 The step loop never asks for the plan name: :func:`wrap` turns whatever a ``parallelize_fn`` returned into
-a :class:`ParallelModel`, whose :meth:`~ParallelModel.accumulating` context defers gradient reduction for
-every micro-batch but the last (``no_sync`` for DDP; for FSDP2 ``set_requires_all_reduce(False)``: the
-reduce-scatter still runs so gradients stay sharded, HSDP's replica all-reduce waits; nothing for a plain
-module).
+a :class:`ParallelModel`, whose :meth:`~ParallelModel.run_micro_batches` runs one step's micro-batches
+(forward, per-sample loss, backward) and whose :meth:`~ParallelModel.accumulating` context defers gradient
+reduction for every micro-batch but the last (``no_sync`` for DDP; for FSDP2
+``set_requires_all_reduce(False)``: the reduce-scatter still runs so gradients stay sharded, HSDP's replica
+all-reduce waits; nothing for a plain module). Under pipeline parallelism
+(:class:`elastictrain.parallel.pipeline.PipelineModel`) the same method runs a torch pipeline schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,17 +31,23 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain.config import ParallelConfig
 
 
+def _is_block_list(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` (or, a pipeline stage's slice of one, an ``nn.ModuleDict``) of children of one class."""
+    return (isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > 0
+            and len({type(child) for child in module.children()}) == 1)
+
+
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model: the children of every ``nn.ModuleList`` whose children all have one
-    class (GPT's ``blocks``, Hugging Face GPT-2's ``transformer.h``). Outermost lists only."""
+    class (GPT's ``blocks``, Hugging Face GPT-2's ``transformer.h``), or of an ``nn.ModuleDict`` of one
+    class (a pipeline stage's blocks, keyed by their index in the whole model). Outermost lists only."""
     found: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
-        if id(module) in inside or not isinstance(module, nn.ModuleList) or len(module) == 0:
+        if id(module) in inside or not _is_block_list(module):
             continue
-        if len({type(child) for child in module}) == 1:
-            found.extend(module)
-            inside.update(id(m) for child in module for m in child.modules())
+        found.extend(module.children())
+        inside.update(id(m) for child in module.children() for m in child.modules())
     return found
 
 
@@ -48,10 +58,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
     for parent in list(model.modules()):
-        if isinstance(parent, nn.ModuleList) and len(parent) and len({type(c) for c in parent}) == 1:
-            for i, block in enumerate(list(parent)):
+        if _is_block_list(parent):
+            for key, block in list(parent.named_children()):
                 if not isinstance(block, CheckpointWrapper):  # a kept (DDP) model is re-parallelized
-                    parent[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+                    wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+                    if isinstance(parent, nn.ModuleList):
+                        parent[int(key)] = wrapped
+                    else:
+                        parent[key] = wrapped
 
 
 def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
@@ -104,14 +118,98 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.
     return parallelize_fsdp(model, mesh, plan)
 
 
+@dataclass
+class MicroBatch:
+    """One collated micro-batch of this rank, with the per-sample seeds of its samples."""
+
+    ids: list[int]
+    batch: dict[str, torch.Tensor]
+    seeds: torch.Tensor
+
+
+class StepHooks(Protocol):
+    """What the step loop lends :meth:`ParallelModel.run_micro_batches`: the data, and the points where it
+    tracks phases (for the watchdog), reseeds the global RNG, injects faults and sends the (loss, stop)
+    word. Observers of the step, except :meth:`send`, which starts the step's one reduction."""
+
+    def load(self, k: int) -> MicroBatch: ...
+    def phase(self, name: str) -> None: ...  # "compute" | "collective"
+    def seed(self, k: int) -> None: ...  # global RNG for micro-batch k, right before its forward
+    def forwarded(self, k: int) -> None: ...  # after micro-batch k's forward: delays, the mid_step fault
+    def last_loss(self, loss: torch.Tensor) -> None: ...  # the last backward's loss (the backward fault)
+    def send(self, loss_sum: torch.Tensor) -> Any: ...  # the (loss, stop) word; returns a handle with wait()
+
+
+@dataclass
+class MicroStepResult:
+    """What :meth:`ParallelModel.run_micro_batches` did: the (loss, stop) word's handle (``wait()`` returns
+    it summed over the world) and this rank's compute time; ``wall_s`` is the whole call. Pipeline fields
+    (``schedule``, ``n_microbatches``) are None without pipelining."""
+
+    word: Any
+    compute_s: float
+    wall_s: float
+    schedule: str | None = None
+    n_microbatches: int | None = None
+    stages_per_rank: int | None = None
+
+    @property
+    def idle_share(self) -> float:
+        """This rank's share of the call not spent computing: under a pipeline, its measured bubble."""
+        return max(0.0, (self.wall_s - self.compute_s) / self.wall_s) if self.wall_s > 0 else 0.0
+
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
 class ParallelModel:
-    """A parallelized model as the step loop sees it: call :attr:`module`, enter :meth:`accumulating` for
-    micro-batches whose gradients must stay local, read state through :attr:`model` (never the wrapper)."""
+    """A parallelized model as the step loop sees it: :meth:`run_micro_batches` runs a step's micro-batches
+    (or call :attr:`module` and enter :meth:`accumulating` for micro-batches whose gradients must stay
+    local); read state through :attr:`model` (never the wrapper)."""
+
+    #: the process group over which the gradient norm of :attr:`model`'s parameters is summed on top of the
+    #: mesh's own sharded dims (pipeline stages: the pp group); None: the parameters are the whole model
+    clip_group: Any = None
+    #: whether this rank feeds samples of its own to the step (False on a pipeline's later stages, whose
+    #: samples the first stage's rank already counts): the sample-id audit counts each sample once
+    feeds_samples: bool = True
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh | None) -> None:
         self.module = module
         self.mesh = mesh
         self.model = module.module if isinstance(module, DistributedDataParallel) else module
+
+    def run_micro_batches(self, n: int, loss_fn: LossFn, scale: float, hooks: StepHooks) -> MicroStepResult:
+        """Forward and backward ``n`` micro-batches (``hooks.load(k)``); each micro-batch's loss is
+        ``sum(loss_fn(module, batch, seeds)) * scale``. Gradients are reduced over the data-parallel ranks
+        with the last backward, which overlaps the (loss, stop) word's reduction (sent with this rank's
+        per-sample loss sum, float64)."""
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(self.model))
+        compute_s, word = 0.0, None
+        for k in range(n):
+            hooks.phase("compute")
+            c0 = time.perf_counter()
+            mb = hooks.load(k)
+            last = k == n - 1
+            with contextlib.nullcontext() if last else self.accumulating():
+                hooks.seed(k)
+                per_sample = loss_fn(self.module, mb.batch, mb.seeds)
+                loss_sum += per_sample.detach().sum().double()
+                hooks.forwarded(k)
+                if last:  # the last backward overlaps DDP's all-reduce: not purely local work
+                    compute_s += time.perf_counter() - c0
+                    hooks.phase("collective")
+                    # Loss and stop flag travel together: inside DDP's last gradient bucket (step_stats.py), or
+                    # an async all-reduce overlapped with the last backward under other layouts.
+                    word = hooks.send(loss_sum)
+                loss = per_sample.sum() * scale
+                if last:
+                    hooks.last_loss(loss)
+                loss.backward()
+            if not last:
+                compute_s += time.perf_counter() - c0
+        return MicroStepResult(word, compute_s, time.perf_counter() - t0)
 
     @property
     def grads_in_buckets(self) -> bool:
@@ -142,6 +240,18 @@ class ParallelModel:
                 self.model.set_requires_all_reduce(True)
         else:
             yield
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of ``mesh`` (every axis but ``pp``): what ``parallelize_fn`` gets per stage."""
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "pp")
+    return mesh[names] if names != tuple(mesh.mesh_dim_names or ()) else mesh
 
 
 def _has_dtensor(model: nn.Module) -> bool:

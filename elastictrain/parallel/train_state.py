@@ -136,6 +136,13 @@ class TrainingState:
         return self.step
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model as full CPU tensors on rank 0 (empty elsewhere). Collective under FSDP2."""
+        """The whole model as full CPU tensors on rank 0 (empty elsewhere). Collective under FSDP2, and under
+        pipeline stages (gathered from every stage, parallel/pipeline.py)."""
+        from elastictrain.parallel.pipeline import StageSet, gather_full_state
+
+        if isinstance(self.model, StageSet):
+            import torch.distributed as dist
+
+            return gather_full_state(self.model, dist.get_rank())
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)

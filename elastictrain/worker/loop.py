@@ -3,17 +3,17 @@
 Step ``s`` (0-based) consumes the global sample positions ``[s*G, (s+1)*G)``. This rank's share is a pure
 function of (step, rank, world size, micro batch) and gradient accumulation makes up the rest, so the
 samples a step sees and its math do not depend on the world size. Each micro-batch loss is
-``sum(per-sample loss) * W / G``: DDP's (or FSDP2's) mean over the data-parallel ranks then yields the mean
-over the G samples.
+``sum(per-sample loss) * D / G`` (``D`` the data-parallel size: the world size without pipelining): DDP's
+(or FSDP2's) mean over the data-parallel ranks then yields the mean over the G samples.
 
-The layout (DDP, FSDP2, HSDP) is applied per membership generation by :meth:`StepRunner.attach` through the
-task's ``parallelize_fn`` on a fresh DeviceMesh; the step itself never asks which layout it runs under
+The layout (DDP, FSDP2, HSDP, each optionally inside pipeline stages) is applied per membership generation
+by :meth:`StepRunner.attach` through the task's ``parallelize_fn`` on a fresh DeviceMesh; the step itself
+never asks which layout it runs under: the parallelized model's ``run_micro_batches`` runs the micro-batches
 (see elastictrain/parallel/).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.mesh import build_mesh
-from elastictrain.parallel.parallelize import ParallelModel, wrap
+from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, wrap
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
@@ -52,6 +52,7 @@ class StepRecord:
     compute_s: float          # forward (+ local backward) time: what a straggler is slow at
     finished_at: float        # time.time()
     sample_ids: list[int] = field(default_factory=list)  # only when audit is on
+    pipeline: dict[str, Any] | None = None  # pp > 1: pp, schedule, n_microbatches, bubble_timeline/_measured
 
 
 def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -78,7 +79,7 @@ class StepRunner:
         self.collate = task.collate_fn or _default_collate
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
-        if self.parallel.plan != "ddp":  # built now, at set-up: every rebuild is then a copy (see _meta_model)
+        if self.parallel.plan != "ddp" or self.parallel.pp > 1:  # built now: every rebuild is then a copy
             self._meta_template = self._build_meta_model()
         # parallel.meta_init: no rank holds the whole model; values come at the first sync or restore
         self.model = self._meta_model() if self.parallel.meta_init else self._fresh_model()
@@ -121,8 +122,14 @@ class StepRunner:
 
     def init_from_seed(self) -> None:
         """Give a materialized sharded model the seeded initial values (step 0): rank 0 builds the model
-        once and broadcasts it. Collective over the default group."""
-        load_seeded_init(self.model, self._seeded_model, self.rank)
+        once and broadcasts it. Collective over the default group. Pipeline stages hold disjoint keys:
+        every rank builds the seeded model on the CPU and keeps its stages' values (no collective)."""
+        if self.layout is not None and self.layout.dims.pp > 1:
+            from elastictrain.parallel.pipeline import load_stage_seeded_init
+
+            load_stage_seeded_init(self.model, self._seeded_model)
+        else:
+            load_seeded_init(self.model, self._seeded_model, self.rank)
         self.uninitialized = False
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -159,6 +166,8 @@ class StepRunner:
             host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
+        if layout.dims.pp > 1:
+            return self._attach_pipeline(mesh, layout)
         kept = self.model is not None and self.replicated and layout.plan == "ddp"
         pristine = (self.model is not None and self.pm is None and self.step == 0
                     and not isinstance(self.model, FSDPModule))
@@ -177,6 +186,20 @@ class StepRunner:
         else:
             self.state.model = self.pm.model
         return kept
+
+    def _attach_pipeline(self, mesh: Any, layout: Layout) -> bool:
+        """Build this rank's pipeline stages from a fresh meta copy of the model (parallel/pipeline.py): no
+        state survives a re-mesh, the values come from a restore or the seeded init. Returns False."""
+        from elastictrain.parallel.pipeline import build_pipeline
+
+        self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
+                                 self.task.parallelize_fn or _default_parallelize, self.parallel, self.device,
+                                 materialize_fn=materialize)
+        self.model = self.pm.model
+        self.uninitialized = True
+        self.step_stats = StepStats(None)  # the word is all-reduced over the world (no DDP bucket to ride in)
+        self.state = TrainingState(self.model, self._optimizer(), self.cursor, step=0)
+        return False
 
     def detach(self) -> None:
         """Forget the group's wrapper (the model and its state stay)."""
@@ -214,58 +237,30 @@ class StepRunner:
         s, t0 = self.step, time.perf_counter()
         number = s + 1
         g, m = self.train.global_batch, self.train.micro_batch
-        w = self.layout.dims.dp  # the data-parallel ranks (today every rank; tp/pp would divide it)
-        micro = rank_micro_batches(s, self.rank, w, m, g, self.train.seed, self.dataset_len)
+        d = self.layout.dims.dp  # the data-parallel ranks: every stage of one pipeline sees the same samples
+        dp_rank = self.rank % d
+        micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
-        module = self.pm.module
-        module.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        compute_s, seen = 0.0, []
-        for k, ids in enumerate(micro):
-            self._set_phase("compute")
-            c0 = time.perf_counter()
-            batch = _to(self.collate([self.dataset[int(i)] for i in ids]), self.device)
-            seeds = torch.tensor([sample_seed(self.train.seed, s, int(i)) for i in ids], dtype=torch.long)
-            last = k == len(micro) - 1
-            sync = contextlib.nullcontext() if last else self.pm.accumulating()
-            with sync:
-                seed_micro_batch(self.train.seed, s, k * w + self.rank)  # global RNG: (seed, step, chunk)
-                per_sample = self.task.loss_fn(module, batch, seeds)
-                loss_sum += per_sample.detach().sum().double()
-                if self.audit:
-                    seen.extend(int(i) for i in ids)
-                delay = self.faults.extra_delay(rank=self.rank, step=number, generation=self.generation)
-                if delay:
-                    time.sleep(delay)
-                if k == 0:
-                    self.faults.fire(rank=self.rank, step=number, point="mid_step", generation=self.generation)
-                if last:  # the last backward overlaps DDP's all-reduce: not purely local work
-                    compute_s += time.perf_counter() - c0
-                    self._set_phase("collective")
-                    # Loss and stop flag travel together: inside DDP's last gradient bucket (step_stats.py), or
-                    # an async all-reduce overlapped with the last backward under other layouts.
-                    flag = torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
-                    work = self.step_stats.send(torch.stack([loss_sum, flag]))
-                loss = per_sample.sum() * (w / g)
-                if last:
-                    self.faults.arm_backward(loss, rank=self.rank, step=number, generation=self.generation)
-                loss.backward()
-            if not last:
-                compute_s += time.perf_counter() - c0
+        self.pm.module.train()
+        hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
+        done = self.pm.run_micro_batches(len(micro), self.task.loss_fn, d / g, hooks)
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
-        stats = work.wait()
-        if self.audit:  # ids as fed by every rank, so any survivor's record holds the whole step
-            gathered: list[list[int]] = [[] for _ in range(w)]
-            dist.all_gather_object(gathered, seen)
+        stats = done.word.wait()
+        seen: list[int] = []
+        if self.audit:  # ids as fed by every first-stage rank, so any survivor's record holds the whole step
+            mine = [int(i) for ids in micro for i in ids] if self.pm.feeds_samples else []
+            gathered: list[list[int]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, mine)
             seen = [i for part in gathered for i in part]
         self._set_phase("idle")
         self._apply_optimizer(s)
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
         record = StepRecord(
-            step=number, loss=float(stats[0]) / g, world_size=w, accum=len(micro),
-            step_s=time.perf_counter() - t0, compute_s=compute_s, finished_at=time.time(), sample_ids=seen,
+            step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
+            step_s=time.perf_counter() - t0, compute_s=done.compute_s, finished_at=time.time(), sample_ids=seen,
+            pipeline=_pipeline_fields(self.layout, done),
         )
         return record, bool(stats[1] > 0)
 
@@ -275,7 +270,8 @@ class StepRunner:
         if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
             # CPU: the per-tensor loop (bitwise stable); CUDA: foreach kernels
             foreach = True if self.device.type == "cuda" else False
-            optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach)
+            optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach,
+                                 across=self.pm.clip_group)
         mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * mult
@@ -301,6 +297,60 @@ class StepRunner:
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
         return {"step": self.step, "sha256": h.hexdigest()}
+
+
+class _LoopHooks:
+    """The step loop's side of ``ParallelModel.run_micro_batches`` (parallel/parallelize.py ``StepHooks``):
+    data, watchdog phases, the global RNG, fault points and the (loss, stop) word of one step."""
+
+    def __init__(self, runner: StepRunner, s: int, number: int, micro: list[Any], dp_rank: int, d: int,
+                 stop_requested: bool) -> None:
+        self.r, self.s, self.number, self.micro = runner, s, number, micro
+        self.dp_rank, self.d, self.stop_requested = dp_rank, d, stop_requested
+
+    def load(self, k: int) -> MicroBatch:
+        r, ids = self.r, self.micro[k]
+        batch = _to(r.collate([r.dataset[int(i)] for i in ids]), r.device)
+        seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
+        return MicroBatch([int(i) for i in ids], batch, seeds)
+
+    def phase(self, name: str) -> None:
+        self.r._set_phase(name)
+
+    def seed(self, k: int) -> None:  # global RNG: (seed, step, chunk)
+        seed_micro_batch(self.r.train.seed, self.s, k * self.d + self.dp_rank)
+
+    def forwarded(self, k: int) -> None:
+        r = self.r
+        delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
+        if delay:
+            time.sleep(delay)
+        if k == 0:
+            r.faults.fire(rank=r.rank, step=self.number, point="mid_step", generation=r.generation)
+
+    def last_loss(self, loss: torch.Tensor) -> None:
+        self.r.faults.arm_backward(loss, rank=self.r.rank, step=self.number, generation=self.r.generation)
+
+    def send(self, loss_sum: torch.Tensor) -> Any:
+        flag = torch.tensor(1.0 if self.stop_requested else 0.0, dtype=torch.float64, device=loss_sum.device)
+        return self.r.step_stats.send(torch.stack([loss_sum, flag]))
+
+
+def _pipeline_fields(layout: Layout, done: MicroStepResult) -> dict[str, Any] | None:
+    """A step event's pipeline fields: the schedule's bubble from its own timeline (unit costs, pure:
+    parallel/bubble.py) and this rank's measured idle share of ``schedule.step``."""
+    if done.schedule is None:
+        return None
+    try:  # TODO(#22): parallel/bubble.py comes with the bubble-timeline branch; None until it is merged
+        from elastictrain.parallel.bubble import schedule_bubble
+
+        timeline: float | None = schedule_bubble(done.schedule, layout.dims.pp, done.n_microbatches or 0,
+                                                 done.stages_per_rank or 1)
+    except ImportError:
+        timeline = None
+    return {"pp": layout.dims.pp, "schedule": done.schedule, "n_microbatches": done.n_microbatches,
+            "stages_per_rank": done.stages_per_rank, "bubble_timeline": timeline,
+            "bubble_measured": round(done.idle_share, 4)}
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,321 @@
+"""Pipeline parallelism: this rank's stages, torch's schedule, and the step's micro-batches through it.
+
+:func:`build_pipeline` turns a copy of the whole (meta) model into this pp rank's virtual stages
+(``Task.pipeline.stage_fn``; stage ``v`` of ``S = pp * stages_per_rank`` on the rank
+:func:`elastictrain.parallel.stages.stage_owner` names, torch's own convention), applies the data-parallel
+layout to each stage module on the mesh of that stage's data-parallel ranks (``parallelize_fn``: DDP, or
+FSDP2 with ``reshard_after_forward=False`` -- pytorch#164756, torchtitan does the same under pp), wraps
+each in a ``PipelineStage`` on the pp group and builds the schedule (``scale_grads=False``).
+
+:class:`PipelineModel` is a :class:`~elastictrain.parallel.parallelize.ParallelModel`: the step loop calls
+the same :meth:`~PipelineModel.run_micro_batches`. The contract:
+
+* the step's accumulation micro-batches ARE the pipeline's micro-batches: every stage of one pipeline
+  loads the same samples (same data-parallel rank), the first stage feeds ``inputs_fn(batch)``;
+* the per-sample seeds go to EVERY stage as the ``seeds`` keyword (torch passes a schedule's keyword
+  arguments to every local stage), so dropout masks depend on (seed, step, sample id, position) only;
+* the last stage computes ``loss_fn(output, batch)`` per sample; each micro-batch loss is
+  ``sum(per_sample) * D / G``; torch's own grad scaling is off; ranks without the last stage add 0 to the
+  (loss, stop) word, which is all-reduced over the whole world;
+* phases: a stage's forward/backward computation is ``compute``, everything else (p2p waits) ``collective``,
+  so a hung stage rank is the one stuck in ``compute``;
+* :class:`StageSet` holds this rank's stage modules under the whole model's names: the optimizer, the
+  training state (DCP) and recovery see one module whose keys are a subset of the whole model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from elastictrain.parallel.parallelize import (
+    LossFn,
+    MicroBatch,
+    MicroStepResult,
+    ParallelModel,
+    StepHooks,
+    dp_submesh,
+)
+from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.stages import local_stages
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+_SINGLE = ("gpipe", "1f1b")
+
+
+class PipelineError(ValueError):
+    """A model or hook that cannot run as a pipeline; the message names the problem and the fix."""
+
+
+class StageSet(nn.Module):
+    """This rank's stage modules as one module whose parameters keep the whole model's names.
+
+    Each stage's top-level children are registered here under their own names; ``nn.ModuleDict`` children
+    of the same name (a slice of the model's blocks per stage) merge into one. A name two stages both own
+    as a non-dict module is an error (every parameter belongs to one stage). Not called: the schedule runs
+    the stages."""
+
+    def __init__(self, stages: list[nn.Module]) -> None:
+        super().__init__()
+        for stage in stages:
+            for name, child in stage.named_children():
+                mine = self._modules.get(name)
+                if mine is None:
+                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
+                                    else child)
+                elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                    clash = set(mine.keys()) & set(child.keys())
+                    if clash:
+                        raise PipelineError(f"two pipeline stages both own {name}.{sorted(clash)[0]}: each module "
+                                            "must belong to one stage (check Task.pipeline.stage_fn)")
+                    mine.update(dict(child.items()))
+                else:
+                    raise PipelineError(f"two pipeline stages both own module {name!r}: each module must belong "
+                                        "to one stage (check Task.pipeline.stage_fn)")
+        for stage in stages:  # parameters registered on a stage itself (not on a child) have no home here
+            if any(True for _ in stage.parameters(recurse=False)):
+                raise PipelineError(f"a stage module ({type(stage).__name__}) holds parameters of its own; keep "
+                                    "them on child modules named as in the whole model")
+
+
+class _Clock:
+    """Counts this rank's compute time inside ``schedule.step`` and reports the phase to the watchdog."""
+
+    def __init__(self) -> None:
+        self.compute_s = 0.0
+        self.hooks: StepHooks | None = None
+        self.inferring = False  # inside torch's first-step metadata inference (a loss that is not the step's)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        if self.hooks is not None:
+            self.hooks.phase("compute")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compute_s += time.perf_counter() - t0
+            if self.hooks is not None:
+                self.hooks.phase("collective")
+
+
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` whose forward/backward computations are timed and reported as ``compute``."""
+
+    clock: _Clock
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.compute():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.compute():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.compute():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # torch 2.13 infers the backward's shapes at a schedule's first step by calling loss_fn once on
+        # micro-batch 0's output (under fork_rng, no gradient accumulated): that call is not a loss of the
+        # step, so the loss sum must not count it (private hook; a torch without it never calls this)
+        self.clock.inferring = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self.clock.inferring = False
+
+
+class _StageLoss:
+    """The schedule's ``loss_fn(output, target)``: ``target`` is a micro-batch's row indices into this step's
+    local batch, so the user's ``loss_fn(output, batch)`` sees the micro-batch as collated. Adds each
+    micro-batch's per-sample loss sum to the step's total."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor], clock: _Clock) -> None:
+        self.loss_fn = loss_fn
+        self.clock = clock
+        self.batch: dict[str, torch.Tensor] = {}
+        self.scale = 1.0
+        self.loss_sum: torch.Tensor | None = None
+        self.remaining = 0
+        self.hooks: StepHooks | None = None
+
+    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        part = {k: v[rows] for k, v in self.batch.items()}
+        per_sample = self.loss_fn(output, part)
+        if per_sample.shape != rows.shape:
+            raise PipelineError(f"Task.pipeline.loss_fn returned shape {tuple(per_sample.shape)} for a micro-batch "
+                                f"of {rows.numel()} samples: return the per-sample losses, shape [B]")
+        if self.clock.inferring:
+            return per_sample.sum() * self.scale
+        self.loss_sum += per_sample.detach().sum().double()
+        loss = per_sample.sum() * self.scale
+        self.remaining -= 1
+        if self.remaining == 0 and self.hooks is not None:
+            self.hooks.last_loss(loss)
+        return loss
+
+
+class PipelineModel(ParallelModel):
+    """This rank's pipeline stages and their schedule, as the step loop sees a parallelized model."""
+
+    def __init__(self, set_: StageSet, modules: list[nn.Module], stages: list[_TimedStage], schedule: Any,
+                 loss: _StageLoss, clock: _Clock, mesh: DeviceMesh, layout: Layout,
+                 inputs_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> None:
+        super().__init__(set_, mesh)
+        self.model = set_
+        self.modules = modules
+        self.stages = stages
+        self.schedule = schedule
+        self.layout = layout
+        self._loss, self._clock, self._inputs_fn = loss, clock, inputs_fn
+        self.clip_group = mesh.get_group("pp")
+        self.feeds_samples = any(s.is_first for s in stages)
+
+    @property
+    def replicated(self) -> bool:
+        """Never: a stage rank holds only its stages (recovery loads them by name)."""
+        return False
+
+    @property
+    def grads_in_buckets(self) -> bool:
+        return any(isinstance(m, DistributedDataParallel) and bool(getattr(m, "gradient_as_bucket_view", False))
+                   for m in self.modules)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        yield  # the stages defer their own reductions to the last backward (torch's PipelineStage)
+
+    def run_micro_batches(self, n: int, loss_fn: LossFn, scale: float, hooks: StepHooks) -> MicroStepResult:
+        """One ``schedule.step`` over this rank's ``n`` micro-batches (the schedule's ``n_microbatches``).
+        ``loss_fn`` (the whole model's) is not used: the last stage applies ``Task.pipeline.loss_fn``."""
+        t0 = time.perf_counter()
+        if n != self.layout.accum:
+            raise RuntimeError(f"{n} micro-batches for a schedule built for {self.layout.accum}")
+        hooks.phase("compute")
+        mbs = [hooks.load(k) for k in range(n)]
+        batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch}
+        seeds = torch.cat([mb.seeds for mb in mbs]).to(_device(self.model))
+        device = seeds.device
+        self._loss.batch, self._loss.scale, self._loss.hooks = batch, scale, hooks
+        self._loss.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._loss.remaining = n
+        self._clock.compute_s, self._clock.hooks = 0.0, hooks
+        hooks.seed(0)  # the global RNG per step (stage forwards run in the schedule's order, not per sample)
+        hooks.forwarded(0)
+        args = tuple(self._inputs_fn(batch)) if any(s.is_first for s in self.stages) else ()
+        rows = torch.arange(seeds.numel(), device=device)
+        last = any(s.is_last for s in self.stages)
+        try:
+            self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
+        finally:
+            self._clock.hooks = self._loss.hooks = None
+            self._loss.batch = {}
+        hooks.phase("collective")
+        word = hooks.send(self._loss.loss_sum)
+        return MicroStepResult(word, self._clock.compute_s, time.perf_counter() - t0,
+                               schedule=self.layout.pp_schedule, n_microbatches=n,
+                               stages_per_rank=self.layout.stages_per_rank)
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int, hooks: Any,
+                   parallelize_fn: Callable[[nn.Module, DeviceMesh, Any], nn.Module], plan: Any,
+                   device: torch.device,
+                   materialize_fn: Callable[[nn.Module, torch.device], None] | None = None) -> PipelineModel:
+    """This rank's stages of ``model`` (a meta or real copy of the whole model that the stages may take
+    modules from), parallelized, wrapped in ``PipelineStage`` s on ``mesh["pp"]`` and scheduled.
+    ``hooks``: the task's :class:`~elastictrain.task.PipelineHooks`. ``materialize_fn(module, device)``
+    gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
+    Raises :class:`PipelineError` for a task without pipeline hooks."""
+    if hooks is None:
+        raise PipelineError("parallel.pp > 1 needs Task.pipeline (PipelineHooks: how the model splits into "
+                            "stages); add it to the task or set parallel.pp=1")
+    pp, v = layout.dims.pp, layout.stages_per_rank
+    n_stages = pp * v
+    pp_rank = layout.coords(rank)[0]
+    pp_group = mesh.get_group("pp")
+    dp_mesh = dp_submesh(mesh)
+    if plan.plan != "ddp" and plan.reshard_after_forward:
+        plan = plan.model_copy(update={"reshard_after_forward": False})  # pytorch#164756 (torchtitan: same)
+    clock = _Clock()
+    modules, stage_modules, stages = [], [], []
+    for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
+        whole = copy.deepcopy(model) if v > 1 else model
+        stage_module = hooks.stage_fn(whole, index, n_stages)
+        module = parallelize_fn(stage_module, dp_mesh, plan)
+        if materialize_fn is not None:
+            materialize_fn(module, device)
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        stage = _TimedStage(module, index, n_stages, device, group=pp_group)
+        stage.clock = clock
+        modules.append(module)
+        stage_modules.append(inner)
+        stages.append(stage)
+    set_ = StageSet(stage_modules)
+    loss = _StageLoss(hooks.loss_fn, clock)
+    cls = SCHEDULES[layout.pp_schedule]
+    if layout.pp_schedule in _SINGLE:
+        schedule = cls(stages[0], n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
+    return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn)
+
+
+def gather_full_state(set_: StageSet, rank: int) -> dict[str, torch.Tensor]:
+    """The whole model as full CPU tensors on rank 0 (empty elsewhere), gathered from every stage: each
+    rank takes its stages' full tensors (all-gathered over its data-parallel ranks under fsdp), then rank 0
+    collects every rank's. Collective over the world."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    mine = get_model_state_dict(set_, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    mine = {k: v.detach().cpu() for k, v in mine.items()}
+    parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return {}
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, t in part.items():
+            full.setdefault(k, t)
+    return full
+
+
+def load_stage_seeded_init(set_: StageSet, build: Callable[[], nn.Module]) -> None:
+    """Give this rank's stages the seeded initial values (step 0): ``build()`` (seeded, on the CPU) makes
+    the whole model and each stage keeps its own keys, so every stage holds exactly what a non-pipelined
+    build would. No collective (stage ranks hold disjoint keys, so rank 0's broadcast of its own keys would
+    not cover them); under fsdp each rank cuts its shards from the full values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    wanted = set(get_model_state_dict(set_, options=StateDictOptions(full_state_dict=False)).keys())
+    full = {k: v for k, v in build().state_dict().items() if k in wanted}
+    missing = wanted - set(full)
+    if missing:
+        raise PipelineError(f"the stages hold {sorted(missing)[:3]}..., which the whole model does not: a stage "
+                            "must keep the whole model's parameter names (Task.pipeline.stage_fn)")
+    set_model_state_dict(set_, full, options=StateDictOptions(full_state_dict=True, strict=True))
