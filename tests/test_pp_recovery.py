@@ -89,11 +89,11 @@ def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_
     _like_clean(run, clean_run(CLEAN))
 
 
-def test_pp2_sigterm_then_resumed_under_ddp_ends_with_the_clean_loss(tmp_path, ray_local, clean_run):
+def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tmp_path, ray_local, clean_run):
     """A real SIGTERM to the driver of a pp2 run (what ``ray job stop`` and Kubernetes send; this process is
     the driver, so no second interpreter and Ray connection to start): it stops at a step boundary,
-    commits, exits 75. The same job resumed under ddp on one worker loads both stages' entries by name
-    into the whole model and ends with the uninterrupted run's loss."""
+    commits, exits 75. The same job resumed under ddp on one worker, and a branch of it under fsdp on two,
+    load both stages' entries by name into their layout and end with the uninterrupted run's loss."""
     import os
     import signal
     import threading
@@ -125,13 +125,18 @@ def test_pp2_sigterm_then_resumed_under_ddp_ends_with_the_clean_loss(tmp_path, r
     assert first.result.exit_code == 75, first.summary
     (pre,) = first.of("preempted")
     assert pre["checkpoint"] is True and 5 <= pre["step"] < STEPS and "SIGTERM" in pre["reason"], pre
-    ddp = copy.deepcopy(spec)
-    ddp["parallel"] = {"plan": "ddp"}
-    ddp["workers"] = {"min": 1, "max": 1}
-    ddp["faults"] = []
-    run = run_job(tmp_path, ddp, name="b")
-    (resumed,) = run.of("resumed")
-    assert resumed["step"] == pre["step"], resumed
-    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
-    lf, lc = run.summary["final_loss"], clean_run(CLEAN).summary["final_loss"]
-    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+    committed = str(tmp_path / "ckpt" / "ppterm" / f"step_{pre['step']:09d}")
+    lc = clean_run(CLEAN).summary["final_loss"]
+    # the same job under ddp on one worker (resume: auto), then a branch of it under fsdp on two
+    for name, parallel, workers, extra in (("ddp1", {"plan": "ddp"}, 1, {}),
+                                           ("fsdp2", {"plan": "fsdp"}, 2, {"run_id": "ppterm-fsdp"})):
+        again = {**copy.deepcopy(spec), "parallel": parallel, "workers": {"min": workers, "max": workers},
+                 "faults": [], **extra}
+        if extra:
+            again["checkpoint"] = {**ckpt, "resume": committed}
+        run = run_job(tmp_path, again, name=name)
+        (resumed,) = run.of("resumed")
+        assert resumed["step"] == pre["step"], (name, resumed)
+        assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, (name, run.summary)
+        lf = run.summary["final_loss"]
+        assert abs(lf - lc) <= 1e-4 * abs(lc), (name, lf, lc)
