@@ -7,6 +7,14 @@ layout to each stage module on the mesh of that stage's data-parallel ranks (``p
 FSDP2 with ``reshard_after_forward=False`` -- pytorch#164756, torchtitan does the same under pp), wraps
 each in a ``PipelineStage`` on the pp group and builds the schedule (``scale_grads=False``).
 
+Data parallelism of plan ``ddp`` inside a stage is not DistributedDataParallel: on torch 2.13, DDP stage
+modules under a schedule do not reduce their gradients (measured: pp2 x dp2, the two replicas of a stage
+diverge after the first step; ``PipelineStage`` runs every forward under ``no_sync`` and calls the reducer's
+``prepare_for_backward`` itself before the last backward). The stage's gradients are instead averaged over
+its data-parallel group in one flat all-reduce after ``schedule.step`` (what DDP computes: divide by ``D``,
+then sum). A ``parallelize_fn`` that returns a DDP module is unwrapped the same way. FSDP2/HSDP stages
+reduce-scatter inside the schedule as torch intends (``set_requires_gradient_sync`` per last backward).
+
 :class:`PipelineModel` is a :class:`~elastictrain.parallel.parallelize.ParallelModel`: the step loop calls
 the same :meth:`~PipelineModel.run_micro_batches`. The contract:
 
@@ -180,8 +188,10 @@ class PipelineModel(ParallelModel):
 
     def __init__(self, set_: StageSet, modules: list[nn.Module], stages: list[_TimedStage], schedule: Any,
                  loss: _StageLoss, clock: _Clock, mesh: DeviceMesh, layout: Layout,
-                 inputs_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]) -> None:
+                 inputs_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
+                 grad_group: Any = None) -> None:
         super().__init__(set_, mesh)
+        self.grad_group = grad_group  # replicated stages: their gradients are averaged over it after a step
         self.model = set_
         self.modules = modules
         self.stages = stages
@@ -198,8 +208,7 @@ class PipelineModel(ParallelModel):
 
     @property
     def grads_in_buckets(self) -> bool:
-        return any(isinstance(m, DistributedDataParallel) and bool(getattr(m, "gradient_as_bucket_view", False))
-                   for m in self.modules)
+        return False
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -231,10 +240,26 @@ class PipelineModel(ParallelModel):
             self._clock.hooks = self._loss.hooks = None
             self._loss.batch = {}
         hooks.phase("collective")
-        word = hooks.send(self._loss.loss_sum)
+        word = hooks.send(self._loss.loss_sum)  # async: overlaps the gradient reduction
+        if self.grad_group is not None:
+            _average_grads(list(self.model.parameters()), self.grad_group)
         return MicroStepResult(word, self._clock.compute_s, time.perf_counter() - t0,
                                schedule=self.layout.pp_schedule, n_microbatches=n,
                                stages_per_rank=self.layout.stages_per_rank)
+
+
+def _average_grads(params: list[torch.Tensor], group: Any) -> None:
+    """Average the gradients of replicated parameters over ``group`` in one flat all-reduce (DDP's math:
+    each rank divides by the group size, then the sum)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads).div_(dist.get_world_size(group))
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -244,14 +269,17 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int, hooks: Any,
-                   parallelize_fn: Callable[[nn.Module, DeviceMesh, Any], nn.Module], plan: Any,
+                   parallelize_fn: Callable[[nn.Module, DeviceMesh, Any], nn.Module] | None, plan: Any,
                    device: torch.device,
                    materialize_fn: Callable[[nn.Module, torch.device], None] | None = None) -> PipelineModel:
     """This rank's stages of ``model`` (a meta or real copy of the whole model that the stages may take
     modules from), parallelized, wrapped in ``PipelineStage`` s on ``mesh["pp"]`` and scheduled.
     ``hooks``: the task's :class:`~elastictrain.task.PipelineHooks`. ``materialize_fn(module, device)``
     gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
-    Raises :class:`PipelineError` for a task without pipeline hooks."""
+    ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
+    module doc). Raises :class:`PipelineError` for a task without pipeline hooks."""
+    from elastictrain.parallel.parallelize import apply_activation_checkpointing, parallelize
+
     if hooks is None:
         raise PipelineError("parallel.pp > 1 needs Task.pipeline (PipelineHooks: how the model splits into "
                             "stages); add it to the task or set parallel.pp=1")
@@ -263,14 +291,24 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     if plan.plan != "ddp" and plan.reshard_after_forward:
         plan = plan.model_copy(update={"reshard_after_forward": False})  # pytorch#164756 (torchtitan: same)
     clock = _Clock()
+    grad_group = None
     modules, stage_modules, stages = [], [], []
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
-        module = parallelize_fn(stage_module, dp_mesh, plan)
+        if parallelize_fn is None and plan.plan == "ddp":
+            if plan.activation_checkpointing:
+                apply_activation_checkpointing(stage_module)
+            module = stage_module
+            grad_group = dp_mesh.get_group() if layout.dims.dp > 1 else None
+        else:
+            module = (parallelize_fn or parallelize)(stage_module, dp_mesh, plan)
+        if isinstance(module, DistributedDataParallel):  # see the module doc: its reducer does not run here
+            grad_group = module.process_group if layout.dims.dp > 1 else None
+            module = module.module
         if materialize_fn is not None:
             materialize_fn(module, device)
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        inner = module
         stage = _TimedStage(module, index, n_stages, device, group=pp_group)
         stage.clock = clock
         modules.append(module)
@@ -283,7 +321,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         schedule = cls(stages[0], n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
-    return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn)
+    return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn, grad_group)
 
 
 def gather_full_state(set_: StageSet, rank: int) -> dict[str, torch.Tensor]:

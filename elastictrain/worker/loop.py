@@ -193,7 +193,7 @@ class StepRunner:
         from elastictrain.parallel.pipeline import build_pipeline
 
         self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
-                                 self.task.parallelize_fn or _default_parallelize, self.parallel, self.device,
+                                 self.task.parallelize_fn, self.parallel, self.device,
                                  materialize_fn=materialize)
         self.model = self.pm.model
         self.uninitialized = True

@@ -1,0 +1,190 @@
+"""Pipeline parallelism (parallel.pp) on real processes: every torch schedule on 2 gloo ranks and pp2 x dp2
+(ddp, fsdp) on 4 train the same numbers as one process with dropout on; a pp2 run through the controller on
+local Ray finishes and its checkpoint resumes under ddp1 with the numbers of an uninterrupted run.
+
+Tolerance (the same as tests/test_parallel.py, and why): a pipeline computes every sample's forward and
+backward with the same operations as one process -- the stage boundary only moves an activation between
+processes, and each sample's dropout masks come from its own seed -- so the per-sample losses are bitwise
+those of one process. What differs is the order of fp32 sums: a stage's parameter gradient sums the
+micro-batches in the schedule's order (and, with dp2, over two ranks), and the clipping norm is
+sqrt(sum over stages of each stage's squared norm) instead of one fp32 sum. Each step's gradient then
+differs by a few ulps (relative ~1e-7); AdamW normalises updates, so parameters differ at the scale of
+lr * 1e-6 (measured: <= 9e-7 absolute after 3 steps, losses <= 5e-8 relative). We allow 1e-5 relative on
+losses and 1e-5 absolute on parameters (|w| ~ 0.02-1): a pipeline bug (a micro-batch's loss counted twice or
+not at all, a stage's gradients not averaged over its replicas, a stage clipping by its own norm, a dropout
+mask drawn from another sample's seed) moves them by >= 1e-3 (a missing dp2 gradient average moved the
+step-2 loss by 3.6e-3 relative, the parameters by 1.8e-2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+from elastictrain.parallel.pipeline import PipelineError
+from tests.conftest import job, run_job
+from tests.ranks import run_ranks
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+STEPS = 3
+MODEL = {"seq_len": 32, "n_layer": 4, "n_head": 2, "d_model": 32, "dropout": 0.1}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+
+
+def _spec(world: int, **parallel: Any) -> dict[str, Any]:
+    return job(task={"model": MODEL, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
+               train={"steps": STEPS, "global_batch": 16, "micro_batch": 2, "audit_samples": True},
+               workers={"min": world, "max": world}, parallel=parallel)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(rank: int, world: int, spec: dict[str, Any], port: int, out: str) -> None:
+    """One rank: the worker's StepRunner on a gloo group, seeded init, STEPS steps; rank 0 saves the
+    losses, the step records' pipeline fields and the gathered whole model."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from elastictrain.config import build_config
+    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        cfg = build_config(spec)
+        task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
+        runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
+        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+        if runner.uninitialized:
+            runner.init_from_seed()
+        records = [runner.run_step(False)[0] for _ in range(STEPS)]
+        full = runner.state.full_model_state()
+        if rank == 0:
+            torch.save({"losses": [r.loss for r in records], "pipeline": [r.pipeline for r in records],
+                        "ids": [sorted(r.sample_ids) for r in records], "params": full}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, world: int, **parallel: Any) -> dict[str, Any]:
+    out = str(tmp_path / f"{world}-{'-'.join(f'{k}{v}' for k, v in parallel.items())}.pt")
+    run_ranks(_train, (world, _spec(world, **parallel), _free_port(), out), nprocs=world)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("ref"), 1)
+
+
+def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
+    assert got["params"].keys() == ref["params"].keys()  # the whole model, by its own names
+    worst = max((got["params"][k].double() - ref["params"][k].double()).abs().max().item() for k in ref["params"])
+    assert worst <= PARAM_ATOL, worst
+    assert got["ids"] == ref["ids"]  # the audit counts every sample once (first-stage ranks only)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_every_schedule_matches_one_process(tmp_path, one_process, schedule):
+    got = _run(tmp_path, 2, pp=2, pp_schedule=schedule)
+    _matches(got, one_process)
+    fields = got["pipeline"][-1]
+    assert (fields["pp"], fields["schedule"], fields["n_microbatches"]) == (2, schedule, 8)
+    assert fields["stages_per_rank"] == (1 if schedule in ("gpipe", "1f1b") else 2)
+    assert 0.0 <= fields["bubble_measured"] < 1.0
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_pp2_by_dp2_matches_one_process(tmp_path, one_process, plan):
+    got = _run(tmp_path, 4, pp=2, plan=plan)
+    _matches(got, one_process)
+    assert got["pipeline"][0]["n_microbatches"] == 4  # G / (D * micro_batch): D = 2 per stage
+
+
+def test_a_task_without_pipeline_hooks_is_refused():
+    import dataclasses
+
+    from elastictrain.config import build_config
+    from elastictrain.parallel.pipeline import build_pipeline
+    from elastictrain.parallel.plan import resolve, spec_from_config
+
+    cfg = build_config(_spec(2, pp=2))
+    with pytest.raises(PipelineError, match=r"parallel.pp > 1 needs Task.pipeline .*or set parallel.pp=1"):
+        build_pipeline(torch.nn.Linear(2, 2), None, resolve(spec_from_config(cfg), 2), 0, None, None,
+                       cfg.parallel, torch.device("cpu"))
+    assert dataclasses.fields  # (module import check)
+
+
+def test_stage_split_keeps_names_and_refuses_too_few_blocks():
+    from elastictrain.models.gpt import GPT, GPTConfig
+    from elastictrain.parallel.stages import StageSplitError, block_ranges, local_stages, stage_owner
+    from elastictrain.task import GPTStages
+
+    model = GPT(GPTConfig(n_layer=5, seq_len=8, d_model=16))
+    names = set(model.state_dict())
+    stages = [GPTStages()(model, v, 4) for v in range(4)]
+    keys = [set(s.state_dict()) for s in stages]
+    assert set().union(*keys) == names and sum(len(k) for k in keys) == len(names)  # disjoint, complete
+    assert "tok_emb.weight" in keys[0] and "head.weight" in keys[3] and "blocks.4.qkv.weight" in keys[3]
+    assert [list(r) for r in block_ranges(5, 4)] == [[0, 1], [2], [3], [4]]
+    assert [list(r) for r in block_ranges(5, 2, splits=[1])] == [[0], [1, 2, 3, 4]]
+    with pytest.raises(StageSplitError, match=r"4 repeated blocks cannot fill 6 pipeline stages"):
+        block_ranges(4, 6)
+    # torch's conventions: loop (stage v on rank v % pp) and V (rank r holds r and 2pp-1-r)
+    assert local_stages("interleaved_1f1b", 2, 4, 0) == [0, 2] and local_stages("zbv", 2, 4, 0) == [0, 3]
+    assert stage_owner("zbv", 3, 6) == {0: 0, 1: 1, 2: 2, 3: 2, 4: 1, 5: 0}
+
+
+def test_pp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local):
+    """pp2 (1f1b) through the real controller on local Ray for 4 steps with a checkpoint, then ddp1 resumes
+    it to 6 steps: the losses and final model of 6 uninterrupted ddp1 steps."""
+    import dataclasses
+
+    from elastictrain import build_config
+    from elastictrain.task import builtin_task
+
+    def spec(world, steps, **parallel):
+        s = _spec(world, **parallel)
+        s["train"] = {**s["train"], "steps": steps}
+        s["checkpoint"] = {"uri": str(tmp_path / "ckpt"), "every_steps": 2, "memory_every_steps": 0}
+        s["run_id"] = "pp-resume"
+        return s
+
+    def task(s):
+        return dataclasses.replace(builtin_task(build_config(s)), lr_fn=None)
+
+    first = spec(2, 4, pp=2)
+    pp = run_job(tmp_path, first, task=task(first), name="pp2")
+    assert pp.result.exit_code == 0, pp.summary
+    steps = pp.of("step")
+    assert {e["world_size"] for e in steps} == {1} and {e["accum"] for e in steps} == {8}
+    then = spec(1, 6)
+    ddp = run_job(tmp_path, then, task=task(then), name="ddp1")
+    assert ddp.result.exit_code == 0, ddp.summary
+    (resumed,) = ddp.of("resumed")
+    assert resumed["step"] == 4
+    ref_spec = spec(1, 6)
+    ref_spec["run_id"], ref_spec["checkpoint"] = "ref", {"uri": None}
+    ref = run_job(tmp_path, ref_spec, task=task(ref_spec), name="ref")
+    losses = {**pp.losses(), **ddp.losses()}
+    assert sorted(losses) == list(range(1, 7))
+    for step, loss in ref.losses().items():
+        assert abs(losses[step] - loss) <= LOSS_RTOL * abs(loss), (step, losses[step], loss)
+    pr, pf = ddp.final_params(), ref.final_params()
+    assert max((pr[k] - pf[k]).abs().max().item() for k in pf) <= PARAM_ATOL
