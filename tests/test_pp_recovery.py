@@ -89,6 +89,25 @@ def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_
     _like_clean(run, clean_run(CLEAN))
 
 
+def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tmp_path, ray_local, clean_run):
+    """pp2 x dp2: rank 2 (stage 1, the one computing the loss) stops dead (SIGSTOP) mid-step. The watchdog
+    names it (its peers wait in p2p and collectives, it is stuck computing), it is killed, and rank 3
+    serves stage 1 to the next generation (one pipeline until the replacement is up): lost work the step
+    in flight, numbers unchanged."""
+    hang = {"rank": 2, "step": 6, "point": "mid_step", "kind": "hang"}
+    spec = _spec(4, 2, [hang])
+    spec["timeouts"]["watchdog_floor_s"] = 2  # found within seconds: a bound from the observed step times
+    run = run_job(tmp_path, spec, name="pp2hang")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("hang", 2)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
+    assert "survivors [0, 3] hold every stage's every shard" in rec["reason"], rec
+    # the 3 left run one whole pipeline while the replacement starts (elastic: no wait for it)
+    assert [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")][:1] == [(4, 2)]
+    _kept_their_process(run, [0, 1, 3])
+    _like_clean(run, clean_run(CLEAN))
+
+
 def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tmp_path, ray_local, clean_run):
     """A real SIGTERM to the driver of a pp2 run (what ``ray job stop`` and Kubernetes send; this process is
     the driver, so no second interpreter and Ray connection to start): it stops at a step boundary,
