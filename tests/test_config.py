@@ -62,6 +62,11 @@ def test_config_is_frozen():
     ("workers: {min: 3, max: 2}\n", "workers.min=3 exceeds workers.max=2"),
     ("- just\n- a list\n", "top level must be a mapping"),
     ("parallel: {plan: zero7}\n", "parallel.plan"),
+    ("parallel: {pp: 2, pp_schedule: dualpipev}\n",
+     "parallel.pp_schedule: Input should be 'gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble' or 'zbv'"),
+    ("parallel: {pp: 2, pp_schedule: zbv, stages_per_rank: 4}\n", "zbv runs exactly 2 stages per rank"),
+    ("parallel: {pp: 2, pp_schedule: interleaved_1f1b}\nworkers: {min: 2, max: 2}\n",
+     "task.model.n_layer=2 blocks cannot fill 4 pipeline stages"),
 ])
 def test_cli_reports_bad_config_in_one_line(tmp_path, text, needle):
     proc = _cli(tmp_path, text)

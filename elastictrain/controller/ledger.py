@@ -88,6 +88,11 @@ class Ledger:
         }
         if not complete:
             fields["complete"] = False
+        if first.pipeline:  # pp > 1: the schedule's bubble (its timeline) and each rank's measured idle share
+            by_rank = {r: rec.pipeline["bubble_measured"] for r, rec in sorted(records.items()) if rec.pipeline}
+            fields.update({k: v for k, v in first.pipeline.items() if k != "bubble_measured"})
+            fields["bubble_measured"] = round(sum(by_rank.values()) / len(by_rank), 4)
+            fields["bubble_by_rank"] = {str(r): v for r, v in by_rank.items()}
         ids = first.sample_ids  # gathered from every rank of the step (audit mode)
         if ids:
             fields["sample_ids"] = ids

@@ -143,7 +143,8 @@ class StepHooks(Protocol):
 @dataclass
 class MicroStepResult:
     """What :meth:`ParallelModel.run_micro_batches` did: the (loss, stop) word's handle (``wait()`` returns
-    it summed over the world) and this rank's compute time; ``wall_s`` is the whole call. Pipeline fields
+    it summed over the world) and this rank's compute time; ``wall_s`` is the whole call (a pipeline's:
+    its ``schedule.step``, so that ``idle_share`` is the rank's measured bubble). Pipeline fields
     (``schedule``, ``n_microbatches``) are None without pipelining."""
 
     word: Any

@@ -76,32 +76,40 @@ class PipelineError(ValueError):
 class StageSet(nn.Module):
     """This rank's stage modules as one module whose parameters keep the whole model's names.
 
-    Each stage's top-level children are registered here under their own names; ``nn.ModuleDict`` children
-    of the same name (a slice of the model's blocks per stage) merge into one. A name two stages both own
-    as a non-dict module is an error (every parameter belongs to one stage). Not called: the schedule runs
-    the stages."""
+    Each stage's children are registered here under their own names. A name only one stage has is that
+    stage's module itself; a name several stages share (GPT's ``blocks`` ModuleDict, a Hugging Face model's
+    ``model`` container holding each stage's slice of ``layers``) becomes a fresh container (``nn.ModuleDict``
+    or ``nn.Module``) merged from theirs, level by level, so no stage's own module is changed. A shared name
+    whose modules hold no parameters at all (a rotary-embedding helper every stage keeps) is kept once. A
+    parameter two stages both hold is an error (every parameter belongs to one stage). Not called: the
+    schedule runs the stages."""
 
     def __init__(self, stages: list[nn.Module]) -> None:
         super().__init__()
-        for stage in stages:
-            for name, child in stage.named_children():
-                mine = self._modules.get(name)
-                if mine is None:
-                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
-                                    else child)
-                elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
-                    clash = set(mine.keys()) & set(child.keys())
-                    if clash:
-                        raise PipelineError(f"two pipeline stages both own {name}.{sorted(clash)[0]}: each module "
-                                            "must belong to one stage (check Task.pipeline.stage_fn)")
-                    mine.update(dict(child.items()))
-                else:
-                    raise PipelineError(f"two pipeline stages both own module {name!r}: each module must belong "
-                                        "to one stage (check Task.pipeline.stage_fn)")
-        for stage in stages:  # parameters registered on a stage itself (not on a child) have no home here
+        for stage in stages:  # parameters registered on a stage itself (not on a child) have no name here
             if any(True for _ in stage.parameters(recurse=False)):
                 raise PipelineError(f"a stage module ({type(stage).__name__}) holds parameters of its own; keep "
-                                    "them on child modules named as in the whole model")
+                                    "them on child modules named as in the whole model (Task.pipeline.stage_fn)")
+        _merge_children(self, stages, "")
+
+
+def _merge_children(into: nn.Module, sources: list[nn.Module], path: str) -> None:
+    names: dict[str, None] = {}
+    for src in sources:
+        names.update(dict.fromkeys(src._modules))
+    for name in names:
+        kids = [src._modules[name] for src in sources if src._modules.get(name) is not None]
+        kids = list({id(k): k for k in kids}.values())
+        if len(kids) == 1 or not any(True for k in kids for _ in k.parameters()):
+            into.add_module(name, kids[0])
+            continue
+        where = f"{path}{name}"
+        if any(True for k in kids for _ in k.parameters(recurse=False)):
+            raise PipelineError(f"two pipeline stages both hold the parameters of {where!r}: each parameter must "
+                                "belong to one stage (check Task.pipeline.stage_fn)")
+        merged = nn.ModuleDict() if isinstance(kids[0], nn.ModuleDict) else nn.Module()
+        into.add_module(name, merged)
+        _merge_children(merged, kids, where + ".")
 
 
 class _Clock:
@@ -217,7 +225,6 @@ class PipelineModel(ParallelModel):
     def run_micro_batches(self, n: int, loss_fn: LossFn, scale: float, hooks: StepHooks) -> MicroStepResult:
         """One ``schedule.step`` over this rank's ``n`` micro-batches (the schedule's ``n_microbatches``).
         ``loss_fn`` (the whole model's) is not used: the last stage applies ``Task.pipeline.loss_fn``."""
-        t0 = time.perf_counter()
         if n != self.layout.accum:
             raise RuntimeError(f"{n} micro-batches for a schedule built for {self.layout.accum}")
         hooks.phase("compute")
@@ -234,18 +241,20 @@ class PipelineModel(ParallelModel):
         args = tuple(self._inputs_fn(batch)) if any(s.is_first for s in self.stages) else ()
         rows = torch.arange(seeds.numel(), device=device)
         last = any(s.is_last for s in self.stages)
+        s0 = time.perf_counter()
         try:
             self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
         finally:
+            wall = time.perf_counter() - s0
             self._clock.hooks = self._loss.hooks = None
             self._loss.batch = {}
         hooks.phase("collective")
         word = hooks.send(self._loss.loss_sum)  # async: overlaps the gradient reduction
         if self.grad_group is not None:
             _average_grads(list(self.model.parameters()), self.grad_group)
-        return MicroStepResult(word, self._clock.compute_s, time.perf_counter() - t0,
-                               schedule=self.layout.pp_schedule, n_microbatches=n,
-                               stages_per_rank=self.layout.stages_per_rank)
+        # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
+        return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
+                               n_microbatches=n, stages_per_rank=self.layout.stages_per_rank)
 
 
 def _average_grads(params: list[torch.Tensor], group: Any) -> None:
