@@ -169,8 +169,8 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
     from tests.conftest import job
 
     @ray.remote(num_cpus=0)
-    class Survivor:
-        def __init__(self, d: int) -> None:
+    class Survivor:  # one actor answers for every survivor slot (a meta names its rank; one process to start)
+        def use(self, d: int) -> None:
             self.d = d
 
         def own_snapshots(self) -> list:
@@ -180,12 +180,14 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
             gen, rank, step = expect
             return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen, pp_rank=rank // self.d, pp_size=2)
 
+    actor = Survivor.remote()
+
     def gathered(d: int, alive_ranks: list[int]):
+        ray.get(actor.use.remote(d))
         layout = Layout(MeshDims(pp=2, dp_replicate=d, plan="ddp"), 1, "pp2")
         g = SourceGatherer(build_config(job()), EventLog(tmp_path, console=None), None, None, None, None,
                            lambda world: layout)
-        slots = [Slot(r, actor=Survivor.remote(d), state=SlotState.MEMBER, info={"step": 5}, rank=r)
-                 for r in alive_ranks]
+        slots = [Slot(r, actor=actor, state=SlotState.MEMBER, info={"step": 5}, rank=r) for r in alive_ranks]
         prev = Previous(1, {r: r for r in alive_ranks}, 2 * d)
         return g.gather(slots, slots, prev, 2, [5])
 
