@@ -159,3 +159,25 @@ def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tm
         assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, (name, run.summary)
         lf = run.summary["final_loss"]
         assert abs(lf - lc) <= 1e-4 * abs(lc), (name, lf, lc)
+
+
+def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_name(tmp_path, ray_local):
+    """A change of P between generations: a run under pp4 (one block per stage) commits step 8; a branch of
+    it under pp2 (two blocks per stage: each new stage spans two old ones) loads its stages by name from
+    that checkpoint, and its steps 9..16 have the uninterrupted pp4 run's losses."""
+    task = {**TASK, "model": {**MODEL, "n_layer": 4}}
+    ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 8, "memory_every_steps": 0}
+    pp4 = job(name="pp4", task=task, train=TRAIN, workers={"min": 4, "max": 4},
+              parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt)
+    whole = run_job(tmp_path, pp4, name="pp4")
+    assert whole.result.exit_code == 0 and whole.summary["checkpoints_committed"] == [8, STEPS], whole.summary
+    branch = {**copy.deepcopy(pp4), "run_id": "pp4-to-pp2", "workers": {"min": 2, "max": 2},
+              "parallel": {"plan": "ddp", "pp": 2},
+              "checkpoint": {**ckpt, "resume": str(tmp_path / "ckpt" / "pp4" / "step_000000008")}}
+    run = run_job(tmp_path, branch, name="pp2")
+    (resumed,) = run.of("resumed")
+    assert resumed["step"] == 8 and run.result.exit_code == 0, (resumed, run.summary)
+    want, got = whole.losses(), run.losses()
+    assert sorted(got) == list(range(9, STEPS + 1)), sorted(got)
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
