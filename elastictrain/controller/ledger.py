@@ -74,7 +74,8 @@ class Ledger:
             self.goodput["startup_s"] += max(0.0, first.finished_at - first.step_s - self.t0)
         self.step_times.append(first.step_s)
         # A step at a smaller world size is only partly productive: the rest of its time is "degraded".
-        full = first.step_s * min(1.0, first.world_size / self.max_workers)
+        workers = first.world_size * (first.pipeline["pp"] if first.pipeline else 1)  # world_size is D under pp
+        full = first.step_s * min(1.0, workers / self.max_workers)
         self.goodput["productive_s"] += full
         self.goodput["degraded_s"] += first.step_s - full
         self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
