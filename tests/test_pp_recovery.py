@@ -89,6 +89,24 @@ def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_
     _like_clean(run, clean_run(CLEAN))
 
 
+def test_pp2_fsdp2_lost_shard_of_a_stage_comes_from_the_tier_resharded_to_one_pipeline(tmp_path, ray_local,
+                                                                                        clean_run):
+    """pp2 x fsdp2 on 4: rank 3 holds half of stage 1 and is SIGKILLed. Ranks 0,1 cover stage 0 and rank 2
+    only half of stage 1, so no survivor set is a state: the tier's snapshots of the step (rank 3's from
+    its keeper, the survivors' own) are, and the 3 left run one pipeline (pp2 x fsdp1), each stage's
+    halves resharded into one rank by name."""
+    kill = {"rank": 3, "step": 6, "point": "mid_step", "kind": "kill"}
+    spec = _spec(4, 2, [kill], checkpoint={"memory_every_steps": 1})
+    spec["parallel"]["plan"] = "fsdp"
+    run = run_job(tmp_path, spec, name="pp2fsdp2")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 3)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
+    assert "lack (pipeline stage, shard coordinate) [(1, 1)]" in rec["reason"], rec
+    assert [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")][:1] == [(4, 2)]
+    _like_clean(run, clean_run(CLEAN))
+
+
 def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tmp_path, ray_local, clean_run):
     """pp2 x dp2: rank 2 (stage 1, the one computing the loss) stops dead (SIGSTOP) mid-step. The watchdog
     names it (its peers wait in p2p and collectives, it is stuck computing), it is killed, and rank 3
