@@ -86,10 +86,14 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             if runner.uninitialized:
                 runner.init_from_seed()
+            phases: list[str] = []
+            set_phase = runner._set_phase
+            runner._set_phase = lambda name: (phases.append(name), set_phase(name))  # type: ignore[method-assign]
             records = [runner.run_step(False)[0] for _ in range(STEPS)]
             full = runner.state.full_model_state()
             results.append({"losses": [r.loss for r in records], "pipeline": [r.pipeline for r in records],
-                            "ids": [sorted(r.sample_ids) for r in records], "params": full})
+                            "ids": [sorted(r.sample_ids) for r in records], "params": full,
+                            "phases": phases})
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -148,6 +152,10 @@ def test_pp2_every_schedule_matches_one_process(pp2_runs, one_process, index):
     assert (fields["pp"], fields["schedule"], fields["n_microbatches"]) == (2, schedule, 8)
     assert fields["stages_per_rank"] == (1 if schedule in ("gpipe", "1f1b") else 2)
     assert 0.0 <= fields["bubble_measured"] < 1.0
+    # the watchdog's phase: "compute" around each of rank 0's forward/backward computations (8 micro-batches
+    # x its stages x forward + backward per step), "collective" while it waits on its peer, idle after
+    computes = sum(1 for a, b in zip(got["phases"], got["phases"][1:]) if a == "collective" and b == "compute")
+    assert computes >= STEPS * (2 * 8 - 1) and got["phases"][-1] == "idle", got["phases"][:12]  # 1st: from load
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed: the Llama example needs it")
