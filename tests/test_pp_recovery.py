@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from tests.conftest import BASE_JOB, job, run_job
 
 STEPS = 16
@@ -24,11 +26,13 @@ def _slow(world: int, seconds: float = 0.03, generation: int | None = None) -> l
 
 
 def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
+    """A pp2 job on ``world`` workers (a copy the test may change: TASK and MODEL are shared)."""
     t = job()["timeouts"]
-    return job(task=TASK, train={**TRAIN, "audit_samples": True}, workers={"min": min_workers, "max": world},
+    spec = job(task=TASK, train={**TRAIN, "audit_samples": True}, workers={"min": min_workers, "max": world},
                parallel={"plan": "ddp", "pp": 2}, faults=_slow(world) + faults,
                recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240},
                **sections)
+    return copy.deepcopy(spec)
 
 
 def _audit(run, steps: int = STEPS) -> None:
@@ -76,17 +80,26 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     _like_clean(run, clean_run(CLEAN))
 
 
-def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, clean_run):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, clean_run, schedule):
     """pp2 alone on 2: stage 1's only rank is SIGKILLed mid-step; no survivor holds stage 1, the peer tier
-    (a snapshot every step) does. The replacement loads stage 1 from the keeper, rank 0 its own stage."""
+    (a snapshot every step) does. The replacement loads its stages from the keeper, rank 0 its own. Under
+    zbv each rank holds two stages of a V (rank 0: the first and the last of 4 blocks), loaded by name."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    run = run_job(tmp_path, _spec(2, 2, [kill], checkpoint={"memory_every_steps": 1}), name="pp2mem")
+    spec = _spec(2, 2, [kill], checkpoint={"memory_every_steps": 1})
+    clean = CLEAN
+    if schedule != "1f1b":
+        spec["parallel"]["pp_schedule"] = schedule
+        spec["task"]["model"]["n_layer"] = 4
+        clean = copy.deepcopy(CLEAN)
+        clean["task"]["model"]["n_layer"] = 4
+    run = run_job(tmp_path, spec, name="pp2mem")
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
     assert "lack (pipeline stage, shard coordinate) [(1, 0)]" in rec["reason"], rec
     _kept_their_process(run, [0])
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, clean_run(clean))
 
 
 def test_pp2_fsdp2_lost_shard_of_a_stage_comes_from_the_tier_resharded_to_one_pipeline(tmp_path, ray_local,
