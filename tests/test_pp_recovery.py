@@ -125,9 +125,11 @@ def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tm
     names it (its peers wait in p2p and collectives, it is stuck computing), it is killed, and rank 3
     serves stage 1 to the next generation (one pipeline until the replacement is up): lost work the step
     in flight, numbers unchanged."""
-    hang = {"rank": 2, "step": 6, "point": "mid_step", "kind": "hang"}
-    spec = _spec(4, 2, [hang])
-    spec["timeouts"]["watchdog_floor_s"] = 2  # found within seconds: a bound from the observed step times
+    hang = {"rank": 2, "step": 10, "point": "mid_step", "kind": "hang"}
+    # steps 0.1 s longer (no number changes): the first steps' records reach the controller before the
+    # hang, so the watchdog's bound comes from observed step times (seconds), not the cap before any step
+    spec = _spec(4, 2, [hang, *_slow(4, 0.07)])
+    spec["timeouts"]["watchdog_floor_s"] = 2
     run = run_job(tmp_path, spec, name="pp2hang")
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("hang", 2)], run.of("failure")
     rec = run.of("recovered")[0]
