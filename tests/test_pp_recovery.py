@@ -69,7 +69,7 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     3 left fold to one whole pipeline (pp2 x dp1) and grow back to 4 once the replacement is up (the folded
     generation runs slowly so that happens). Every survivor keeps its process."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    run = run_job(tmp_path, _spec(4, 2, [kill, *_slow(2, 0.5, generation=1)]), name="pp2dp2")
+    run = run_job(tmp_path, _spec(4, 2, [kill, *_slow(2, 1.0, generation=1)]), name="pp2dp2")
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
