@@ -73,7 +73,9 @@ class PipelineHooks:
       and the previous stage's output(s) elsewhere; ``seeds`` (int64 ``[B]``, the per-sample seeds
       ``loss_fn`` gets) reach every stage, so dropout masks depend on (seed, step, sample id, position) and
       never on where the stage boundaries are. A stage's output is a tensor or a tuple of tensors (what the
-      next stage takes).
+      next stage takes). The global RNG is reseeded once per step under pp (the schedule, not the loop,
+      orders the micro-batches' forwards): a stage that draws from it (a plain ``nn.Dropout``) does not
+      reproduce a non-pipelined run's numbers; draw from ``seeds`` instead.
     - ``inputs_fn(batch)``: the tuple of tensors the first stage takes from a collated micro-batch.
     - ``loss_fn(output, batch)``: the per-sample losses (shape ``[B]``) from the last stage's output and the
       micro-batch, as ``Task.loss_fn`` would return them for the whole model.
