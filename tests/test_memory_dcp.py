@@ -146,6 +146,66 @@ def test_coverage_is_exact_on_partial_overlaps_and_scalars() -> None:
         SnapshotReader([type("S", (), {"meta": quarter, "fetch": None})()])
 
 
+def test_coverage_needs_every_pipeline_stage_of_one_pipeline_size() -> None:
+    """A stage's snapshot names its own stage's entries only: without the pp coordinate, two stage-0
+    snapshots (replicas) of a pp2 layout looked like a whole state."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as C, TensorProperties as P
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as T
+
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+
+    def meta(rank, pp_rank, pp_size=2, rows=((0, 4),)):
+        chunks = [C(torch.Size([o, 0]), torch.Size([n, 2])) for o, n in rows]
+        tensors = {f"blocks.{pp_rank}.w": T(P(), torch.Size([4, 2]), chunks),
+                   "progress.step": T(P(), torch.Size([]), [C(torch.Size([]), torch.Size([]))])}
+        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, pp_rank=pp_rank, pp_size=pp_size)
+
+    replicas = coverage([meta(0, 0), meta(1, 0)])  # pp2 x dp2: both replicas of stage 0, none of stage 1
+    assert not replicas.complete and replicas.missing == ("no snapshot of pipeline stage(s) [1] of pp_size 2",)
+    assert coverage([meta(0, 0), meta(2, 1)]).complete
+    # stage 1 sharded (fsdp 2 within the stage): one of its halves is gone
+    half = coverage([meta(0, 0), meta(2, 1, rows=((0, 2),))])
+    assert half.missing == ("blocks.1.w (stage 1): offsets [2, 0] sizes [2, 2] of [4, 2]",)
+    assert coverage([meta(0, 0), meta(2, 1, rows=((0, 2),)), meta(3, 1, rows=((2, 2),))]).complete
+    mixed = coverage([meta(0, 0), meta(1, 1), meta(2, 2, pp_size=4), meta(3, 3, pp_size=4)])
+    assert not mixed.complete and "pipeline sizes (pp_size [2, 4])" in mixed.reason
+    assert "outside their pipeline" in coverage([meta(0, 0, pp_size=1), meta(1, 1, pp_size=1)]).reason
+    assert coverage([meta(0, 0, pp_size=1)]).complete  # no pipeline: as before
+    # the coordinate travels in the meta's compact pickled form
+    back = pickle.loads(pickle.dumps(meta(3, 1)))
+    assert (back.pp_rank, back.pp_size) == (1, 2) and back == meta(3, 1)
+
+
+def test_stage_snapshots_load_by_name_into_another_pipeline_split() -> None:
+    """Snapshots of two stages (modules holding the full model's names, as the pipeline split keeps them)
+    load by name into the unsplit model, and a whole model's snapshot loads into each stage: a change of P
+    between generations reloads each rank's new stage from the same snapshots."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastictrain.checkpoint.memory_dcp import take_snapshot
+
+    torch.manual_seed(0)
+    full = torch.nn.ModuleDict({str(i): torch.nn.Linear(3, 3) for i in range(4)})
+
+    def stage(keep):  # a stage keeps the blocks it owns under their original keys
+        return torch.nn.ModuleDict({k: m for k, m in full.items() if k in keep})
+
+    snaps = [take_snapshot({"model": stage(keep).state_dict()}, rank=p, step=2, pp_rank=p, pp_size=2)
+             for p, keep in enumerate((("0", "1"), ("2", "3")))]
+    assert [(s.meta.pp_rank, s.meta.pp_size) for s in snaps] == [(0, 2), (1, 2)]
+    assert coverage([s.meta for s in snaps]).complete and not coverage([snaps[1].meta]).complete
+    fresh = torch.nn.ModuleDict({str(i): torch.nn.Linear(3, 3) for i in range(4)})
+    target = {"model": fresh.state_dict()}
+    dcp.load(target, storage_reader=SnapshotReader([_Held(s) for s in snaps]), no_dist=True)
+    for k, v in full.state_dict().items():
+        assert torch.equal(target["model"][k], v), k
+    whole = take_snapshot({"model": full.state_dict()}, rank=0, step=2)
+    for keep in (("0",), ("1", "2"), ("3",)):  # pp4-ish or uneven splits: each loads its own names
+        mine = {"model": torch.nn.ModuleDict({k: torch.nn.Linear(3, 3) for k in keep}).state_dict()}
+        dcp.load(mine, storage_reader=SnapshotReader([_Held(whole)]), no_dist=True)
+        assert all(torch.equal(v, full.state_dict()[k]) for k, v in mine["model"].items())
+
+
 def test_packed_chunks_come_back_bitwise_as_views_of_one_buffer() -> None:
     from elastictrain.checkpoint.memory_dcp import Packed, pack, unpack
 

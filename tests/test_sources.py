@@ -43,41 +43,65 @@ def test_a_survivor_behind_does_not_count() -> None:
     assert d.chosen.kind == "memory" and d.lost_steps == 0
 
 
-meshes = st.tuples(st.integers(1, 4), st.integers(1, 4))
+def test_pipeline_peer_needs_every_stage() -> None:
+    # pp2 alone: rank 0 holds stage 0 only; the old rule (any survivor of a one-shard mesh) took it as a whole state
+    alone = rank_sources(pp=2, dp_replicate=1, dp_shard=1, survivors={0: 5}, memory={5: True}, durable_step=3,
+                         last_step=5)
+    assert alone.chosen.kind == "memory" and alone.lost_steps == 0
+    assert "lack (pipeline stage, shard coordinate) [(1, 0)]" in alone.reason
+    # pp2 x dp2 (ddp): stage 0 is ranks 0,1 and stage 1 ranks 2,3; rank 1 died, a replica of each stage lives
+    replica = rank_sources(pp=2, dp_replicate=2, dp_shard=1, survivors={0: 7, 2: 7, 3: 7}, memory={},
+                           durable_step=None, last_step=7)
+    assert replica.chosen.kind == "peer" and replica.chosen.ranks == (0, 2) and replica.lost_steps == 0
+    both = rank_sources(pp=2, dp_replicate=2, dp_shard=1, survivors={0: 7, 1: 7}, memory={}, durable_step=4,
+                        last_step=7)
+    assert both.chosen.kind == "checkpoint" and "[(1, 0)]" in both.reason
+    # pp2 x hsdp 2x2 (world 8): stage 1 is ranks 4..7; one survivor per (stage, shard coordinate)
+    hsdp = rank_sources(pp=2, dp_replicate=2, dp_shard=2, survivors={0: 3, 3: 3, 5: 3, 6: 3}, memory={},
+                        durable_step=None, last_step=3)
+    assert hsdp.chosen.kind == "peer" and hsdp.chosen.ranks == (0, 3, 6, 5)
+    with pytest.raises(ValueError, match="pp=0"):
+        rank_sources(pp=0, dp_replicate=1, dp_shard=1, survivors={}, memory={}, durable_step=None, last_step=0)
+
+
+meshes = st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4))
 
 
 @settings(max_examples=400, deadline=None)
 @given(mesh=meshes, data=st.data())
 def test_ranking_properties(mesh, data) -> None:
-    rep, shard = mesh
-    world = rep * shard
+    pp, rep, shard = mesh
+    d_size = rep * shard
+    world = pp * d_size
     last = data.draw(st.integers(0, 50))
     alive = data.draw(st.sets(st.integers(0, world - 1)))
     survivors = {r: data.draw(st.integers(max(0, last - 1), last)) for r in alive}
     memory = data.draw(st.dictionaries(st.integers(0, last), st.booleans(), max_size=4))
     durable = data.draw(st.none() | st.integers(0, last))
-    d = rank_sources(dp_replicate=rep, dp_shard=shard, survivors=survivors, memory=memory,
+    d = rank_sources(pp=pp, dp_replicate=rep, dp_shard=shard, survivors=survivors, memory=memory,
                      durable_step=durable, last_step=last)
     # the chosen source is the newest viable one, ties to the earlier kind; scratch is always last resort
     assert d.chosen == d.ranked[0] and d.ranked[-1].kind == "scratch"
     keys = [(-c.step, KINDS.index(c.kind)) for c in d.ranked]
     assert keys == sorted(keys)
     assert d.lost_steps == last - d.chosen.step >= 0
-    # peer is viable exactly when the survivors at the newest survivor step cover every shard coordinate
+    # peer is viable exactly when the survivors at the newest survivor step cover every (pipeline stage,
+    # shard coordinate): rank r is in stage r // D and holds shard r % dp_shard of it (row-major mesh)
     newest = max(survivors.values(), default=None)
-    covered = {r % shard for r, s in survivors.items() if s == newest}
+    every = {(p, j) for p in range(pp) for j in range(shard)}
+    covered = {(r // d_size, r % shard) for r, s in survivors.items() if s == newest}
     peer = [c for c in d.ranked if c.kind == "peer"]
-    assert bool(peer) == (newest is not None and covered == set(range(shard)))
+    assert bool(peer) == (newest is not None and covered == every)
     if peer:
         (p,) = peer
-        assert p.step == newest and sorted(r % shard for r in p.ranks) == list(range(shard))
+        assert p.step == newest and sorted((r // d_size, r % shard) for r in p.ranks) == sorted(every)
         assert all(survivors[r] == newest for r in p.ranks)
     mem = [c for c in d.ranked if c.kind == "memory"]
     complete = [s for s, ok in memory.items() if ok]
     assert [c.step for c in mem] == ([max(complete)] if complete else [])
     assert [c.step for c in d.ranked if c.kind == "checkpoint"] == ([] if durable is None else [durable])
-    # DDP (one shard) with a survivor at the newest step loses only the step in flight
-    if shard == 1 and newest == last:
+    # DDP (one shard, one stage) with a survivor at the newest step loses only the step in flight
+    if shard == 1 and pp == 1 and newest == last:
         assert d.chosen.kind == "peer" and d.lost_steps <= 1
 
 
@@ -112,3 +136,63 @@ def test_served_snapshots_must_be_the_asked_rank_step_and_generation() -> None:
     assert "generation 4 rank 0 step 5, not generation 3" in check_served([meta(0, gen=4), meta(1)], (0, 1), 5, 3)
     assert "step 0, not" in check_served([meta(0), meta(1, step=0)], (0, 1), 5, 3)
     assert "do not cover" in check_served([meta(0)], (0,), 5, 3)
+
+
+def test_served_pipeline_snapshots_must_cover_every_stage() -> None:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+    from elastictrain.controller.sources import check_served
+
+    def meta(rank: int) -> SnapshotMeta:  # pp2 x dp1: each rank holds its stage's whole block
+        md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]),
+                                   [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
+        return SnapshotMeta(rank, 5, {f"blocks.{rank}.w": md}, frozenset(), {}, 8, 3, pp_rank=rank, pp_size=2)
+
+    assert check_served([meta(0), meta(1)], (0, 1), 5, 3) == ""
+    assert "stage(s) [1]" in check_served([meta(0)], (0,), 5, 3)
+
+
+def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
+    """The gatherer describes the failed generation's mesh with its pp factor: under pp2 a survivor of
+    stage 0 alone is no source (the old one-shard rule broadcast its stage as the whole state), and under
+    pp2 x dp2 one survivor per stage serves its snapshot (never the replicated broadcast)."""
+    import ray
+
+    from elastictrain import build_config
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+    from elastictrain.controller.gather import PeerRestore, Previous, SourceGatherer
+    from elastictrain.controller.group import Slot, SlotState
+    from elastictrain.events import EventLog
+    from elastictrain.parallel.plan import Layout, MeshDims
+    from tests.conftest import job
+
+    @ray.remote(num_cpus=0)
+    class Survivor:  # one actor answers for every survivor slot (a meta names its rank; one process to start)
+        def use(self, d: int) -> None:
+            self.d = d
+
+        def own_snapshots(self) -> list:
+            return []
+
+        def hold_snapshot(self, expect):
+            gen, rank, step = expect
+            return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen, pp_rank=rank // self.d, pp_size=2)
+
+    actor = Survivor.remote()
+
+    def gathered(d: int, alive_ranks: list[int]):
+        ray.get(actor.use.remote(d))
+        layout = Layout(MeshDims(pp=2, dp_replicate=d, plan="ddp"), 1, "pp2")
+        g = SourceGatherer(build_config(job()), EventLog(tmp_path, console=None), None, None, None, None,
+                           lambda world: layout)
+        slots = [Slot(r, actor=actor, state=SlotState.MEMBER, info={"step": 5}, rank=r) for r in alive_ranks]
+        prev = Previous(1, {r: r for r in alive_ranks}, 2 * d)
+        return g.gather(slots, slots, prev, 2, [5])
+
+    alone = gathered(1, [0])  # pp2: stage 1's only rank died
+    assert alone.kind != "peer" and "[(1, 0)]" in alone.reason
+    replica = gathered(2, [0, 2, 3])  # pp2 x dp2: rank 1 (stage 0) died, rank 0 holds stage 0
+    assert replica.kind == "peer" and isinstance(replica.resume, PeerRestore)
+    assert [(s.meta.rank, s.meta.pp_rank) for s in replica.resume.sources] == [(0, 0), (2, 1)]

@@ -223,12 +223,13 @@ class MemoryReplicator:
     copy into memory already faulted in); without ``keep_own``, those of the newest once it is sent (one
     set of host buffers, as the rank's copies would die with the keeper's node anyway).
     :meth:`reports` returns what the keeper said (and the stall seconds) since the last call; :meth:`close`
-    stops the thread.
+    stops the thread. ``pp_rank``/``pp_size``: the rank's pipeline stage, recorded in every snapshot.
     """
 
     def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0,
-                 keep_own: bool = True) -> None:
+                 keep_own: bool = True, pp_rank: int = 0, pp_size: int = 1) -> None:
         self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
+        self._stage = {"pp_rank": pp_rank, "pp_size": pp_size}  # recorded in every snapshot (coverage)
         self._keep = 2 if keep_own else 1
         self._cv = threading.Condition()
         self._next: Snapshot | None = None
@@ -249,7 +250,8 @@ class MemoryReplicator:
             if len(self._own) == self._keep:  # the oldest drops out now; its buffers are refilled unless in flight
                 old = self._own.pop(0)
                 reuse = None if old is self._sending or old is self._next else old
-        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=reuse)
+        snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=reuse,
+                             **self._stage)
         with self._cv:
             self.stall_s += time.perf_counter() - t0
             self.snapshots += 1

@@ -56,19 +56,22 @@ class SnapshotMeta:
     mappings: dict[str, Any]                    # DCP's flatten mappings (fqn -> path in the nested dict)
     nbytes: int
     generation: int = 0                         # membership generation that took it (same step, same math)
+    pp_rank: int = 0                            # the rank's pipeline stage coordinate (rank // dp size)
+    pp_size: int = 1                            # pipeline stages of the layout that took it
 
     # Pickled compactly: a meta travels keeper -> controller -> every joining rank (one per old rank in
     # each ``join`` call), and pickling DCP's metadata objects (torch dtypes, layouts, memory formats,
     # torch.Size per chunk) cost ~2-4 ms per meta of the 2-layer GPT, paid again for each joining member.
     def __getstate__(self) -> tuple:
         return (self.rank, self.step, [(fqn, *_pack_tensor_md(md)) for fqn, md in self.tensors.items()],
-                tuple(self.objects), self.mappings, self.nbytes, self.generation)
+                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.pp_rank, self.pp_size)
 
     def __setstate__(self, state: tuple) -> None:
-        rank, step, tensors, objects, mappings, nbytes, generation = state
+        rank, step, tensors, objects, mappings, nbytes, generation, pp_rank, pp_size = state
         for name, value in (("rank", rank), ("step", step), ("objects", frozenset(objects)),
                             ("tensors", {t[0]: _unpack_tensor_md(*t[1:]) for t in tensors}),
-                            ("mappings", mappings), ("nbytes", nbytes), ("generation", generation)):
+                            ("mappings", mappings), ("nbytes", nbytes), ("generation", generation),
+                            ("pp_rank", pp_rank), ("pp_size", pp_size)):
             object.__setattr__(self, name, value)
 
 
@@ -194,12 +197,14 @@ def start_fetches(requests: Sequence[tuple[Any, Iterable[Key]]]) -> list[Callabl
 
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
-                  reuse: Snapshot | None = None) -> Snapshot:
+                  pp_rank: int = 0, pp_size: int = 1, reuse: Snapshot | None = None) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free. CPU sources are copied
     when this returns, so the caller may mutate them right away (this copy is the whole training stall).
     CUDA sources are copied into pinned host tensors on a side stream and may still be in flight
     (``Snapshot.ready``; see :mod:`elastictrain.checkpoint.host_copy` for who waits where).
 
+    ``pp_rank``/``pp_size``: the rank's pipeline stage coordinate and the layout's stage count (the
+    snapshot of one stage holds that stage's parameters only; :func:`coverage` needs every stage).
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
     same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
     spare = {} if reuse is None else reuse.data
@@ -235,7 +240,8 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             md = tensors.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
             md.chunks.append(td.chunk)
     ready = copy_to_host(pairs)
-    meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation)
+    meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation,
+                        pp_rank, pp_size)
     return Snapshot(meta, data, ready)
 
 
@@ -277,19 +283,40 @@ def _uncovered(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> t
 def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = None) -> Coverage:
     """Pure check: does the union of ``metas`` (one step of one generation) hold every element of every
     tensor they name, and every fqn of ``expected``? Mixed steps or generations are incomplete: another
-    generation's state of the same step may differ in the last bits (another reduction order)."""
+    generation's state of the same step may differ in the last bits (another reduction order).
+
+    Under pipeline parallelism a snapshot holds its stage's entries only, so a set that lacks a stage
+    names none of that stage's parameters and would look whole: the set must also hold every pipeline
+    coordinate ``0..pp_size-1`` of one ``pp_size``, and the snapshots of each coordinate must cover every
+    element of every tensor they name (as a whole set does without pipelining, ``pp_size`` 1)."""
     missing: list[str] = []
     steps = sorted({(m.generation, m.step) for m in metas})
     if len(steps) > 1:
         missing.append(f"snapshots of different (generation, step) {steps} cannot be combined")
     if not metas:
         return Coverage(False, ("no snapshot",))
-    merged = merge_metadata(metas)
-    for fqn, md in sorted(merged.items()):
-        if isinstance(md, TensorStorageMetadata):
-            hole = _uncovered(tuple(md.size), md.chunks)
-            if hole is not None:
-                missing.append(f"{fqn}: offsets {hole[0]} sizes {hole[1]} of {list(md.size)}")
+    sizes = sorted({m.pp_size for m in metas})
+    if len(sizes) > 1:
+        missing.append(f"snapshots of different pipeline sizes (pp_size {sizes}) cannot be combined")
+    stages: dict[int, list[SnapshotMeta]] = {}
+    for m in metas:
+        stages.setdefault(m.pp_rank, []).append(m)
+    strays = sorted({(m.rank, m.pp_rank, m.pp_size) for m in metas if not 0 <= m.pp_rank < m.pp_size})
+    if strays:
+        missing.append(f"snapshots (rank, pp_rank, pp_size) {strays} name a stage outside their pipeline")
+    lacking = [p for p in range(max(sizes)) if p not in stages]
+    if lacking:
+        missing.append(f"no snapshot of pipeline stage(s) {lacking} of pp_size {max(sizes)}")
+    merged: dict[str, Any] = {}
+    for p, group in sorted(stages.items()):
+        stage = merge_metadata(group)
+        where = f" (stage {p})" if max(sizes) > 1 else ""
+        for fqn, md in sorted(stage.items()):
+            if isinstance(md, TensorStorageMetadata):
+                hole = _uncovered(tuple(md.size), md.chunks)
+                if hole is not None:
+                    missing.append(f"{fqn}{where}: offsets {hole[0]} sizes {hole[1]} of {list(md.size)}")
+        merged.update(stage)
     for fqn in sorted(set(expected or ()) - set(merged)):
         missing.append(f"{fqn}: no snapshot holds it")
     return Coverage(not missing, tuple(missing))

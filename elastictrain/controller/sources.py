@@ -3,9 +3,11 @@
 Three kinds of source, in this order of preference at equal step:
 
 * ``peer`` -- live survivors (replicas on the replicate dimension). The mesh of the failed generation is
-  ``(dp_replicate, dp_shard)`` in row-major rank order, so rank ``r`` holds shard ``r % dp_shard``.
-  Survivors at the newest step whose shard coordinates cover ``0..dp_shard-1`` hold everything (DDP has
-  ``dp_shard == 1``: any survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs all).
+  ``(pp, dp_replicate, dp_shard)`` in row-major rank order: with ``D = dp_replicate * dp_shard``, rank
+  ``r`` is in pipeline stage ``r // D`` and holds shard ``r % dp_shard`` of that stage's parameters.
+  Survivors at the newest step that cover every (stage, shard coordinate) hold everything (DDP has
+  ``pp == dp_shard == 1``: any survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs
+  all; a pipeline needs that for each of its stages, so pp alone with ``D == 1`` needs every rank).
   Lost work: the step in flight only.
 * ``memory`` -- the peer memory tier: the newest step whose per-rank snapshots, kept on other nodes,
   cover every element (see :func:`elastictrain.checkpoint.memory_dcp.coverage`). Lost work <= the
@@ -31,7 +33,7 @@ KINDS = ("peer", "memory", "checkpoint", "scratch")  # also the ``source`` of th
 class Candidate:
     kind: str
     step: int
-    ranks: tuple[int, ...]  # peer: the survivors to read from (one per shard coordinate); else ()
+    ranks: tuple[int, ...]  # peer: the survivors to read from (one per (stage, shard coordinate)); else ()
     reason: str
 
 
@@ -45,27 +47,37 @@ class SourceDecision:
     reason: str
 
 
-def _peer(dp_replicate: int, dp_shard: int, survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
-    world = dp_replicate * dp_shard
+def _peer(pp: int, dp_replicate: int, dp_shard: int,
+          survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
+    d = dp_replicate * dp_shard
+    world = pp * d
     alive = {r: s for r, s in survivors.items() if 0 <= r < world}
     if not alive:
         return None, "no survivor holds state"
     newest = max(alive.values())
-    holders: dict[int, int] = {}
+    holders: dict[tuple[int, int], int] = {}  # (stage, shard coordinate) -> the lowest survivor holding it
     for r in sorted(alive):
         if alive[r] == newest:
-            holders.setdefault(r % dp_shard, r)
-    missing = [j for j in range(dp_shard) if j not in holders]
-    if missing:
-        return None, (f"survivors at step {newest} lack shard coordinates {missing} of {dp_shard} "
-                      f"(mesh dp_replicate={dp_replicate} x dp_shard={dp_shard})")
-    ranks = tuple(holders[j] for j in range(dp_shard))
-    return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold every shard at step {newest}"), ""
+            holders.setdefault((r // d, r % dp_shard), r)
+    need = [(p, j) for p in range(pp) for j in range(dp_shard)]
+    missing = [c for c in need if c not in holders]
+    mesh = f"dp_replicate={dp_replicate} x dp_shard={dp_shard}"
+    if pp > 1:
+        mesh = f"pp={pp} x {mesh}"
+        if missing:
+            return None, (f"survivors at step {newest} lack (pipeline stage, shard coordinate) {missing} of "
+                          f"{pp} x {dp_shard} (mesh {mesh})")
+    elif missing:
+        return None, (f"survivors at step {newest} lack shard coordinates {[j for _, j in missing]} of "
+                      f"{dp_shard} (mesh {mesh})")
+    ranks = tuple(holders[c] for c in need)
+    every = "every stage's every shard" if pp > 1 else "every shard"
+    return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold {every} at step {newest}"), ""
 
 
 def rank_sources(
     *, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int], memory: Mapping[int, bool],
-    durable_step: int | None, last_step: int, storage_asked: bool = True,
+    durable_step: int | None, last_step: int, storage_asked: bool = True, pp: int = 1,
 ) -> SourceDecision:
     """Rank the recovery sources.
 
@@ -73,13 +85,14 @@ def rank_sources(
     whether the peer tier's snapshots of that step cover everything. ``durable_step``: newest committed
     checkpoint, or None. ``last_step``: the newest step the group completed (for ``lost_steps``).
     ``storage_asked`` False: storage was not listed (see :func:`storage_needed`), and the reason says so.
-    Raises ``ValueError`` on mesh dims < 1.
+    ``pp``: the failed generation's pipeline stages (the outermost mesh axis). Raises ``ValueError`` on
+    mesh dims < 1.
     """
-    if dp_replicate < 1 or dp_shard < 1:
-        raise ValueError(f"mesh dims must be >= 1, got dp_replicate={dp_replicate} dp_shard={dp_shard}")
+    if dp_replicate < 1 or dp_shard < 1 or pp < 1:
+        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard}")
     found: list[Candidate] = []
     notes: list[str] = []
-    peer, why = _peer(dp_replicate, dp_shard, survivors)
+    peer, why = _peer(pp, dp_replicate, dp_shard, survivors)
     if peer is not None:
         found.append(peer)
     else:

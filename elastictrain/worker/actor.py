@@ -307,7 +307,8 @@ class Worker:
             return
         r = self.runner
         try:
-            self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+            self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation,
+                                       **self._stage())
         except Exception as e:  # noqa: BLE001 - no snapshot: the controller finds another source
             self._log.warning("could not snapshot the state after the failed step: %s", one_line(e))
             self._held = None
@@ -378,6 +379,12 @@ class Worker:
         optimizer shards, step and data cursor)."""
         return self.runner.state.state_dict()
 
+    def _stage(self) -> dict[str, int]:
+        """This rank's pipeline coordinate in its generation's mesh (``Layout.coords``; 0 of 1 without
+        pipelining), recorded in its snapshots for :func:`~elastictrain.checkpoint.memory_dcp.coverage`."""
+        r = self.runner
+        return {"pp_rank": r.layout.coords(r.rank)[0], "pp_size": r.layout.dims.pp}
+
     def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
         """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
         ``None`` turns the tier off. ``elsewhere``: the keeper is on another node, so this rank keeps its
@@ -389,7 +396,8 @@ class Worker:
         if keeper is not None:
             r = self.runner
             self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
-                                                timeout_s=self.config.timeouts.poll_s, keep_own=elsewhere)
+                                                timeout_s=self.config.timeouts.poll_s, keep_own=elsewhere,
+                                                **self._stage())
 
     def _close_replicator(self, timeout: float | None) -> None:
         if self._replicator is not None:
@@ -425,7 +433,8 @@ class Worker:
                                f"the generation {expect[0]} rank {expect[1]} step {expect[2]} asked for")
         if r.model is None:
             raise RuntimeError(f"slot {self.slot} released its state after a failed step and holds no snapshot")
-        self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation)
+        self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation,
+                                   **self._stage())
         return self._held.meta
 
     def own_snapshots(self) -> list[Any]:
