@@ -154,6 +154,8 @@ class Controller(WorkerMonitor):
 
     def _running(self) -> None:
         self._pump(POLL_INTERVAL_S)
+        if self.ledger.last_step > self.generation_start_step:  # trained a step: the first standby may start
+            self.group.start_first_standby()
         if self.pending_failures:
             return self.sm.to(State.RECOVERING, self.pending_failures[0].reason)
         results = self._finished_runs()
