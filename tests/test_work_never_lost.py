@@ -56,6 +56,28 @@ def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
     assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "branch")).committed()] == [9]
 
 
+def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_point(tmp_path, ray_local):
+    """The branched run's rank 1 is SIGKILLed as it enters the FIRST rendezvous (before any member loaded the
+    branch point or trained a step): no worker holds state, the run has committed nothing of its own, and
+    the next generation must still load the branch point (step 5), not start from step 0."""
+    base = run_job(tmp_path, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp_path, every_steps=5)),
+                   name="trunk")
+    assert base.summary["checkpoints_committed"] == [5]
+    branch_uri = str(tmp_path / "ckpt" / "trunk" / "step_000000005")
+    kill = [{"rank": 1, "step": 0, "point": "join", "kind": "kill", "generation": 0}]
+    spec = job(name="trunk", run_id="rdv", train={"steps": 7}, faults=kill,
+               checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))  # elastic: rank 0 goes on alone
+    run = run_job(tmp_path, spec, name="rdv")
+    assert run.result.exit_code == 0, run.summary
+    (failure,) = run.of("failure")
+    assert "rendezvous of generation 0" in failure["reason"] and failure["rank"] in (1, None), failure
+    (rec,) = run.of("recovered")
+    assert rec["source"] == "checkpoint" and rec["step"] == 5, rec
+    steps = [e["step"] for e in run.of("step")]
+    assert min(steps) == 6 and sorted(set(steps)) == [6, 7], steps
+    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "rdv")).committed()] == [7]
+
+
 def test_a_worker_dying_while_the_run_finishes_still_ends_the_run_cleanly(tmp_path, ray_local):
     """Rank 1 is SIGKILLed while the controller gathers the final model (after the final commit): the run
     fails with exit 1 and says the final step is committed; summary.json and run_finished are written."""
@@ -103,11 +125,11 @@ def test_a_storage_error_during_recovery_ends_the_run_with_exit_3(tmp_path, ray_
     assert committed and [m.step for m in committed] == [s for s in run.summary["checkpoints_committed"]][-5:]
 
 
-def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path, ray_local):
-    """Strict mode, 2 workers, durable checkpoints but no periodic ones and no peer tier: rank 1 is SIGKILLed,
-    and the driver gets SIGTERM as soon as the failure is seen (the controller waits for the replacement).
-    The survivor regroups to save: exit 75 with a committed checkpoint of the survivor's step, not a
-    resubmission from step 0."""
+def _sigterm_while_recovering(tmp_path: Path, name: str, **sections) -> tuple[dict, dict, dict, str]:
+    """Run ``elastictrain run`` (strict, 2 workers, durable checkpoints but none periodic) on the session's
+    Ray; SIGKILL rank 1 past step 8 and SIGTERM the driver as soon as the failure is seen (the controller
+    waits for the replacement). Returns (the ``preempted`` event, the ``failure`` event, summary.json, the
+    console), after asserting exit 75 and no traceback."""
     import json
     import os
     import signal
@@ -121,8 +143,8 @@ def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path
     from elastictrain.events import read_events
     from tests.cluster_fixtures import SLOW
 
-    spec = job(name="pw", train={"steps": 400}, recovery={"mode": "strict"}, workers={"min": 2, "max": 2},
-               faults=SLOW, checkpoint=_ck(tmp_path, every_steps=0))
+    spec = job(name=name, train={"steps": 400}, recovery={"mode": "strict"}, workers={"min": 2, "max": 2},
+               faults=SLOW, **sections)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     address = ray.get_runtime_context().gcs_address
@@ -153,13 +175,36 @@ def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path
             proc.kill()
     assert proc.returncode == 75, out[-2000:]
     assert "Traceback" not in out
-    events = read_events(run_dir)
-    (pre,) = [e for e in events if e["event"] == "preempted"]
+    (pre,) = [e for e in read_events(run_dir) if e["event"] == "preempted"]
+    return pre, failure, json.loads((run_dir / "summary.json").read_text()), out
+
+
+def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path, ray_local):
+    """DDP, no peer tier: rank 1 is SIGKILLed and the driver SIGTERMed while the controller waits for the
+    replacement. The survivor regroups to save: exit 75 with a committed checkpoint of the survivor's step,
+    not a resubmission from step 0."""
+    pre, failure, summary, _ = _sigterm_while_recovering(tmp_path, "pw", checkpoint=_ck(tmp_path, every_steps=0))
     assert pre["checkpoint"] is True and pre["step"] >= failure["step"] - 1, (pre, failure)
     newest, _ = CheckpointStore(str(tmp_path / "ckpt" / "pw")).latest_valid()
     assert newest is not None and newest.step == pre["step"]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoints_committed"] == [pre["step"]]
+
+
+def test_sigterm_while_recovering_under_fsdp_commits_the_regrouped_shards(tmp_path, ray_local):
+    """fsdp: the survivor holds half of the state; the peer memory tier (every 2 steps) holds rank 1's half.
+    SIGTERM while recovering: the survivor regroups (with the replacement if it is ready by then), restores
+    the whole state from itself and the tier (resharded to the new mesh), and commits it: exit 75, a
+    checkpoint at most one snapshot interval behind the failure, that a resumed run loads."""
+    ck = _ck(tmp_path, every_steps=0, memory_every_steps=2)
+    pre, failure, summary, _ = _sigterm_while_recovering(tmp_path, "pf", checkpoint=ck, parallel={"plan": "fsdp"})
+    assert pre["checkpoint"] is True and 0 < pre["step"] and failure["step"] - pre["step"] <= 2 + 1, (pre, failure)
+    newest, _ = CheckpointStore(str(tmp_path / "ckpt" / "pf")).latest_valid()
+    assert newest is not None and newest.step == pre["step"], newest
+    assert summary["checkpoints_committed"] == [pre["step"]]
+    spec = job(name="pf", train={"steps": pre["step"] + 1}, parallel={"plan": "fsdp"}, workers={"min": 1, "max": 1},
+               checkpoint={**ck, "accept_changes": ["schedule"]})  # a shorter run on purpose: its LR schedule differs
+    resumed = run_job(tmp_path, spec, name="resumed")
+    assert resumed.result.exit_code == 0 and [e["step"] for e in resumed.of("resumed")] == [pre["step"]]
 
 
 def test_drain_notice_while_waiting_for_a_replacement_commits_what_the_survivor_holds(tmp_path, cluster):

@@ -288,7 +288,9 @@ class Controller(WorkerMonitor):
             self._on_setup_done(slot)
         survivors = [s for s in self.group.slots if s.state is SlotState.MEMBER]
         ready = self.group.by_state(SlotState.READY)
-        decision = self._membership(len(survivors) + len(ready), current=self.world_size)
+        # before any generation formed (the first rendezvous failed) the run's size is the one it starts at;
+        # strict mode keeps the current size, and 0 chose no one: the recovery looped, forming nothing
+        decision = self._membership(len(survivors) + len(ready), current=self.world_size or self.config.workers.max)
         if decision.action == "fail":
             return self._fail(decision.reason)
         if decision.action == "wait":
@@ -317,7 +319,7 @@ class Controller(WorkerMonitor):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
-        if old != self.world_size:
+        if old and old != self.world_size:  # (0: no generation had formed, nothing was resized)
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
                              accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)

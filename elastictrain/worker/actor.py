@@ -150,6 +150,8 @@ class Worker:
         them must call it concurrently. ``restore`` (snapshot sources, see :meth:`load_peer`): load them
         right after the rebuild and return the step -- one call instead of two, and a rank that finished its
         rebuild loads while slower ones still rebuild (loads are collective-free)."""
+        held = self.runner.state.step if getattr(self.runner, "state", None) is not None else 0
+        self.runner.faults.fire(rank=rank, step=held, point="join", generation=generation)
         self._leave_group()
         set_worker_rank(rank, world_size, generation)
         timeout = datetime.timedelta(seconds=self.config.timeouts.collective_s)
