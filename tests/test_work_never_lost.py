@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from elastictrain import Trainer, build_config
 from elastictrain.checkpoint import CheckpointStore
 from tests.cluster_fixtures import _module_cluster, cluster, node_of  # noqa: F401 - fixtures
@@ -34,14 +36,23 @@ def test_final_step_committed_off_the_cadence(tmp_path, ray_local):
     assert run.summary["checkpoints_committed"] == [5, 7]
 
 
-def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def branch_uri(tmp_path_factory) -> str:
+    """A committed step 5 of run "trunk" (on a root of its own) that the branched runs start from; read-only
+    for them: each branch commits under its own run id and root."""
+    from tests.conftest import _ensure_local_ray
+
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("trunk")
+    base = run_job(tmp, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp, every_steps=5)), name="trunk")
+    assert base.summary["checkpoints_committed"] == [5]
+    return str(tmp / "ckpt" / "trunk" / "step_000000005")
+
+
+def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local, branch_uri):
     """A run started under a new run id from an explicit checkpoint URI has nothing of its own on storage
     before its first commit: a sharded failure (no survivor covers the state, no peer tier) must resume from
     the branch point, not restart from step 0 and commit over the branch."""
-    base = run_job(tmp_path, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp_path, every_steps=5)),
-                   name="trunk")
-    assert base.summary["checkpoints_committed"] == [5]
-    branch_uri = str(tmp_path / "ckpt" / "trunk" / "step_000000005")
     kill = [{"rank": 1, "step": 7, "kind": "kill", "generation": 0}]
     spec = job(name="trunk", run_id="branch", train={"steps": 9}, parallel={"plan": "fsdp"},
                workers={"min": 2, "max": 2}, recovery={"mode": "strict"}, faults=kill,
@@ -56,14 +67,10 @@ def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
     assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "branch")).committed()] == [9]
 
 
-def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_point(tmp_path, ray_local):
+def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_point(tmp_path, ray_local, branch_uri):
     """The branched run's rank 1 is SIGKILLed as it enters the FIRST rendezvous (before any member loaded the
     branch point or trained a step): no worker holds state, the run has committed nothing of its own, and
     the next generation must still load the branch point (step 5), not start from step 0."""
-    base = run_job(tmp_path, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp_path, every_steps=5)),
-                   name="trunk")
-    assert base.summary["checkpoints_committed"] == [5]
-    branch_uri = str(tmp_path / "ckpt" / "trunk" / "step_000000005")
     kill = [{"rank": 1, "step": 0, "point": "join", "kind": "kill", "generation": 0}]
     spec = job(name="trunk", run_id="rdv", train={"steps": 7}, faults=kill,
                checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))  # elastic: rank 0 goes on alone
