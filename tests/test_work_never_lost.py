@@ -70,10 +70,13 @@ def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local, bran
 def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_point(tmp_path, ray_local, branch_uri):
     """The branched run's rank 1 is SIGKILLed as it enters the FIRST rendezvous (before any member loaded the
     branch point or trained a step): no worker holds state, the run has committed nothing of its own, and
-    the next generation must still load the branch point (step 5), not start from step 0."""
+    the next generation must still load the branch point (step 5), not start from step 0. Strict mode: the
+    next generation is the first one's size again, with the member whose first rendezvous failed (before:
+    its torch group count stayed advanced, so every later rendezvous timed out: a crash loop; and a
+    recovery before any generation formed chose zero workers and looped)."""
     kill = [{"rank": 1, "step": 0, "point": "join", "kind": "kill", "generation": 0}]
-    spec = job(name="trunk", run_id="rdv", train={"steps": 7}, faults=kill,
-               checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))  # elastic: rank 0 goes on alone
+    spec = job(name="trunk", run_id="rdv", train={"steps": 7}, workers={"min": 2, "max": 2}, faults=kill,
+               recovery={"mode": "strict"}, checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))
     run = run_job(tmp_path, spec, name="rdv")
     assert run.result.exit_code == 0, run.summary
     (failure,) = run.of("failure")
@@ -81,7 +84,8 @@ def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_poi
     (rec,) = run.of("recovered")
     assert rec["source"] == "checkpoint" and rec["step"] == 5, rec
     steps = [e["step"] for e in run.of("step")]
-    assert min(steps) == 6 and sorted(set(steps)) == [6, 7], steps
+    assert steps == [6, 7], steps
+    assert {e["world_size"] for e in run.of("step")} == {2}
     assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "rdv")).committed()] == [7]
 
 
