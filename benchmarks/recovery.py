@@ -565,6 +565,9 @@ def chaos_outcome(n_steps: int, free: list[Record], chaos: list[Record], kills: 
          "window_chaos_s": round(_window(chaos), 2), "wall_free_s": free_s["wall_s"],
          "wall_chaos_s": chaos_s["wall_s"], "goodput_wall_ratio": round(free_s["wall_s"] / chaos_s["wall_s"], 4),
          "summary_goodput_chaos": chaos_s["goodput"]["fraction"], "failures": chaos_s["failures"],
+         # the summary's fraction is productive step time over the whole wall time (start-up, time between
+         # steps and the final save included), so a run without failures is below 1 too: compare with it
+         "summary_goodput_free": free_s["goodput"]["fraction"],
          "final_loss_free": free_s["final_loss"], "final_loss_chaos": chaos_s["final_loss"]})
 
 

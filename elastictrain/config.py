@@ -242,7 +242,7 @@ class FaultConfig(_Section):
 
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
-    point: Literal["before_step", "mid_step", "after_step", "backward", "finish"] = "mid_step"
+    point: Literal["before_step", "mid_step", "after_step", "backward", "finish", "join"] = "mid_step"
     kind: Literal["kill", "hang", "raise", "slow"] = "kill"
     seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step (a hang lasts until killed)")
     repeat: bool = Field(False, description="fire again whenever that rank reaches that step (crash loops)")

@@ -21,7 +21,9 @@ BASE_JOB: dict[str, Any] = {
     "task": {"model": {"seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32, "dropout": 0.1},
              "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
     "train": {"steps": 20, "seed": 0, "global_batch": 16, "micro_batch": 4, "log_every": 100},
-    "workers": {"min": 1, "max": 2},
+    # no standby process started ahead (workers.standby, on by default): a run starts one once it trained a
+    # step, an extra process importing torch beside every short test run; tests/test_standby.py turns it on
+    "workers": {"min": 1, "max": 2, "standby": False},
     "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 90,
                  "watchdog_floor_s": 2},
 }

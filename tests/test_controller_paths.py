@@ -123,6 +123,9 @@ class FakeGroup(WorkerGroup):
     def process_gone(self, slot: Slot) -> bool:
         return False
 
+    def start_first_standby(self) -> None:  # scripted actors: no process to start ahead
+        pass
+
     def placed(self, slot: Slot) -> bool:
         return True
 

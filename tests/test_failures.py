@@ -71,7 +71,8 @@ def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path
     """The same own error every time rank 1 reaches step 5 (strict mode: the replacement redoes it): the
     failures are counted and the run stops as a crash loop quoting the error (it used to regroup forever)."""
     boom = {"rank": 1, "step": 5, "point": "backward", "kind": "raise", "repeat": True, "generation": None}
-    spec = job(train={"steps": 12}, faults=[boom], recovery={"mode": "strict", "max_failures_per_rank": 1})
+    spec = job(train={"steps": 12}, faults=[boom], recovery={"mode": "strict", "max_failures_per_rank": 1},
+               workers={"standby": True})  # its replacements start warm
     bg = BackgroundRun(tmp_path, spec)
     run = bg.finish(timeout=150)
     assert run.result.exit_code == 1
@@ -89,7 +90,7 @@ def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local,
     lifetime counts: recovery.max_failures=8 of the run and max_failures_per_rank=3 of the slot."""
     kills = [{"rank": 1, "step": 6 + 5 * k, "point": "mid_step", "kind": "kill", "generation": k}
              for k in range(9)]  # strict mode: one new generation per failure, so generation k is after k kills
-    base = dict(train={"steps": 60}, workers={"spares": 2},
+    base = dict(train={"steps": 60}, workers={"spares": 2, "standby": True},  # replacements warm: 9 of them
                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
                 recovery={"mode": "strict", "max_failures": 8, "failure_window_s": 4.0})
     faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")

@@ -1,14 +1,16 @@
-"""``workers.standby``: after a first replacement the group keeps one worker process started ahead, and the
-next replacement runs in that process (no process start, no imports) while another standby is started.
-A real WorkerGroup on the session's local Ray; the evidence is the process id, no timing."""
+"""``workers.standby``: the group keeps one worker process started ahead (the first once the run trained a
+step), and the next replacement runs in that process (no process start, no imports) while another standby is
+started. A real WorkerGroup and a real run on the session's local Ray; the evidence is the process id, no
+timing."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import ray
-from conftest import job
+from conftest import BackgroundRun, job
 
 from elastictrain.config import build_config
 from elastictrain.controller.group import SlotState, WorkerGroup
@@ -42,8 +44,7 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
 
 
 def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
-    config = build_config(job(workers={"min": 1, "max": 1}))
-    assert config.workers.standby  # the default
+    config = build_config(job(workers={"min": 1, "max": 1, "standby": True}))  # the default (off in BASE_JOB)
     group = WorkerGroup(config, task_from_config(config))
     try:
         group.spawn(0)
@@ -78,3 +79,37 @@ def test_no_standby_when_turned_off(ray_local) -> None:
         assert group._standby is None
     finally:
         group.shutdown()
+
+
+def _wait_standby_started(bg: BackgroundRun, timeout: float = 120.0):
+    """The controller's standby actor, once it was started (by the controller, after the first step)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and bg.thread.is_alive():
+        controller = getattr(bg.trainer, "controller", None)
+        standby = controller.group._standby if controller is not None else None
+        if standby is not None:
+            return standby
+        bg.thread.join(0.05)
+    raise AssertionError("no standby was started while the first generation trained")
+
+
+def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, ray_local) -> None:
+    """A run that has lost no worker yet keeps a standby once it trained a step, so its FIRST replacement
+    (rank 1 SIGKILLed from outside, strict mode: the replacement must join) runs in that process."""
+    # 0.1 s more per step on both ranks, every generation: the run outlasts the test's few calls below
+    slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.1, "generation": None} for r in (0, 1)]
+    spec = job(train={"steps": 40}, workers={"min": 2, "max": 2, "standby": True}, recovery={"mode": "strict"},
+               faults=slow)
+    bg = BackgroundRun(tmp_path, spec)
+    standby = _wait_standby_started(bg)  # maybe still importing: a replacement takes it all the same
+    started = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
+    assert started["standby"] is False  # the first generation's workers start as their own processes
+    os.kill(started["pid"], signal.SIGKILL)
+    standby_pid = _pid_of(standby)  # threaded actor: answers beside its set-up, before the run can end
+    run = bg.finish(timeout=300)
+    assert run.result.exit_code == 0, run.summary.get("error")
+    assert run.summary["failures"] == 1 and run.summary["final_step"] == 40
+    slot = started["slot"]
+    again = [e for e in run.of("worker_started") if e["slot"] == slot][1:]
+    assert len(again) == 1, run.of("worker_started")
+    assert again[0]["standby"] is True and again[0]["pid"] == standby_pid, again[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from elastictrain import Trainer, build_config
 from elastictrain.checkpoint import CheckpointStore
 from tests.cluster_fixtures import _module_cluster, cluster, node_of  # noqa: F401 - fixtures
@@ -34,14 +36,23 @@ def test_final_step_committed_off_the_cadence(tmp_path, ray_local):
     assert run.summary["checkpoints_committed"] == [5, 7]
 
 
-def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def branch_uri(tmp_path_factory) -> str:
+    """A committed step 5 of run "trunk" (on a root of its own) that the branched runs start from; read-only
+    for them: each branch commits under its own run id and root."""
+    from tests.conftest import _ensure_local_ray
+
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("trunk")
+    base = run_job(tmp, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp, every_steps=5)), name="trunk")
+    assert base.summary["checkpoints_committed"] == [5]
+    return str(tmp / "ckpt" / "trunk" / "step_000000005")
+
+
+def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local, branch_uri):
     """A run started under a new run id from an explicit checkpoint URI has nothing of its own on storage
     before its first commit: a sharded failure (no survivor covers the state, no peer tier) must resume from
     the branch point, not restart from step 0 and commit over the branch."""
-    base = run_job(tmp_path, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp_path, every_steps=5)),
-                   name="trunk")
-    assert base.summary["checkpoints_committed"] == [5]
-    branch_uri = str(tmp_path / "ckpt" / "trunk" / "step_000000005")
     kill = [{"rank": 1, "step": 7, "kind": "kill", "generation": 0}]
     spec = job(name="trunk", run_id="branch", train={"steps": 9}, parallel={"plan": "fsdp"},
                workers={"min": 2, "max": 2}, recovery={"mode": "strict"}, faults=kill,
@@ -54,6 +65,28 @@ def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local):
     steps = [e["step"] for e in run.of("step")]
     assert min(steps) == 6 and 1 not in steps, steps
     assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "branch")).committed()] == [9]
+
+
+def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_point(tmp_path, ray_local, branch_uri):
+    """The branched run's rank 1 is SIGKILLed as it enters the FIRST rendezvous (before any member loaded the
+    branch point or trained a step): no worker holds state, the run has committed nothing of its own, and
+    the next generation must still load the branch point (step 5), not start from step 0. Strict mode: the
+    next generation is the first one's size again, with the member whose first rendezvous failed (before:
+    its torch group count stayed advanced, so every later rendezvous timed out: a crash loop; and a
+    recovery before any generation formed chose zero workers and looped)."""
+    kill = [{"rank": 1, "step": 0, "point": "join", "kind": "kill", "generation": 0}]
+    spec = job(name="trunk", run_id="rdv", train={"steps": 7}, workers={"min": 2, "max": 2}, faults=kill,
+               recovery={"mode": "strict"}, checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))
+    run = run_job(tmp_path, spec, name="rdv")
+    assert run.result.exit_code == 0, run.summary
+    (failure,) = run.of("failure")
+    assert "rendezvous of generation 0" in failure["reason"] and failure["rank"] in (1, None), failure
+    (rec,) = run.of("recovered")
+    assert rec["source"] == "checkpoint" and rec["step"] == 5, rec
+    steps = [e["step"] for e in run.of("step")]
+    assert steps == [6, 7], steps
+    assert {e["world_size"] for e in run.of("step")} == {2}
+    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "rdv")).committed()] == [7]
 
 
 def test_a_worker_dying_while_the_run_finishes_still_ends_the_run_cleanly(tmp_path, ray_local):
@@ -103,11 +136,11 @@ def test_a_storage_error_during_recovery_ends_the_run_with_exit_3(tmp_path, ray_
     assert committed and [m.step for m in committed] == [s for s in run.summary["checkpoints_committed"]][-5:]
 
 
-def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path, ray_local):
-    """Strict mode, 2 workers, durable checkpoints but no periodic ones and no peer tier: rank 1 is SIGKILLed,
-    and the driver gets SIGTERM as soon as the failure is seen (the controller waits for the replacement).
-    The survivor regroups to save: exit 75 with a committed checkpoint of the survivor's step, not a
-    resubmission from step 0."""
+def _sigterm_while_recovering(tmp_path: Path, name: str, **sections) -> tuple[dict, dict, dict, str]:
+    """Run ``elastictrain run`` (strict, 2 workers, durable checkpoints but none periodic) on the session's
+    Ray; SIGKILL rank 1 past step 8 and SIGTERM the driver as soon as the failure is seen (the controller
+    waits for the replacement). Returns (the ``preempted`` event, the ``failure`` event, summary.json, the
+    console), after asserting exit 75 and no traceback."""
     import json
     import os
     import signal
@@ -121,8 +154,8 @@ def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path
     from elastictrain.events import read_events
     from tests.cluster_fixtures import SLOW
 
-    spec = job(name="pw", train={"steps": 400}, recovery={"mode": "strict"}, workers={"min": 2, "max": 2},
-               faults=SLOW, checkpoint=_ck(tmp_path, every_steps=0))
+    spec = job(name=name, train={"steps": 400}, recovery={"mode": "strict"}, workers={"min": 2, "max": 2},
+               faults=SLOW, **sections)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     address = ray.get_runtime_context().gcs_address
@@ -153,13 +186,36 @@ def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path
             proc.kill()
     assert proc.returncode == 75, out[-2000:]
     assert "Traceback" not in out
-    events = read_events(run_dir)
-    (pre,) = [e for e in events if e["event"] == "preempted"]
+    (pre,) = [e for e in read_events(run_dir) if e["event"] == "preempted"]
+    return pre, failure, json.loads((run_dir / "summary.json").read_text()), out
+
+
+def test_sigterm_while_recovering_still_commits_what_the_survivor_holds(tmp_path, ray_local):
+    """DDP, no peer tier: rank 1 is SIGKILLed and the driver SIGTERMed while the controller waits for the
+    replacement. The survivor regroups to save: exit 75 with a committed checkpoint of the survivor's step,
+    not a resubmission from step 0."""
+    pre, failure, summary, _ = _sigterm_while_recovering(tmp_path, "pw", checkpoint=_ck(tmp_path, every_steps=0))
     assert pre["checkpoint"] is True and pre["step"] >= failure["step"] - 1, (pre, failure)
     newest, _ = CheckpointStore(str(tmp_path / "ckpt" / "pw")).latest_valid()
     assert newest is not None and newest.step == pre["step"]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoints_committed"] == [pre["step"]]
+
+
+def test_sigterm_while_recovering_under_fsdp_commits_the_regrouped_shards(tmp_path, ray_local):
+    """fsdp: the survivor holds half of the state; the peer memory tier (every 2 steps) holds rank 1's half.
+    SIGTERM while recovering: the survivor regroups (with the replacement if it is ready by then), restores
+    the whole state from itself and the tier (resharded to the new mesh), and commits it: exit 75, a
+    checkpoint at most one snapshot interval behind the failure, that a resumed run loads."""
+    ck = _ck(tmp_path, every_steps=0, memory_every_steps=2)
+    pre, failure, summary, _ = _sigterm_while_recovering(tmp_path, "pf", checkpoint=ck, parallel={"plan": "fsdp"})
+    assert pre["checkpoint"] is True and 0 < pre["step"] and failure["step"] - pre["step"] <= 2 + 1, (pre, failure)
+    newest, _ = CheckpointStore(str(tmp_path / "ckpt" / "pf")).latest_valid()
+    assert newest is not None and newest.step == pre["step"], newest
+    assert summary["checkpoints_committed"] == [pre["step"]]
+    spec = job(name="pf", train={"steps": pre["step"] + 1}, parallel={"plan": "fsdp"}, workers={"min": 1, "max": 1},
+               checkpoint={**ck, "accept_changes": ["schedule"]})  # a shorter run on purpose: its LR schedule differs
+    resumed = run_job(tmp_path, spec, name="resumed")
+    assert resumed.result.exit_code == 0 and [e["step"] for e in resumed.of("resumed")] == [pre["step"]]
 
 
 def test_drain_notice_while_waiting_for_a_replacement_commits_what_the_survivor_holds(tmp_path, cluster):

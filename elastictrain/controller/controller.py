@@ -154,6 +154,8 @@ class Controller(WorkerMonitor):
 
     def _running(self) -> None:
         self._pump(POLL_INTERVAL_S)
+        if self.ledger.last_step > self.generation_start_step:  # trained a step: the first standby may start
+            self.group.start_first_standby()
         if self.pending_failures:
             return self.sm.to(State.RECOVERING, self.pending_failures[0].reason)
         results = self._finished_runs()
@@ -286,7 +288,9 @@ class Controller(WorkerMonitor):
             self._on_setup_done(slot)
         survivors = [s for s in self.group.slots if s.state is SlotState.MEMBER]
         ready = self.group.by_state(SlotState.READY)
-        decision = self._membership(len(survivors) + len(ready), current=self.world_size)
+        # before any generation formed (the first rendezvous failed) the run's size is the one it starts at;
+        # strict mode keeps the current size, and 0 chose no one: the recovery looped, forming nothing
+        decision = self._membership(len(survivors) + len(ready), current=self.world_size or self.config.workers.max)
         if decision.action == "fail":
             return self._fail(decision.reason)
         if decision.action == "wait":
@@ -315,7 +319,7 @@ class Controller(WorkerMonitor):
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a worker failed during the rendezvous")
             return
-        if old != self.world_size:
+        if old and old != self.world_size:  # (0: no generation had formed, nothing was resized)
             self.events.emit("resized", old_world_size=old, new_world_size=self.world_size,
                              accum=self.layout(self.world_size).accum, step=self.ledger.last_step,
                              reason=decision.reason)

@@ -4,8 +4,9 @@ slot has its own, so the run starts with what fits and grows when capacity appea
 died gets a new actor in the same bundle: Ray re-places a bundle lost with its node when capacity exists,
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
-With ``workers.standby`` the group keeps, from its first replacement on, one worker process started ahead
-(imports done, no resources of its own) that the next replacement on its node runs in.
+With ``workers.standby`` the group keeps one worker process started ahead (imports done, no resources of its
+own) that the next replacement on its node runs in: the first once the run has trained a step
+(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -129,6 +130,8 @@ class WorkerGroup:
     # that a subclass with an __init__ of its own (tests' fake groups) has none.
     _standby: Any = None
     _standby_probe: Any = None  # its node id, once the process is up (an ObjectRef)
+    _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
+    _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
 
     def __init__(self, config: JobConfig, task: Task) -> None:
         self.config = config
@@ -225,26 +228,43 @@ class WorkerGroup:
         w = self.config.workers
         if not w.standby or w.use_gpu or self._standby is not None:
             return
+        self._standby_started = True
+        self._standby_node = self._bundle_node(index)
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
         ).remote(self.config, self.task, -1)
         self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
 
+    def start_first_standby(self) -> None:
+        """Start the run's first standby, on the node of the lowest member slot; once per run (after that a
+        replacement that took the standby starts the next, :meth:`collect_ready`). The controller calls it
+        once the first generation has completed a step: a process started earlier would take a core from
+        the workers' own start-up and first rendezvous; started then, it is up before a first failure
+        (its start costs a core for a few seconds while the run trains at full size), so the first
+        replacement of a run is warm too."""
+        members = [s for s in self.slots if s.state is SlotState.MEMBER]
+        if self._standby_started or not members:
+            return
+        self._start_standby(min(s.index for s in members))
+
     def _take_standby(self, index: int) -> Any:
-        """The standby process for slot ``index``, if one is up (imports done) on that slot's node."""
+        """The standby process for slot ``index``, if one is on that slot's node. One still importing is
+        taken too: it started earlier than a new process would, and a second process importing beside it
+        would only slow both down."""
         if self._standby is None:
             return None
         done, _ = ray.wait([self._standby_probe], timeout=0)
-        if not done:  # still importing: a process of its own starts no later
+        if done:
+            try:
+                node = ray.get(self._standby_probe)
+            except Exception:  # noqa: BLE001 - it died (its node went): start another later
+                self._drop_standby()
+                return None
+        else:  # still importing: it runs on the node of the bundle it was started in
+            node = self._standby_node
+        if node is None or node != self._bundle_node(index):
             return None
-        try:
-            node = ray.get(self._standby_probe)
-        except Exception:  # noqa: BLE001 - it died (its node went): start another later
-            self._drop_standby()
-            return None
-        if node != self._bundle_node(index):
-            return None
-        actor, self._standby, self._standby_probe = self._standby, None, None
+        actor, self._standby, self._standby_probe, self._standby_node = self._standby, None, None, None
         return actor
 
     def _drop_standby(self) -> None:
@@ -253,7 +273,7 @@ class WorkerGroup:
                 ray.kill(self._standby, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self._standby, self._standby_probe = None, None
+        self._standby, self._standby_probe, self._standby_node = None, None, None
 
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are

@@ -150,7 +150,15 @@ class Worker:
         them must call it concurrently. ``restore`` (snapshot sources, see :meth:`load_peer`): load them
         right after the rebuild and return the step -- one call instead of two, and a rank that finished its
         rebuild loads while slower ones still rebuild (loads are collective-free)."""
+        held = self.runner.state.step if getattr(self.runner, "state", None) is not None else 0
+        self.runner.faults.fire(rank=rank, step=held, point="join", generation=generation)
         self._leave_group()
+        if not dist.is_initialized():
+            # torch names a new group's store prefix by its count of groups made, and an init_process_group
+            # that failed (a peer died in the rendezvous) leaves that count advanced: a fresh peer would then
+            # wait under another prefix, every later rendezvous timing out. destroy_process_group resets it
+            # to 0 on the normal path (torch/distributed/distributed_c10d.py); do the same after a failure.
+            dist.distributed_c10d._world.group_count = 0
         set_worker_rank(rank, world_size, generation)
         timeout = datetime.timedelta(seconds=self.config.timeouts.collective_s)
         store = self._stores.get(generation) if rank == 0 else None
