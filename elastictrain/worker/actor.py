@@ -391,6 +391,8 @@ class Worker:
         """This rank's pipeline coordinate in its generation's mesh (``Layout.coords``; 0 of 1 without
         pipelining), recorded in its snapshots for :func:`~elastictrain.checkpoint.memory_dcp.coverage`."""
         r = self.runner
+        if r.layout is None:  # never joined a group: the whole model, one stage
+            return {"pp_rank": 0, "pp_size": 1}
         return {"pp_rank": r.layout.coords(r.rank)[0], "pp_size": r.layout.dims.pp}
 
     def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
