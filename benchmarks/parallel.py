@@ -6,7 +6,7 @@ Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-m
 
 The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
 measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
-pp2 x dp2 on 4 processes, which need recovery under pp on the branch)::
+pp2 x dp2 on 4 processes)::
 
     python benchmarks/parallel.py --plans '' --steps 8 --warmup 3 --kill-pp \
         --pp-schedules 1f1b,gpipe,interleaved_1f1b,zero_bubble,zbv
@@ -335,8 +335,8 @@ def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
         print(f"  kill -> next step under pp2 x dp2: {kills['pp2xdp2'][0]:.2f} s ({kills['pp2xdp2'][2]}) vs ddp "
               f"{kills['ddp'][0]:.2f} s on {args.world} processes = {ratio:.2f}x (target <= 2x) {_verdict(ratio <= 2)}")
     else:
-        print("  kill -> next step under pp2 x dp2 (target <= 2x ddp): not run (--kill-pp runs it; it needs "
-              "recovery under pp: snapshots covering every pipeline stage)")
+        print("  kill -> next step under pp2 x dp2 (target <= 2x ddp): not run (--kill-pp runs it: two "
+              "more 4-process kill runs)")
 
 
 def main() -> None:
