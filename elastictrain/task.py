@@ -33,7 +33,8 @@ class Task:
     - ``lr_fn(step)`` returns the learning-rate multiplier for a 0-based step (a pure function of step, so the
       schedule continues exactly after a resize or a resume). Default: constant 1.
     - ``parallelize_fn(model, mesh, plan)`` applies the layout for one membership generation and returns the
-      module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``),
+      module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``;
+      under ``parallel.pp > 1`` it is called once per stage module with the stage's data-parallel submesh),
       ``plan`` the ``ParallelConfig``. Called on a freshly built model whenever the layout is sharded (FSDP2
       changes modules in place); the optimizer is built afterwards from the returned parameters. Default
       (None): :func:`elastictrain.parallel.parallelize.parallelize` -- activation checkpointing if asked,
