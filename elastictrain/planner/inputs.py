@@ -1,0 +1,209 @@
+"""What the planner's cost model takes: the model's shape, the training settings, the cluster, and one
+candidate layout. Frozen dataclasses, checked on construction (:class:`PlannerInputError` names the field,
+the value and the fix). Pure: nothing here imports torch or Ray.
+
+Units: bytes, seconds, FLOP/s, bytes/s. Bandwidths are per device: ``intra_node_bw`` is what one device
+moves to its node peers (NVLink, or shared memory between CPU processes), ``inter_node_bw`` what one device
+moves to another node (its share of the node's network cards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GIB = 1 << 30
+
+
+class PlannerInputError(ValueError):
+    """An input the cost model cannot use; the message names the field, the value and the fix."""
+
+
+def _positive(owner: str, **values: float | int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise PlannerInputError(f"{owner}.{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention heads, an MLP
+    of ``ffn_mult * hidden``, sequences of ``seq_len`` tokens and a ``vocab``-entry embedding (and an untied
+    output head). ``params`` overrides the parameter count derived from the shape (a published count)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int
+    ffn_mult: float = 4.0
+    tied_embeddings: bool = False
+    params: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
+                  vocab=self.vocab, ffn_mult=self.ffn_mult)
+        if self.params is not None:
+            _positive("model", params=self.params)
+
+    @property
+    def block_params(self) -> float:
+        """One block: attention (4 h^2 + 4 h), MLP (2 f h^2 + f h + h), two layer norms (4 h)."""
+        h, f = self.hidden, self.ffn_mult
+        return 4 * h * h + 4 * h + 2 * f * h * h + f * h + h + 4 * h
+
+    @property
+    def embedding_params(self) -> float:
+        """Token and position embeddings, the final norm, and the output head unless tied."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.seq_len * self.hidden + 2 * self.hidden + head
+
+    @property
+    def total_params(self) -> float:
+        if self.params is not None:
+            return float(self.params)
+        return self.layers * self.block_params + self.embedding_params
+
+    @property
+    def scale(self) -> float:
+        """``params / shape-derived count``: a published count scales every per-layer figure alike."""
+        derived = self.layers * self.block_params + self.embedding_params
+        return self.total_params / derived
+
+    @classmethod
+    def from_params(cls, params: float, *, layers: int = 1, hidden: int = 1, heads: int = 1, seq_len: int = 1,
+                    vocab: int = 1) -> "ModelShape":
+        """A model known by its parameter count only (the memory of weights, gradients and optimizer state
+        needs nothing else; activations and TP traffic then use the shape given, 1 by default)."""
+        return cls(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, params=int(params))
+
+
+# Bytes per parameter: the weights the step computes with, the gradients, an fp32 master copy (0 when the
+# weights are fp32 already) and the optimizer's state (Adam: two fp32 moments).
+PRECISIONS: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 0),            # fp32 weights and gradients
+    "mixed": (2, 2, 4),           # bf16/fp16 weights and gradients, fp32 master (Megatron, DeepSpeed)
+    "fsdp_bf16": (4, 4, 0),       # FSDP2 MixedPrecisionPolicy: fp32 shards, bf16 gathered copies (below)
+}
+OPTIMIZER_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
+
+
+@dataclass(frozen=True)
+class Training:
+    """The step: ``global_batch`` samples of ``micro_batch`` per forward/backward, the precision preset
+    (:data:`PRECISIONS`), the optimizer (:data:`OPTIMIZER_BYTES`), and ``activation_bytes`` per activation
+    element (2 for bf16 compute, 4 for fp32)."""
+
+    global_batch: int
+    micro_batch: int
+    precision: str = "fp32"
+    optimizer: str = "adam"
+    activation_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch,
+                  activation_bytes=self.activation_bytes)
+        if self.precision not in PRECISIONS:
+            raise PlannerInputError(f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZER_BYTES:
+            raise PlannerInputError(f"optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZER_BYTES)}")
+
+    @property
+    def compute_param_bytes(self) -> int:
+        """Bytes of a weight as the step computes with it (bf16 copies under fsdp_bf16)."""
+        return 2 if self.precision in ("mixed", "fsdp_bf16") else 4
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Weights + gradients + master + optimizer state: 16 for mixed-precision (and fp32) Adam."""
+        w, g, master = PRECISIONS[self.precision]
+        return w + g + master + OPTIMIZER_BYTES[self.optimizer]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` devices of ``device_memory`` bytes and ``flops`` FLOP/s each (at the
+    step's precision, as achieved by a real matmul); bandwidths in bytes/s per device (module docstring).
+    ``runtime_bytes`` is what a process holds before the model (CUDA context, allocator pools, or torch's own
+    resident memory on CPU); ``fragmentation`` the share of the rest lost to the allocator; ``overlap`` the
+    share of compute that communication can hide behind (GPUs run collectives on their own engines: 0.8;
+    CPU processes share their cores between both: low); ``latency_s`` the start-up cost of a collective."""
+
+    nodes: int
+    devices_per_node: int
+    device_memory: float
+    flops: float
+    intra_node_bw: float
+    inter_node_bw: float
+    runtime_bytes: float = 1.0 * GIB
+    fragmentation: float = 0.10
+    latency_s: float = 20e-6
+    overlap: float = 0.8
+    kind: str = "gpu"
+    source: str = "given"  # where the figures come from (flags, Ray, this machine, a calibration file)
+
+    def __post_init__(self) -> None:
+        _positive("cluster", nodes=self.nodes, devices_per_node=self.devices_per_node,
+                  device_memory=self.device_memory, flops=self.flops, intra_node_bw=self.intra_node_bw,
+                  inter_node_bw=self.inter_node_bw)
+        if not 0 <= self.overlap <= 1:
+            raise PlannerInputError(f"cluster.overlap must be in [0, 1], got {self.overlap!r}")
+        if not 0 <= self.fragmentation < 1:
+            raise PlannerInputError(f"cluster.fragmentation must be in [0, 1), got {self.fragmentation!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: the mesh ``pp x dp_replicate x dp_shard x tp`` (tp innermost: a TP group is consecutive
+    ranks), the pipeline schedule and its virtual stages per rank, the micro-batch size and activation
+    checkpointing. ``sequence_parallel`` applies when ``tp > 1``."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    micro_batch: int = 1
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("candidate", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
+                  stages_per_rank=self.stages_per_rank, micro_batch=self.micro_batch)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def layout_name(self) -> str:
+        """The data-parallel layout's name as ``parallel.plan`` spells it."""
+        if self.dp_shard == 1:
+            return "ddp"
+        return "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    def describe(self) -> str:
+        parts = [self.layout_name if self.dp > 1 else "single"]
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts[0] += f" {self.dp_replicate}x{self.dp_shard}"
+        elif self.dp > 1:
+            parts[0] += f" {self.dp}"
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        if self.pp > 1:
+            v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+            parts.append(f"pp {self.pp} {self.schedule}{v}")
+        parts.append(f"mb {self.micro_batch}")
+        if self.activation_checkpointing:
+            parts.append("ac")
+        return ", ".join(parts)

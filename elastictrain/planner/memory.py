@@ -1,0 +1,121 @@
+"""Memory per device of one candidate layout: pure arithmetic on :mod:`.inputs`.
+
+The worst rank is priced (the first pipeline stage holds the most activations in flight and the embeddings;
+the last one the output head: the larger of the two is taken):
+
+* **state** (weights, gradients, fp32 master, optimizer moments; :attr:`Training.state_bytes_per_param`)
+  of the rank's stage, divided by ``tp`` (every block is split over the TP group) and by ``dp_shard``
+  (FSDP/ZeRO-3 shards all of it);
+* **gathered weights** under FSDP: the blocks being computed and the one prefetched, unsharded in the compute
+  dtype (the whole stage's when ``reshard_after_forward`` is off), and DDP's gradient buckets (a second copy
+  of the gradients that the all-reduce reads);
+* **activations** per block per micro-batch after Korthikanti et al. 2022 (arXiv:2205.05198): ``s b h (34 +
+  5 a s / h)`` bytes at 2-byte activations, without the ``5 a s / h`` term under flash-style attention
+  (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp``, without
+  it only the 24 of 34 inside the TP regions are split. Activation checkpointing keeps each block's input
+  (``s b h`` elements) and one block's full set while it is recomputed. A pipeline rank holds
+  :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
+  the logits (and their gradient) of one micro-batch in fp32 on the last stage;
+* **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
+  (:attr:`Cluster.fragmentation` of everything else).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from elastictrain.planner.inputs import OPTIMIZER_BYTES, PRECISIONS, Candidate, Cluster, ModelShape, Training
+from elastictrain.planner.pipeline import in_flight
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by kind; ``total`` adds them up; ``fits``/``shortfall`` against the device."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    runtime: float
+    fragmentation: float
+    device_memory: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.runtime
+                + self.fragmentation)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes missing on the device (0 when it fits)."""
+        return max(0.0, self.total - self.device_memory)
+
+
+def stage_params(model: ModelShape, c: Candidate) -> float:
+    """Parameters of the worst pipeline stage's rank before sharding: its blocks and the embeddings or head
+    (whole model without a pipeline), scaled to a published parameter count (:attr:`ModelShape.scale`)."""
+    if c.pp == 1:
+        return model.total_params
+    blocks = math.ceil(model.layers / c.pp)
+    emb = model.vocab * model.hidden + model.seq_len * model.hidden
+    head = (0 if model.tied_embeddings else model.vocab * model.hidden) + 2 * model.hidden
+    return (blocks * model.block_params + max(emb, head)) * model.scale
+
+
+def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
+    """Activation bytes of one block for one micro-batch on one device (module docstring)."""
+    s, b, h, a = model.seq_len, c.micro_batch, model.hidden, model.heads
+    scores = 0.0 if flash else 5 * a * s / h
+    if c.tp > 1 and c.sequence_parallel:
+        per = (34 + scores) / c.tp
+    else:
+        per = 10 + (24 + scores) / c.tp
+    return s * b * h * per * train.activation_bytes / 2
+
+
+def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
+    """Activations the worst rank holds at its peak (module docstring)."""
+    s, b, h = model.seq_len, c.micro_batch, model.hidden
+    blocks = math.ceil(model.layers / c.pp)
+    full = block_activation_bytes(model, train, c, flash=flash)
+    if c.activation_checkpointing:
+        kept_input = s * b * h * train.activation_bytes / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
+        per_block, extra = kept_input, full
+    else:
+        per_block, extra = full, 0.0
+    held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
+    stage = held * per_block * blocks / c.stages_per_rank
+    logits = 2 * s * b * model.vocab * 4 / c.tp
+    return stage + extra + logits
+
+
+def _microbatches(train: Training, c: Candidate) -> int:
+    return max(1, train.global_batch // (c.dp * c.micro_batch))
+
+
+def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> Memory:
+    """The worst rank's memory of candidate ``c`` (module docstring)."""
+    n = stage_params(model, c) / c.tp
+    w, g, master = PRECISIONS[train.precision]
+    shard = c.dp_shard
+    params, grads = n * w / shard, n * g / shard
+    optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
+    if shard > 1:
+        block = model.block_params * model.scale / c.tp
+        gathered = (n if not c.reshard_after_forward else 2 * block) * train.compute_param_bytes
+        if train.precision == "fsdp_bf16":  # the root's bf16 copy stays gathered too
+            gathered += (n - math.ceil(model.layers / c.pp) * block) * train.compute_param_bytes
+    elif c.dp_replicate > 1:
+        gathered = n * g  # DDP's bucket copy of the gradients
+    else:
+        gathered = 0.0
+    acts = activation_bytes(model, train, c)
+    body = params + grads + optimizer + gathered + acts
+    return Memory(params, grads, optimizer, gathered, acts, cluster.runtime_bytes, cluster.fragmentation * body,
+                  cluster.device_memory)

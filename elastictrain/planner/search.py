@@ -1,0 +1,179 @@
+"""Candidate layouts for a world size, each priced by the cost model, ranked best first. Pure.
+
+**What is priced** covers every factor of the cost model (dp_replicate, dp_shard, tp, pp, schedule,
+micro-batch size, activation checkpointing). **What may be chosen** to run is the subset the code base
+runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
+and a new axis is one more name there). ``plan(..., runnable_only=False)`` ranks everything, marking each
+candidate ``runnable``.
+
+**Pruning** keeps the search to thousands of candidates for 10,000 devices: TP groups stay inside a node
+and divide the heads; the pipeline has at most one block per stage and, past that, a degree that divides
+the world; among FSDP shard sizes only those that can matter are priced: none (DDP), the smallest that
+fits, a node's worth, and all ranks (any other shard size moves as many bytes and fits no better than the
+smallest fitting one); micro-batch sizes are the job's (or the divisors given); the zero-bubble schedules
+are priced where their closed form holds or the timeline is small (:mod:`.pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from elastictrain.planner.inputs import Candidate, Cluster, ModelShape, Training
+from elastictrain.planner.memory import Memory, memory
+from elastictrain.planner.pipeline import SCHEDULES
+from elastictrain.planner.steptime import StepTime, microbatches, step_time
+
+# Virtual stages per rank that each schedule is priced with (what elastictrain runs by default).
+_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
+_TIMELINE_LIMIT = 64  # pp * micro-batches above which a zero-bubble schedule without closed form is skipped
+
+
+def runnable_axes() -> frozenset[str]:
+    """The mesh axes elastictrain can run today: data parallel (ddp/fsdp/hsdp) and pipeline always, tensor
+    parallel once the job config has ``parallel.tp``. Extend here when an axis lands."""
+    from elastictrain.config import ParallelConfig
+
+    axes = {"dp_replicate", "dp_shard", "pp"}
+    if "tp" in ParallelConfig.model_fields:
+        axes.add("tp")
+    return frozenset(axes)
+
+
+def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
+    return all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp"))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate priced: its memory and step time, whether elastictrain runs it, and why not if not."""
+
+    candidate: Candidate
+    memory: Memory
+    time: StepTime
+    n_microbatches: int = 1
+    runnable: bool = True
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def as_dict(self) -> dict:
+        c, mem, t = self.candidate, self.memory, self.time
+        return {
+            "layout": c.layout_name, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
+            "pp": c.pp, "schedule": c.schedule if c.pp > 1 else None,
+            "stages_per_rank": c.stages_per_rank if c.pp > 1 else None, "micro_batch": c.micro_batch,
+            "n_microbatches": self.n_microbatches, "activation_checkpointing": c.activation_checkpointing,
+            "memory_per_gpu_bytes": int(mem.total), "fits": mem.fits, "shortfall_bytes": int(mem.shortfall),
+            "memory": {k: int(getattr(mem, k)) for k in
+                       ("params", "grads", "optimizer", "gathered", "activations", "runtime", "fragmentation")},
+            "step_time_s": t.total_s, "compute_s": t.compute_s, "bubble": t.bubble, "tp_comm_s": t.tp_s,
+            "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s, "runnable": self.runnable,
+        }
+
+
+def evaluate(model: ModelShape, train: Training, cluster: Cluster, c: Candidate,
+             axes: frozenset[str] | None = None) -> Estimate:
+    """Price one candidate (no validity check: see :func:`why_invalid`)."""
+    axes = runnable_axes() if axes is None else axes
+    return Estimate(c, memory(model, train, cluster, c), step_time(model, train, cluster, c),
+                    microbatches(train, c), is_runnable(c, axes))
+
+
+def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> str | None:
+    """The rule ``c`` breaks (None when it can run at all): the data rule on the data-parallel size, TP
+    dividing the heads, one block per virtual stage at least, the schedule's own micro-batch rule."""
+    from elastictrain.parallel.plan import schedule_rule
+
+    if train.global_batch % (c.dp * c.micro_batch):
+        return (f"global_batch={train.global_batch} is not a multiple of data-parallel size {c.dp} x "
+                f"micro_batch={c.micro_batch}")
+    if model.heads % c.tp or model.hidden % c.tp:
+        return f"tp={c.tp} does not divide the {model.heads} heads and hidden size {model.hidden}"
+    if c.pp > 1 and model.layers < c.pp * c.stages_per_rank:
+        return f"{model.layers} blocks cannot fill pp={c.pp} x {c.stages_per_rank} stages"
+    if c.pp > 1:
+        return schedule_rule(c.schedule, c.pp, microbatches(train, c))
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _shard_choices(model: ModelShape, train: Training, cluster: Cluster, base: Candidate) -> list[int]:
+    d = base.dp
+    divs = _divisors(d)
+    fitting = next((s for s in divs if memory(model, train, cluster, _with(base, s)).fits), None)
+    per_node = cluster.devices_per_node // base.tp
+    picks = {1, d} | ({fitting} if fitting else set()) | ({per_node} if per_node > 1 and d % per_node == 0 else set())
+    return sorted(picks)
+
+
+def _with(c: Candidate, shard: int) -> Candidate:
+    """``c`` with its data-parallel ranks laid out as ``dp / shard`` replicas of ``shard``-rank shards."""
+    return replace(c, dp_replicate=c.dp // shard, dp_shard=shard)
+
+
+def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int, *,
+               micro_batches: Iterable[int] | None = None, schedules: Iterable[str] = SCHEDULES,
+               checkpointing: Iterable[bool] = (False, True), axes: frozenset[str] | None = None,
+               sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
+    """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
+    that may exceed 1 (None: all of them)."""
+    allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp")) if axes is None else axes
+    mbs = sorted(set(micro_batches or [train.micro_batch]))
+    for tp in _divisors(world):
+        if tp > 1 and ("tp" not in allowed or tp > cluster.devices_per_node or cluster.devices_per_node % tp
+                       or model.heads % tp or model.hidden % tp):
+            continue
+        for pp in _divisors(world // tp):
+            if pp > 1 and ("pp" not in allowed or pp > model.layers):
+                continue
+            d = world // (tp * pp)
+            for mb in mbs:
+                if train.global_batch % (d * mb):
+                    continue
+                m = train.global_batch // (d * mb)
+                for schedule in (schedules if pp > 1 else ("1f1b",)):
+                    v = _STAGES[schedule] if pp > 1 else 1
+                    if not _schedule_priced(schedule, pp, m, v):
+                        continue
+                    for ac in checkpointing:
+                        base = Candidate(dp_replicate=d, tp=tp, pp=pp, schedule=schedule, stages_per_rank=v,
+                                         micro_batch=mb, activation_checkpointing=ac,
+                                         sequence_parallel=sequence_parallel,
+                                         reshard_after_forward=reshard_after_forward)
+                        if why_invalid(model, train, cluster, base):
+                            continue
+                        for s in _shard_choices(model, train, cluster, base):
+                            c = _with(base, s)
+                            if (s > 1 and "dp_shard" not in allowed) or (c.dp_replicate > 1
+                                                                         and "dp_replicate" not in allowed):
+                                continue
+                            yield c
+
+
+def _schedule_priced(schedule: str, pp: int, m: int, v: int) -> bool:
+    if schedule == "zero_bubble" and m < pp or schedule == "zbv" and m < 2 * pp:
+        return pp * m <= _TIMELINE_LIMIT
+    return True
+
+
+def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
+    """Best first: layouts that fit by step time (then memory); then those that do not, by shortfall."""
+    return sorted(estimates, key=lambda e: (not e.fits, e.time.total_s if e.fits else e.memory.shortfall,
+                                            e.memory.total))
+
+
+def plan(model: ModelShape, train: Training, cluster: Cluster, world: int | None = None, *,
+         runnable_only: bool = True, **options) -> list[Estimate]:
+    """Every pruned candidate for ``world`` devices (default: the whole cluster), priced and ranked best
+    first. ``runnable_only`` keeps to :func:`runnable_axes`; ``options`` go to :func:`candidates`."""
+    world = cluster.devices if world is None else world
+    axes = runnable_axes()
+    search_axes = axes if runnable_only else None
+    return rank(evaluate(model, train, cluster, c, axes)
+                for c in candidates(model, train, cluster, world, axes=search_axes, **options))

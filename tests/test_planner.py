@@ -1,0 +1,132 @@
+"""The planner's cost model (issue 24): pure functions, checked against the worked figures of the design
+literature and against elastictrain's own pipeline timelines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, evaluate, memory, plan, step_time
+from elastictrain.planner import comm, explain, pipeline
+from elastictrain.planner.search import candidates, is_runnable, runnable_axes
+
+LLAMA70 = ModelShape(layers=80, hidden=8192, heads=64, seq_len=4096, vocab=128256, ffn_mult=3.5,
+                     params=70_000_000_000)
+H100 = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB)
+
+
+def test_70b_mixed_precision_adam_needs_1_12_tb_of_state():
+    train = Training(global_batch=8, micro_batch=1, precision="mixed", optimizer="adam")
+    assert train.state_bytes_per_param == 16
+    one = Cluster(nodes=1, devices_per_node=1, **H100)
+    m = memory(ModelShape.from_params(70e9), train, one, Candidate())
+    assert m.params + m.grads + m.optimizer == pytest.approx(1.12e12, rel=1e-9)
+
+
+def test_ring_all_reduce_of_28_gb_over_8_gpus_at_600_gbs_takes_82_ms():
+    assert comm.all_reduce_s(28e9, 8, 600e9) == pytest.approx(0.082, abs=0.0005)
+    # the same figure out of the step-time model: DDP over 8 GPUs of one node, 14B bf16 gradients, no overlap
+    node = Cluster(nodes=1, devices_per_node=8, device_memory=80 * GIB, flops=1e15, intra_node_bw=600e9,
+                   inter_node_bw=50e9, overlap=0.0, latency_s=0.0)
+    t = step_time(ModelShape.from_params(14e9), Training(8, 1, precision="mixed"), node, Candidate(dp_replicate=8))
+    assert t.dp_s == pytest.approx(0.082, abs=0.0005) and t.dp_exposed_s == t.dp_s
+
+
+def test_pipeline_bubble_8_stages_4_and_32_micro_batches():
+    assert pipeline.bubble("1f1b", 8, 4) == pytest.approx(0.64, abs=0.005)
+    assert pipeline.bubble("1f1b", 8, 32) == pytest.approx(0.18, abs=0.005)
+    assert pipeline.bubble("interleaved_1f1b", 8, 32, 2) == pytest.approx(7 / (64 + 7))
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                        ("interleaved_1f1b", 3), ("zero_bubble", 2), ("zbv", 2)])
+def test_closed_forms_match_the_timelines_of_torchs_own_schedules(schedule, v):
+    """Bubble and peak in-flight micro-batches of the closed forms equal those of parallel/bubble.py's
+    timeline of torch's action lists, wherever the closed form is used."""
+    from elastictrain.parallel.bubble import schedule_actions, schedule_bubble
+
+    for p in (2, 4, 8):
+        for m in (2, 4, 8, 16):
+            if schedule == "zero_bubble" and m % max(1, m // p):
+                continue
+            acts = schedule_actions(schedule, p, m, v)
+            peak = 0
+            for row in acts.values():
+                live = 0
+                for op in row:
+                    live += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
+                    peak = max(peak, live)
+            assert pipeline.in_flight(schedule, p, m, v) == peak, (p, m)
+            assert pipeline.bubble(schedule, p, m, v) == pytest.approx(schedule_bubble(schedule, p, m, v)), (p, m)
+
+
+def test_a_plan_that_cannot_fit_is_refused_with_its_shortfall():
+    one = Cluster(nodes=1, devices_per_node=1, **H100)
+    train = Training(global_batch=8, micro_batch=1, precision="mixed", activation_bytes=2)
+    e = evaluate(LLAMA70, train, one, Candidate())
+    assert not e.fits and e.memory.shortfall == pytest.approx(e.memory.total - 80 * GIB)
+    assert e.memory.shortfall > 1e12
+    text = explain.refusal(e, one)
+    assert "does not fit" in text and f"{e.memory.shortfall:.0f} bytes" in text
+    ranked = plan(LLAMA70, train, one)
+    assert ranked and not ranked[0].fits and "None of the" in explain.why(ranked, one)
+
+
+def test_sharding_divides_the_state_and_checkpointing_trades_activations_for_compute():
+    node = Cluster(nodes=1, devices_per_node=8, **H100)
+    train = Training(global_batch=64, micro_batch=2, precision="mixed", activation_bytes=2)
+    ddp, fsdp = memory(LLAMA70, train, node, Candidate(dp_replicate=8, micro_batch=2)), memory(
+        LLAMA70, train, node, Candidate(dp_shard=8, micro_batch=2))
+    assert fsdp.optimizer == pytest.approx(ddp.optimizer / 8) and fsdp.grads == pytest.approx(ddp.grads / 8)
+    plain = Candidate(dp_shard=8, micro_batch=2)
+    ac = dataclasses.replace(plain, activation_checkpointing=True)
+    assert memory(LLAMA70, train, node, ac).activations < memory(LLAMA70, train, node, plain).activations / 4
+    assert step_time(LLAMA70, train, node, ac).compute_s == pytest.approx(
+        step_time(LLAMA70, train, node, plain).compute_s * 4 / 3, rel=0.01)
+    # tp splits the blocks' weights and (with sequence parallel) the activations
+    tp = Candidate(dp_shard=2, tp=4, micro_batch=2)
+    assert memory(LLAMA70, train, node, tp).params == pytest.approx(
+        memory(LLAMA70, train, node, Candidate(dp_shard=2, micro_batch=2)).params / 4)
+
+
+def test_groups_use_the_link_they_cross():
+    cl = Cluster(nodes=4, devices_per_node=8, **H100)
+    c = Candidate(dp_replicate=4, tp=8)  # tp = a node; the replicas span nodes
+    links = comm.group_links(cl, c)
+    assert links["tp"] == cl.intra_node_bw and links["dp_replicate"] == cl.inter_node_bw
+    assert comm.group_links(cl, Candidate(dp_shard=8, dp_replicate=4))["dp_shard"] == cl.intra_node_bw
+
+
+def test_10000_gpus_are_planned_from_a_pruned_search():
+    """Planning 10,000 GPUs stays fast because the search is small: counted, not timed."""
+    cl = Cluster(nodes=1250, devices_per_node=8, **H100)
+    train = Training(global_batch=20000, micro_batch=1, precision="mixed", activation_bytes=2)
+    found = list(candidates(LLAMA70, train, cl, 10000))
+    assert 100 < len(found) < 2000
+    assert all(c.world_size == 10000 and c.tp <= 8 for c in found)
+    ranked = plan(LLAMA70, train, cl, runnable_only=False)
+    assert ranked[0].fits and ranked[0].candidate.tp > 1 and ranked[0].candidate.pp > 1  # 3D wins at this size
+    paragraph = explain.why(ranked, cl)
+    assert "wins" in paragraph and "runner-up" in paragraph
+
+
+def test_only_runnable_axes_are_chosen():
+    cl = Cluster(nodes=2, devices_per_node=8, **H100)
+    train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
+    axes = runnable_axes()
+    assert {"dp_replicate", "dp_shard", "pp"} <= axes
+    for e in plan(LLAMA70, train, cl):
+        assert is_runnable(e.candidate, axes) and e.runnable
+    if "tp" not in axes:
+        assert not is_runnable(Candidate(tp=2), axes)
+        assert any(not e.runnable for e in plan(LLAMA70, train, cl, runnable_only=False))
+
+
+def test_bad_inputs_name_the_field():
+    from elastictrain.planner import PlannerInputError
+
+    with pytest.raises(PlannerInputError, match="cluster.nodes must be a positive number, got 0"):
+        Cluster(nodes=0, devices_per_node=8, **H100)
+    with pytest.raises(PlannerInputError, match="precision='fp8'"):
+        Training(8, 1, precision="fp8")
