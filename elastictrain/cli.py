@@ -1,4 +1,4 @@
-"""Command line: ``elastictrain run JOB.yaml`` and ``elastictrain ckpt ...``."""
+"""Command line: ``elastictrain run JOB.yaml``, ``elastictrain plan JOB.yaml`` and ``elastictrain ckpt ...``."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def _attach_ckpt() -> None:
     except ImportError:  # pragma: no cover - checkpoint package always ships
         return
     main.add_command(ckpt)
+    from elastictrain.planner.cli import plan
+
+    main.add_command(plan)
 
 
 _attach_ckpt()

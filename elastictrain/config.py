@@ -127,7 +127,12 @@ class WorkersConfig(_Section):
 class ParallelConfig(_Section):
     """The parallel layout; resolved per world size by :mod:`elastictrain.parallel.plan`."""
 
-    plan: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    plan: Literal["ddp", "fsdp", "hsdp", "auto"] = Field("ddp", description="auto: the planner picks the "
+                                                         "layout at start (elastictrain plan)")
+    calibration: str | None = Field(None, description="JSON of measured figures (elastictrain plan --calibrate) "
+                                                      "that elastictrain plan and plan: auto price with")
+    model_shape: str | None = Field(None, description="the model's shape for the planner when task.kind=python, "
+                                                      "e.g. layers=12,hidden=768,heads=12,seq_len=1024,vocab=50257")
     reshard_after_forward: bool = Field(True, description="fsdp/hsdp: free gathered params after forward "
                                                           "(ZeRO-3); false keeps them to backward (ZeRO-2)")
     shard_size: int | None = Field(None, ge=1, description="hsdp shard group size; null = GPUs per node, "
@@ -269,6 +274,9 @@ class JobConfig(_Section):
     def _layout_possible(self) -> JobConfig:
         from elastictrain.parallel.plan import is_valid, spec_from_config, valid_world_sizes
 
+        if self.parallel.plan == "auto":  # the planner picks a layout valid at workers.min/max at start
+            self._faults_exist()
+            return self
         spec = spec_from_config(self)
         if spec.plan == "hsdp" and self.workers.use_gpu and self.parallel.shard_size is None:
             # shard_size defaults to the GPUs of a node, known only on the cluster: the driver checks it
@@ -294,10 +302,13 @@ class JobConfig(_Section):
                     f"task.model.n_layer={m.n_layer} blocks cannot fill {stages} pipeline stages (parallel.pp="
                     f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise n_layer to >= {stages} "
                     "or lower parallel.pp / stages_per_rank")
+        self._faults_exist()
+        return self
+
+    def _faults_exist(self) -> None:
         for f in self.faults:
             if f.rank >= self.workers.max:
                 raise ValueError(f"faults: rank {f.rank} does not exist with workers.max={self.workers.max}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------- loading

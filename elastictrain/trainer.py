@@ -108,6 +108,11 @@ class Trainer:
         if plan.run_id != self.config.stable_id:
             self.config = self.config.model_copy(update={"run_id": plan.run_id})
         self._init_ray()  # an unreachable cluster is a config error: no run directory is left behind
+        planned = None
+        if self.config.parallel.plan == "auto":  # the cluster is known now; ConfigError when nothing fits
+            from elastictrain.planner.job import plan_for_run
+
+            self.config, planned = plan_for_run(self.config, self._builtin_task)
         if self.config.workers.use_gpu and self.config.parallel.plan == "hsdp":  # a node's GPUs are known now
             from elastictrain.controller.controller import gpus_per_node
             from elastictrain.preflight import check_plan_on_gpus
@@ -123,12 +128,15 @@ class Trainer:
             print(f"elastictrain: run directory {self.run_dir}", file=self.console, flush=True)
             if plan.note:
                 print(f"elastictrain: {plan.note}", file=self.console, flush=True)
+            if planned is not None:
+                print(f"elastictrain: parallel.plan=auto: {planned.reason}", file=self.console, flush=True)
         events.emit("run_started", name=self.config.name, version=__version__, run_id=self.config.stable_id,
                     run_dir=str(self.run_dir),
                     workers_min=self.config.workers.min, workers_max=self.config.workers.max,
                     plan=self.config.parallel.plan, steps=self.config.train.steps,
                     global_batch=self.config.train.global_batch, checkpoint_uri=self.config.checkpoint.uri,
-                    checkpoint_root=plan.root_uri, lineage=plan.lineage, note=plan.note)
+                    checkpoint_root=plan.root_uri, lineage=plan.lineage, note=plan.note,
+                    planned=planned.as_event() if planned is not None else None)
         from elastictrain.controller.controller import Controller
 
         self.controller = Controller(self.config, self.task, events, store=plan.store,

@@ -63,8 +63,13 @@ def why(estimates: list[Estimate], cluster: Cluster) -> str:
         a, b = _costs(best), _costs(runner)
         worst = max(b, key=lambda k: b[k] - a[k])
         slower = runner.time.total_s / t.total_s - 1 if t.total_s else 0.0
-        text += (f" The runner-up, {runner.candidate.describe()}, is {slower:.0%} slower, mostly in {worst} "
-                 f"({seconds(b[worst])} against {seconds(a[worst])}).")
+        if slower < 0.005:
+            text += (f" The runner-up, {runner.candidate.describe()}, is predicted as fast; the winner moves "
+                     f"less data ({seconds(t.comm_s)} of communication against {seconds(runner.time.comm_s)}) "
+                     "or holds less memory.")
+        else:
+            text += (f" The runner-up, {runner.candidate.describe()}, is {slower:.0%} slower, mostly in {worst} "
+                     f"({seconds(b[worst])} against {seconds(a[worst])}).")
     misses = [e for e in estimates if not e.fits]
     if misses:
         text += f" {len(misses)} do not fit (the nearest misses by {gib(min(e.memory.shortfall for e in misses))})."

@@ -163,9 +163,10 @@ def _schedule_priced(schedule: str, pp: int, m: int, v: int) -> bool:
 
 
 def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
-    """Best first: layouts that fit by step time (then memory); then those that do not, by shortfall."""
+    """Best first: layouts that fit by step time (ties: less communication, then less memory); then those
+    that do not, by shortfall."""
     return sorted(estimates, key=lambda e: (not e.fits, e.time.total_s if e.fits else e.memory.shortfall,
-                                            e.memory.total))
+                                            e.time.comm_s, e.memory.total))
 
 
 def plan(model: ModelShape, train: Training, cluster: Cluster, world: int | None = None, *,

@@ -1,0 +1,147 @@
+"""The cluster the planner prices: from command-line figures, from the Ray cluster a driver is connected to,
+or from this machine, with measured figures (:mod:`.calibrate`) on top when a calibration file is named.
+
+Devices are what a worker takes: one GPU with ``workers.use_gpu``, else ``workers.cpus_per_worker`` CPUs
+(a CPU worker process is a device then, and a node's memory is shared by its workers). Figures nothing
+measured come from :data:`GPU_DEFAULTS` / :data:`CPU_DEFAULTS` (an H100-class GPU node; a CPU process
+running gloo) and are labelled as such in :attr:`Cluster.source`.
+
+``elastictrain plan`` does not start Ray to describe this machine (a local Ray would see exactly what this
+module reads from the OS, seconds later); it asks Ray only when connected or given an address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
+
+GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
+                    runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, kind="gpu")
+CPU_DEFAULTS = dict(flops=30e9, intra_node_bw=2 * GB, inter_node_bw=1 * GB, runtime_bytes=0.45 * GIB,
+                    fragmentation=0.05, overlap=0.1, latency_s=100e-6, kind="cpu")
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used (a bad flag value, a calibration file that does not read)."""
+
+
+def _memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def this_machine(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
+    """One node: this machine's GPUs (torch's count and memory) or its CPUs as worker processes."""
+    if use_gpu:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count():
+            props = torch.cuda.get_device_properties(0)
+            base = {**GPU_DEFAULTS, "device_memory": float(props.total_memory)}
+            return Cluster(nodes=1, devices_per_node=torch.cuda.device_count(), **base,
+                           source=f"this machine ({torch.cuda.device_count()} x {props.name}; "
+                                  "speeds: defaults)")
+        return Cluster(nodes=1, devices_per_node=1, **GPU_DEFAULTS,
+                       source="this machine has no GPU: one default GPU assumed")
+    cpus = os.cpu_count() or 1
+    workers = max(1, int(cpus // cpus_per_worker))
+    return Cluster(nodes=1, devices_per_node=workers, device_memory=_memory_bytes() / workers, **CPU_DEFAULTS,
+                   source=f"this machine ({cpus} CPUs, {_memory_bytes() / GIB:.0f} GiB; speeds: defaults)")
+
+
+def from_ray(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
+    """The Ray cluster this process is connected to: its alive nodes and their GPUs (or CPUs as workers).
+    Nodes differ in size: the smallest worker node sets ``devices_per_node``."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if use_gpu:
+        counts = [int(n["Resources"].get("GPU", 0)) for n in nodes if n["Resources"].get("GPU", 0) >= 1]
+        if not counts:
+            raise ClusterError("the Ray cluster has no GPU node and workers.use_gpu=true; pass --nodes and "
+                               "--gpus-per-node to plan for a cluster you do not have, or use_gpu=false")
+        return Cluster(nodes=len(counts), devices_per_node=min(counts), **GPU_DEFAULTS,
+                       source=f"Ray: {len(counts)} GPU nodes (memory and speeds: defaults)")
+    sized = [(int(n["Resources"].get("CPU", 0) // cpus_per_worker), n["Resources"].get("memory", 0.0))
+             for n in nodes if n["Resources"].get("CPU", 0) >= cpus_per_worker]
+    if not sized:
+        raise ClusterError(f"no Ray node has workers.cpus_per_worker={cpus_per_worker} CPUs")
+    per = min(w for w, _ in sized)
+    mem = min(m / w for w, m in sized)
+    return Cluster(nodes=len(sized), devices_per_node=per, device_memory=mem, **CPU_DEFAULTS,
+                   source=f"Ray: {len(sized)} nodes of >= {per} CPU workers (speeds: defaults)")
+
+
+def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None,
+               gpu_memory_gb: float | None = None, intra_node_gbps: float | None = None,
+               inter_node_gbps: float | None = None, tflops: float | None = None) -> Cluster:
+    """``base`` with the command line's figures in place (bandwidths in GB/s, memory in GiB). A GPU figure
+    on a CPU description switches to :data:`GPU_DEFAULTS` for the figures not given."""
+    given = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
+                                   intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
+                                   tflops=tflops).items() if v is not None}
+    for k, v in given.items():
+        if isinstance(v, bool) or not v > 0:
+            raise ClusterError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    if not given:
+        return base
+    if base.kind == "cpu" and (gpus_per_node or gpu_memory_gb):
+        base = replace(base, **GPU_DEFAULTS, devices_per_node=1)
+    changes: dict[str, Any] = {}
+    if nodes:
+        changes["nodes"] = int(nodes)
+    if gpus_per_node:
+        changes["devices_per_node"] = int(gpus_per_node)
+    if gpu_memory_gb:
+        changes["device_memory"] = gpu_memory_gb * GIB
+    if intra_node_gbps:
+        changes["intra_node_bw"] = intra_node_gbps * GB
+    if inter_node_gbps:
+        changes["inter_node_bw"] = inter_node_gbps * GB
+    if tflops:
+        changes["flops"] = tflops * 1e12
+    flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
+    return replace(base, **changes, source=f"{base.source}; flags {flags}")
+
+
+CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s")
+
+
+def with_calibration(base: Cluster, path: str | Path) -> Cluster:
+    """``base`` with the figures a calibration file measured (:mod:`.calibrate`; a figure it could not
+    measure, e.g. ``inter_node_bw`` on one node, is null there and keeps ``base``'s)."""
+    data = read_calibration(path)
+    measured = {k: float(data[k]) for k in CALIBRATED if data.get(k) is not None}
+    return replace(base, **measured, source=f"{base.source}; measured: {path}")
+
+
+def read_calibration(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ClusterError(f"calibration file {p} not found; write one with `elastictrain plan JOB.yaml "
+                           f"--calibrate --out {p}` or leave parallel.calibration unset")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"calibration file {p} is not JSON ({e}); write it again with --calibrate") from None
+    bad = [k for k in CALIBRATED if data.get(k) is not None
+           and (not isinstance(data[k], (int, float)) or isinstance(data[k], bool) or data[k] <= 0)]
+    if not isinstance(data, dict) or bad:
+        raise ClusterError(f"calibration file {p}: {bad or 'content'} not positive numbers; write it again "
+                           "with --calibrate")
+    return data
+
+
+def describe(c: Cluster) -> str:
+    unit = "GPUs" if c.kind == "gpu" else "CPU workers"
+    rate = f"{c.flops / 1e12:.0f} TFLOP/s" if c.flops >= 1e12 else f"{c.flops / 1e9:.1f} GFLOP/s"
+    return (f"{c.nodes} node(s) x {c.devices_per_node} {unit}, {c.device_memory / GIB:.1f} GiB and {rate} each, "
+            f"{c.intra_node_bw / GB:.3g} GB/s inside a node, {c.inter_node_bw / GB:.3g} GB/s across ({c.source})")
+
+
+__all__ = ["ClusterError", "CPU_DEFAULTS", "GPU_DEFAULTS", "PlannerInputError", "describe", "from_ray",
+           "read_calibration", "this_machine", "with_calibration", "with_flags"]
