@@ -7,8 +7,10 @@
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes, when the Ray cluster this
   process is connected to has several (null otherwise: the planner keeps its default);
-* ``runtime_bytes``: on CPU, the resident memory of such a process once torch and its process group are up
-  (what a worker holds before the model).
+* ``runtime_bytes``: on CPU, the peak resident memory of such a process once it has also run two steps of
+  the job itself with its model shrunk to one block of width 8 (the built-in task: the worker's imports,
+  its dataset, torch's lazily built state), i.e. what a worker of this job holds besides the model's state
+  and activations; without a built-in job, the process with torch and its group up.
 
 The figures go to a JSON file that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
@@ -58,10 +60,39 @@ def _rss_bytes() -> float:
     return 0.0
 
 
+def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
+    """Peak resident bytes of this process after two steps of ``job`` (a built-in task's config as a
+    mapping) with its model shrunk to one block of width 8, as ddp over the current default group."""
+    from elastictrain import build_config
+    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    data = json.loads(json.dumps(job))
+    data["task"]["model"].update(n_layer=1, d_model=8, n_head=1)
+    data["train"].update(steps=2, global_batch=data["train"]["micro_batch"] * world)
+    data["workers"].update(min=world, max=world, spares=0)
+    data["parallel"] = {"plan": "ddp"}
+    data["faults"], data["checkpoint"]["uri"] = [], None
+    cfg = build_config(data, source="calibration probe")
+    runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector([]), parallel=cfg.parallel)
+    runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+    for _ in range(2):
+        runner.run_step(False)
+    return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> float:
+    with open("/proc/self/status") as f:
+        return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_gpu: bool,
-                       threads: int = 1) -> dict[str, float]:
+                       threads: int = 1, job: dict[str, Any] | None = None) -> dict[str, float]:
     """In each of ``world`` processes: join a group over a TCP store at ``store_addr`` (rank 0 hosts it),
-    time all-reduces, and return bus bandwidth, latency and resident bytes."""
+    time all-reduces, and return bus bandwidth, latency and resident bytes (after :func:`runtime_probe`
+    of ``job`` when given, on CPU)."""
     import torch
     import torch.distributed as dist
 
@@ -91,7 +122,9 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
             torch.cuda.synchronize()
         latency = (time.perf_counter() - t0) / 20 / (2 * (world - 1))
         bw = 2 * (world - 1) / world * ALL_REDUCE_BYTES / per
-        return {"bus_bw": bw, "latency_s": latency, "rss_bytes": _rss_bytes()}
+        del big, tiny
+        rss = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
+        return {"bus_bw": bw, "latency_s": latency, "rss_bytes": rss}
     finally:
         dist.destroy_process_group()
 
@@ -108,18 +141,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, use_gpu: bool, threads: int, queue: Any) -> None:
-    queue.put((rank, all_reduce_figures(rank, world, ("127.0.0.1", port), use_gpu, threads)))
+def _child(rank: int, world: int, port: int, use_gpu: bool, threads: int, job: Any, queue: Any) -> None:
+    queue.put((rank, all_reduce_figures(rank, world, ("127.0.0.1", port), use_gpu, threads, job)))
 
 
-def local_all_reduce(use_gpu: bool, threads: int = 1, world: int = 2) -> dict[str, float]:
+def local_all_reduce(use_gpu: bool, threads: int = 1, world: int = 2,
+                     job: dict[str, Any] | None = None) -> dict[str, float]:
     """Rank 0's figures of ``world`` processes of this machine all-reducing (module docstring)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, use_gpu, threads, queue), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world, port, use_gpu, threads, job, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -164,11 +198,12 @@ def cross_node_all_reduce(use_gpu: bool, threads: int = 1) -> float | None:
             ray.kill(p)
 
 
-def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1) -> dict[str, Any]:
-    """Every figure of the module docstring, with where and when it was measured."""
+def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every figure of the module docstring, with where and when it was measured. ``job``: a built-in
+    task's config as a mapping, for ``runtime_bytes`` (None: torch and its group only)."""
     import torch
 
-    local = local_all_reduce(use_gpu, threads)
+    local = local_all_reduce(use_gpu, threads, job=job)
     figures: dict[str, Any] = {
         "flops": matmul_flops(use_gpu, threads),
         "intra_node_bw": local["bus_bw"],

@@ -67,7 +67,9 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
         if calibrate:
             from elastictrain.planner.calibrate import calibrate as measure, write
 
-            figures = measure(config.workers.use_gpu, base.nodes, max(1, int(config.workers.cpus_per_worker)))
+            probe = config.model_dump(mode="json") if config.task.kind == "tiny_gpt" else None
+            figures = measure(config.workers.use_gpu, base.nodes, max(1, int(config.workers.cpus_per_worker)),
+                              probe)
             target = out or Path("calibration.json")
             write(figures, target)
             if not as_json:

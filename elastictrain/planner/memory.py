@@ -7,8 +7,10 @@ the last one the output head: the larger of the two is taken):
   of the rank's stage, divided by ``tp`` (every block is split over the TP group) and by ``dp_shard``
   (FSDP/ZeRO-3 shards all of it);
 * **gathered weights** under FSDP: the blocks being computed and the one prefetched, unsharded in the compute
-  dtype (the whole stage's when ``reshard_after_forward`` is off), and DDP's gradient buckets (a second copy
-  of the gradients that the all-reduce reads);
+  dtype, with the all-gather's flat buffers they are copied out of, the embeddings and head (the root,
+  gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off, and
+  a block's unsharded gradient with the reduce-scatter's flat input. DDP adds nothing: its buckets are the
+  gradients (``gradient_as_bucket_view``, parallel/parallelize.py);
 * **activations** per block per micro-batch after Korthikanti et al. 2022 (arXiv:2205.05198): ``s b h (34 +
   5 a s / h)`` bytes at 2-byte activations, without the ``5 a s / h`` term under flash-style attention
   (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp``, without
@@ -108,13 +110,14 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
     if shard > 1:
         block = model.block_params * model.scale / c.tp
-        gathered = (n if not c.reshard_after_forward else 2 * block) * train.compute_param_bytes
-        if train.precision == "fsdp_bf16":  # the root's bf16 copy stays gathered too
-            gathered += (n - math.ceil(model.layers / c.pp) * block) * train.compute_param_bytes
-    elif c.dp_replicate > 1:
-        gathered = n * g  # DDP's bucket copy of the gradients
+        blocks = math.ceil(model.layers / c.pp)
+        root = n - blocks * block  # embeddings and head: gathered from forward to backward
+        held = n if not c.reshard_after_forward else 2 * block + root
+        # gathered weights plus the all-gather's flat output they are copied out of (the current block and
+        # the prefetched one), and a block's unsharded gradient plus the reduce-scatter's flat input
+        gathered = (held + 2 * block) * train.compute_param_bytes + 2 * block * g
     else:
-        gathered = 0.0
+        gathered = 0.0  # DDP's buckets ARE the gradients here (gradient_as_bucket_view)
     acts = activation_bytes(model, train, c)
     body = params + grads + optimizer + gathered + acts
     return Memory(params, grads, optimizer, gathered, acts, cluster.runtime_bytes, cluster.fragmentation * body,
