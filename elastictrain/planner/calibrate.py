@@ -3,10 +3,11 @@
 * ``flops``: a square matmul's rate in this process, at the threads a worker runs with (CPU: fp32,
   ``workers.cpus_per_worker`` threads) or on GPU 0 (bf16);
 * ``intra_node_bw`` / ``latency_s``: two processes of this machine all-reduce 16 MiB (gloo on CPU, NCCL
-  when the machine has two GPUs) and one element; the bandwidth is the ring's bus bandwidth
+  on two GPUs; null with ``workers.use_gpu`` on a machine of one GPU) and one element; the bandwidth is the ring's bus bandwidth
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by);
-* ``inter_node_bw``: the same between two Ray actors on two different nodes, when the Ray cluster this
-  process is connected to has several (null otherwise: the planner keeps its default);
+* ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
+  ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null
+  otherwise: the planner keeps its default);
 * ``runtime_bytes``: on CPU, the peak resident memory of such a process once it has also run two steps of
   the job itself with its model shrunk to one block of width 8 (the built-in task: the worker's imports,
   its dataset, torch's lazily built state), i.e. what a worker of this job holds besides the model's state
@@ -89,16 +90,19 @@ def _peak_rss_bytes() -> float:
 
 
 def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_gpu: bool,
-                       threads: int = 1, job: dict[str, Any] | None = None) -> dict[str, float]:
+                       threads: int = 1, job: dict[str, Any] | None = None,
+                       gpu_index: int | None = None) -> dict[str, float]:
     """In each of ``world`` processes: join a group over a TCP store at ``store_addr`` (rank 0 hosts it),
     time all-reduces, and return bus bandwidth, latency and resident bytes (after :func:`runtime_probe`
-    of ``job`` when given, on CPU)."""
+    of ``job`` when given, on CPU). ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs;
+    a Ray actor sees its one GPU as 0)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, threads))
-    gpu = use_gpu and torch.cuda.is_available() and torch.cuda.device_count() >= world
-    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    index = rank if gpu_index is None else gpu_index
+    gpu = use_gpu and torch.cuda.is_available() and torch.cuda.device_count() > index
+    device = torch.device("cuda", index) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
     store = dist.TCPStore(store_addr[0], store_addr[1], world, is_master=rank == 0, timeout=_timeout())
@@ -174,20 +178,23 @@ def cross_node_all_reduce(use_gpu: bool, threads: int = 1) -> float | None:
 
     if not ray.is_initialized():
         return None
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+    need = "GPU" if use_gpu else "CPU"
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get(need, 0) >= 1
+             and n["Resources"].get("CPU", 0) >= 1]
     if len(nodes) < 2:
         return None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    @ray.remote(num_cpus=1)
+    @ray.remote
     class _Peer:
         def address(self) -> tuple[str, int]:
             return ray.util.get_node_ip_address(), _free_port()
 
         def run(self, rank: int, addr: tuple[str, int]) -> dict[str, float]:
-            return all_reduce_figures(rank, 2, addr, False, threads)
+            return all_reduce_figures(rank, 2, addr, use_gpu, threads, gpu_index=0)
 
-    peers = [_Peer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+    peers = [_Peer.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
              for n in nodes[:2]]
     try:
         addr = ray.get(peers[0].address.remote(), timeout=120)
@@ -203,13 +210,16 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
     task's config as a mapping, for ``runtime_bytes`` (None: torch and its group only)."""
     import torch
 
-    local = local_all_reduce(use_gpu, threads, job=job)
+    gpus = torch.cuda.device_count() if use_gpu and torch.cuda.is_available() else 0
+    # on GPUs the link that matters is between two of them: with fewer there is nothing to measure (the
+    # default stays), and a gloo figure between CPU processes would be the wrong link
+    local = local_all_reduce(use_gpu, threads, job=job) if not use_gpu or gpus >= 2 else {}
     figures: dict[str, Any] = {
         "flops": matmul_flops(use_gpu, threads),
-        "intra_node_bw": local["bus_bw"],
+        "intra_node_bw": local.get("bus_bw"),
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
-        "latency_s": local["latency_s"],
-        "runtime_bytes": None if use_gpu else local["rss_bytes"],
+        "latency_s": local.get("latency_s"),
+        "runtime_bytes": None if use_gpu else local.get("rss_bytes"),
         "kind": "gpu" if use_gpu else "cpu",
         "threads": threads,
         "host": platform.node(),
