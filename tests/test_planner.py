@@ -130,3 +130,27 @@ def test_bad_inputs_name_the_field():
         Cluster(nodes=0, devices_per_node=8, **H100)
     with pytest.raises(PlannerInputError, match="precision='fp8'"):
         Training(8, 1, precision="fp8")
+
+
+def test_replan_keeps_switches_only_when_the_move_pays_and_moves_when_it_must():
+    from elastictrain.planner.replan import decide
+
+    model = ModelShape(layers=32, hidden=4096, heads=32, seq_len=4096, vocab=32000)
+    train = Training(global_batch=256, micro_batch=1, precision="mixed", activation_bytes=2)
+    old = Candidate(dp_shard=16, micro_batch=1)
+    one = decide(model, train, Cluster(nodes=1, devices_per_node=8, **H100), old, 8, steps_left=1000)
+    assert one.action == "keep" and one.new.candidate == Candidate(dp_shard=8, micro_batch=1)
+    four = Cluster(nodes=4, devices_per_node=8, **H100)
+    few = decide(model, train, four, old, 32, steps_left=1, rebuild_s=60.0)
+    many = decide(model, train, four, old, 32, steps_left=1000, rebuild_s=60.0)
+    assert few.action == "keep" and not few.pays_for_itself and "less than its move costs" in few.reason
+    assert many.action == "switch" and many.pays_for_itself and many.saved_s > many.move_s > 60.0
+    assert many.new.time.total_s < many.kept.time.total_s and many.new.fits
+    event = many.as_event()
+    assert event["old_layout"] == old.describe() and event["pays_for_itself"] is True
+    # shrinking to 8 GPUs of 24 GiB: the running family (fsdp, no checkpointing) no longer fits
+    small = Cluster(nodes=1, devices_per_node=8, **dict(H100, device_memory=24 * GIB))
+    must = decide(model, train, small, old, 8, steps_left=10)
+    assert must.action == "required" and not must.kept.fits and must.new.fits
+    assert "does not fit" in must.reason and must.new.candidate.activation_checkpointing
+    assert decide(ModelShape.from_params(70e9), train, small, old, 8, steps_left=10) is None  # nothing fits
