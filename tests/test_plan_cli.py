@@ -117,3 +117,13 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     (tmp_path / "bad.json").write_text('{"flops": -1}')
     out = plan("--calibration", str(tmp_path / "bad.json"))
     assert out.exit_code == 2 and "not positive numbers" in out.stderr
+
+
+def test_a_python_task_is_planned_from_parallel_model_shape(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = plan("--json", "--set", "task.kind=python", "--set", "task.entry=examples.hf_causal_lm:make_task",
+               "--set", "parallel.model_shape=layers=12,hidden=768,heads=12,seq_len=1024,vocab=50257",
+               "--world", "2")
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert rows[0]["fits"] and rows[0]["memory"]["params"] > 124e6 * 4 / 2 * 0.9  # GPT-2 small, fp32

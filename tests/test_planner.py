@@ -154,3 +154,19 @@ def test_replan_keeps_switches_only_when_the_move_pays_and_moves_when_it_must():
     assert must.action == "required" and not must.kept.fits and must.new.fits
     assert "does not fit" in must.reason and must.new.candidate.activation_checkpointing
     assert decide(ModelShape.from_params(70e9), train, small, old, 8, steps_left=10) is None  # nothing fits
+
+
+def test_memory_follows_how_elastictrain_lays_out_the_state():
+    """DDP's gradients are its buckets (no second copy); FSDP holds two gathered blocks, their all-gather
+    buffers, the root and a block's unsharded gradient (twice); inside a pipeline stage FSDP keeps the
+    stage's weights gathered."""
+    model = ModelShape(layers=8, hidden=256, heads=8, seq_len=64, vocab=256)
+    train = Training(global_batch=16, micro_batch=4)
+    node = Cluster(nodes=1, devices_per_node=4, **H100)
+    assert memory(model, train, node, Candidate(dp_replicate=4, micro_batch=4)).gathered == 0
+    block, n = model.block_params, model.total_params
+    fsdp = memory(model, train, node, Candidate(dp_shard=4, micro_batch=4))
+    assert fsdp.gathered == pytest.approx((2 * block + (n - 8 * block) + 2 * block) * 4 + 2 * block * 4)
+    staged = memory(model, train, node, Candidate(dp_shard=2, pp=2, micro_batch=4))
+    stage_n = 4 * block + model.vocab * model.hidden + model.seq_len * model.hidden
+    assert staged.gathered == pytest.approx((stage_n + 2 * block) * 4 + 2 * block * 4)

@@ -8,7 +8,7 @@ the last one the output head: the larger of the two is taken):
   (FSDP/ZeRO-3 shards all of it);
 * **gathered weights** under FSDP: the blocks being computed and the one prefetched, unsharded in the compute
   dtype, with the all-gather's flat buffers they are copied out of, the embeddings and head (the root,
-  gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off, and
+  gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off (always inside a pipeline stage), and
   a block's unsharded gradient with the reduce-scatter's flat input. DDP adds nothing: its buckets are the
   gradients (``gradient_as_bucket_view``, parallel/parallelize.py);
 * **activations** per block per micro-batch after Korthikanti et al. 2022 (arXiv:2205.05198): ``s b h (34 +
@@ -112,7 +112,9 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
         block = model.block_params * model.scale / c.tp
         blocks = math.ceil(model.layers / c.pp)
         root = n - blocks * block  # embeddings and head: gathered from forward to backward
-        held = n if not c.reshard_after_forward else 2 * block + root
+        # inside a pipeline stage FSDP keeps the stage's weights gathered (reshard_after_forward=False,
+        # parallel/pipeline.py)
+        held = n if not c.reshard_after_forward or c.pp > 1 else 2 * block + root
         # gathered weights plus the all-gather's flat output they are copied out of (the current block and
         # the prefetched one), and a block's unsharded gradient plus the reduce-scatter's flat input
         gathered = (held + 2 * block) * train.compute_param_bytes + 2 * block * g

@@ -85,7 +85,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     grad_bytes = n * (4 if train.precision == "fsdp_bf16" else PRECISIONS[train.precision][1])
     fsdp = 0.0
     if c.dp_shard > 1:
-        gathers = 2 if c.reshard_after_forward else 1
+        gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
         fsdp = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, links["dp_shard"], lat)
                     + comm.all_gather_s(grad_bytes, c.dp_shard, links["dp_shard"], lat))
     final = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, links["dp_replicate"], lat)
