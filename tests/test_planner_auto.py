@@ -19,12 +19,13 @@ def _cpu(devices: int, memory: float) -> Cluster:
 
 
 def test_auto_shards_when_replicas_do_not_fit():
-    config = build_config(job(parallel={"plan": "auto"}, task={"model": {"n_layer": 2, "d_model": 256,
+    config = build_config(job(parallel={"plan": "auto"}, task={"model": {"n_layer": 8, "d_model": 256,
                                                                           "n_head": 4, "seq_len": 32}}))
     model, train = planner_job.model_shape(config), planner_job.training(config)
     roomy = _cpu(2, 64 * GIB)
     ddp = evaluate(model, train, roomy, Candidate(dp_replicate=2, micro_batch=4))
     fsdp = evaluate(model, train, roomy, Candidate(dp_shard=2, micro_batch=4))
+    assert fsdp.memory.total < ddp.memory.total
     between = (ddp.memory.total + fsdp.memory.total) / 2  # a device where only the sharded state fits
     concrete, choice = planner_job.choose(config, _cpu(2, between), [1, 2])
     assert choice.world == 2 and choice.estimate.candidate.dp_shard == 2 and choice.estimate.fits
