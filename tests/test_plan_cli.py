@@ -127,3 +127,11 @@ def test_a_python_task_is_planned_from_parallel_model_shape(monkeypatch):
     assert out.exit_code == 0, out.output
     rows = json.loads(out.stdout)
     assert rows[0]["fits"] and rows[0]["memory"]["params"] > 124e6 * 4 / 2 * 0.9  # GPT-2 small, fp32
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_and_exit_2():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "plan", "jobs/tiny_gpt.yaml", "--ray-address",
+                           "127.0.0.1:1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "cannot reach a Ray cluster at '127.0.0.1:1'" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -121,9 +121,16 @@ def _observed(config, ray_address: str | None):  # noqa: ANN001, ANN202 - JobCon
         ray = None
     if ray is not None and (ray.is_initialized() or address):
         if not ray.is_initialized():
-            from elastictrain.preflight import check_ray_address
+            import logging
 
-            check_ray_address(address, "--ray-address" if ray_address else "RAY_ADDRESS")
-            ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+            from elastictrain.config import ConfigError
+            from elastictrain.preflight import check_ray_address, unreachable_ray
+
+            where = "--ray-address" if ray_address else "RAY_ADDRESS"
+            check_ray_address(address, where)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            except ConnectionError as e:
+                raise ConfigError(unreachable_ray(address, where, str(e).split(". ")[0])) from None
         return clusters.from_ray(w.use_gpu, w.cpus_per_worker)
     return clusters.this_machine(w.use_gpu, w.cpus_per_worker)
