@@ -107,6 +107,7 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     figures = json.loads((cwd / "calibration.json").read_text())
     assert figures["flops"] > 1e8 and figures["intra_node_bw"] > 1e6 and figures["runtime_bytes"] > 50e6
     assert figures["inter_node_bw"] is None  # one machine, no Ray: nothing across nodes to measure
+    assert figures["device_memory"] is None  # CPU workers: their share of the node is the planner's to divide
     # a job naming the file prices with it: halving the measured matmul rate doubles the compute time
     (tmp_path / "slow.json").write_text(json.dumps(dict(figures, flops=figures["flops"] / 2)))
     monkeypatch.chdir(ROOT)

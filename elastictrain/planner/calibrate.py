@@ -11,7 +11,9 @@
 * ``runtime_bytes``: on CPU, the peak resident memory of such a process once it has also run two steps of
   the job itself with its model shrunk to one block of width 8 (the built-in task: the worker's imports,
   its dataset, torch's lazily built state), i.e. what a worker of this job holds besides the model's state
-  and activations; without a built-in job, the process with torch and its group up.
+  and activations; without a built-in job, the process with torch and its group up;
+* ``device_memory``: on GPUs, GPU 0's memory (null on CPU: a worker's share of a node depends on how many
+  run there).
 
 The figures go to a JSON file that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
@@ -220,6 +222,7 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": local.get("latency_s"),
         "runtime_bytes": None if use_gpu else local.get("rss_bytes"),
+        "device_memory": float(torch.cuda.get_device_properties(0).total_memory) if gpus else None,
         "kind": "gpu" if use_gpu else "cpu",
         "threads": threads,
         "host": platform.node(),

@@ -108,7 +108,7 @@ def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | 
     return replace(base, **changes, source=f"{base.source}; flags {flags}")
 
 
-CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s")
+CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s", "device_memory")
 
 
 def with_calibration(base: Cluster, path: str | Path) -> Cluster:
