@@ -92,9 +92,13 @@ def _attach_ckpt() -> None:
     except ImportError:  # pragma: no cover - checkpoint package always ships
         return
     main.add_command(ckpt)
-    from elastictrain.planner.cli import plan
+
+
+def _attach_plan() -> None:
+    from elastictrain.planner.cli import plan  # click and the standard library only: --help stays fast
 
     main.add_command(plan)
 
 
 _attach_ckpt()
+_attach_plan()
