@@ -32,6 +32,12 @@ def _pid_of(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=180)
 
 
+def _priority(actor) -> dict:
+    from elastictrain.worker import import_priority
+
+    return ray.get(actor.__ray_call__.remote(lambda _: import_priority.report()), timeout=180)
+
+
 def _gone(pid: int, timeout: float = 60.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -58,6 +64,10 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         assert standby is not None
         standby_pid = _pid_of(standby)
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
+        # it imported at idle CPU priority and runs at normal priority since (worker/import_priority.py);
+        # the cold replacement imported at normal priority
+        assert _priority(standby) == {"lowered": True, "restored_by": "init", "idle_threads": 0}
+        assert _priority(group.slots[0].actor) == {"lowered": False, "restored_by": None, "idle_threads": 0}
 
         group.kill(group.slots[0])
         group.spawn(0)
@@ -113,3 +123,14 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
     again = [e for e in run.of("worker_started") if e["slot"] == slot][1:]
     assert len(again) == 1, run.of("worker_started")
     assert again[0]["standby"] is True and again[0]["pid"] == standby_pid, again[0]
+
+
+def test_a_standby_imports_at_idle_priority_only_where_it_may_go_back() -> None:
+    """Leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (sched(7)); without either the standby
+    imports at normal priority, since a worker left at idle priority would starve."""
+    from elastictrain.worker.import_priority import can_leave_idle
+
+    no_caps, sys_nice = "Name:\tpython\nCapEff:\t0000000000000000\n", "CapEff:\t0000000000800000\n"
+    assert not can_leave_idle(no_caps, 0) and not can_leave_idle(no_caps, 19)
+    assert can_leave_idle(sys_nice, 0) and can_leave_idle(no_caps, 20) and can_leave_idle(no_caps, -1)
+    assert not can_leave_idle("CapEff:\tzz\n", 0)
