@@ -66,8 +66,11 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
         # it imported at idle CPU priority and runs at normal priority since (worker/import_priority.py);
         # the cold replacement imported at normal priority
-        assert _priority(standby) == {"lowered": True, "restored_by": "init", "idle_threads": 0}
-        assert _priority(group.slots[0].actor) == {"lowered": False, "restored_by": None, "idle_threads": 0}
+        # restored by its __init__, or by the timer on a machine busy enough to leave it no idle core for 10 s
+        cold, ahead = _priority(group.slots[0].actor), _priority(standby)
+        assert ahead.pop("restored_by") in ("init", "timer")
+        assert ahead == {"lowered": True, "idle_threads": 0, "nice": cold["nice"]}
+        assert cold == {"lowered": False, "restored_by": None, "idle_threads": 0, "nice": cold["nice"]}
 
         group.kill(group.slots[0])
         group.spawn(0)
@@ -126,11 +129,12 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
 
 
 def test_a_standby_imports_at_idle_priority_only_where_it_may_go_back() -> None:
-    """Leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (sched(7)); without either the standby
-    imports at normal priority, since a worker left at idle priority would starve."""
+    """Leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE >= 20 - nice (sched(7)); without either the
+    standby imports at normal priority, since a worker left at idle priority would starve."""
     from elastictrain.worker.import_priority import can_leave_idle
 
     no_caps, sys_nice = "Name:\tpython\nCapEff:\t0000000000000000\n", "CapEff:\t0000000000800000\n"
-    assert not can_leave_idle(no_caps, 0) and not can_leave_idle(no_caps, 19)
-    assert can_leave_idle(sys_nice, 0) and can_leave_idle(no_caps, 20) and can_leave_idle(no_caps, -1)
-    assert not can_leave_idle("CapEff:\tzz\n", 0)
+    assert not can_leave_idle(no_caps, 0, 0) and not can_leave_idle(no_caps, 19, 0)
+    assert not can_leave_idle(no_caps, 4, 15) and can_leave_idle(no_caps, 5, 15)  # Ray's workers: nice 15
+    assert can_leave_idle(sys_nice, 0, 0) and can_leave_idle(no_caps, 20, 0) and can_leave_idle(no_caps, -1, 0)
+    assert not can_leave_idle("CapEff:\tzz\n", 0, 0)

@@ -11,7 +11,8 @@ does it after :data:`BOUND_S` seconds if the imports have not finished by then (
 all must not leave its standby unimported for ever).
 
 Going back is a privilege: Linux lets a thread leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or a
-``RLIMIT_NICE`` of 20 or more (sched(7)). Without either, :func:`lower_if_standby` leaves the priority alone
+``RLIMIT_NICE`` that allows its nice value (sched(7); 20 - nice: 5 at the nice 15 Ray starts workers at).
+Going back keeps the nice value the process had. Without either, :func:`lower_if_standby` leaves the priority alone
 (imports at normal priority, as before): a worker that trained at idle priority would be starved by anything
 else on its node. Linux only; elsewhere nothing changes. Standard library only: it runs before the imports
 it is about.
@@ -33,10 +34,11 @@ _lowered = False
 _record: dict[str, object] = {"lowered": False, "restored_by": None}
 
 
-def can_leave_idle(status: str, rlimit_nice: int) -> bool:
-    """PURE: may a thread with this ``/proc/self/status`` text and ``RLIMIT_NICE`` soft limit switch from
-    ``SCHED_IDLE`` back to ``SCHED_OTHER`` at nice 0? (``CAP_SYS_NICE``, or ``RLIMIT_NICE`` >= 20.)"""
-    if rlimit_nice >= 20 or rlimit_nice < 0:  # RLIM_INFINITY is -1
+def can_leave_idle(status: str, rlimit_nice: int, nice: int) -> bool:
+    """PURE: may a thread at nice value ``nice``, with this ``/proc/self/status`` text and ``RLIMIT_NICE``
+    soft limit, switch from ``SCHED_IDLE`` back to ``SCHED_OTHER``? Linux treats it as asking for its nice
+    value: ``CAP_SYS_NICE``, or ``RLIMIT_NICE`` >= 20 - nice (Ray starts workers at nice 15: 5)."""
+    if rlimit_nice < 0 or rlimit_nice >= 20 - nice:  # RLIM_INFINITY is -1
         return True
     for line in status.splitlines():
         if line.startswith("CapEff:"):
@@ -57,7 +59,7 @@ def _may_restore() -> bool:
     try:
         with open("/proc/self/status") as f:
             status = f.read()
-        return can_leave_idle(status, resource.getrlimit(resource.RLIMIT_NICE)[0])
+        return can_leave_idle(status, resource.getrlimit(resource.RLIMIT_NICE)[0], os.nice(0))
     except (OSError, AttributeError, ValueError):
         return False
 
@@ -108,7 +110,7 @@ def restore(by: str = "init") -> None:
 
 def report() -> dict[str, object]:
     """What happened in this process: ``lowered`` (its imports ran at idle priority), ``restored_by``
-    ("init", "timer" or None) and ``idle_threads`` (threads at ``SCHED_IDLE`` now)."""
+    ("init", "timer" or None), ``idle_threads`` (threads at ``SCHED_IDLE`` now) and its ``nice`` value."""
     idle = 0
     if _supported():
         for tid in os.listdir("/proc/self/task"):
@@ -116,4 +118,4 @@ def report() -> dict[str, object]:
                 idle += os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
             except OSError:
                 pass
-    return {**_record, "idle_threads": idle}
+    return {**_record, "idle_threads": idle, "nice": os.nice(0)}
