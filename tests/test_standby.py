@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 from conftest import BackgroundRun, job
 
@@ -36,6 +37,17 @@ def _priority(actor) -> dict:
     from elastictrain.worker import import_priority
 
     return ray.get(actor.__ray_call__.remote(lambda _: import_priority.report()), timeout=180)
+
+
+def _may_leave_idle(nice: int) -> bool:
+    """Whether a process of this user at ``nice`` may leave SCHED_IDLE here (Ray's workers inherit the
+    capabilities and limits of this process)."""
+    import resource
+
+    from elastictrain.worker.import_priority import can_leave_idle
+
+    with open("/proc/self/status") as f:
+        return can_leave_idle(f.read(), resource.getrlimit(resource.RLIMIT_NICE)[0], nice)
 
 
 def _gone(pid: int, timeout: float = 60.0) -> bool:
@@ -66,10 +78,14 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
         # it imported at idle CPU priority and runs at normal priority since (worker/import_priority.py);
         # the cold replacement imported at normal priority
-        # restored by its __init__, or by the timer on a machine busy enough to leave it no idle core for 10 s
+        # restored by its __init__, or by the timer on a machine busy enough to leave it no idle core for 10 s;
+        # only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else it imported as before
         cold, ahead = _priority(group.slots[0].actor), _priority(standby)
-        assert ahead.pop("restored_by") in ("init", "timer")
-        assert ahead == {"lowered": True, "idle_threads": 0, "nice": cold["nice"]}
+        if _may_leave_idle(cold["nice"]):
+            assert ahead.pop("restored_by") in ("init", "timer")
+            assert ahead == {"lowered": True, "idle_threads": 0, "nice": cold["nice"]}
+        else:
+            assert ahead == {"lowered": False, "restored_by": None, "idle_threads": 0, "nice": cold["nice"]}
         assert cold == {"lowered": False, "restored_by": None, "idle_threads": 0, "nice": cold["nice"]}
 
         group.kill(group.slots[0])
@@ -138,3 +154,31 @@ def test_a_standby_imports_at_idle_priority_only_where_it_may_go_back() -> None:
     assert not can_leave_idle(no_caps, 4, 15) and can_leave_idle(no_caps, 5, 15)  # Ray's workers: nice 15
     assert can_leave_idle(sys_nice, 0, 0) and can_leave_idle(no_caps, 20, 0) and can_leave_idle(no_caps, -1, 0)
     assert not can_leave_idle("CapEff:\tzz\n", 0, 0)
+
+
+def test_a_standby_process_lowers_itself_before_torch_is_imported_and_goes_back() -> None:
+    """In a process started as a standby (the group's environment variable), importing the worker package
+    (what Ray's preload of the actor module does first) switches the thread to SCHED_IDLE before torch is
+    imported; ``restore`` (the actor's __init__) switches it back and clears the variable for its children."""
+    import subprocess
+    import sys
+
+    from elastictrain.worker.import_priority import STANDBY_ENV
+
+    code = """
+import os, sys
+import elastictrain.worker
+from elastictrain.worker import import_priority as ip
+print(os.sched_getscheduler(0) == os.SCHED_IDLE, "torch" in sys.modules, ip.report()["lowered"])
+ip.restore()
+print(os.sched_getscheduler(0) == os.SCHED_OTHER, ip.report()["idle_threads"], os.environ.get(ip.STANDBY_ENV))
+"""
+    if not _may_leave_idle(os.nice(0)):
+        pytest.skip("this user may not leave SCHED_IDLE here (no CAP_SYS_NICE, RLIMIT_NICE too low): the standby "
+                    "imports at normal priority, as test_a_standby_imports_at_idle_priority_only_where_it_may_go_back "
+                    "decides")
+    env = {**os.environ, STANDBY_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert lines[:2] == ["True False True", "True 0 None"], out.stdout

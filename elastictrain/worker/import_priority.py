@@ -96,6 +96,7 @@ def restore(by: str = "init") -> None:
             return
         _lowered = False
         _record["restored_by"] = by
+        os.environ.pop(STANDBY_ENV, None)  # processes it starts from now on are not standbys
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
