@@ -89,7 +89,7 @@ class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
     def __init__(self, config: JobConfig, task: Task, slot: int) -> None:
-        import_priority.restore()  # a standby imported at idle priority (worker/import_priority.py); no longer
+        import_priority.restore()  # a standby imported at nice 19 (worker/import_priority.py); no longer
         self.config = config
         self.task = task
         self.slot = slot

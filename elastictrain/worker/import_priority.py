@@ -1,21 +1,25 @@
-"""A standby process imports at idle CPU priority, and trains at normal priority.
+"""A standby process imports at the lowest CPU priority, and trains at the priority it started with.
 
 A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started while the run
 trains, often right after a replacement joined; its imports (torch, DTensor, DCP: seconds of CPU) would take
 a core from the training processes beside it, on every node, after every failure. The group starts it with
 :data:`STANDBY_ENV` in its environment (the actor's runtime env), and ``elastictrain/worker/__init__.py``
 calls :func:`lower_if_standby` before Ray's preload imports the worker actor's module: the importing thread
-switches to ``SCHED_IDLE``, so it runs only on a core nobody else wants. :func:`restore` (the worker actor's
-``__init__``, right after the imports) switches every thread of the process back to ``SCHED_OTHER``; a timer
-does it after :data:`BOUND_S` seconds if the imports have not finished by then (a node with no idle core at
-all must not leave its standby unimported for ever).
+goes to nice 19, so while the cores are busy it gets a small share of one (about 0.3 of the core it shares
+with a training process at Ray's nice 15, against 0.7 for that process) instead of an equal one. :func:`restore` (the worker actor's
+``__init__``, right after the imports) puts every thread of the process back at the nice value it had; a
+timer does it after :data:`BOUND_S` seconds if the imports have not finished by then.
 
-Going back is a privilege: Linux lets a thread leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or a
-``RLIMIT_NICE`` that allows its nice value (sched(7); 20 - nice: 5 at the nice 15 Ray starts workers at).
-Going back keeps the nice value the process had. Without either, :func:`lower_if_standby` leaves the priority alone
-(imports at normal priority, as before): a worker that trained at idle priority would be starved by anything
-else on its node. Linux only; elsewhere nothing changes. Standard library only: it runs before the imports
-it is about.
+Why nice 19 and not ``SCHED_IDLE``: an idle-class thread gets no CPU at all while the cores are busy, and
+it holds Python's GIL through the import, so no other thread of the process (the timer included) could run
+either: measured under heavy load, a replacement that took such a standby joined 25-50 s after the death
+against 3-26 s with a normal-priority import. A thread at nice 19 still runs, only less.
+
+Going back is a privilege: Linux lets a thread lower its nice value only with ``CAP_SYS_NICE`` or a
+``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers at). Without either,
+:func:`lower_if_standby` leaves the priority alone (imports at normal priority, as before): a worker left at
+nice 19 would lose its core to anything else on its node. Linux only; elsewhere nothing changes. Standard
+library only: it runs before the imports it is about.
 """
 
 from __future__ import annotations
@@ -25,19 +29,20 @@ import threading
 
 STANDBY_ENV = "ELASTICTRAIN_STANDBY_PROCESS"
 """Set to "1" in a standby process's environment by the group; nobody else sets it."""
-BOUND_S = 10.0
-"""At most this long at idle priority: a standby's imports take ~4 s of CPU on a core of its own."""
+BOUND_S = 15.0
+"""At most this long at nice 19: a standby's imports take ~4 s of CPU, ~10 s at nice 19 beside two busy
+training processes on two cores."""
+LOW_NICE = 19
 _CAP_SYS_NICE = 23  # linux/capability.h
 
 _lock = threading.Lock()
-_lowered = False
+_lowered_from: int | None = None  # the nice value the process had, while lowered
 _record: dict[str, object] = {"lowered": False, "restored_by": None}
 
 
-def can_leave_idle(status: str, rlimit_nice: int, nice: int) -> bool:
-    """PURE: may a thread at nice value ``nice``, with this ``/proc/self/status`` text and ``RLIMIT_NICE``
-    soft limit, switch from ``SCHED_IDLE`` back to ``SCHED_OTHER``? Linux treats it as asking for its nice
-    value: ``CAP_SYS_NICE``, or ``RLIMIT_NICE`` >= 20 - nice (Ray starts workers at nice 15: 5)."""
+def can_go_back(status: str, rlimit_nice: int, nice: int) -> bool:
+    """PURE: may a thread with this ``/proc/self/status`` text and ``RLIMIT_NICE`` soft limit lower its nice
+    value back to ``nice``? (``CAP_SYS_NICE``, or ``RLIMIT_NICE`` >= 20 - nice: setpriority(2).)"""
     if rlimit_nice < 0 or rlimit_nice >= 20 - nice:  # RLIM_INFINITY is -1
         return True
     for line in status.splitlines():
@@ -50,51 +55,54 @@ def can_leave_idle(status: str, rlimit_nice: int, nice: int) -> bool:
 
 
 def _supported() -> bool:
-    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler") and os.path.isdir("/proc/self/task")
+    return hasattr(os, "setpriority") and hasattr(threading, "get_native_id") and os.path.isdir("/proc/self/task")
 
 
-def _may_restore() -> bool:
+def _may_go_back(nice: int) -> bool:
     import resource
 
     try:
         with open("/proc/self/status") as f:
             status = f.read()
-        return can_leave_idle(status, resource.getrlimit(resource.RLIMIT_NICE)[0], os.nice(0))
+        return can_go_back(status, resource.getrlimit(resource.RLIMIT_NICE)[0], nice)
     except (OSError, AttributeError, ValueError):
         return False
 
 
 def lower_if_standby() -> bool:
-    """In a standby process (and where it can be undone), switch the calling thread to ``SCHED_IDLE`` and
-    arm the :data:`BOUND_S` timer; True when it did. Never raises."""
-    global _lowered
+    """In a standby process (and where it can be undone), put the calling thread at nice :data:`LOW_NICE`
+    and arm the :data:`BOUND_S` timer; True when it did. Never raises."""
+    global _lowered_from
     if os.environ.get(STANDBY_ENV) != "1" or not _supported():
         return False
     with _lock:
-        if _lowered or not _may_restore():
+        if _lowered_from is not None:
             return False
-        # started first: a new thread takes the policy of the thread that starts it
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if nice >= LOW_NICE or not _may_go_back(nice):
+            return False
+        # started first: a new thread takes the nice value of the thread that starts it
         timer = threading.Timer(BOUND_S, restore, kwargs={"by": "timer"})
         timer.daemon = True
         timer.start()
         try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_NICE)  # this thread only (Linux)
         except OSError:
             timer.cancel()
             return False
-        _lowered = True
+        _lowered_from = nice
         _record["lowered"] = True
     return True
 
 
 def restore(by: str = "init") -> None:
-    """Every thread of this process at ``SCHED_IDLE`` goes back to ``SCHED_OTHER`` (idempotent; never raises).
-    ``by`` says who did, in :func:`report`."""
-    global _lowered
+    """Every thread of this process above the nice value it started with goes back to it (idempotent; never
+    raises). ``by`` says who did, in :func:`report`."""
+    global _lowered_from
     with _lock:
-        if not _lowered:
+        if _lowered_from is None:
             return
-        _lowered = False
+        nice, _lowered_from = _lowered_from, None
         _record["restored_by"] = by
         os.environ.pop(STANDBY_ENV, None)  # processes it starts from now on are not standbys
     try:
@@ -103,20 +111,21 @@ def restore(by: str = "init") -> None:
         return
     for tid in tids:
         try:
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            if os.getpriority(os.PRIO_PROCESS, tid) > nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # the thread ended meanwhile
             pass
 
 
 def report() -> dict[str, object]:
-    """What happened in this process: ``lowered`` (its imports ran at idle priority), ``restored_by``
-    ("init", "timer" or None), ``idle_threads`` (threads at ``SCHED_IDLE`` now) and its ``nice`` value."""
-    idle = 0
+    """What happened in this process: ``lowered`` (its imports ran at nice 19), ``restored_by`` ("init",
+    "timer" or None), ``low_threads`` (threads above the process's nice value now) and its ``nice`` value."""
+    nice = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    low = 0
     if _supported():
         for tid in os.listdir("/proc/self/task"):
             try:
-                idle += os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+                low += os.getpriority(os.PRIO_PROCESS, int(tid)) > nice
             except OSError:
                 pass
-    return {**_record, "idle_threads": idle, "nice": os.nice(0)}
+    return {**_record, "low_threads": low, "nice": nice}
