@@ -9,14 +9,23 @@ it on stdout (``ray._private.worker.listen_error_messages`` -> ``print_to_stdstr
 and to the ``elastictrain.ray`` logger at INFO;
 every other message Ray publishes is printed as before. Ray's own session logs are untouched.
 
-The hook replaces the module attribute the listener thread looks up on every message; if a Ray version
-moves it, :func:`install` does nothing (the paragraphs show again, nothing breaks).
+Why a Ray internal: Ray 2.60 has no public switch for these. ``ray.init(log_to_driver=False)`` stops
+worker logs only; the driver's error listener (``listen_error_messages``) runs in every driver and prints
+each error published for the job with ``print``, not through a logger, so ``logging_config`` and log levels
+do not reach it either. The hook replaces the module attribute that thread looks up on every message, and is
+guarded so a Ray upgrade cannot break a run: it installs only over a function of the shape it knows
+(``print_to_stdstream(data, ignore_prefix)``), hands every call it does not recognise (or that fails to
+divert) to Ray's own function unchanged, and if the attribute is gone :func:`install` does nothing (the
+paragraphs show again; nothing breaks).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +43,8 @@ def is_worker_death(data: dict[str, Any]) -> bool:
 
 
 def install() -> None:
-    """Route worker-death paragraphs off the console for this driver process (idempotent)."""
+    """Route worker-death paragraphs off the console for this driver process (idempotent). Does nothing
+    when Ray's function is missing or not of the known shape (see the module docstring)."""
     global _installed
     with _lock:
         if _installed:
@@ -45,14 +55,37 @@ def install() -> None:
             original = ray_worker.print_to_stdstream
         except (ImportError, AttributeError):
             return
-
-        def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
-            if not is_worker_death(data):
-                return original(data, ignore_prefix)
-            _divert(data)
-
-        ray_worker.print_to_stdstream = print_to_stdstream
+        if not _known_shape(original):
+            return
+        ray_worker.print_to_stdstream = _diverting(original)
         _installed = True
+
+
+def _known_shape(fn: Any) -> bool:
+    """Is ``fn`` Ray's ``print_to_stdstream(data, ignore_prefix)`` as this hook was written against?"""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # not a Python function any more
+        return False
+    return callable(fn) and names == ["data", "ignore_prefix"]
+
+
+def _diverting(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` that diverts worker-death paragraphs; any other call, and any failure to recognise or
+    divert one, goes to ``original`` exactly as it came."""
+
+    @functools.wraps(original)
+    def print_to_stdstream(*args: Any, **kwargs: Any) -> Any:
+        data = args[0] if args else kwargs.get("data")
+        try:
+            if isinstance(data, dict) and is_worker_death(data):
+                _divert(data)
+                return None
+        except Exception:  # noqa: BLE001 - never let the hook break Ray's listener thread: print as Ray would
+            pass
+        return original(*args, **kwargs)
+
+    return print_to_stdstream
 
 
 def set_run_dir(run_dir: Path | None) -> None:

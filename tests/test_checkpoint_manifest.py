@@ -152,6 +152,20 @@ def test_safe_metadata_refuses_code_execution(tmp_path) -> None:
         loads_metadata(b"\x80\x04garbage")
 
 
+def test_safe_metadata_refuses_a_storage_reference_as_tampering_like_the_bytes_loader() -> None:
+    """Both restricted unpicklers share one shape (checkpoint/restricted_pickle.py): a persistent id, which a
+    DCP metadata file never holds, is refused as tampering (UnsafeMetadataError), not read as mere damage."""
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):  # noqa: ANN001, ANN202
+            return ("storage", "0") if obj == "S" else None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(["S"])
+    with pytest.raises(UnsafeMetadataError, match="s3://b/step_1/.metadata.*tensor storage reference.*refusing"):
+        loads_metadata(buf.getvalue(), "s3://b/step_1/.metadata")
+
+
 def test_safe_metadata_accepts_real_dcp_metadata(tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 

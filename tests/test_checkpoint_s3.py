@@ -1,5 +1,5 @@
 """S3 against a real moto server: save/commit/load, create-only commit, clear errors for a missing bucket
-and missing credentials, and the server going away during a save."""
+and missing credentials, and the server going away in the middle of a save's data write."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from checkpoint_fixtures import S3Server, fresh, s3_bucket, s3_server, same_state, start_moto, trained  # noqa: F401
+from checkpoint_fixtures import CuttingProxy, S3Server, fresh, s3_bucket, s3_server, same_state, start_moto, trained  # noqa: F401
 
 from elastictrain.checkpoint import (
     CheckpointError,
@@ -92,25 +92,33 @@ def test_s3_without_credentials_says_so(s3_server: S3Server, s3_bucket: str, tmp
 
 
 def test_s3_server_down_during_save_then_recovers(s3_server: S3Server, s3_bucket: str) -> None:
+    """The endpoint goes away in the middle of the save's data write: a proxy in front of moto cuts the PUT
+    of the first ``.distcp`` file after its head and part of its body, and stops the server. The save
+    reports the outage, nothing of it is committed or left behind, and after the server is back the next
+    save commits."""
     root = f"{s3_bucket}/run"
-    opts = s3_server.options()
-    store = CheckpointStore(root, opts)
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    store = CheckpointStore(root, s3_server.options())
+    proxy = CuttingProxy(port, rb"PUT [^ ]*step_000000002/[^ ]*\.distcp", on_cut=lambda: s3_server.server.stop())
+    opts = {**s3_server.options(), "client_kwargs": {"endpoint_url": proxy.endpoint}}
     model, opt = trained(seed=1)
     state = app_state(model, opt)
     writer = CheckpointWriter(CheckpointConfig(storage_options=opts), root, 0, 1, None)
     try:
-        ok = _save(root, opts, 1, state)
+        writer.save_async(1, state)
+        (ok,) = writer.wait(60)
+        assert ok.error is None and proxy.cut_head is None, ok.error
         store.commit(1, [ok], {"world_size": 1})
-        port = int(s3_server.endpoint.rsplit(":", 1)[1])
-        s3_server.server.stop()  # the real endpoint disappears while the save runs
         writer.save_async(2, state)
         (failed,) = writer.wait(60)
-        assert failed.error and "unreachable" in failed.error, failed.error
+        assert proxy.cut_head is not None and proxy.cut_head.startswith(b"PUT "), "the fault never landed"
+        assert failed.error and "unreachable" in failed.error and ".distcp" in failed.error, failed.error
         s3_server.server = start_moto(port)  # moto keeps its buckets in-process: like S3 after an outage
         writer.save_async(3, state)
         (again,) = writer.wait(60)
     finally:
         writer.close()
+        proxy.close()
     assert again.error is None, again.error
     with pytest.raises(CheckpointError, match="rank 0"):
         store.commit(2, [failed], {"world_size": 1})
@@ -118,4 +126,4 @@ def test_s3_server_down_during_save_then_recovers(s3_server: S3Server, s3_bucket
     manifest = store.commit(3, [again], {"world_size": 1})
     chosen, skipped = store.latest_valid()
     assert chosen == manifest and skipped == []
-    assert store.retain(keep_last=1, keep_every=0) == [1]  # the failed step 2 left nothing behind
+    assert store.retain(keep_last=1, keep_every=0) == [1]  # the cut step 2 left nothing behind

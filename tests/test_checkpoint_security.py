@@ -200,6 +200,44 @@ def test_signature_good_bad_and_missing(tmp_path: Path, monkeypatch) -> None:
     assert not marker.exists()
 
 
+def test_ckpt_sign_signs_trusted_checkpoints_rotates_keys_and_refuses_tampered_ones(tmp_path: Path) -> None:
+    """``elastictrain ckpt sign``: checkpoints written before signing was on are signed (after their files
+    are hashed), a key rotation re-signs what the previous key signed, and a tampered or damaged checkpoint
+    is refused and stays untrusted; without the key it says so in one line."""
+    root, marker = tmp_path / "run", tmp_path / "pwned"
+    _save(root, [1, 2, 3])  # before the key was set: unsigned
+    shard = next(p for p in _step_dir(root, 3).rglob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # damaged, same size
+    runner = CliRunner()
+    out = runner.invoke(ckpt, ["sign", str(root)], env={KEY_ENV: ""})
+    assert out.exit_code == 2 and KEY_ENV in out.output and len(out.output.strip().splitlines()) == 1, out.output
+
+    out = runner.invoke(ckpt, ["sign", str(root)], env={KEY_ENV: KEY.decode()})
+    assert out.exit_code == 1, out.output
+    assert "SIGNED" in out.output and "step_000000003: its files do not match the manifest" in out.output
+    trusted = CheckpointStore(str(root), key=KEY)
+    assert [m.step for m in trusted.committed()] == [1, 2] and "not signed" in trusted.refused()[3]
+    out = runner.invoke(ckpt, ["sign", str(_step_dir(root, 1))], env={KEY_ENV: KEY.decode()})
+    assert out.exit_code == 0 and out.output.startswith("OK") and "already signed" in out.output, out.output
+
+    # the attacker rewrites step 2's files and digest (not its signature), then the key is rotated
+    plant_payload(_step_dir(root, 2), marker)
+    env = {KEY_ENV: "rotated-key", "OLD_KEY": KEY.decode()}
+    out = runner.invoke(ckpt, ["sign", str(_step_dir(root, 1))], env=env)
+    assert out.exit_code == 1 and "signed under another key" in out.output, out.output
+    out = runner.invoke(ckpt, ["sign", str(root), "--previous-key-env", "OLD_KEY"], env=env)
+    assert out.exit_code == 1, out.output
+    assert "SIGNED" in out.output and "step_000000002: signed, but not under the previous key" in out.output
+    rotated = CheckpointStore(str(root), key=b"rotated-key")
+    assert [m.step for m in rotated.committed()] == [1]
+    assert set(rotated.refused()) == {2, 3}
+    with pytest.raises(ManifestError, match="signature does not match"):
+        CheckpointStore(str(root), key=KEY).read_manifest(1)
+    model, opt = fresh()
+    load_checkpoint(rotated.read_manifest(1), str(root), app_state(model, opt))  # the re-signed one loads
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------------------- end to end, real runs
 def _ckpt(tmp_path: Path, **extra) -> dict:
     return {"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 5, "resume": "auto",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import ray.cloudpickle
-
 import torch
 
 from elastictrain import Task, Trainer, build_config
@@ -64,24 +64,34 @@ def test_micro_batch_seed_is_pure():
     assert len({micro_batch_seed(0, s, j) for s in range(4) for j in range(4)}) == 16
 
 
-def test_plain_dropout_same_at_one_and_two_workers(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> Run:
+    """The plain-dropout task's 6 steps on 2 workers without faults: trained once for the two tests below."""
+    from tests.conftest import _ensure_local_ray
+
+    _ensure_local_ray()
+    return _run(tmp_path_factory.mktemp("dropout"), job(train={"steps": 6}), "two")
+
+
+def test_plain_dropout_same_at_one_and_two_workers(tmp_path, ray_local, two_workers):
     """Chunk j = k*W + r names the same samples at any world size, so the masks match: before the
     generators were seeded per (seed, step, chunk), 1 and 2 workers drew different masks."""
     one = _run(tmp_path, job(train={"steps": 6}, workers={"min": 1, "max": 1}), "one")
-    two = _run(tmp_path, job(train={"steps": 6}), "two")
+    two = two_workers
     assert {e["world_size"] for e in two.of("step")} == {2}
     p1, p2 = one.final_params(), two.final_params()
     for name in p1:
         torch.testing.assert_close(p1[name], p2[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_plain_dropout_strict_replacement_is_bitwise(tmp_path, ray_local):
+def test_plain_dropout_strict_replacement_is_bitwise(tmp_path, ray_local, two_workers):
     """A replacement worker draws what the worker it replaced would have drawn (before: it restarted the
-    global generator at the seed, so its masks differed from then on)."""
+    global generator at the seed, so its masks differed from then on). The clean run is the same job
+    without the kill (strict mode changes no number of a run without failures)."""
     kill = {"rank": 1, "step": 3, "point": "mid_step", "kind": "kill"}
     spec = job(train={"steps": 6}, recovery={"mode": "strict"})
     faulty = _run(tmp_path, {**spec, "faults": [kill]}, "faulty")
-    clean = _run(tmp_path, spec, "clean")
+    clean = two_workers
     assert faulty.result.exit_code == 0 and len(faulty.of("failure")) == 1
     assert {e["world_size"] for e in faulty.of("step")} == {2}
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]

@@ -212,13 +212,13 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
                                                          default_job: tuple[subprocess.CompletedProcess, Path]) -> None:
     ckpt = tmp_path / "ckpt"
     slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.15, generation: null}]"
-    args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0",
-            "--set", f"faults={slow}"]
+    args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0"]
+    slow_steps = ["--set", f"faults={slow}"]  # only the first submission: the stop lands mid-run
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
     runtime_env = {"env_vars": {"ELASTICTRAIN_RUN_ID": "lifecycle-1"}}
     submission = f"lifecycle-{uuid.uuid4().hex[:8]}"
-    first = cluster.submit([*args, "--run-dir", str(tmp_path / "a")], runtime_env=runtime_env, wait=False,
-                           submission_id=submission)
+    first = cluster.submit([*args, *slow_steps, "--run-dir", str(tmp_path / "a")], runtime_env=runtime_env,
+                           wait=False, submission_id=submission)
     assert first.returncode == 0, first.stdout + first.stderr
     deadline = time.time() + 240
     while time.time() < deadline and not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a")
@@ -234,6 +234,7 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
     assert first_events[0]["run_id"] == "lifecycle-1"
 
     # A new submission id, as a RayJob retry on a fresh cluster has: only ELASTICTRAIN_RUN_ID links the two.
+    # (Without the slow steps: they change no number.)
     second = cluster.submit([*args, "--run-dir", str(tmp_path / "b")], runtime_env=runtime_env,
                             submission_id=f"lifecycle-{uuid.uuid4().hex[:8]}")
     assert second.returncode == 0 and "succeeded" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]

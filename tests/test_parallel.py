@@ -1,5 +1,5 @@
 """Sharded layouts on real processes (Ray actors, gloo): FSDP2 and HSDP train the same numbers as one
-process, a checkpoint written under one plan and world size resumes under another, and the step loop's
+process (the worker's step loop on one rank in the test's own process: tests/parallel_fixtures.py), a checkpoint written under one plan and world size resumes under another, and the step loop's
 layout-agnostic parts (accumulation, clipping, export) work with DTensors.
 
 Tolerance: the layouts differ from one process only in the order of fp32 sums (DDP/FSDP all-reduce and
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import job, run_job
+from tests.parallel_fixtures import InProcessRun
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -36,9 +37,15 @@ def _close(run, ref) -> None:
     assert worst <= PARAM_ATOL, worst
 
 
+@pytest.fixture(scope="module")
+def one_process() -> InProcessRun:
+    """The 4 steps of ``_spec`` in one process (this one), trained once for both layouts below."""
+    return InProcessRun(_spec("ddp", 1))
+
+
 @pytest.mark.parametrize("plan,world", [("fsdp", 2), ("hsdp", 4)])
-def test_sharded_layout_matches_one_process(tmp_path, ray_local, clean_run, plan, world):
-    ref = clean_run(_spec("ddp", 1))  # one process, trained once for both layouts
+def test_sharded_layout_matches_one_process(tmp_path, ray_local, one_process, plan, world):
+    ref = one_process
     run = run_job(tmp_path, _spec(plan, world), name=f"{plan}{world}")
     assert run.result.exit_code == 0
     steps = run.of("step")
@@ -70,7 +77,7 @@ def test_checkpoint_resumes_across_plans_and_world_sizes(tmp_path, ray_local):
         assert runs[-1].result.exit_code == 0, runs[-1].summary
     ref_spec = _spec("ddp", 1, steps=12)
     ref_spec["train"] = {**ref_spec["train"], "global_batch": 24}
-    ref = run_job(tmp_path, ref_spec, task=_constant_lr_task(ref_spec), name="ref")
+    ref = InProcessRun(ref_spec, task=_constant_lr_task(ref_spec))
     for run, (plan, world, steps) in zip(runs[1:], phases[1:]):
         (resumed,) = run.of("resumed")
         assert resumed["step"] == steps - 4 and resumed["world_size"] == world
@@ -130,10 +137,12 @@ def test_hugging_face_gpt2_shape_under_fsdp(tmp_path, ray_local):
     from tests.parallel_fixtures import HFGPT2, hf_loss
 
     assert len(repeated_blocks(HFGPT2()())) == 2  # the default layout finds transformer.h's blocks
-    runs = {}
-    for plan, world in (("ddp", 1), ("fsdp", 2)):
-        spec = _spec(plan, world, steps=3)
-        task = dataclasses.replace(_constant_lr_task(spec), model_fn=HFGPT2(), loss_fn=hf_loss)
-        runs[plan] = run_job(tmp_path, spec, task=task, name=f"hf{plan}")
-        assert runs[plan].result.exit_code == 0, runs[plan].summary
-    _close(runs["fsdp"], runs["ddp"])
+    def task(spec):
+        return dataclasses.replace(_constant_lr_task(spec), model_fn=HFGPT2(), loss_fn=hf_loss)
+
+    ddp = _spec("ddp", 1, steps=3)
+    ref = InProcessRun(ddp, task=task(ddp))
+    fsdp = _spec("fsdp", 2, steps=3)
+    run = run_job(tmp_path, fsdp, task=task(fsdp), name="hffsdp")
+    assert run.result.exit_code == 0, run.summary
+    _close(run, ref)

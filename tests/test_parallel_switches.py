@@ -93,9 +93,12 @@ def test_reshard_after_forward_keeps_what_backward_needs_first(reshard):
         dist.destroy_process_group()
 
 
-def test_bf16_fsdp_trains_near_fp32_and_keeps_fp32_master_state(tmp_path, ray_local):
-    steps = 6
-    ref = run_job(tmp_path, _spec("fsdp", 2, steps), name="fp32")
+STEPS = 6  # the fp32 fsdp run on 2 workers of this many steps is the reference of bf16 and of AC under fsdp
+
+
+def test_bf16_fsdp_trains_near_fp32_and_keeps_fp32_master_state(tmp_path, ray_local, clean_run):
+    steps = STEPS
+    ref = clean_run(_spec("fsdp", 2, steps))  # trained once for this test and the AC test below
     ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": steps}
     run = run_job(tmp_path, {**_spec("fsdp", 2, steps, mixed_precision="bf16"), "checkpoint": ckpt}, name="bf16")
     assert run.result.exit_code == 0 and ref.result.exit_code == 0
@@ -114,11 +117,11 @@ def test_bf16_fsdp_trains_near_fp32_and_keeps_fp32_master_state(tmp_path, ray_lo
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-def test_activation_checkpointing_changes_no_number(tmp_path, ray_local, plan):
+def test_activation_checkpointing_changes_no_number(tmp_path, ray_local, clean_run, plan):
     """Recompute in backward repeats the block's forward exactly (dropout masks come from per-sample seeded
     generators, not the global RNG), so losses and the final model are bitwise those of the plain run."""
-    steps = 4
-    off = run_job(tmp_path, _spec(plan, 2, steps), name="off")
+    steps = STEPS
+    off = clean_run(_spec(plan, 2, steps))  # under fsdp: the bf16 test's fp32 reference
     on = run_job(tmp_path, _spec(plan, 2, steps, activation_checkpointing=True), name="on")
     assert on.result.exit_code == 0 and off.result.exit_code == 0
     assert on.losses() == off.losses() and len(on.losses()) == steps

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.conftest import BackgroundRun, job, run_job
+from tests.conftest import BackgroundRun, job
 
 STEPS = 30
 
@@ -24,14 +24,12 @@ def _spec(plan: str, world: int, min_workers: int = 1, extra_faults: tuple = (),
 
 
 @pytest.fixture(scope="module")
-def clean_loss(tmp_path_factory):
-    """The uninterrupted run's final loss (one process; the layouts differ from it by fp32 sum order)."""
-    from tests.conftest import _ensure_local_ray
+def clean_loss():
+    """The uninterrupted run's final loss (one process, the worker's step loop in this one; the layouts
+    differ from it by fp32 sum order; the slow steps change no number)."""
+    from tests.parallel_fixtures import InProcessRun
 
-    _ensure_local_ray()
-    run = run_job(tmp_path_factory.mktemp("clean"), _spec("ddp", 1), name="clean")
-    assert run.result.exit_code == 0
-    return run.summary["final_loss"]
+    return InProcessRun(_spec("ddp", 1)).losses()[STEPS]
 
 
 def _kill_rank_1(tmp_path, spec, name, ranks=(1,)):

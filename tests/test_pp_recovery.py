@@ -6,17 +6,20 @@ Each run ends with the loss of an uninterrupted one and every step saw exactly i
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
 from tests.conftest import BASE_JOB, job, run_job
+from tests.parallel_fixtures import InProcessRun
 
 STEPS = 16
 # two blocks: one per stage of pp2 (the built-in GPT needs n_layer >= pp)
 MODEL = {**BASE_JOB["task"]["model"], "n_layer": 2}
 TASK = {**copy.deepcopy(BASE_JOB["task"]), "model": MODEL}
 TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
-# the uninterrupted reference: one process, the same math (pipelined layouts differ by fp32 sum order only)
+# the uninterrupted reference: one process (the worker's step loop in the test's own process), the same math
+# (pipelined layouts differ by fp32 sum order only)
 CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
 
 
@@ -50,10 +53,21 @@ def _audit(run, steps: int = STEPS) -> None:
     assert sorted(seen) == list(range(1, steps + 1))
 
 
-def _like_clean(run, clean) -> None:
+_CLEAN_LOSS: dict[str, float] = {}
+
+
+def _clean_loss(spec: dict) -> float:
+    """The final loss of ``spec`` (a one-worker job) uninterrupted, trained once per spec in this process."""
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _CLEAN_LOSS:
+        _CLEAN_LOSS[key] = InProcessRun(spec).losses()[spec["train"]["steps"]]
+    return _CLEAN_LOSS[key]
+
+
+def _like_clean(run, clean: dict) -> None:
     assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
     _audit(run)
-    lf, lc = run.summary["final_loss"], clean.summary["final_loss"]
+    lf, lc = run.summary["final_loss"], _clean_loss(clean)
     assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
 
 
@@ -62,8 +76,7 @@ def _kept_their_process(run, slots) -> None:
         assert len({e["pid"] for e in run.of("worker_started") if e["slot"] == slot}) == 1, slot
 
 
-def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_grows(tmp_path, ray_local,
-                                                                                      clean_run):
+def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_grows(tmp_path, ray_local):
     """pp2 x dp2 on 4 (stage 0 = ranks 0,1; stage 1 = ranks 2,3): rank 1 is SIGKILLed mid-step. Rank 0
     holds stage 0 and ranks 2,3 stage 1: the survivors serve their snapshots (no keeper, no storage), the
     3 left fold to one whole pipeline (pp2 x dp1) and grow back to 4 once the replacement is up (the folded
@@ -77,11 +90,11 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole pipelines only: 3 workers run one pipeline
     _kept_their_process(run, [0, 2, 3])
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, CLEAN)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, clean_run, schedule):
+def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, schedule):
     """pp2 alone on 2: stage 1's only rank is SIGKILLed mid-step; no survivor holds stage 1, the peer tier
     (a snapshot every step) does. The replacement loads its stages from the keeper, rank 0 its own. Under
     zbv each rank holds two stages of a V (rank 0: the first and the last of 4 blocks), loaded by name."""
@@ -99,11 +112,10 @@ def test_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_
     assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
     assert "lack (pipeline stage, shard coordinate) [(1, 0)]" in rec["reason"], rec
     _kept_their_process(run, [0])
-    _like_clean(run, clean_run(clean))
+    _like_clean(run, clean)
 
 
-def test_pp2_fsdp2_lost_shard_of_a_stage_comes_from_the_tier_resharded_to_one_pipeline(tmp_path, ray_local,
-                                                                                        clean_run):
+def test_pp2_fsdp2_lost_shard_of_a_stage_comes_from_the_tier_resharded_to_one_pipeline(tmp_path, ray_local):
     """pp2 x fsdp2 on 4: rank 3 holds half of stage 1 and is SIGKILLed. Ranks 0,1 cover stage 0 and rank 2
     only half of stage 1, so no survivor set is a state: the tier's snapshots of the step (rank 3's from
     its keeper, the survivors' own) are, and the 3 left run one pipeline (pp2 x fsdp1), each stage's
@@ -117,10 +129,10 @@ def test_pp2_fsdp2_lost_shard_of_a_stage_comes_from_the_tier_resharded_to_one_pi
     assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
     assert "lack (pipeline stage, shard coordinate) [(1, 1)]" in rec["reason"], rec
     assert [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")][:1] == [(4, 2)]
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, CLEAN)
 
 
-def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tmp_path, ray_local, clean_run):
+def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tmp_path, ray_local):
     """pp2 x dp2: rank 2 (stage 1, the one computing the loss) stops dead (SIGSTOP) mid-step. The watchdog
     names it (its peers wait in p2p and collectives, it is stuck computing), it is killed, and rank 3
     serves stage 1 to the next generation (one pipeline until the replacement is up): lost work the step
@@ -138,10 +150,10 @@ def test_pp2_dp2_hung_stage_rank_is_found_and_its_stage_served_by_the_replica(tm
     # the 3 left run one whole pipeline while the replacement starts (elastic: no wait for it)
     assert [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")][:1] == [(4, 2)]
     _kept_their_process(run, [0, 1, 3])
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, CLEAN)
 
 
-def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tmp_path, ray_local, clean_run):
+def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tmp_path, ray_local):
     """A real SIGTERM to the driver of a pp2 run (what ``ray job stop`` and Kubernetes send; this process is
     the driver, so no second interpreter and Ray connection to start): it stops at a step boundary,
     commits, exits 75. The same job resumed under ddp on one worker, and a branch of it under fsdp on two,
@@ -178,7 +190,7 @@ def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tm
     (pre,) = first.of("preempted")
     assert pre["checkpoint"] is True and 5 <= pre["step"] < STEPS and "SIGTERM" in pre["reason"], pre
     committed = str(tmp_path / "ckpt" / "ppterm" / f"step_{pre['step']:09d}")
-    lc = clean_run(CLEAN).summary["final_loss"]
+    lc = _clean_loss(CLEAN)
     # the same job under ddp on one worker (resume: auto), then a branch of it under fsdp on two
     for name, parallel, workers, extra in (("ddp1", {"plan": "ddp"}, 1, {}),
                                            ("fsdp2", {"plan": "fsdp"}, 2, {"run_id": "ppterm-fsdp"})):

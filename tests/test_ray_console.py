@@ -31,3 +31,39 @@ def assert_paragraph_diverted(run_dir: Path, capfd) -> None:  # noqa: ANN001 - p
         time.sleep(0.2)
     printed += "".join(capfd.readouterr())
     assert "A worker died or was killed" not in printed
+
+
+def test_the_hook_installs_only_over_rays_known_function_and_never_breaks_its_calls(monkeypatch) -> None:
+    """A Ray upgrade cannot crash the driver's error listener through the hook: over a function of another
+    shape nothing is installed; once installed, calls it does not recognise go to Ray's function unchanged."""
+    import ray._private.worker as ray_worker
+
+    from elastictrain import ray_console
+
+    seen: list[tuple] = []
+
+    def moved(data, ignore_prefix, sink):  # noqa: ANN001, ANN202 - a future Ray's signature
+        seen.append((data, ignore_prefix, sink))
+
+    monkeypatch.setattr(ray_console, "_installed", False)
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", moved)
+    ray_console.install()
+    assert ray_worker.print_to_stdstream is moved, "hooked a function of a shape it was not written for"
+
+    def known(data, ignore_prefix):  # noqa: ANN001, ANN202 - Ray 2.60's
+        seen.append((data, ignore_prefix))
+
+    monkeypatch.setattr(ray_console, "_installed", False)
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", known)
+    ray_console.set_run_dir(None)
+    ray_console.install()
+    hooked = ray_worker.print_to_stdstream
+    assert hooked is not known
+    seen.clear()
+    hooked({"lines": [PARAGRAPH], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert seen == [], "the worker-death paragraph reached Ray's printer"
+    odd = [None, {"lines": 7, "pid": "raylet", "is_err": False}, "text"]
+    for data in odd:
+        hooked(data, False)
+    hooked(data={"lines": ["x"], "pid": 1, "is_err": False}, ignore_prefix=True)
+    assert seen == [(d, False) for d in odd] + [({"lines": ["x"], "pid": 1, "is_err": False}, True)]

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 from conftest import BackgroundRun, job
 
@@ -30,6 +31,23 @@ def _ready(group: WorkerGroup, index: int, timeout: float = 180.0) -> dict:
 
 def _pid_of(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=180)
+
+
+def _priority(actor) -> dict:
+    from elastictrain.worker import import_priority
+
+    return ray.get(actor.__ray_call__.remote(lambda _: import_priority.report()), timeout=180)
+
+
+def _may_go_back(nice: int) -> bool:
+    """Whether a process of this user may lower its nice value back to ``nice`` here (Ray's workers inherit
+    the capabilities and limits of this process)."""
+    import resource
+
+    from elastictrain.worker.import_priority import can_go_back
+
+    with open("/proc/self/status") as f:
+        return can_go_back(f.read(), resource.getrlimit(resource.RLIMIT_NICE)[0], nice)
 
 
 def _gone(pid: int, timeout: float = 60.0) -> bool:
@@ -58,6 +76,17 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         assert standby is not None
         standby_pid = _pid_of(standby)
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
+        # it imported at nice 19 and runs at the nice value it started with since (worker/import_priority.py);
+        # the cold replacement imported at normal priority
+        # restored by its __init__, or by the timer on a machine too busy for the imports to end within its
+        # bound; only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else it imported as before
+        cold, ahead = _priority(group.slots[0].actor), _priority(standby)
+        if _may_go_back(cold["nice"]):
+            assert ahead.pop("restored_by") in ("init", "timer")
+            assert ahead == {"lowered": True, "low_threads": 0, "nice": cold["nice"]}
+        else:
+            assert ahead == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
+        assert cold == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
 
         group.kill(group.slots[0])
         group.spawn(0)
@@ -113,3 +142,43 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
     again = [e for e in run.of("worker_started") if e["slot"] == slot][1:]
     assert len(again) == 1, run.of("worker_started")
     assert again[0]["standby"] is True and again[0]["pid"] == standby_pid, again[0]
+
+
+def test_a_standby_imports_at_low_priority_only_where_it_may_go_back() -> None:
+    """Lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE >= 20 - nice (setpriority(2)); without either
+    the standby imports at normal priority, since a worker left at nice 19 would lose its core."""
+    from elastictrain.worker.import_priority import can_go_back
+
+    no_caps, sys_nice = "Name:\tpython\nCapEff:\t0000000000000000\n", "CapEff:\t0000000000800000\n"
+    assert not can_go_back(no_caps, 0, 0) and not can_go_back(no_caps, 19, 0)
+    assert not can_go_back(no_caps, 4, 15) and can_go_back(no_caps, 5, 15)  # Ray's workers: nice 15
+    assert can_go_back(sys_nice, 0, 0) and can_go_back(no_caps, 20, 0) and can_go_back(no_caps, -1, 0)
+    assert not can_go_back("CapEff:\tzz\n", 0, 0)
+
+
+def test_a_standby_process_lowers_itself_before_torch_is_imported_and_goes_back() -> None:
+    """In a process started as a standby (the group's environment variable), importing the worker package
+    (what Ray's preload of the actor module does first) puts the thread at nice 19 before torch is imported;
+    ``restore`` (the actor's __init__) puts it back and clears the variable for the process's children."""
+    import subprocess
+    import sys
+
+    from elastictrain.worker.import_priority import STANDBY_ENV
+
+    code = """
+import os, sys
+start = os.getpriority(os.PRIO_PROCESS, 0)
+import elastictrain.worker
+from elastictrain.worker import import_priority as ip
+print(os.getpriority(os.PRIO_PROCESS, 0), "torch" in sys.modules, ip.report()["lowered"])
+ip.restore()
+print(os.getpriority(os.PRIO_PROCESS, 0) == start, ip.report()["low_threads"], os.environ.get(ip.STANDBY_ENV))
+"""
+    if not _may_go_back(os.nice(0)):
+        pytest.skip("this user may not lower a nice value here (no CAP_SYS_NICE, RLIMIT_NICE too low): the standby "
+                    "imports at normal priority, as test_a_standby_imports_at_low_priority_only_where_it_may_go_back "
+                    "decides")
+    env = {**os.environ, STANDBY_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["19 False True", "True 0 None"], out.stdout

@@ -1,4 +1,4 @@
-"""``elastictrain ckpt ...``: inspect, verify and export checkpoints.
+"""``elastictrain ckpt ...``: inspect, verify, export and sign checkpoints.
 
 URI is either a run root (``<checkpoint.uri>/<run id>``: lists its steps) or one step directory.
 Storage options (e.g. an S3 endpoint) come as ``--option key=value`` (values parsed as JSON when they
@@ -59,7 +59,7 @@ _option = click.option("--option", "-o", multiple=True, help="storage option key
 
 @click.group("ckpt")
 def ckpt() -> None:
-    """Inspect, verify and export elastictrain checkpoints."""
+    """Inspect, verify, export and sign elastictrain checkpoints."""
 
 
 @ckpt.command("ls")
@@ -143,3 +143,52 @@ def export_cmd(uri: str, out: str, fmt: str, key: str, option: tuple[str, ...]) 
     except CheckpointError as e:
         _fail(e)
     click.echo(f"wrote {n} tensors from {manifest.location} to {out} ({fmt})")
+
+
+@ckpt.command("sign")
+@click.argument("uri")
+@click.option("--previous-key-env", metavar="NAME", default=None,
+              help="environment variable holding the key the checkpoints are signed with now (key rotation)")
+@_option
+def sign_cmd(uri: str, previous_key_env: str | None, option: tuple[str, ...]) -> None:
+    """Sign one checkpoint (or every committed one under a run root) under ELASTICTRAIN_CHECKPOINT_KEY, after
+    hashing its files: for a rotated key (--previous-key-env) or checkpoints written before signing was on.
+    Exit 1 listing the ones it refused."""
+    import os
+
+    from elastictrain.checkpoint.resign import sign_step
+    from elastictrain.checkpoint.signing import KEY_ENV, key_from_env
+
+    key = key_from_env()
+    if key is None:
+        _fail(CheckpointError(f"{KEY_ENV} is not set: it holds the key to sign with (docs/config.md)"))
+    previous = None
+    if previous_key_env is not None:
+        previous = os.environ.get(previous_key_env, "").encode() or None
+        if previous is None:
+            _fail(CheckpointError(f"--previous-key-env {previous_key_env}: that environment variable is not set "
+                                  "or empty; export the key the checkpoints are signed with now under that name"))
+    refused = 0
+    try:
+        root, step = _split(uri)
+        store = CheckpointStore(root, _options(option), key=None)  # each manifest's signature is judged below
+        if step is None:
+            steps = [m.step for m in store.committed()]
+            for bad, why in sorted(store.refused().items()):
+                click.echo(f"BAD  {store.step_uri(bad)}: {why}", err=True)
+                refused += 1
+            if not steps and not refused:
+                raise CheckpointError(f"{uri}: no committed checkpoint here")
+        else:
+            steps = [step]
+        for s in steps:
+            decision = sign_step(store, s, key, previous)
+            if decision.action == "refuse":
+                refused += 1
+                click.echo(f"BAD  {store.step_uri(s)}: {decision.reason}", err=True)
+            else:
+                click.echo(f"{'SIGNED' if decision.action == 'sign' else 'OK':<6} {store.step_uri(s)}: {decision.reason}")
+    except CheckpointError as e:
+        _fail(e)
+    if refused:
+        sys.exit(1)

@@ -84,7 +84,8 @@ def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None =
                 raise CheckpointError(
                     f"checkpoint.resume=auto: every committed checkpoint under {store.root_uri} (steps "
                     f"{damaged}) is damaged: {'; '.join(skipped)}. Ways out: repair or remove them, point "
-                    "checkpoint.resume at a good step directory, or start fresh with --set checkpoint.resume=never")
+                    "checkpoint.resume at a good step directory, sign the ones you trust (elastictrain ckpt sign), "
+                    "or start fresh with --set checkpoint.resume=never")
             return ResumePlan(run_id, store, None, new_lineage(), fp)
         return _checked(config, ResumePlan(run_id, store, manifest, lineage_of(manifest.meta) or new_lineage(), fp),
                         lr_fn)

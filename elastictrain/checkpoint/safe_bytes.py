@@ -5,7 +5,7 @@ DCP saves every non-tensor leaf (``optim.param_groups.0.lr``, ``betas``, ``eps``
 ``torch.load(weights_only=False)``: a full unpickler over bytes that come from storage. Here a bytes item is
 opened as the zip archive ``torch.save`` writes, its one ``data.pkl`` is unpickled with an allow-list of plain
 data (numbers, strings, bytes, bools, None, and lists, tuples, dicts, sets of those) and no persistent ids
-(a bytes item never holds a tensor), and anything else raises :class:`UnsafeBytesError` before an object is
+(a bytes item never holds a tensor; the unpickler's shape is :mod:`.restricted_pickle`'s), and anything else raises :class:`UnsafeBytesError` before an object is
 built from it. :class:`SafeLoadPlanner` and :class:`SafeFullLoadPlanner` are DCP load planners that read
 bytes items this way; :class:`~elastictrain.checkpoint.dcp_io.SafeReader` refuses to serve any other planner.
 """
@@ -13,7 +13,6 @@ bytes items this way; :class:`~elastictrain.checkpoint.dcp_io.SafeReader` refuse
 from __future__ import annotations
 
 import io
-import pickle
 import zipfile
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.planner import ReadItem
 
 from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.restricted_pickle import AllowListUnpickler, restricted_loads
 
 # module -> names a plain-data pickle (protocol 2, as torch.save writes it) may name
 _PLAIN: dict[str, frozenset[str]] = {
@@ -36,21 +36,10 @@ class UnsafeBytesError(CheckpointError):
     """A bytes item holds something other than plain data; nothing was built from it."""
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BufferedIOBase, where: str) -> None:
-        super().__init__(file)
-        self._where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _PLAIN.get(module, ()):
-            return super().find_class(module, name)
-        raise UnsafeBytesError(
-            f"{self._where} refers to {module}.{name}, but a checkpoint's non-tensor entries hold plain data only; "
-            "refusing to load it (the checkpoint may have been tampered with)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeBytesError(f"{self._where} holds a tensor storage reference, which a non-tensor entry never "
-                               "does; refusing to load it (the checkpoint may have been tampered with)")
+class _PlainUnpickler(AllowListUnpickler):
+    allowed = _PLAIN
+    refusal = UnsafeBytesError
+    holds = "plain data only (a checkpoint's non-tensor entries)"
 
 
 def loads_plain(data: bytes, where: str = "bytes item") -> Any:
@@ -64,12 +53,7 @@ def loads_plain(data: bytes, where: str = "bytes item") -> Any:
             payload = archive.read(pickles[0])
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise CheckpointError(f"{where}: not a torch.save archive ({e}); the checkpoint is corrupt") from None
-    try:
-        return _PlainUnpickler(io.BytesIO(payload), where).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - truncated/corrupt pickles raise many different types
-        raise CheckpointError(f"{where}: the entry is corrupt ({type(e).__name__}: {e})") from None
+    return restricted_loads(_PlainUnpickler, payload, where)
 
 
 class _PlainBytes:

@@ -4,19 +4,19 @@ DCP's ``FileSystemReader.read_metadata`` calls plain ``pickle.load`` on a file t
 anyone who can write to the bucket could run code in every worker. Here only the classes DCP actually
 puts into that file can be named: its metadata dataclasses, ``torch.Size``, dtypes, layouts, memory
 formats and plain builtins. Anything else (``os.system``, ``builtins.eval``, ``subprocess.Popen``...) makes
-loading fail with :class:`UnsafeMetadataError` before any object is built from it.
+loading fail with :class:`UnsafeMetadataError` before any object is built from it (the unpickler is a
+:class:`~elastictrain.checkpoint.restricted_pickle.AllowListUnpickler`, as the bytes items' is).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from elastictrain.checkpoint.errors import CheckpointError
+from elastictrain.checkpoint.restricted_pickle import AllowListUnpickler, restricted_loads
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
@@ -49,33 +49,23 @@ class UnsafeMetadataError(CheckpointError):
     """The metadata pickle names something outside the allow-list; it was not loaded."""
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BufferedIOBase, where: str) -> None:
-        super().__init__(file)
-        self._where = where
+class _RestrictedUnpickler(AllowListUnpickler):
+    allowed = _ALLOWED
+    refusal = UnsafeMetadataError
+    holds = "only DCP's metadata classes, torch sizes, dtypes and plain data (a DCP metadata file)"
 
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
+    def extra_global(self, module: str, name: str) -> Any | None:
         if module == "torch":
             # dtypes/layouts/memory formats pickle as module attributes (torch.float32, torch.strided...)
             value = getattr(torch, name, None)
             if isinstance(value, _TORCH_VALUE_TYPES):
                 return value
-        raise UnsafeMetadataError(
-            f"{self._where}: the checkpoint metadata refers to {module}.{name}, which a DCP metadata file never "
-            "contains; refusing to load it (the file may have been tampered with)"
-        )
+        return None
 
 
 def loads_metadata(data: bytes, where: str = ".metadata") -> Metadata:
     """Unpickle DCP metadata from ``data`` with the allow-list; raise on anything else or a non-Metadata."""
-    try:
-        obj = _RestrictedUnpickler(io.BytesIO(data), where).load()
-    except UnsafeMetadataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - truncated/corrupt pickles raise many different types
-        raise CheckpointError(f"{where}: checkpoint metadata is corrupt ({type(e).__name__}: {e})") from e
+    obj = restricted_loads(_RestrictedUnpickler, data, f"{where} (checkpoint metadata)")
     if not isinstance(obj, Metadata):
         raise UnsafeMetadataError(f"{where}: metadata file holds a {type(obj).__name__}, not DCP Metadata")
     return obj

@@ -6,7 +6,8 @@ so a replacement waits for capacity instead of failing. A slot with a group of i
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, no resources of its
 own) that the next replacement on its node runs in: the first once the run has trained a step
-(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up.
+(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It imports
+at the lowest CPU priority (:mod:`elastictrain.worker.import_priority`), so its start takes little from training.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -28,6 +29,7 @@ from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
+from elastictrain.worker.import_priority import STANDBY_ENV
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -232,6 +234,8 @@ class WorkerGroup:
         self._standby_node = self._bundle_node(index)
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
+            # a process of its own that imports at the lowest CPU priority (worker/import_priority.py)
+            runtime_env={"env_vars": {STANDBY_ENV: "1"}},
         ).remote(self.config, self.task, -1)
         self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
 

@@ -32,6 +32,7 @@ from elastictrain.logs import configure_worker_logging, one_line, set_worker_ran
 from elastictrain.parallel.mesh import worker_device
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.task import Task
+from elastictrain.worker import import_priority
 from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.loop import StepRunner
@@ -88,6 +89,7 @@ class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
     def __init__(self, config: JobConfig, task: Task, slot: int) -> None:
+        import_priority.restore()  # a standby imported at nice 19 (worker/import_priority.py); no longer
         self.config = config
         self.task = task
         self.slot = slot
