@@ -49,9 +49,11 @@ def _free_port() -> int:
 
 def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out: str) -> None:
     """One rank: for each of ``layouts`` (parallel sections, one after another on the same gloo group) the
-    worker's StepRunner, seeded init, STEPS steps; rank 0 saves each run's losses, audited sample ids and
-    the gathered whole model."""
+    worker's StepRunner, seeded init (or ``_load``: the training state from a DCP directory, by name, as a
+    checkpoint restore does), ``_steps`` (default STEPS) steps, then (``_save``) its training state saved
+    with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     from elastictrain.config import build_config
     from elastictrain.parallel.plan import resolve, spec_from_config
@@ -65,13 +67,19 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     results = []
     try:
         for parallel in layouts:
+            parallel = dict(parallel)
+            steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
             cfg = build_config(_spec(world, **parallel))
             task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
             runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-            if runner.uninitialized:
+            if load:
+                runner.state.load_from(dcp.FileSystemReader(load))
+            elif runner.uninitialized:
                 runner.init_from_seed()
-            records = [runner.run_step(False)[0] for _ in range(STEPS)]
+            records = [runner.run_step(False)[0] for _ in range(steps)]
+            if save:
+                dcp.save(runner.state.state_dict(), checkpoint_id=save)
             full = runner.state.full_model_state()
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
                             "params": full})
@@ -92,6 +100,12 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
     return _run(tmp_path_factory.mktemp("ref"), 1, [{}])[0]
 
 
+def _resumed_matches(got: dict[str, Any], ref: dict[str, Any], done: int) -> None:
+    """A run resumed after ``done`` steps matches the uninterrupted run's later losses and final model."""
+    _matches({"losses": got["losses"], "ids": got["ids"], "params": got["params"]},
+             {"losses": ref["losses"][done:], "ids": ref["ids"][done:], "params": ref["params"]})
+
+
 def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
@@ -108,3 +122,63 @@ def test_tp2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_
     runs = _run(tmp_path, 2, TP2)
     for got in runs:
         _matches(got, one_process)
+
+
+def test_tp2_by_dp2_ddp_fsdp_and_tp2_by_pp2_on_4_match_one_process(tmp_path, one_process) -> None:
+    """tp2 x dp2 under ddp (gradients averaged over the data-parallel group by hand) and fsdp (FSDP2 on the
+    dp submesh of the 2-D mesh), and tp2 x pp2 (each stage tensor-parallel), on one group of 4."""
+    runs = _run(tmp_path, 4, [{"tp": 2}, {"tp": 2, "plan": "fsdp"}, {"tp": 2, "pp": 2}])
+    for got in runs:
+        _matches(got, one_process)
+
+
+def test_tp2_by_pp2_by_dp2_on_8_matches_one_process(tmp_path, one_process) -> None:
+    (got,) = _run(tmp_path, 8, [{"tp": 2, "pp": 2}])
+    _matches(got, one_process)
+
+
+def test_checkpoints_reshard_between_tp_pp_and_data_parallel_layouts(tmp_path, one_process) -> None:
+    """A training state saved after 2 steps under tp2 x pp2 resumes under fsdp4 and ddp1, and one saved
+    under ddp2 resumes under tp2 x pp2, each with the third step and final model of the uninterrupted run
+    (DCP reshards by parameter name: TP shards are DTensors with global offsets)."""
+    tp_pp, ddp2 = str(tmp_path / "tp2pp2"), str(tmp_path / "ddp2")
+    _run(tmp_path, 2, [{"_steps": 2, "_save": ddp2}])
+    four = _run(tmp_path, 4, [{"tp": 2, "pp": 2, "_steps": 2, "_save": tp_pp},
+                              {"plan": "fsdp", "_load": tp_pp, "_steps": 1},
+                              {"tp": 2, "pp": 2, "_load": ddp2, "_steps": 1}])
+    (ddp1,) = _run(tmp_path, 1, [{"_load": tp_pp, "_steps": 1}])
+    for got in (four[1], four[2], ddp1):
+        _resumed_matches(got, one_process, 2)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("parallel: {tp: 3}\nworkers: {min: 3, max: 3}\ntrain: {global_batch: 6, micro_batch: 2}\n",
+     "parallel.tp=3 does not divide task.model.n_head=2"),
+    ("parallel: {tp: 4}\nworkers: {min: 4, max: 4}\ntask: {model: {n_head: 2}}\n",
+     "valid parallel.tp values for this model: [1, 2]"),
+    ("parallel: {tp: 2}\nworkers: {min: 3, max: 3}\n", "tp=2 needs a multiple of 2 workers (whole TP groups)"),
+    ("parallel: {sequence_parallel: true}\n", "parallel.sequence_parallel=true needs parallel.tp > 1"),
+])
+def test_bad_tp_config_is_one_line_exit_2(tmp_path, text, needle) -> None:
+    from tests.test_config import _cli
+
+    proc = _cli(tmp_path, text)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plan_puts_tp_innermost() -> None:
+    """The mesh order of the shared design: pp, dp_replicate, dp_shard, tp; tp groups are consecutive ranks."""
+    from elastictrain.parallel.plan import PlanSpec, resolve, valid_world_sizes
+
+    spec = PlanSpec("hsdp", 16, 1, shard_size=2, pp=2, tp=2)
+    layout = resolve(spec, 16)
+    assert layout.dims.names == ("pp", "dp_replicate", "dp_shard", "tp") and layout.dims.shape == (2, 2, 2, 2)
+    assert [layout.tp_coord(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [layout.coords(r) for r in (0, 1, 2, 7, 8, 15)] == [(0, 0), (0, 0), (0, 1), (0, 3), (1, 0), (1, 3)]
+    assert not layout.replicated and layout.sequence_parallel
+    assert valid_world_sizes(spec, 40) == [8, 16, 32]
+    assert not resolve(PlanSpec("ddp", 8, 1, tp=2, sequence_parallel=False), 4).sequence_parallel
+    plain = resolve(PlanSpec("ddp", 8, 1), 4)  # without tp every formula is today's
+    assert plain.dims.names == ("dp_replicate",) and plain.coords(3) == (0, 3) and plain.replicated
