@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import os
 import socket
 from typing import Any
@@ -69,8 +70,14 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
         for parallel in layouts:
             parallel = dict(parallel)
             steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
+            llama = parallel.pop("_llama", False)
             cfg = build_config(_spec(world, **parallel))
-            task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
+            if llama:  # a model the project did not write, with the plan of examples/tp_llama.py
+                from examples.tp_llama import make_task
+
+                task = dataclasses.replace(make_task(seq_len=MODEL["seq_len"]), lr_fn=None)
+            else:
+                task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
             runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             if load:
@@ -82,11 +89,24 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
                 dcp.save(runner.state.state_dict(), checkpoint_id=save)
             full = runner.state.full_model_state()
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
-                            "params": full})
+                            "params": full, "tp_sharded": _tp_sharded(runner.model)})
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def _tp_sharded(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters sharded on the mesh's ``tp`` axis (proof that a plan was applied)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            axis = p.device_mesh.mesh_dim_names.index("tp")
+            if p.placements[axis].is_shard():
+                out.append(name)
+    return out
 
 
 def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,6 +142,9 @@ def test_tp2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_
     runs = _run(tmp_path, 2, TP2)
     for got in runs:
         _matches(got, one_process)
+    sp, plain = (set(r["tp_sharded"]) for r in runs)
+    assert {"tok_emb.weight", "head.weight", "blocks.0.q.weight", "blocks.1.mlp_out.weight"} <= plain
+    assert sp == plain | {"pos_emb.weight"}  # sequence parallel splits the positions' rows too
 
 
 def test_tp2_by_dp2_ddp_fsdp_and_tp2_by_pp2_on_4_match_one_process(tmp_path, one_process) -> None:
@@ -182,3 +205,18 @@ def test_plan_puts_tp_innermost() -> None:
     assert not resolve(PlanSpec("ddp", 8, 1, tp=2, sequence_parallel=False), 4).sequence_parallel
     plain = resolve(PlanSpec("ddp", 8, 1), 4)  # without tp every formula is today's
     assert plain.dims.names == ("dp_replicate",) and plain.coords(3) == (0, 3) and plain.replicated
+
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed (pip install 'elastictrain[hf]'): the "
+                                       "Hugging Face Llama example cannot be built")
+def test_a_hugging_face_llama_runs_tensor_parallel_through_its_parallelize_fn(tmp_path) -> None:
+    """examples/tp_llama.py: tp2 of a Llama the project did not write trains the numbers of one process,
+    its projections, embedding and head sharded on tp."""
+    (ref,) = _run(tmp_path, 1, [{"_llama": True}])
+    (tp2,) = _run(tmp_path, 2, [{"_llama": True, "tp": 2, "sequence_parallel": False}])
+    _matches(tp2, ref)
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.0.mlp.down_proj.weight"} <= set(tp2["tp_sharded"])
