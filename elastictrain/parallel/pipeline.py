@@ -12,7 +12,7 @@ modules under a schedule do not reduce their gradients (measured: pp2 x dp2, the
 diverge after the first step; ``PipelineStage`` runs every forward under ``no_sync`` and calls the reducer's
 ``prepare_for_backward`` itself before the last backward). The stage's gradients are instead averaged over
 its data-parallel group in one flat all-reduce after ``schedule.step`` (what DDP computes: divide by ``D``,
-then sum). A ``parallelize_fn`` that returns a DDP module is unwrapped the same way. FSDP2/HSDP stages
+then sum; :func:`elastictrain.parallel.tensor.average_grads`, on the local shards of DTensor gradients). A ``parallelize_fn`` that returns a DDP module is unwrapped the same way. FSDP2/HSDP stages
 reduce-scatter inside the schedule as torch intends (``set_requires_gradient_sync`` per last backward).
 
 :class:`PipelineModel` is a :class:`~elastictrain.parallel.parallelize.ParallelModel`: the step loop calls
@@ -28,7 +28,12 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
 * phases: a stage's forward/backward computation is ``compute``, everything else (p2p waits) ``collective``,
   so a hung stage rank is the one stuck in ``compute``;
 * :class:`StageSet` holds this rank's stage modules under the whole model's names: the optimizer, the
-  training state (DCP) and recovery see one module whose keys are a subset of the whole model's.
+  training state (DCP) and recovery see one module whose keys are a subset of the whole model's;
+* under ``parallel.tp > 1`` each stage module is made tensor-parallel on the ``tp`` axis first
+  (``parallelize_fn`` gets the stage's submesh, every axis but ``pp``); the pp group links equal tp
+  coordinates, so each tp rank sends its local activations to its peer of the next stage; the schedule
+  runs inside ``loss_parallel``, gradients are settled to their parameters' placements after it
+  (:func:`elastictrain.parallel.tensor.settle_grads`), and only tp coordinate 0 counts samples and losses.
 """
 
 from __future__ import annotations
