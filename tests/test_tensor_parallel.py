@@ -62,7 +62,12 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
 
+    from elastictrain.parallel import optim
+
     torch.set_num_threads(1)
+    norms: list[float] = []  # every clip's pre-clip global norm, as the step loop computes it
+    clip = optim.clip_grad_norm
+    optim.clip_grad_norm = lambda *a, **k: norms.append(float(n := clip(*a, **k))) or n  # type: ignore[assignment]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = []
@@ -84,12 +89,13 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
                 runner.state.load_from(dcp.FileSystemReader(load))
             elif runner.uninitialized:
                 runner.init_from_seed()
+            norms.clear()
             records = [runner.run_step(False)[0] for _ in range(steps)]
             if save:
                 dcp.save(runner.state.state_dict(), checkpoint_id=save)
             full = runner.state.full_model_state()
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
-                            "params": full, "tp_sharded": _tp_sharded(runner.model)})
+                            "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms)})
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -122,14 +128,17 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
 
 def _resumed_matches(got: dict[str, Any], ref: dict[str, Any], done: int) -> None:
     """A run resumed after ``done`` steps matches the uninterrupted run's later losses and final model."""
-    _matches({"losses": got["losses"], "ids": got["ids"], "params": got["params"]},
-             {"losses": ref["losses"][done:], "ids": ref["ids"][done:], "params": ref["params"]})
+    _matches(got, {"losses": ref["losses"][done:], "ids": ref["ids"][done:], "params": ref["params"],
+                   "norms": ref["norms"][done:]})
 
 
 def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
     assert got["ids"] == ref["ids"]  # every sample of every step audited once
+    # clipping by the norm of the whole model's gradient, summed over tp shards (and stages, dp shards)
+    for a, b in zip(got["norms"], ref["norms"], strict=True):
+        assert abs(a - b) <= LOSS_RTOL * b, (got["norms"], ref["norms"])
     assert got["params"].keys() == ref["params"].keys()
     for name, t in ref["params"].items():
         assert torch.allclose(got["params"][name], t, rtol=0, atol=PARAM_ATOL), name
@@ -174,21 +183,28 @@ def test_checkpoints_reshard_between_tp_pp_and_data_parallel_layouts(tmp_path, o
         _resumed_matches(got, one_process, 2)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("parallel: {tp: 3}\nworkers: {min: 3, max: 3}\ntrain: {global_batch: 6, micro_batch: 2}\n",
-     "parallel.tp=3 does not divide task.model.n_head=2"),
-    ("parallel: {tp: 4}\nworkers: {min: 4, max: 4}\ntask: {model: {n_head: 2}}\n",
-     "valid parallel.tp values for this model: [1, 2]"),
-    ("parallel: {tp: 2}\nworkers: {min: 3, max: 3}\n", "tp=2 needs a multiple of 2 workers (whole TP groups)"),
-    ("parallel: {sequence_parallel: true}\n", "parallel.sequence_parallel=true needs parallel.tp > 1"),
+@pytest.mark.parametrize("sections, needle", [
+    ({"parallel": {"tp": 4}, "workers": {"min": 4, "max": 4}, "task": {"model": {"n_head": 2}}},
+     "parallel.tp=4 does not divide task.model.n_head=2; valid parallel.tp values for this model: [1, 2]"),
+    ({"parallel": {"tp": 2}, "workers": {"min": 3, "max": 3}}, "tp=2 needs a multiple of 2 workers (whole TP groups)"),
+    ({"parallel": {"sequence_parallel": True}}, "parallel.sequence_parallel=true needs parallel.tp > 1"),
 ])
-def test_bad_tp_config_is_one_line_exit_2(tmp_path, text, needle) -> None:
+def test_bad_tp_config_names_the_rule_and_the_fix(sections, needle) -> None:
+    from elastictrain import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as err:
+        build_config(job(**sections))
+    assert needle in str(err.value)
+
+
+def test_bad_tp_config_at_the_cli_is_one_line_exit_2(tmp_path) -> None:
     from tests.test_config import _cli
 
-    proc = _cli(tmp_path, text)
+    proc = _cli(tmp_path, "parallel: {tp: 3}\nworkers: {min: 3, max: 3}\ntrain: {global_batch: 6, micro_batch: 2}\n")
     assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr
+    assert "parallel.tp=3 does not divide task.model.n_head=2" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()  # nothing started
 
 
 def test_plan_puts_tp_innermost() -> None:
