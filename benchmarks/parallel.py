@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
 [--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
-[--pp 2] [--pp-schedules 1f1b] [--kill-pp] [--tp 2]``
+[--pp 2] [--pp-schedules 1f1b] [--kill-pp]``
 
 The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
 measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
@@ -30,7 +30,7 @@ with the same model, data and global batch; printed after the table, each beside
   tiny job on ``--world 4`` (rank 1 is stage 0's second replica: the replica source), median of
   ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
 
-Tensor-parallel rows (``--tp T``, default 2; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
+Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
 is left); printed after the table: samples/s and memory per process against ddpT (target: training peak
 <= 0.6x at >= 50M parameters: parameters, gradients and Adam state are split T ways), and the activation
@@ -354,6 +354,30 @@ def _verdict(ok: bool) -> str:
     return "[met]" if ok else "[NOT met]"
 
 
+def _print_tp_rows(tp: int, base: Row | None, rows: list[Row]) -> None:
+    """The tensor-parallel rows against ddp at the same process count: throughput, memory (target <= 0.6 at
+    >= 50M parameters for tp2 against ddp2) and the activation split (sequence parallel below plain TP)."""
+    print(f"\ntensor-parallel rows (tp{tp}; activations: MiB autograd saves for one micro-batch on one rank, "
+          "norm/dropout regions + the rest)")
+    for r in rows:
+        line = f"  {r.label} on {r.world}: {r.samples_s:.2f} samples/s"
+        if base is not None and r.world == base.world:
+            x = r.train / base.train
+            big = base.params >= 50e6
+            line += (f", x {base.label}: samples/s {r.samples_s / base.samples_s:.3f}, train peak {x:.3f}, peak "
+                     f"{r.peak / base.peak:.3f}" + (f" (target <= 0.6) {_verdict(x <= 0.6)}" if big else
+                                                    " (model < 50M params: the 0.6 target does not apply)"))
+        if r.act_norm == r.act_norm:  # not nan
+            line += f"; activations {r.act_norm:.2f} + {r.act_other:.2f} = {r.act_norm + r.act_other:.2f} MiB"
+        print(line)
+    by = {r.label: r for r in rows}
+    sp, plain = by.get(f"tp{tp}"), by.get(f"tp{tp}-nosp")
+    if sp is not None and plain is not None and sp.act_norm == sp.act_norm:
+        total = (sp.act_norm + sp.act_other, plain.act_norm + plain.act_other)
+        print(f"  sequence parallel's activations below plain TP's at tp{tp}: {total[0]:.2f} vs {total[1]:.2f} MiB "
+              f"(norm/dropout regions {sp.act_norm:.2f} vs {plain.act_norm:.2f}) {_verdict(total[0] < total[1])}")
+
+
 def _print_pp_rows(pp: int, base: Row, pipes: list[Row]) -> None:
     """The issue's pipeline targets, each figure printed beside its target."""
     from elastictrain.parallel.bubble import SCHEDULES, formula_bubble, schedule_bubble
@@ -402,30 +426,6 @@ def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
               "more 4-process kill runs)")
 
 
-def _print_tp_rows(tp: int, base: Row | None, rows: list[Row]) -> None:
-    """The tensor-parallel rows against ddp at the same process count: throughput, memory (target <= 0.6 at
-    >= 50M parameters for tp2 against ddp2) and the activation split (sequence parallel below plain TP)."""
-    print(f"\ntensor-parallel rows (tp{tp}; activations: MiB autograd saves for one micro-batch on one rank, "
-          "norm/dropout regions + the rest)")
-    for r in rows:
-        line = f"  {r.label} on {r.world}: {r.samples_s:.2f} samples/s"
-        if base is not None and r.world == base.world:
-            x = r.train / base.train
-            big = base.params >= 50e6
-            line += (f", x {base.label}: samples/s {r.samples_s / base.samples_s:.3f}, train peak {x:.3f}, peak "
-                     f"{r.peak / base.peak:.3f}" + (f" (target <= 0.6) {_verdict(x <= 0.6)}" if big else
-                                                    " (model < 50M params: the 0.6 target does not apply)"))
-        if r.act_norm == r.act_norm:  # not nan
-            line += f"; activations {r.act_norm:.2f} + {r.act_other:.2f} = {r.act_norm + r.act_other:.2f} MiB"
-        print(line)
-    by = {r.label: r for r in rows}
-    sp, plain = by.get(f"tp{tp}"), by.get(f"tp{tp}-nosp")
-    if sp is not None and plain is not None and sp.act_norm == sp.act_norm:
-        total = (sp.act_norm + sp.act_other, plain.act_norm + plain.act_other)
-        print(f"  sequence parallel's activations below plain TP's at tp{tp}: {total[0]:.2f} vs {total[1]:.2f} MiB "
-              f"(norm/dropout regions {sp.act_norm:.2f} vs {plain.act_norm:.2f}) {_verdict(total[0] < total[1])}")
-
-
 def main() -> None:
     import tempfile
 
@@ -442,6 +442,8 @@ def main() -> None:
     p.add_argument("--pp-schedules", default="1f1b",
                    help="schedules run as pipeline rows, comma-separated (gpipe, 1f1b, interleaved_1f1b, "
                         "zero_bubble, zbv); the timeline bubble is printed for all of them regardless")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp rows: tpT (with sequence "
+                                                    "parallel), tpT-nosp and, with --pp > 1, tpTxppP (0: none)")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
     p.add_argument("--kill-repeats", type=int, default=5, help="kill runs per plan (the median is shown)")
     p.add_argument("--kill-batch", default=(32, 8), type=lambda v: tuple(int(x) for x in v.split(",", 1)),
@@ -449,8 +451,6 @@ def main() -> None:
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     p.add_argument("--kill-pp", action="store_true",
                    help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp rows: tpT (with sequence "
-                                                    "parallel), tpT-nosp and, with --pp > 1, tpTxppP (0: none)")
     args = p.parse_args()
     args.pp_schedule = "1f1b"  # what a bare "ppN" layout name means (_layout_parallel)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -492,13 +492,13 @@ def main() -> None:
         print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
               f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
               "step done [to the recovered event] (recovery source)")
+    if tps:
+        _print_table([tp_base, *tps], tp_base, {})
+        _print_tp_rows(args.tp, tp_base, tps)
     if base is not None:
         _print_pp_rows(args.pp, base, pipes)
     if base is not None or args.kill_pp:
         _print_pp_kill(kills, args)
-    if tps:
-        _print_table([tp_base, *tps], tp_base, {})
-        _print_tp_rows(args.tp, tp_base, tps)
 
 
 if __name__ == "__main__":
