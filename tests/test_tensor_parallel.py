@@ -75,7 +75,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
         for parallel in layouts:
             parallel = dict(parallel)
             steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
-            llama = parallel.pop("_llama", False)
+            llama, meta = parallel.pop("_llama", False), parallel.pop("_meta", False)
             cfg = build_config(_spec(world, **parallel))
             if llama:  # a model the project did not write, with the plan of examples/tp_llama.py
                 from examples.tp_llama import make_task
@@ -84,6 +84,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             else:
                 task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
             runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
+            if meta:  # what a rank rebuilding its model for a new generation has: no values until a restore
+                runner.model = runner._meta_model()
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             if load:
                 runner.state.load_from(dcp.FileSystemReader(load))
@@ -144,14 +146,16 @@ def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
         assert torch.allclose(got["params"][name], t, rtol=0, atol=PARAM_ATOL), name
 
 
-TP2 = [{"tp": 2}, {"tp": 2, "sequence_parallel": False}]
+TP2 = [{"tp": 2}, {"tp": 2, "sequence_parallel": False}, {"tp": 2, "_meta": True}]
 
 
 def test_tp2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_process) -> None:
+    """Also from a meta-device model whose seeded values rank 0 broadcasts (load_seeded_init), as a rank
+    rebuilding for a new generation at step 0 starts."""
     runs = _run(tmp_path, 2, TP2)
     for got in runs:
         _matches(got, one_process)
-    sp, plain = (set(r["tp_sharded"]) for r in runs)
+    sp, plain, _ = (set(r["tp_sharded"]) for r in runs)
     assert {"tok_emb.weight", "head.weight", "blocks.0.q.weight", "blocks.1.mlp_out.weight"} <= plain
     assert sp == plain | {"pos_emb.weight"}  # sequence parallel splits the positions' rows too
 
@@ -164,9 +168,11 @@ def test_tp2_by_dp2_ddp_fsdp_and_tp2_by_pp2_on_4_match_one_process(tmp_path, one
         _matches(got, one_process)
 
 
-def test_tp2_by_pp2_by_dp2_on_8_matches_one_process(tmp_path, one_process) -> None:
-    (got,) = _run(tmp_path, 8, [{"tp": 2, "pp": 2}])
-    _matches(got, one_process)
+def test_tp2_by_pp2_by_dp2_and_tp2_by_hsdp_on_8_match_one_process(tmp_path, one_process) -> None:
+    """tp2 x pp2 x dp2 (ddp in each stage), and tp2 under hsdp (2 replicas x 2 shards x tp2: FSDP2 on the
+    2-D data-parallel submesh of a 3-D mesh)."""
+    for got in _run(tmp_path, 8, [{"tp": 2, "pp": 2}, {"tp": 2, "plan": "hsdp", "shard_size": 2}]):
+        _matches(got, one_process)
 
 
 def test_checkpoints_reshard_between_tp_pp_and_data_parallel_layouts(tmp_path, one_process) -> None:
