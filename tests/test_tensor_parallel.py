@@ -242,3 +242,34 @@ def test_a_hugging_face_llama_runs_tensor_parallel_through_its_parallelize_fn(tm
     _matches(tp2, ref)
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight",
             "model.layers.0.mlp.down_proj.weight"} <= set(tp2["tp_sharded"])
+
+
+def test_tp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local) -> None:
+    """tp2 (sequence parallel) through the real controller on local Ray for 4 steps, with the peer tier every
+    step and a durable checkpoint every 2: every step's samples audited once; then ddp1 resumes its step-4
+    checkpoint (the framework's own format) to 6 steps with the losses and final model of 6 uninterrupted
+    ddp1 steps."""
+    def spec(world: int, steps: int, run_id: str, ckpt: bool = True, **parallel: Any) -> dict[str, Any]:
+        s = _spec(world, **parallel)
+        s["train"] = {**s["train"], "steps": steps}
+        s["run_id"] = run_id
+        s["checkpoint"] = ({"uri": str(tmp_path / "ckpt"), "every_steps": 2, "memory_every_steps": 1} if ckpt
+                           else {"uri": None})
+        return s
+
+    from tests.conftest import run_job
+
+    tp = run_job(tmp_path, spec(2, 4, "tp-resume", tp=2), name="tp2")
+    assert tp.result.exit_code == 0, tp.summary
+    assert [len(e["sample_ids"]) for e in tp.of("step")] == [8] * 4  # 8 samples a step, each counted once
+    ddp = run_job(tmp_path, spec(1, 6, "tp-resume"), name="ddp1")
+    assert ddp.result.exit_code == 0, ddp.summary
+    (resumed,) = ddp.of("resumed")
+    assert resumed["step"] == 4
+    ref = run_job(tmp_path, spec(1, 6, "ref", ckpt=False), name="ref")
+    losses = {**tp.losses(), **ddp.losses()}
+    assert sorted(losses) == list(range(1, 7))
+    for step, loss in ref.losses().items():
+        assert abs(losses[step] - loss) <= LOSS_RTOL * abs(loss), (step, losses[step], loss)
+    got, want = ddp.final_params(), ref.final_params()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= PARAM_ATOL
