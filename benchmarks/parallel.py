@@ -176,6 +176,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     with open(os.path.join(out, f"{layout}.{rank}"), "w") as f:
         f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak} {bubble} {runner.layout.accum} "
                 f"{norm_mib} {other_mib}\n")
+    dist.destroy_process_group()
 
 
 def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
@@ -221,7 +222,6 @@ def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
         for h in handles:
             h.remove()
     return sizes["norm"] / 2**20, sizes["other"] / 2**20
-    dist.destroy_process_group()
 
 
 def _reset_peak_rss() -> None:
