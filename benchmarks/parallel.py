@@ -181,7 +181,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
 
 def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
     """MiB of activations one micro-batch's forward keeps for backward on this rank (autograd's saved tensors,
-    local shards, each storage once), split into what the norm and dropout regions save (LayerNorm,
+    local shards, each storage once, parameters left out), split into what the norm and dropout regions save (LayerNorm,
     SampleDropout, and the residual adds between them: sequence parallel splits those over tp) and the rest
     (attention, projections, embeddings, head, loss)."""
     import contextlib
@@ -193,7 +193,9 @@ def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
     from elastictrain.worker.loop import _LoopHooks
 
     where: list[str] = ["other"]
-    seen: set[int] = set()
+    # parameters (which autograd saves for the matmuls' backward) are state, not activations: left out
+    seen: set[int] = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                      for p in runner.pm.module.parameters()}
     sizes = {"norm": 0, "other": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
