@@ -1,8 +1,12 @@
 """Apply a layout to a model: one small function per layout, in torchtitan's shape.
 
 ``parallelize(model, mesh, plan)`` is :class:`~elastictrain.task.Task`'s default ``parallelize_fn``:
-activation checkpointing (if asked) on each repeated block, then DDP, or FSDP2 (``fully_shard`` each
-repeated block, then the root) on a 1-D (``fsdp``) or 2-D replicate x shard (``hsdp``) mesh.
+under ``parallel.tp > 1`` the model's tensor-parallel plan on the ``tp`` axis first
+(:mod:`elastictrain.parallel.tensor`), then activation checkpointing (if asked) on each repeated block,
+then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
+replicate x shard (``hsdp``) data-parallel mesh (:func:`parallelize_dp`). Under tensor parallelism ``ddp``
+is no DDP wrapper: :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages the gradients over
+the data-parallel group.
 
 The step loop never asks for the plan name: :func:`wrap` turns whatever a ``parallelize_fn`` returned into
 a :class:`ParallelModel`, whose :meth:`~ParallelModel.run_micro_batches` runs one step's micro-batches
@@ -111,11 +115,28 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
-    """The default ``Task.parallelize_fn``: activation checkpointing, then DDP or FSDP2/HSDP by the mesh."""
+    """The default ``Task.parallelize_fn``: tensor parallelism (a mesh with a ``tp`` axis: the model's
+    ``tp_plan``), then :func:`parallelize_dp`."""
+    from elastictrain.parallel.tensor import parallelize_tp, tp_submesh
+
+    tp_mesh = tp_submesh(mesh)
+    if tp_mesh is not None:
+        parallelize_tp(model, tp_mesh, plan)
+    return parallelize_dp(model, mesh, plan)
+
+
+def parallelize_dp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+    """Activation checkpointing, then DDP or FSDP2/HSDP on the data-parallel axes of ``mesh``. A mesh with a
+    ``tp`` axis (the model already tensor-parallel): fsdp/hsdp shard on the data-parallel submesh (FSDP2 +
+    TP), and ddp returns the module unwrapped (DDP does not take DTensor parameters;
+    :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages its gradients). For a
+    ``parallelize_fn`` that applies its own tensor-parallel plan and then the usual data-parallel layout."""
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+    mesh = dp_submesh(mesh)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
     if plan.plan == "ddp":
-        return parallelize_ddp(model, mesh, plan)
+        return model if tensor_parallel else parallelize_ddp(model, mesh, plan)
     return parallelize_fsdp(model, mesh, plan)
 
 
@@ -174,8 +195,12 @@ class ParallelModel:
     #: mesh's own sharded dims (pipeline stages: the pp group); None: the parameters are the whole model
     clip_group: Any = None
     #: whether this rank feeds samples of its own to the step (False on a pipeline's later stages, whose
-    #: samples the first stage's rank already counts): the sample-id audit counts each sample once
+    #: samples the first stage's rank already counts, and on tp coordinates > 0): the sample-id audit
+    #: counts each sample once
     feeds_samples: bool = True
+    #: whether this rank's per-sample losses go into the (loss, stop) word (False on tp coordinates > 0,
+    #: which compute the same losses as coordinate 0): the word counts each sample's loss once
+    counts_loss: bool = True
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh | None) -> None:
         self.module = module
@@ -205,7 +230,7 @@ class ParallelModel:
                     hooks.phase("collective")
                     # Loss and stop flag travel together: inside DDP's last gradient bucket (step_stats.py), or
                     # an async all-reduce overlapped with the last backward under other layouts.
-                    word = hooks.send(loss_sum)
+                    word = hooks.send(loss_sum if self.counts_loss else torch.zeros_like(loss_sum))
                 loss = per_sample.sum() * scale
                 if last:
                     hooks.last_loss(loss)
@@ -252,8 +277,17 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of ``mesh`` (every axis but ``pp``): what ``parallelize_fn`` gets per stage."""
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "pp")
+    """The data-parallel part of ``mesh`` (every axis but ``pp`` and ``tp``)."""
+    return _submesh(mesh, ("pp", "tp"))
+
+
+def stage_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every axis of ``mesh`` but ``pp``: what ``parallelize_fn`` gets per pipeline stage module."""
+    return _submesh(mesh, ("pp",))
+
+
+def _submesh(mesh: DeviceMesh, drop: tuple[str, ...]) -> DeviceMesh:
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in drop)
     return mesh[names] if names != tuple(mesh.mesh_dim_names or ()) else mesh
 
 
@@ -267,4 +301,8 @@ def wrap(module: Any, mesh: DeviceMesh | None) -> ParallelModel:
     """A :class:`ParallelModel` around what a ``parallelize_fn`` returned."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        from elastictrain.parallel.tensor import TensorParallelModel
+
+        return TensorParallelModel(module, mesh)
     return ParallelModel(module, mesh)

@@ -124,8 +124,9 @@ def parallel_settings(e: Estimate, sharded_only: bool = False) -> dict[str, Any]
                            "activation_checkpointing": c.activation_checkpointing}
     if c.pp > 1:
         out.update(pp_schedule=c.schedule, stages_per_rank=c.stages_per_rank)
-    if c.tp > 1:
-        out["tp"] = c.tp
+    out["tp"] = c.tp  # always: a job's own tp (and sequence_parallel) must not survive a choice of tp 1
+    if c.tp == 1:
+        out["sequence_parallel"] = None
     return out
 
 
