@@ -95,3 +95,14 @@ def test_invariants_over_many_shapes(tp: int, dp: int, pp: int) -> None:
             members = list(got.nodes[::-1])
             order = order_members(members, got)
             assert sorted(order) == list(range(world)) and [members[i] for i in order] == list(got.nodes)
+
+
+def test_arrange_places_only_a_mesh_with_tp_or_pp_and_known_nodes() -> None:
+    from elastictrain.parallel.placement import arrange
+
+    order, got = arrange(["a", "b", "a", "b"], dims(tp=2, dp=2))
+    assert order == [0, 2, 1, 3] and got is not None and got.nodes == ("a", "a", "b", "b")
+    assert arrange(["a", "b", "a", "b"], dims(dp=4)) == ([0, 1, 2, 3], None)  # ddp: rank order as chosen
+    assert arrange(["a", None, "a", "b"], dims(tp=2, dp=2)) == ([0, 1, 2, 3], None)  # a node unknown
+    # stage 0 on b, where rank 0 is; member 2 keeps rank 2 on a
+    assert arrange(["b", "a", "a", "b"], dims(pp=2, dp=2))[0] == [0, 3, 2, 1]

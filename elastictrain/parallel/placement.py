@@ -134,3 +134,16 @@ def node_slots(member_nodes: Sequence[str]) -> list[tuple[str, int]]:
     for n in member_nodes:
         out[n] = out.get(n, 0) + 1
     return list(out.items())
+
+
+def arrange(member_nodes: Sequence[str | None], dims: MeshDims) -> tuple[list[int], Placement | None]:
+    """The controller's entry: members (their node ids, in the rank order it chose) -> their order by new
+    rank, and the placement (None: the order is kept). Placed only where the mesh has a structure to
+    place (``tp > 1`` or ``pp > 1``; a ddp/fsdp/hsdp rank order is left as it is) and every member's node
+    is known."""
+    keep = list(range(len(member_nodes)))
+    if (dims.tp == 1 and dims.pp == 1) or any(n is None for n in member_nodes):
+        return keep, None
+    nodes = [str(n) for n in member_nodes]
+    got = place(node_slots(nodes), dims)
+    return order_members(nodes, got), got
