@@ -144,6 +144,17 @@ class ParallelConfig(_Section):
         "1f1b", description="torch.distributed.pipelining schedule (pp > 1)")
     stages_per_rank: int | None = Field(None, ge=1, description="virtual stages per pp rank; null = what the "
                                                                "schedule needs (1, or 2 for the looped ones)")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks (innermost mesh axis): the world is pp x the "
+                                         "data-parallel size x tp; the model's heads must divide by tp")
+    sequence_parallel: bool | None = Field(None, description="tp > 1: shard norm and dropout regions on the "
+                                                             "sequence; null = on when tp > 1")
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> ParallelConfig:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence "
+                             "over the tensor-parallel ranks); set parallel.tp or leave sequence_parallel unset")
+        return self
 
     @model_validator(mode="after")
     def _stages_fit_schedule(self) -> ParallelConfig:
@@ -281,7 +292,8 @@ class JobConfig(_Section):
                 raise ValueError(
                     f"workers.min/max: world size {w} is not usable: {why}; valid world sizes up to "
                     f"workers.max={self.workers.max}: {valid or 'none'} (parallel.plan={self.parallel.plan}"
-                    + (f", pp={self.parallel.pp}" if self.parallel.pp > 1 else "") + "); "
+                    + (f", pp={self.parallel.pp}" if self.parallel.pp > 1 else "")
+                    + (f", tp={self.parallel.tp}" if self.parallel.tp > 1 else "") + "); "
                     "change workers.min/max, the batch sizes or parallel.shard_size"
                 )
         p, m = self.parallel, self.task.model
@@ -294,6 +306,13 @@ class JobConfig(_Section):
                     f"task.model.n_layer={m.n_layer} blocks cannot fill {stages} pipeline stages (parallel.pp="
                     f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise n_layer to >= {stages} "
                     "or lower parallel.pp / stages_per_rank")
+        if p.tp > 1 and self.task.kind == "tiny_gpt":
+            from elastictrain.parallel.plan import tp_rule
+
+            why = tp_rule(p.tp, {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model":
+                                 4 * m.d_model, "the vocabulary (256 bytes)": 256})
+            if why:
+                raise ValueError(f"{why}; change parallel.tp or task.model.n_head")
         for f in self.faults:
             if f.rank >= self.workers.max:
                 raise ValueError(f"faults: rank {f.rank} does not exist with workers.max={self.workers.max}")

@@ -206,7 +206,7 @@ def test_stage_split_keeps_names_and_refuses_too_few_blocks():
     stages = [GPTStages()(model, v, 4) for v in range(4)]
     keys = [set(s.state_dict()) for s in stages]
     assert set().union(*keys) == names and sum(len(k) for k in keys) == len(names)  # disjoint, complete
-    assert "tok_emb.weight" in keys[0] and "head.weight" in keys[3] and "blocks.4.qkv.weight" in keys[3]
+    assert "tok_emb.weight" in keys[0] and "head.weight" in keys[3] and "blocks.4.q.weight" in keys[3]
     assert [list(r) for r in block_ranges(5, 4)] == [[0, 1], [2], [3], [4]]
     assert [list(r) for r in block_ranges(5, 2, splits=[1])] == [[0], [1, 2, 3, 4]]
     with pytest.raises(StageSplitError, match=r"4 repeated blocks cannot fill 6 pipeline stages"):

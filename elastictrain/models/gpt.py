@@ -12,10 +12,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = [
     "GPT",
@@ -111,6 +113,12 @@ class SampleDropout(nn.Module):
     Identity in eval mode, when ``p == 0`` or when ``sample_seeds`` is None. Masks are drawn in
     float32 on the input's device, so they do not depend on the activation dtype (they do depend on
     the device type: CPU and CUDA generators produce different streams).
+
+    A DTensor input (a sequence-parallel region, where this rank holds a slice of the positions) gets the
+    mask of the WHOLE sample, as a replicated DTensor that the multiplication slices to the positions this
+    rank holds (a local slice, no communication): the mask stays a function of (seed, step, sample id,
+    position), never of the shard's shape, the rank or the tensor-parallel degree. The price is drawing
+    the whole mask on every tensor-parallel rank (a torch CPU generator cannot skip ahead in its stream).
     """
 
     def __init__(self, p: float, site: int) -> None:
@@ -118,7 +126,7 @@ class SampleDropout(nn.Module):
         self.p = p
         self.site = site
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
         if not self.training or self.p == 0.0 or seeds is None:
             return x
         masks = []
@@ -127,17 +135,25 @@ class SampleDropout(nn.Module):
             gen.manual_seed(dropout_seed(row_seed, self.site))
             masks.append(torch.rand(x.shape[1:], generator=gen, device=x.device) >= self.p)
         keep = torch.stack(masks).to(x.dtype)
+        if isinstance(x, DTensor):  # global shape above; the product keeps this rank's positions
+            keep = DTensor.from_local(keep, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
         return x * keep / (1.0 - self.p)
 
 
 class _Block(nn.Module):
-    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))).
+
+    Queries, keys and values are three projections (``q``, ``k``, ``v``), so that tensor parallelism can
+    split each column-wise by heads; the attention runs on however many heads this rank's projections
+    hold (``head_dim`` is fixed), so the same code runs whole or tensor-parallel."""
 
     def __init__(self, cfg: GPTConfig, first_site: int) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.attn_out = nn.Linear(cfg.d_model, cfg.d_model)
         self.drop_attn = SampleDropout(cfg.dropout, first_site)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
@@ -146,17 +162,18 @@ class _Block(nn.Module):
         self.drop_mlp = SampleDropout(cfg.dropout, first_site + 1)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t, width = q.shape  # width: this rank's heads x head_dim (all heads without tensor parallelism)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         # dropout_p=0: SDPA's internal dropout uses the global RNG, which would break determinism.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
-        return self.attn_out(y.transpose(1, 2).reshape(b, t, c))
+        return self.attn_out(y.transpose(1, 2).reshape(b, t, width))
 
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.drop_attn(self._attention(self.ln_attn(x)), seeds)
+        # seeds by keyword: a tensor-parallel style's input hook rewrites the positional input only
+        x = x + self.drop_attn(self._attention(self.ln_attn(x)), seeds=seeds)
         h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
-        return x + self.drop_mlp(h, seeds)
+        return x + self.drop_mlp(h, seeds=seeds)
 
 
 class GPT(nn.Module):
@@ -201,10 +218,16 @@ class GPT(nn.Module):
                 f"{tuple(sample_seeds.shape)}"
             )
         positions = torch.arange(t, device=input_ids.device)
-        x = self.drop_emb(self.tok_emb(input_ids) + self.pos_emb(positions), sample_seeds)
+        x = self.drop_emb(self.tok_emb(input_ids) + self.pos_emb(positions), seeds=sample_seeds)
         for block in self.blocks:
             x = block(x, sample_seeds)
         return self.head(self.ln_f(x))
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
+        """This model's tensor-parallel plan (:func:`elastictrain.models.gpt_tp.gpt_tp_plan`)."""
+        from elastictrain.models.gpt_tp import gpt_tp_plan
+
+        return gpt_tp_plan(self, sequence_parallel)
 
 
 class GPTStage(nn.Module):
@@ -213,7 +236,7 @@ class GPTStage(nn.Module):
     Built from a (meta or seeded) GPT whose other modules are dropped: the first stage holds ``tok_emb``,
     ``pos_emb`` and ``drop_emb``, the last ``ln_f`` and ``head``, each stage its range of ``blocks`` in an
     ``nn.ModuleDict`` keyed by the block's index in the whole model, so a parameter keeps its fully
-    qualified name (``blocks.3.qkv.weight``) and a checkpoint of any split loads under any other layout.
+    qualified name (``blocks.3.q.weight``) and a checkpoint of any split loads under any other layout.
     ``forward(x, seeds=None)``: ``x`` is the token ids (first stage) or the previous stage's activations;
     ``seeds`` (the per-sample seeds, passed to every stage) drive dropout exactly as in the whole model.
     Returns the logits on the last stage, the activations elsewhere."""
@@ -230,10 +253,16 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
             positions = torch.arange(x.shape[1], device=x.device)
-            x = self.drop_emb(self.tok_emb(x) + self.pos_emb(positions), seeds)
+            x = self.drop_emb(self.tok_emb(x) + self.pos_emb(positions), seeds=seeds)
         for block in self.blocks.values():
             x = block(x, seeds)
         return self.head(self.ln_f(x)) if self.last else x
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
+        """The tensor-parallel plan of the modules this stage holds (the whole model's, by the same names)."""
+        from elastictrain.models.gpt_tp import gpt_tp_plan
+
+        return gpt_tp_plan(self, sequence_parallel)
 
 
 def _init_weights(module: nn.Module) -> None:

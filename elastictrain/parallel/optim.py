@@ -134,14 +134,18 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
     """Scale the gradients of ``params`` so that their global 2-norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. DTensor gradients placed only
     by ``Shard``/``Replicate`` are clipped on their local shards (see the module doc); any other mix goes
-    to torch's own function. Collective over the sharded mesh dimensions. ``across``: a process group whose
+    to torch's own function; plain gradients beside DTensor ones count as replicated (tensor parallelism).
+    Collective over the sharded mesh dimensions. ``across``: a process group whose
     ranks hold the OTHER parameters of the model (pipeline stages: the pp group); the squared norms are
     summed over it too, so every stage clips by the norm of all parameters."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    local_ok = all(not isinstance(g, DTensor) or all(type(pl) in (Shard, Replicate) for pl in g.placements)
+    # _StridedShard (FSDP2's dp shard of a tp-sharded dim) is a Shard: each element still lives on one rank
+    local_ok = all(not isinstance(g, DTensor) or all(isinstance(pl, (Shard, Replicate)) for pl in g.placements)
                    for g in grads)
-    if across is None and (not grads or not local_ok or not all(isinstance(g, DTensor) for g in grads)):
+    # plain gradients beside DTensor ones (tensor parallelism: a parameter no tp style touched) are
+    # replicated over the mesh: counted once, as the replicated dims of a DTensor
+    if across is None and (not grads or not local_ok or not any(isinstance(g, DTensor) for g in grads)):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
     if not local_ok:
         raise ValueError("gradient clipping across pipeline stages needs plain or Shard/Replicate DTensor "

@@ -1,8 +1,11 @@
 """Apply a layout to a model: one small function per layout, in torchtitan's shape.
 
 ``parallelize(model, mesh, plan)`` is :class:`~elastictrain.task.Task`'s default ``parallelize_fn``:
-activation checkpointing (if asked) on each repeated block, then DDP, or FSDP2 (``fully_shard`` each
-repeated block, then the root) on a 1-D (``fsdp``) or 2-D replicate x shard (``hsdp``) mesh.
+under ``parallel.tp > 1`` the model's tensor-parallel plan on the ``tp`` axis first
+(:mod:`elastictrain.parallel.tensor`), then activation checkpointing (if asked) on each repeated block,
+then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
+replicate x shard (``hsdp``) data-parallel mesh. Under tensor parallelism ``ddp`` is no DDP wrapper: the
+gradients are averaged over the data-parallel group by :class:`~elastictrain.parallel.tensor` 's model.
 
 The step loop never asks for the plan name: :func:`wrap` turns whatever a ``parallelize_fn`` returned into
 a :class:`ParallelModel`, whose :meth:`~ParallelModel.run_micro_batches` runs one step's micro-batches
@@ -111,11 +114,18 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
-    """The default ``Task.parallelize_fn``: activation checkpointing, then DDP or FSDP2/HSDP by the mesh."""
+    """The default ``Task.parallelize_fn``: tensor parallelism (a mesh with a ``tp`` axis), activation
+    checkpointing, then DDP or FSDP2/HSDP on the data-parallel axes."""
+    from elastictrain.parallel.tensor import parallelize_tp, tp_submesh
+
+    tp_mesh = tp_submesh(mesh)
+    if tp_mesh is not None:
+        parallelize_tp(model, tp_mesh, plan)
+        mesh = dp_submesh(mesh)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if plan.plan == "ddp":
-        return parallelize_ddp(model, mesh, plan)
+    if plan.plan == "ddp":  # DDP does not take DTensor parameters: TensorParallelModel averages gradients
+        return model if tp_mesh is not None else parallelize_ddp(model, mesh, plan)
     return parallelize_fsdp(model, mesh, plan)
 
 
@@ -174,8 +184,12 @@ class ParallelModel:
     #: mesh's own sharded dims (pipeline stages: the pp group); None: the parameters are the whole model
     clip_group: Any = None
     #: whether this rank feeds samples of its own to the step (False on a pipeline's later stages, whose
-    #: samples the first stage's rank already counts): the sample-id audit counts each sample once
+    #: samples the first stage's rank already counts, and on tp coordinates > 0): the sample-id audit
+    #: counts each sample once
     feeds_samples: bool = True
+    #: whether this rank's per-sample losses go into the (loss, stop) word (False on tp coordinates > 0,
+    #: which compute the same losses as coordinate 0): the word counts each sample's loss once
+    counts_loss: bool = True
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh | None) -> None:
         self.module = module
@@ -205,7 +219,7 @@ class ParallelModel:
                     hooks.phase("collective")
                     # Loss and stop flag travel together: inside DDP's last gradient bucket (step_stats.py), or
                     # an async all-reduce overlapped with the last backward under other layouts.
-                    word = hooks.send(loss_sum)
+                    word = hooks.send(loss_sum if self.counts_loss else torch.zeros_like(loss_sum))
                 loss = per_sample.sum() * scale
                 if last:
                     hooks.last_loss(loss)
@@ -252,8 +266,17 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of ``mesh`` (every axis but ``pp``): what ``parallelize_fn`` gets per stage."""
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "pp")
+    """The data-parallel part of ``mesh`` (every axis but ``pp`` and ``tp``)."""
+    return _submesh(mesh, ("pp", "tp"))
+
+
+def stage_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every axis of ``mesh`` but ``pp``: what ``parallelize_fn`` gets per pipeline stage module."""
+    return _submesh(mesh, ("pp",))
+
+
+def _submesh(mesh: DeviceMesh, drop: tuple[str, ...]) -> DeviceMesh:
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n not in drop)
     return mesh[names] if names != tuple(mesh.mesh_dim_names or ()) else mesh
 
 
@@ -267,4 +290,8 @@ def wrap(module: Any, mesh: DeviceMesh | None) -> ParallelModel:
     """A :class:`ParallelModel` around what a ``parallelize_fn`` returned."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        from elastictrain.parallel.tensor import TensorParallelModel
+
+        return TensorParallelModel(module, mesh)
     return ParallelModel(module, mesh)

@@ -6,9 +6,10 @@ validator, the controller's membership policy and the worker's step loop all ask
 
 Rules, checked together:
 
-* the mesh is ``pp x dp_replicate x dp_shard`` (outermost first; ``tp = 1`` today, its slot exists so that
-  tensor parallelism adds a factor here and nowhere else). ``W = pp * D`` with ``D = dp_replicate *
-  dp_shard`` the data-parallel size of each pipeline stage: ``W`` must be a multiple of ``pp``;
+* the mesh is ``pp x dp_replicate x dp_shard x tp`` (outermost first; ``tp`` innermost, so the ranks of one
+  tensor-parallel group are consecutive). ``W = pp * D * T`` with ``T = tp`` and ``D = dp_replicate *
+  dp_shard`` the data-parallel size of each (pipeline stage, tp coordinate): ``W`` must be a multiple of
+  ``pp * tp``;
 * ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
   ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
   be a positive multiple of ``shard_size``);
@@ -19,8 +20,11 @@ Rules, checked together:
   and ``zero_bubble`` need ``n_microbatches`` to be a multiple of their round count ``max(1, n // pp)``;
   ``gpipe`` and ``zbv`` take any count (:func:`schedule_rule`).
 
-Rank order is row-major over ``(pp, dp_replicate, dp_shard)``: rank ``r`` is on pipeline coordinate
-``r // D`` with data-parallel rank ``r % D`` (:meth:`Layout.coords`); stage 0's ranks are ``0..D-1``.
+Rank order is row-major over ``(pp, dp_replicate, dp_shard, tp)``: rank ``r`` has tp coordinate ``r % T``
+(:meth:`Layout.tp_coord`), data-parallel rank ``(r // T) % D`` and pipeline coordinate ``r // (D * T)``
+(:meth:`Layout.coords`); stage 0's ranks are ``0..D*T-1``. With ``T = 1`` these are the formulas of every
+layout without tensor parallelism. The model's own divisibility rules under ``tp`` (heads, hidden sizes) are
+the model's: :func:`tp_rule` for the built-in GPT.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class PlanSpec:
     pp: int = 1
     pp_schedule: str = "1f1b"
     stages_per_rank: int | None = None  # None: what the schedule needs (default_stages_per_rank)
+    tp: int = 1
+    sequence_parallel: bool | None = None  # None: on when tp > 1
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,15 @@ class MeshDims:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Mesh axes, outermost first: ``pp`` only when ``pp > 1`` (ddp/fsdp/hsdp meshes are unchanged)."""
+        """Mesh axes, outermost first: ``pp`` only when ``pp > 1``, ``tp`` (innermost) only when ``tp > 1``
+        (ddp/fsdp/hsdp meshes are unchanged)."""
         dp = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",)}.get(self.plan, ("dp_replicate", "dp_shard"))
-        return ("pp", *dp) if self.pp > 1 else dp
+        return ("pp",) * (self.pp > 1) + dp + ("tp",) * (self.tp > 1)
+
+    @property
+    def dp_names(self) -> tuple[str, ...]:
+        """The data-parallel axes of :attr:`names` (what ``parallel.plan`` lays out)."""
+        return tuple(n for n in self.names if n.startswith("dp_"))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,6 +112,7 @@ class Layout:
     reason: str
     pp_schedule: str = "1f1b"
     stages_per_rank: int = 1
+    sp: bool = False  # parallel.sequence_parallel as resolved (read it through sequence_parallel)
 
     @property
     def plan(self) -> str:
@@ -107,9 +120,10 @@ class Layout:
 
     @property
     def replicated(self) -> bool:
-        """Every rank holds the whole training state (no shard axis, no pipeline stages): any survivor can
-        restore a joiner. False under ``pp > 1``: a stage rank never holds the whole model."""
-        return self.dims.dp_shard == 1 and self.dims.pp == 1
+        """Every rank holds the whole training state (no shard axis, no pipeline stages, no tensor
+        parallelism): any survivor can restore a joiner. False under ``pp > 1`` or ``tp > 1``: such a rank
+        never holds the whole model (recovery loads its parameters by name)."""
+        return self.dims.dp_shard == 1 and self.dims.pp == 1 and self.dims.tp == 1
 
     @property
     def n_stages(self) -> int:
@@ -118,7 +132,17 @@ class Layout:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(pp coordinate, data-parallel rank)`` of ``rank`` (row-major mesh order, see the module doc)."""
-        return rank // self.dims.dp, rank % self.dims.dp
+        t = self.dims.tp
+        return rank // (self.dims.dp * t), (rank // t) % self.dims.dp
+
+    def tp_coord(self, rank: int) -> int:
+        """The tensor-parallel coordinate of ``rank`` (0 without tensor parallelism)."""
+        return rank % self.dims.tp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the tensor-parallel plan shards norm and dropout regions on the sequence."""
+        return self.dims.tp > 1 and self.sp
 
 
 def default_stages_per_rank(schedule: str) -> int:
@@ -172,22 +196,27 @@ def effective_shard_size(shard_size: int | None, use_gpu: bool, gpus_per_node: i
 
 def _dims(spec: PlanSpec, world_size: int) -> MeshDims | str:
     """Mesh dims for ``world_size``, or the reason the plan cannot use it."""
-    pp = spec.pp
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        return f"parallel.pp must be a positive int, got {pp!r}"
-    if world_size % pp:
-        return f"pp={pp} needs a multiple of {pp} workers (whole pipelines), got {world_size}"
-    d = world_size // pp
+    pp, tp = spec.pp, spec.tp
+    for name, v in (("pp", pp), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"parallel.{name} must be a positive int, got {v!r}"
+    if world_size % (pp * tp):
+        what = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1)
+        whole = {(True, False): "whole pipelines", (False, True): "whole TP groups"}.get(
+            (pp > 1, tp > 1), "whole pipelines of whole TP groups")
+        return f"{what} needs a multiple of {pp * tp} workers ({whole}), got {world_size}"
+    d = world_size // (pp * tp)
     if spec.plan == "ddp":
-        return MeshDims(dp_replicate=d, pp=pp, plan="ddp")
+        return MeshDims(dp_replicate=d, tp=tp, pp=pp, plan="ddp")
     if spec.plan == "fsdp":
-        return MeshDims(dp_shard=d, pp=pp, plan="fsdp")
+        return MeshDims(dp_shard=d, tp=tp, pp=pp, plan="fsdp")
     if spec.plan == "hsdp":
         s = spec.shard_size
         if d % s:
-            per = f" data-parallel ranks per stage (world {world_size} / pp={pp})" if pp > 1 else " workers"
+            per = (f" data-parallel ranks (world {world_size} / pp={pp} / tp={tp})" if pp * tp > 1
+                   else " workers")
             return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
-        return MeshDims(dp_replicate=d // s, dp_shard=s, pp=pp, plan="hsdp")
+        return MeshDims(dp_replicate=d // s, dp_shard=s, tp=tp, pp=pp, plan="hsdp")
     return f"parallel.plan={spec.plan!r} is not one of {list(PLANS)}"
 
 
@@ -203,15 +232,17 @@ def _try(spec: PlanSpec, world_size: int) -> Layout | str:
         return (f"train.global_batch={spec.global_batch} is not a multiple of data-parallel size {dims.dp} x "
                 f"train.micro_batch={spec.micro_batch}")
     shape = " x ".join(f"{n}={v}" for n, v in zip(dims.names, dims.shape))
+    sp = dims.tp > 1 and spec.sequence_parallel is not False
+    tp = f" x tp{' + sp' if sp else ''}" if dims.tp > 1 else ""
     if dims.pp == 1:
-        return Layout(dims, accum, f"{spec.plan} on {world_size} workers: mesh {shape}, accum {accum}")
+        return Layout(dims, accum, f"{spec.plan}{tp} on {world_size} workers: mesh {shape}, accum {accum}", sp=sp)
     bad = stages_rule(spec.pp_schedule, spec.stages_per_rank) or schedule_rule(spec.pp_schedule, dims.pp, accum)
     if bad:
         return bad
     v = spec.stages_per_rank or default_stages_per_rank(spec.pp_schedule)
-    return Layout(dims, accum, f"{spec.plan} x pp on {world_size} workers: mesh {shape}, {spec.pp_schedule} "
+    return Layout(dims, accum, f"{spec.plan}{tp} x pp on {world_size} workers: mesh {shape}, {spec.pp_schedule} "
                                f"with {dims.pp * v} stages ({v} per rank), {accum} micro-batches",
-                  pp_schedule=spec.pp_schedule, stages_per_rank=v)
+                  pp_schedule=spec.pp_schedule, stages_per_rank=v, sp=sp)
 
 
 def valid_world_sizes(spec: PlanSpec, max_world: int) -> list[int]:
@@ -232,7 +263,8 @@ def resolve(spec: PlanSpec, world_size: int) -> Layout:
     if isinstance(got, Layout):
         return got
     usable = valid_world_sizes(spec, _LISTED)
-    what = f"parallel.plan={spec.plan}" + (f", pp={spec.pp} ({spec.pp_schedule})" if spec.pp > 1 else "")
+    what = (f"parallel.plan={spec.plan}" + (f", pp={spec.pp} ({spec.pp_schedule})" if spec.pp > 1 else "")
+            + (f", tp={spec.tp}" if spec.tp > 1 else ""))
     raise PlanError(f"{got}; usable world sizes (1..{_LISTED}) for {what}: "
                     f"{usable or 'none'}; change the worker count, the batch sizes or the plan")
 
@@ -242,4 +274,17 @@ def spec_from_config(config: object, gpus_per_node: int | None = None) -> PlanSp
     p, t, w = config.parallel, config.train, config.workers  # type: ignore[attr-defined]
     return PlanSpec(p.plan, t.global_batch, t.micro_batch,
                     effective_shard_size(p.shard_size, w.use_gpu, gpus_per_node),
-                    pp=p.pp, pp_schedule=p.pp_schedule, stages_per_rank=p.stages_per_rank)
+                    pp=p.pp, pp_schedule=p.pp_schedule, stages_per_rank=p.stages_per_rank, tp=p.tp,
+                    sequence_parallel=p.sequence_parallel)
+
+
+def tp_rule(tp: int, sizes: dict[str, int]) -> str | None:
+    """Why a model whose ``sizes`` (name -> size of a dimension tensor parallelism splits: attention heads,
+    the MLP's hidden size, the vocabulary) cannot be split ``tp`` ways (None when it can); the message
+    names the valid ``tp`` values (the common divisors, up to the smallest size)."""
+    bad = {n: v for n, v in sizes.items() if v % tp}
+    if not bad:
+        return None
+    valid = [t for t in range(1, min(sizes.values()) + 1) if all(v % t == 0 for v in sizes.values())]
+    what = ", ".join(f"{n}={v}" for n, v in bad.items())
+    return f"parallel.tp={tp} does not divide {what}; valid parallel.tp values for this model: {valid}"

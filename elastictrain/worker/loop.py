@@ -80,7 +80,7 @@ class StepRunner:
         self.collate = task.collate_fn or _default_collate
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
-        if self.parallel.plan != "ddp" or self.parallel.pp > 1:  # built now: every rebuild is then a copy
+        if self.parallel.plan != "ddp" or self.parallel.pp > 1 or self.parallel.tp > 1:  # rebuilds copy it
             self._meta_template = self._build_meta_model()
         # parallel.meta_init: no rank holds the whole model; values come at the first sync or restore
         self.model = self._meta_model() if self.parallel.meta_init else self._fresh_model()
@@ -169,12 +169,13 @@ class StepRunner:
         mesh = build_mesh(layout.dims, self.device)
         if layout.dims.pp > 1:
             return self._attach_pipeline(mesh, layout)
-        kept = self.model is not None and self.replicated and layout.plan == "ddp"
+        whole = layout.plan == "ddp" and layout.dims.tp == 1  # each rank holds the whole model
+        kept = self.model is not None and self.replicated and whole
         pristine = (self.model is not None and self.pm is None and self.step == 0
                     and not isinstance(self.model, FSDPModule))
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
             # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here
-            self.model = self._fresh_model() if layout.plan == "ddp" else self._meta_model()
+            self.model = self._fresh_model() if whole else self._meta_model()
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
         if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
             materialize(module, self.device)
@@ -238,8 +239,9 @@ class StepRunner:
         s, t0 = self.step, time.perf_counter()
         number = s + 1
         g, m = self.train.global_batch, self.train.micro_batch
-        d = self.layout.dims.dp  # the data-parallel ranks: every stage of one pipeline sees the same samples
-        dp_rank = self.rank % d
+        # the data-parallel ranks: every stage of one pipeline and every tp rank of one group see the same samples
+        d = self.layout.dims.dp
+        dp_rank = self.layout.coords(self.rank)[1]
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
         self.pm.module.train()
@@ -249,7 +251,8 @@ class StepRunner:
         # backward, so "completed steps" always matches the parameters.
         stats = done.word.wait()
         seen: list[int] = []
-        if self.audit:  # ids as fed by every first-stage rank, so any survivor's record holds the whole step
+        if self.audit:  # ids as fed by every first-stage rank of tp coordinate 0: any survivor's record holds
+            # the whole step, each sample once
             mine = [int(i) for ids in micro for i in ids] if self.pm.feeds_samples else []
             gathered: list[list[int]] = [[] for _ in range(self.world_size)]
             dist.all_gather_object(gathered, mine)

@@ -1,0 +1,75 @@
+"""The built-in GPT's tensor-parallel plan: torchtitan's Llama shape, for ``parallelize_module``.
+
+Per block: ``q``/``k``/``v`` column-wise (each rank holds ``n_head / T`` heads) and ``attn_out`` row-wise;
+``mlp_in`` column-wise and ``mlp_out`` row-wise: one all-reduce per half-block, or with sequence parallel
+one all-gather before and one reduce-scatter after. The token embedding is vocabulary-parallel (row-wise);
+the head is column-wise and its logits stay sharded on the vocabulary (a DTensor) for ``loss_parallel``,
+so the full logits are never gathered.
+
+Sequence parallel (``sequence_parallel=True``): the norms and dropout regions run on the rank's slice of the
+positions (``Shard(1)``). The embeddings reduce-scatter onto the sequence (the learned positions are split
+the same way: row-wise on their position rows, output ``Shard(0)`` of ``(T, d)``); each norm gathers the
+whole sequence for the column-wise projections after it (a replicated DTensor: the backward is one
+reduce-scatter); each row-wise projection reduce-scatters back onto the sequence. Between modules the
+activations are plain local tensors (a block's input and output: this rank's positions), so a pipeline
+stage boundary sends the local slice to the same tp coordinate of the next stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+
+class SequenceParallelGathered(SequenceParallel):
+    """A norm on the sequence shard whose output is gathered to the whole sequence, as a replicated DTensor
+    (what the column-wise projections after it take without another collective). Its backward sums the
+    projections' partial input gradients and reduce-scatters them onto the sequence once."""
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        return outputs.redistribute(placements=[Replicate()])
+
+    def __init__(self) -> None:
+        super().__init__(use_local_output=False)
+
+
+def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
+    """The plan for ``parallelize_module(model, tp_mesh, plan)`` of a :class:`~elastictrain.models.gpt.GPT`
+    or of a pipeline stage of one (:class:`~elastictrain.models.gpt.GPTStage`: the keys of the modules it
+    holds, by the whole model's names)."""
+    sp = sequence_parallel
+    seq = Shard(1)
+    plan: dict[str, Any] = {}
+    if hasattr(model, "tok_emb"):
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        if sp:  # the positions' rows too: the sum of the two is this rank's positions only
+            plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+            plan["drop_emb"] = SequenceParallel(use_local_output=True)
+    block = {
+        "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+        "attn_out": RowwiseParallel(output_layouts=seq if sp else Replicate()),
+        "mlp_in": ColwiseParallel(),
+        "mlp_out": RowwiseParallel(output_layouts=seq if sp else Replicate()),
+    }
+    if sp:
+        block.update({"ln_attn": SequenceParallelGathered(), "ln_mlp": SequenceParallelGathered(),
+                      "drop_attn": SequenceParallel(use_local_output=True),
+                      "drop_mlp": SequenceParallel(use_local_output=True)})
+    if hasattr(model, "blocks") and len(model.blocks):
+        plan.update({f"blocks.*.{name}": style for name, style in block.items()})
+    if hasattr(model, "head"):
+        if sp:
+            plan["ln_f"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                                       use_local_output=False)
+    return plan
+
+
+def is_vocab_sharded(logits: Any) -> bool:
+    """Whether ``logits`` is a DTensor sharded on its last (vocabulary) dimension: the head's output under
+    tensor parallelism, which ``loss_parallel`` takes."""
+    return isinstance(logits, DTensor) and any(p.is_shard(logits.ndim - 1) for p in logits.placements)
