@@ -33,3 +33,15 @@ def test_pp2_dp2_puts_each_stage_on_one_node(tmp_path, cluster_2x2) -> None:
     nodes = _nodes_by_rank(run)
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
     assert not [w for w in run.of("warning") if w.get("source") == "placement"]
+
+
+def test_tp2_dp2_puts_each_tp_group_on_one_node(tmp_path, cluster_2x2) -> None:
+    """tp2 x dp2: ranks 0,1 and ranks 2,3 are TP groups. The bundles alternate nodes; placed by topology,
+    each TP group's all-reduces stay inside a node."""
+    run = run_job(tmp_path, _spec(plan="ddp", tp=2), name="tp2dp2")
+    assert run.result.exit_code == 0, run.summary
+    slots = {e["slot"]: e["node_id"] for e in run.of("worker_started")}
+    assert slots[0] != slots[1], "SPREAD did not alternate the bundles: the test proves nothing"
+    nodes = _nodes_by_rank(run)
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
+    assert not [w for w in run.of("warning") if w.get("source") == "placement"]
