@@ -33,6 +33,14 @@ with the same model, data and global batch; printed after the table, each beside
   on ``--world 4``, rank 1 (tp coordinate 1 of replica 0) killed, its shard served by rank 3, the replica of
   its (pp, tp) coordinate (source ``peer``).
 
+Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
+parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
+is left); printed after the table: samples/s and memory per process against ddpT (target: training peak
+<= 0.6x at >= 50M parameters: parameters, gradients and Adam state are split T ways), and the activation
+split of one micro-batch (MiB autograd keeps for backward on one rank: the norm and dropout regions, which
+sequence parallel splits T ways, and the rest; target: sequence parallel's below plain TP's). Under
+``tpT`` the tiny GPT needs ``n_head`` (8 here), ``4 x d_model`` and the vocabulary (256) to divide by T.
+
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
 d_model 512, 50.7M parameters, so that the training state -- 16 bytes per parameter: params, grads, two
@@ -112,6 +120,10 @@ def _layout_parallel(name: str, pp_schedule: str) -> dict:
     """A layout name's ``parallel`` config: ``ddp``/``fsdp``/``hsdp`` as is; ``pp2-zbv`` = pp 2 under that
     schedule (``pp2``: ``pp_schedule``); ``pp2xdp2`` = pp 2, ddp inside each stage (the data-parallel size
     is what the world size leaves: 2 replicas per stage on 4 processes)."""
+    if name.startswith("tp"):  # tp2, tp2-nosp (no sequence parallel), tp2xpp2 (ddp over what is left)
+        head, _, variant = name.partition("-")
+        tp, _, pp = head[2:].partition("xpp")
+        return {"plan": "ddp", "tp": int(tp), "pp": int(pp or 1), "sequence_parallel": variant != "nosp"}
     if not name.startswith("pp"):
         return {"plan": name, "shard_size": 2}
     head, _, schedule = name.partition("-")
@@ -147,7 +159,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     if runner.layout.dims.pp > 1:  # a stage rank holds its stages only: the whole model is every stage once
         per_rank = [0] * world
         dist.all_gather_object(per_rank, params)
-        params = sum(n for r, n in enumerate(per_rank) if r % runner.layout.dims.dp == 0)
+        lay = runner.layout
+        params = sum(n for r, n in enumerate(per_rank) if lay.coords(r)[1] == 0 and lay.tp_coord(r) == 0)
     t0, idle = 0.0, []
     for s in range(args.steps):
         if s == args.warmup:
@@ -162,8 +175,55 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     train_peak = _peak_rss_kb()
     stall = _snapshot_stall(runner, rank)
     bubble = statistics.mean(idle) if idle else float("nan")
+    norm_mib, other_mib = _activation_split(runner, args) if runner.layout.dims.pp == 1 else (float("nan"),) * 2
     with open(os.path.join(out, f"{layout}.{rank}"), "w") as f:
-        f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak} {bubble} {runner.layout.accum}\n")
+        f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak} {bubble} {runner.layout.accum} "
+                f"{norm_mib} {other_mib}\n")
+
+
+def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
+    """MiB of activations one micro-batch's forward keeps for backward on this rank (autograd's saved tensors,
+    local shards, each storage once), split into what the norm and dropout regions save (LayerNorm,
+    SampleDropout, and the residual adds between them: sequence parallel splits those over tp) and the rest
+    (attention, projections, embeddings, head, loss)."""
+    import contextlib
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.models.gpt import SampleDropout
+    from elastictrain.worker.loop import _LoopHooks
+
+    where: list[str] = ["other"]
+    seen: set[int] = set()
+    sizes = {"norm": 0, "other": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = local.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            sizes[where[-1]] += local.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for m in runner.pm.module.modules():
+        if isinstance(m, (torch.nn.LayerNorm, SampleDropout)):
+            handles.append(m.register_forward_pre_hook(lambda *_: where.append("norm") and None))
+            handles.append(m.register_forward_hook(lambda *_: where.pop() and None))
+    micro = [list(range(args.micro_batch))]
+    mb = _LoopHooks(runner, 0, 1, micro, 0, 1, False).load(0)
+    tp = runner.layout.dims.tp > 1
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                (loss_parallel() if tp else contextlib.nullcontext()):
+            runner.task.loss_fn(runner.pm.module, mb.batch, mb.seeds)
+    finally:
+        for h in handles:
+            h.remove()
+    return sizes["norm"] / 2**20, sizes["other"] / 2**20
     dist.destroy_process_group()
 
 
@@ -263,7 +323,8 @@ def _run_row(label: str, layout: str, world: int, args: argparse.Namespace, out:
                peak=max(int(r[1]) for r in ranks) / 1024, state=max(int(r[1]) - int(r[2]) for r in ranks) / 1024,
                params=int(ranks[0][3]), stall=max(float(r[4]) for r in ranks) / args.memory_every / step_s,
                train=max(int(r[5]) for r in ranks) / 1024,
-               bubble=statistics.mean(float(r[6]) for r in ranks), accum=int(ranks[0][7]))
+               bubble=statistics.mean(float(r[6]) for r in ranks), accum=int(ranks[0][7]),
+               act_norm=max(float(r[8]) for r in ranks), act_other=max(float(r[9]) for r in ranks))
 
 
 @dataclass
@@ -278,6 +339,8 @@ class Row:
     train: float  # MiB, training peak (after the warm-up)
     bubble: float  # measured idle share of schedule.step, mean over ranks and timed steps (nan: no pipeline)
     accum: int  # micro-batches per rank per step (a pipeline's n_microbatches)
+    act_norm: float = float("nan")  # MiB saved for backward by norm/dropout regions, one micro-batch (max rank)
+    act_other: float = float("nan")  # MiB saved for backward by everything else
 
 
 def _print_table(rows: list[Row], base: Row | None, kills: dict) -> None:
@@ -294,6 +357,30 @@ def _print_table(rows: list[Row], base: Row | None, kills: dict) -> None:
 
 def _verdict(ok: bool) -> str:
     return "[met]" if ok else "[NOT met]"
+
+
+def _print_tp_rows(tp: int, base: Row | None, rows: list[Row]) -> None:
+    """The tensor-parallel rows against ddp at the same process count: throughput, memory (target <= 0.6 at
+    >= 50M parameters for tp2 against ddp2) and the activation split (sequence parallel below plain TP)."""
+    print(f"\ntensor-parallel rows (tp{tp}; activations: MiB autograd saves for one micro-batch on one rank, "
+          "norm/dropout regions + the rest)")
+    for r in rows:
+        line = f"  {r.label} on {r.world}: {r.samples_s:.2f} samples/s"
+        if base is not None and r.world == base.world:
+            x = r.train / base.train
+            big = base.params >= 50e6
+            line += (f", x {base.label}: samples/s {r.samples_s / base.samples_s:.3f}, train peak {x:.3f}, peak "
+                     f"{r.peak / base.peak:.3f}" + (f" (target <= 0.6) {_verdict(x <= 0.6)}" if big else
+                                                    " (model < 50M params: the 0.6 target does not apply)"))
+        if r.act_norm == r.act_norm:  # not nan
+            line += f"; activations {r.act_norm:.2f} + {r.act_other:.2f} = {r.act_norm + r.act_other:.2f} MiB"
+        print(line)
+    by = {r.label: r for r in rows}
+    sp, plain = by.get(f"tp{tp}"), by.get(f"tp{tp}-nosp")
+    if sp is not None and plain is not None and sp.act_norm == sp.act_norm:
+        total = (sp.act_norm + sp.act_other, plain.act_norm + plain.act_other)
+        print(f"  sequence parallel's activations below plain TP's at tp{tp}: {total[0]:.2f} vs {total[1]:.2f} MiB "
+              f"(norm/dropout regions {sp.act_norm:.2f} vs {plain.act_norm:.2f}) {_verdict(total[0] < total[1])}")
 
 
 def _print_pp_rows(pp: int, base: Row, pipes: list[Row]) -> None:
@@ -391,6 +478,8 @@ def main() -> None:
     p.add_argument("--pp-schedules", default="1f1b",
                    help="schedules run as pipeline rows, comma-separated (gpipe, 1f1b, interleaved_1f1b, "
                         "zero_bubble, zbv); the timeline bubble is printed for all of them regardless")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree of the tp rows: tpT (with sequence "
+                                                    "parallel), tpT-nosp and, with --pp > 1, tpTxppP (0: none)")
     p.add_argument("--kill-steps", type=int, default=40, help="steps of each kill run (0: no kill runs)")
     p.add_argument("--kill-repeats", type=int, default=5, help="kill runs per plan (the median is shown)")
     p.add_argument("--kill-batch", default=(32, 8), type=lambda v: tuple(int(x) for x in v.split(",", 1)),
@@ -408,6 +497,13 @@ def main() -> None:
     schedules = [s for s in args.pp_schedules.split(",") if s] if args.pp > 1 else []
     base = _run_row(f"ddp{args.pp}", "ddp", args.pp, args, out) if schedules else None
     pipes = [_run_row(f"pp{args.pp}-{s}", f"pp{args.pp}-{s}", args.pp, args, out) for s in schedules]
+    tp_base, tps = None, []
+    if args.tp > 1:
+        tp_base = base if base is not None and base.world == args.tp else _run_row(f"ddp{args.tp}", "ddp", args.tp, args, out)
+        tps = [_run_row(n, n, args.tp, args, out) for n in (f"tp{args.tp}", f"tp{args.tp}-nosp")]
+        if args.pp > 1:
+            n = f"tp{args.tp}xpp{args.pp}"
+            tps.append(_run_row(n, n, args.tp * args.pp, args, out))
     kills = {}
     killed = [row.label for row in plans]
     if args.kill_pp:
@@ -436,6 +532,9 @@ def main() -> None:
         print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
               f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
               "step done [to the recovered event] (recovery source)")
+    if tps:
+        _print_table([tp_base, *tps], tp_base, {})
+        _print_tp_rows(args.tp, tp_base, tps)
     if base is not None:
         _print_pp_rows(args.pp, base, pipes)
     if base is not None or args.kill_pp:

@@ -33,13 +33,18 @@ class Task:
     - ``lr_fn(step)`` returns the learning-rate multiplier for a 0-based step (a pure function of step, so the
       schedule continues exactly after a resize or a resume). Default: constant 1.
     - ``parallelize_fn(model, mesh, plan)`` applies the layout for one membership generation and returns the
-      module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``;
-      under ``parallel.pp > 1`` it is called once per stage module with the stage's data-parallel submesh),
+      module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``,
+      and ``tp`` innermost under ``parallel.tp > 1``; under ``parallel.pp > 1`` it is called once per stage
+      module with the stage's submesh: every axis but ``pp``),
       ``plan`` the ``ParallelConfig``. Called on a freshly built model whenever the layout is sharded (FSDP2
       changes modules in place); the optimizer is built afterwards from the returned parameters. Default
       (None): :func:`elastictrain.parallel.parallelize.parallelize` -- activation checkpointing if asked,
       then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
-      and then the root. Return a DDP module, an FSDP2 module, or a plain one; the step loop adapts.
+      and then the root; under ``tp > 1`` first the model's ``tp_plan(sequence_parallel)`` (a
+      ``parallelize_module`` plan) on the ``tp`` axis. Return a DDP module, an FSDP2 module, or a plain one;
+      the step loop adapts. A tensor-parallel ``parallelize_fn`` applies its plan and then
+      :func:`elastictrain.parallel.parallelize.parallelize_dp` (``examples/tp_llama.py``); its head's logits
+      may stay vocabulary-sharded: the step runs under ``loss_parallel``.
       Under ``parallel.pp > 1`` it is applied to each pipeline stage module, on the mesh of that stage's
       data-parallel ranks.
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages

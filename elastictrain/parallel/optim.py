@@ -32,6 +32,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# FSDP2's shard of a dimension tensor parallelism already shards (FSDP2 + TP) is a _StridedShard, which in
+# torch 2.13 is no Shard subclass; each element still lives on one rank of that mesh dimension
+_SHARD_TYPES: tuple[type, ...] = (Shard,)
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    _SHARD_TYPES = (Shard, _StridedShard)
+except ImportError:  # a torch without it
+    pass
+
+
+def _is_shard(placement: Any) -> bool:
+    return isinstance(placement, _SHARD_TYPES)
+
+
 ELEMENTWISE = frozenset({"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SGD", "Adagrad", "RMSprop", "Adadelta",
                          "ASGD", "Rprop"})
 """torch.optim classes whose state is elementwise per parameter (tensors shaped like it, or 0-d scalars)."""
@@ -140,8 +155,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
     summed over it too, so every stage clips by the norm of all parameters."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    # _StridedShard (FSDP2's dp shard of a tp-sharded dim) is a Shard: each element still lives on one rank
-    local_ok = all(not isinstance(g, DTensor) or all(isinstance(pl, (Shard, Replicate)) for pl in g.placements)
+    local_ok = all(not isinstance(g, DTensor) or all(_is_shard(pl) or isinstance(pl, Replicate) for pl in g.placements)
                    for g in grads)
     # plain gradients beside DTensor ones (tensor parallelism: a parameter no tp style touched) are
     # replicated over the mesh: counted once, as the replicated dims of a DTensor
@@ -153,7 +167,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
     by_dims: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if isinstance(g, DTensor):
-            dims = tuple(i for i, pl in enumerate(g.placements) if type(pl) is Shard)
+            dims = tuple(i for i, pl in enumerate(g.placements) if _is_shard(pl))
             by_dims[(g.device_mesh, dims)].append(g.to_local())
         else:
             by_dims[(None, ())].append(g)

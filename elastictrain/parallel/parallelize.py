@@ -114,18 +114,28 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
-    """The default ``Task.parallelize_fn``: tensor parallelism (a mesh with a ``tp`` axis), activation
-    checkpointing, then DDP or FSDP2/HSDP on the data-parallel axes."""
+    """The default ``Task.parallelize_fn``: tensor parallelism (a mesh with a ``tp`` axis: the model's
+    ``tp_plan``), then :func:`parallelize_dp`."""
     from elastictrain.parallel.tensor import parallelize_tp, tp_submesh
 
     tp_mesh = tp_submesh(mesh)
     if tp_mesh is not None:
         parallelize_tp(model, tp_mesh, plan)
-        mesh = dp_submesh(mesh)
+    return parallelize_dp(model, mesh, plan)
+
+
+def parallelize_dp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+    """Activation checkpointing, then DDP or FSDP2/HSDP on the data-parallel axes of ``mesh``. A mesh with a
+    ``tp`` axis (the model already tensor-parallel): fsdp/hsdp shard on the data-parallel submesh (FSDP2 +
+    TP), and ddp returns the module unwrapped (DDP does not take DTensor parameters;
+    :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages its gradients). For a
+    ``parallelize_fn`` that applies its own tensor-parallel plan and then the usual data-parallel layout."""
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+    mesh = dp_submesh(mesh)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if plan.plan == "ddp":  # DDP does not take DTensor parameters: TensorParallelModel averages gradients
-        return model if tp_mesh is not None else parallelize_ddp(model, mesh, plan)
+    if plan.plan == "ddp":
+        return model if tensor_parallel else parallelize_ddp(model, mesh, plan)
     return parallelize_fsdp(model, mesh, plan)
 
 

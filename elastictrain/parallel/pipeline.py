@@ -12,7 +12,7 @@ modules under a schedule do not reduce their gradients (measured: pp2 x dp2, the
 diverge after the first step; ``PipelineStage`` runs every forward under ``no_sync`` and calls the reducer's
 ``prepare_for_backward`` itself before the last backward). The stage's gradients are instead averaged over
 its data-parallel group in one flat all-reduce after ``schedule.step`` (what DDP computes: divide by ``D``,
-then sum). A ``parallelize_fn`` that returns a DDP module is unwrapped the same way. FSDP2/HSDP stages
+then sum; :func:`elastictrain.parallel.tensor.average_grads`, on the local shards of DTensor gradients). A ``parallelize_fn`` that returns a DDP module is unwrapped the same way. FSDP2/HSDP stages
 reduce-scatter inside the schedule as torch intends (``set_requires_gradient_sync`` per last backward).
 
 :class:`PipelineModel` is a :class:`~elastictrain.parallel.parallelize.ParallelModel`: the step loop calls
@@ -28,7 +28,12 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
 * phases: a stage's forward/backward computation is ``compute``, everything else (p2p waits) ``collective``,
   so a hung stage rank is the one stuck in ``compute``;
 * :class:`StageSet` holds this rank's stage modules under the whole model's names: the optimizer, the
-  training state (DCP) and recovery see one module whose keys are a subset of the whole model's.
+  training state (DCP) and recovery see one module whose keys are a subset of the whole model's;
+* under ``parallel.tp > 1`` each stage module is made tensor-parallel on the ``tp`` axis first
+  (``parallelize_fn`` gets the stage's submesh, every axis but ``pp``); the pp group links equal tp
+  coordinates, so each tp rank sends its local activations to its peer of the next stage; the schedule
+  runs inside ``loss_parallel``, gradients are settled to their parameters' placements after it
+  (:func:`elastictrain.parallel.tensor.settle_grads`), and only tp coordinate 0 counts samples and losses.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -60,9 +66,11 @@ from elastictrain.parallel.parallelize import (
     ParallelModel,
     StepHooks,
     dp_submesh,
+    stage_submesh,
 )
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.stages import local_stages
+from elastictrain.parallel.tensor import average_grads, local_loss, parallelize_tp, settle_grads, tp_submesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
@@ -178,7 +186,7 @@ class _StageLoss:
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         part = {k: v[rows] for k, v in self.batch.items()}
         with self.clock.compute():  # the last stage's forward includes its loss (the bubble timeline's F)
-            per_sample = self.loss_fn(output, part)
+            per_sample = local_loss(self.loss_fn(output, part))  # loss_parallel's are DTensors under tp
         if per_sample.shape != rows.shape:
             raise PipelineError(f"Task.pipeline.loss_fn returned shape {tuple(per_sample.shape)} for a micro-batch "
                                 f"of {rows.numel()} samples: return the per-sample losses, shape [B]")
@@ -208,7 +216,10 @@ class PipelineModel(ParallelModel):
         self.layout = layout
         self._loss, self._clock, self._inputs_fn = loss, clock, inputs_fn
         self.clip_group = mesh.get_group("pp")
-        self.feeds_samples = any(s.is_first for s in stages)
+        self.tp_mesh = tp_submesh(mesh)
+        tp_first = self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0  # tp peers: same samples, losses
+        self.feeds_samples = tp_first and any(s.is_first for s in stages)
+        self.counts_loss = tp_first
 
     @property
     def replicated(self) -> bool:
@@ -244,32 +255,22 @@ class PipelineModel(ParallelModel):
         last = any(s.is_last for s in self.stages)
         s0 = time.perf_counter()
         try:
-            self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
+            with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
+                self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
         finally:
             wall = time.perf_counter() - s0
             self._clock.hooks = self._loss.hooks = None
             self._loss.batch = {}
         hooks.phase("collective")
-        word = hooks.send(self._loss.loss_sum)  # async: overlaps the gradient reduction
+        loss_sum = self._loss.loss_sum if self.counts_loss else torch.zeros_like(self._loss.loss_sum)
+        word = hooks.send(loss_sum)  # async: overlaps the gradient reduction
+        if self.tp_mesh is not None:
+            settle_grads(list(self.model.parameters()))
         if self.grad_group is not None:
-            _average_grads(list(self.model.parameters()), self.grad_group)
+            average_grads(list(self.model.parameters()), self.grad_group)
         # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
         return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
                                n_microbatches=n, stages_per_rank=self.layout.stages_per_rank)
-
-
-def _average_grads(params: list[torch.Tensor], group: Any) -> None:
-    """Average the gradients of replicated parameters over ``group`` in one flat all-reduce (DDP's math:
-    each rank divides by the group size, then the sum)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads).div_(dist.get_world_size(group))
-    dist.all_reduce(flat, group=group)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -298,6 +299,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     pp_rank = layout.coords(rank)[0]
     pp_group = mesh.get_group("pp")
     dp_mesh = dp_submesh(mesh)
+    tp_mesh = tp_submesh(mesh)
     if plan.plan != "ddp" and plan.reshard_after_forward:
         plan = plan.model_copy(update={"reshard_after_forward": False})  # pytorch#164756 (torchtitan: same)
     clock = _Clock()
@@ -307,12 +309,16 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
         if parallelize_fn is None and plan.plan == "ddp":
+            if tp_mesh is not None:
+                parallelize_tp(stage_module, tp_mesh, plan)
             if plan.activation_checkpointing:
                 apply_activation_checkpointing(stage_module)
             module = stage_module
             grad_group = dp_mesh.get_group() if layout.dims.dp > 1 else None
         else:
-            module = (parallelize_fn or parallelize)(stage_module, dp_mesh, plan)
+            module = (parallelize_fn or parallelize)(stage_module, stage_submesh(mesh), plan)
+            if tp_mesh is not None and plan.plan == "ddp" and layout.dims.dp > 1:  # a tp module: no DDP
+                grad_group = dp_mesh.get_group()
         if isinstance(module, DistributedDataParallel):  # see the module doc: its reducer does not run here
             grad_group = module.process_group if layout.dims.dp > 1 else None
             module = module.module
