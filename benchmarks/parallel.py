@@ -179,11 +179,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     with open(os.path.join(out, f"{layout}.{rank}"), "w") as f:
         f.write(f"{elapsed} {peak} {baseline} {params} {stall} {train_peak} {bubble} {runner.layout.accum} "
                 f"{norm_mib} {other_mib}\n")
+    dist.destroy_process_group()
 
 
 def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
     """MiB of activations one micro-batch's forward keeps for backward on this rank (autograd's saved tensors,
-    local shards, each storage once), split into what the norm and dropout regions save (LayerNorm,
+    local shards, each storage once, parameters left out), split into what the norm and dropout regions save (LayerNorm,
     SampleDropout, and the residual adds between them: sequence parallel splits those over tp) and the rest
     (attention, projections, embeddings, head, loss)."""
     import contextlib
@@ -195,7 +196,9 @@ def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
     from elastictrain.worker.loop import _LoopHooks
 
     where: list[str] = ["other"]
-    seen: set[int] = set()
+    # parameters (which autograd saves for the matmuls' backward) are state, not activations: left out
+    seen: set[int] = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                      for p in runner.pm.module.parameters()}
     sizes = {"norm": 0, "other": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -224,7 +227,6 @@ def _activation_split(runner, args: argparse.Namespace) -> tuple[float, float]:
         for h in handles:
             h.remove()
     return sizes["norm"] / 2**20, sizes["other"] / 2**20
-    dist.destroy_process_group()
 
 
 def _reset_peak_rss() -> None:

@@ -284,7 +284,9 @@ class JobConfig(_Section):
         if spec.plan == "hsdp" and self.workers.use_gpu and self.parallel.shard_size is None:
             # shard_size defaults to the GPUs of a node, known only on the cluster: the driver checks it
             # once connected (preflight.check_plan_on_gpus); here only the data rule is checked.
-            spec = type(spec)("fsdp", spec.global_batch, spec.micro_batch)
+            import dataclasses
+
+            spec = dataclasses.replace(spec, plan="fsdp")  # keeps pp and tp (whole pipelines and TP groups)
         valid = valid_world_sizes(spec, self.workers.max)
         for w in (self.workers.min, self.workers.max):
             ok, why = is_valid(spec, w)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 
@@ -68,8 +68,3 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
                                        use_local_output=False)
     return plan
 
-
-def is_vocab_sharded(logits: Any) -> bool:
-    """Whether ``logits`` is a DTensor sharded on its last (vocabulary) dimension: the head's output under
-    tensor parallelism, which ``loss_parallel`` takes."""
-    return isinstance(logits, DTensor) and any(p.is_shard(logits.ndim - 1) for p in logits.placements)

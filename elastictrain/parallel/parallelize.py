@@ -4,8 +4,9 @@
 under ``parallel.tp > 1`` the model's tensor-parallel plan on the ``tp`` axis first
 (:mod:`elastictrain.parallel.tensor`), then activation checkpointing (if asked) on each repeated block,
 then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
-replicate x shard (``hsdp``) data-parallel mesh. Under tensor parallelism ``ddp`` is no DDP wrapper: the
-gradients are averaged over the data-parallel group by :class:`~elastictrain.parallel.tensor` 's model.
+replicate x shard (``hsdp``) data-parallel mesh (:func:`parallelize_dp`). Under tensor parallelism ``ddp``
+is no DDP wrapper: :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages the gradients over
+the data-parallel group.
 
 The step loop never asks for the plan name: :func:`wrap` turns whatever a ``parallelize_fn`` returned into
 a :class:`ParallelModel`, whose :meth:`~ParallelModel.run_micro_batches` runs one step's micro-batches

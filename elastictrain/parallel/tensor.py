@@ -22,7 +22,6 @@ the per-sample losses come back replicated over ``tp``). The contract with the s
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -122,16 +121,6 @@ def average_grads(params: list[torch.Tensor], group: Any) -> None:
     dist.all_reduce(flat, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
-
-
-@contextlib.contextmanager
-def tp_loss_context(tp_mesh: DeviceMesh | None):
-    """``loss_parallel`` under tensor parallelism (forward and backward of the loss run inside)."""
-    if tp_mesh is None:
-        yield
-        return
-    with loss_parallel():
-        yield
 
 
 class TensorParallelModel(ParallelModel):
