@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
 [--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
-[--pp 2] [--pp-schedules 1f1b] [--kill-pp]``
+[--pp 2] [--pp-schedules 1f1b] [--kill-pp] [--kill-tp]``
 
 The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
 measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
@@ -29,6 +29,9 @@ with the same model, data and global batch; printed after the table, each beside
 * kill -> next step under pp2 x dp2 against ddp (``--kill-pp``; target <= 2x): the kill runs below, the
   tiny job on ``--world 4`` (rank 1 is stage 0's second replica: the replica source), median of
   ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
+* kill -> next step under tp2 x dp2 against ddp (``--kill-tp``; target <= 2x, issue #23): the same tiny job
+  on ``--world 4``, rank 1 (tp coordinate 1 of replica 0) killed, its shard served by rank 3, the replica of
+  its (pp, tp) coordinate (source ``peer``).
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -252,10 +255,12 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
-def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tuple[int, int]) -> tuple[float, float, str]:
-    """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`) on a local Ray;
-    rank 1 SIGKILLed after step steps // 4. Returns (seconds from the kill to the first step completed after
-    recovery, seconds to the ``recovered`` event, the recovery source)."""
+def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tuple[int, int],
+                                  parallel: dict | None = None) -> tuple[float, float, str]:
+    """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`; ``parallel``:
+    the job's ``parallel`` section instead) on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns
+    (seconds from the kill to the first step completed after recovery, seconds to the ``recovered`` event,
+    the recovery source)."""
     import signal
     import tempfile
     import threading
@@ -270,7 +275,7 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
     spec = {"name": f"kill-{layout}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
             "train": {"steps": steps, "global_batch": batch[0], "micro_batch": batch[1], "log_every": 10_000},
-            "workers": {"min": 2, "max": world}, "parallel": _layout_parallel(layout, "1f1b"),
+            "workers": {"min": 2, "max": world}, "parallel": parallel or _layout_parallel(layout, "1f1b"),
             "recovery": {"min_workers_wait_s": 240},
             "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                          "watchdog_floor_s": 10}}
@@ -428,6 +433,37 @@ def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
               "more 4-process kill runs)")
 
 
+TP_KILL = {"plan": "ddp", "tp": 2}  # tp2 x dp2 on 4 processes: rank 1 is tp coordinate 1 of replica 0
+
+
+def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
+    """Kill runs under tp2 x dp2 (``--kill-tp``) on ``--world 4``, and ddp's on the same job if not run yet:
+    rank 1 (tp coordinate 1 of data-parallel replica 0) is SIGKILLed; its shard comes from rank 3, the
+    replica of its (pp, tp) coordinate. Median of ``--kill-repeats``, like the other kill rows."""
+    if args.world != 4:
+        raise SystemExit("--kill-tp runs tp2 x dp2: it needs --world 4")
+    out = {}
+    for label, parallel in (("ddp", None), ("tp2xdp2", TP_KILL)):
+        if label in kills:
+            continue
+        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch, parallel)
+                for _ in range(args.kill_repeats)]
+        out[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                      "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+    return out
+
+
+def _print_tp_kill(kills: dict, args: argparse.Namespace) -> None:
+    if "tp2xdp2" in kills and "ddp" in kills:
+        ratio = kills["tp2xdp2"][0] / kills["ddp"][0]
+        print(f"  kill -> next step under tp2 x dp2: {kills['tp2xdp2'][0]:.2f} s [{kills['tp2xdp2'][1]:.2f}] "
+              f"({kills['tp2xdp2'][2]}) vs ddp {kills['ddp'][0]:.2f} s on {args.world} processes = {ratio:.2f}x "
+              f"(target <= 2x) {_verdict(ratio <= 2)}")
+    else:
+        print("  kill -> next step under tp2 x dp2 (target <= 2x ddp): not run (--kill-tp runs it: two "
+              "more 4-process kill runs)")
+
+
 def main() -> None:
     import tempfile
 
@@ -453,6 +489,8 @@ def main() -> None:
     p.add_argument("--memory-every", type=int, default=10, help="peer-tier cadence the stall is shown at")
     p.add_argument("--kill-pp", action="store_true",
                    help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
+    p.add_argument("--kill-tp", action="store_true",
+                   help="kill runs under tp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
     args = p.parse_args()
     args.pp_schedule = "1f1b"  # what a bare "ppN" layout name means (_layout_parallel)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -479,6 +517,8 @@ def main() -> None:
                 for _ in range(args.kill_repeats)]
         kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
                         "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+    if args.kill_tp and args.kill_steps:
+        kills.update(_tp_kills(args, kills))
     first = (plans or [base])[0]
     model = f"params={first.params / 1e6:.1f}M " if first is not None else ""
     print(f"{model}global_batch={args.global_batch} micro_batch={args.micro_batch} "
@@ -501,6 +541,8 @@ def main() -> None:
         _print_pp_rows(args.pp, base, pipes)
     if base is not None or args.kill_pp:
         _print_pp_kill(kills, args)
+    if args.kill_tp:
+        _print_tp_kill(kills, args)
 
 
 if __name__ == "__main__":

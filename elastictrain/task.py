@@ -44,7 +44,9 @@ class Task:
       ``parallelize_module`` plan) on the ``tp`` axis. Return a DDP module, an FSDP2 module, or a plain one;
       the step loop adapts. A tensor-parallel ``parallelize_fn`` applies its plan and then
       :func:`elastictrain.parallel.parallelize.parallelize_dp` (``examples/tp_llama.py``); its head's logits
-      may stay vocabulary-sharded: the step runs under ``loss_parallel``.
+      may stay vocabulary-sharded: the step runs under ``loss_parallel``. Pass ``src_data_rank=None`` to
+      ``parallelize_module`` (each rank splits its own seeded copy): torch's default scatter from rank 0 hangs
+      a recovery in which a survivor rebuilds its model on meta tensors.
       Under ``parallel.pp > 1`` it is applied to each pipeline stage module, on the mesh of that stage's
       data-parallel ranks.
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages

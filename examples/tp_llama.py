@@ -65,7 +65,9 @@ class ParallelizeLlama:
             if plan.sequence_parallel:
                 raise TensorParallelError("examples.tp_llama's plan has no sequence parallel: set "
                                           "parallel.sequence_parallel: false")
-            parallelize_module(model, tp_mesh, llama_tp_plan(model))
+            # src_data_rank=None: each rank splits its own copy (every rank built the same seeded model);
+            # torch's default scatters from rank 0, which hangs a recovery where a survivor rebuilds on meta.
+            parallelize_module(model, tp_mesh, llama_tp_plan(model), src_data_rank=None)
         return parallelize_dp(model, mesh, plan)
 
 

@@ -1,7 +1,8 @@
 """Shared by the tests that act on a running job: ``SLOW`` (every step of both ranks 30 ms longer, so a test
 can act between steps) and ``cluster``, a multi-node local Ray on one machine.
 
-Import into a test module with ``from tests.cluster_fixtures import SLOW, _module_cluster, cluster  # noqa: F401``
+Import into a test module with ``from tests.cluster_fixtures import SLOW, _module_cluster, cluster  # noqa: F401``;
+``cluster_2x2`` (two nodes of 2 CPU slots) is the placement tests'.
 """
 
 from __future__ import annotations
@@ -86,3 +87,23 @@ def cluster(_module_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
 def node_of(nodes: list[Any], node_id: str) -> Any:
     """The node (of ``cluster``'s list) with this Ray node id."""
     return next(n for n in nodes if n.node_id == node_id)
+
+
+@pytest.fixture(scope="module")
+def cluster_2x2() -> Iterator[Cluster]:
+    """Two worker nodes of 2 CPU slots each and a head with none, for a module's placement tests (no node
+    is removed: nothing to top up). The session's local Ray is shut down first (``ray_local`` brings it
+    back for the next test that asks)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=2)
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()

@@ -60,7 +60,8 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     shuts the session's local Ray down, and the next test on ``ray_local`` would have to start it again."""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
+        names = ("cluster", "cluster_2x2")
+        defs = [d for n in names for d in info.name2fixturedefs.get(n, ())] if info is not None else ()
         return any(d.func.__module__ == "tests.cluster_fixtures" for d in defs)
 
     items.sort(key=on_cluster)

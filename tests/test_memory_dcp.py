@@ -301,3 +301,37 @@ def test_sources_of_one_keeper_are_asked_in_one_call_and_answered_in_order() -> 
     waits = start_fetches([(s, {("x", (i,))}) for i, s in enumerate(srcs)])
     assert sorted(calls) == [["a", "c", "e"], ["b"], ["d"]]  # one call for keeper k1's three snapshots
     assert [w() for w in waits] == [{("x", (i,)): s.name} for i, s in enumerate(srcs)]
+
+
+def test_coverage_needs_every_tp_coordinate_of_each_stage() -> None:
+    """Under tensor parallel a rank holds one column (or row) shard of each TP parameter, with global
+    offsets, and a whole copy of the replicated ones (norms). A set lacking a tp coordinate is named, on
+    top of the holes its shards leave; tp sizes never mix."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as C, TensorProperties as P
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as T
+
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+
+    def meta(rank, tp_rank, tp_size=2, pp_rank=0, pp_size=1):
+        cols = 4 // tp_size  # the column-wise shard of w (4 x 4) this tp coordinate holds
+        tensors = {f"s{pp_rank}.w": T(P(), torch.Size([4, 4]), [C(torch.Size([0, tp_rank * cols]),
+                                                                   torch.Size([4, cols]))]),
+                   f"s{pp_rank}.norm": T(P(), torch.Size([4]), [C(torch.Size([0]), torch.Size([4]))])}
+        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, pp_rank=pp_rank, pp_size=pp_size,
+                            tp_rank=tp_rank, tp_size=tp_size)
+
+    # tp2 x dp2: ranks 0,1 are replica 0's tp coordinates 0,1; ranks 2,3 replica 1's
+    assert coverage([meta(0, 0), meta(3, 1)]).complete  # a replica of each tp coordinate
+    lost = coverage([meta(0, 0), meta(2, 0)])  # both holders of tp coordinate 1 gone
+    assert lost.missing == ("no snapshot of tp coordinate(s) [1] of tp_size 2",
+                            "s0.w: offsets [0, 2] sizes [4, 2] of [4, 4]")
+    mixed = coverage([meta(0, 0), meta(1, 1), meta(2, 0, tp_size=1)])
+    assert not mixed.complete and "tensor-parallel sizes (tp_size [1, 2])" in mixed.reason
+    assert "outside their group" in coverage([meta(0, 0), meta(1, 2)]).reason
+    # tp2 x pp2: each stage needs both tp coordinates
+    stages = [meta(0, 0, pp_rank=0, pp_size=2), meta(1, 1, pp_rank=0, pp_size=2), meta(2, 0, pp_rank=1, pp_size=2)]
+    assert coverage(stages).missing == ("no snapshot of tp coordinate(s) [1] of pipeline stage 1 of tp_size 2",
+                                        "s1.w (stage 1): offsets [0, 2] sizes [4, 2] of [4, 4]")
+    assert coverage([*stages, meta(3, 1, pp_rank=1, pp_size=2)]).complete
+    back = pickle.loads(pickle.dumps(meta(3, 1)))
+    assert (back.tp_rank, back.tp_size) == (1, 2) and back == meta(3, 1)

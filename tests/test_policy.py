@@ -290,3 +290,23 @@ def test_budget_counts_a_lost_node_once() -> None:
     log = budget_records([rec(i, node="a") for i in range(8)], [])
     log += budget_records([rec(i, node="b") for i in range(8)], log)
     assert len(log) == 2 and failure_verdict(log, 2.0, RecoveryConfig()) is None
+
+
+def test_elastic_membership_under_tp_keeps_whole_tp_groups_and_pipelines() -> None:
+    """tp is a factor of the plan resolution: fewer workers than the layout needs shrink to the largest
+    world of whole TP groups (and whole pipelines of them); too few for one group waits."""
+    from elastictrain.parallel.plan import PlanSpec
+
+    def decide(spec: PlanSpec, available: int, max_workers: int) -> tuple[str, int]:
+        m = decide_membership(available=available, current=max_workers, mode="elastic", min_workers=1,
+                              max_workers=max_workers, global_batch=spec.global_batch,
+                              micro_batch=spec.micro_batch, waiting_since=None, now=0.0,
+                              wait_limit_s=60, spec=spec)
+        return m.action, m.world_size
+
+    tp2 = PlanSpec("ddp", 16, 2, tp=2)
+    assert decide(tp2, 3, 4) == ("go", 2)   # tp2 x dp2 lost one: tp2 x dp1, the spare rank waits
+    assert decide(tp2, 4, 4) == ("go", 4)   # grows back once the replacement is ready
+    assert decide(tp2, 1, 4) == ("wait", 2)  # not one whole TP group
+    assert decide(PlanSpec("ddp", 16, 2, tp=2, pp=2), 7, 8) == ("go", 4)  # one pipeline of TP groups
+    assert decide(PlanSpec("fsdp", 16, 2, tp=2), 5, 6) == ("go", 4)

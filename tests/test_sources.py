@@ -196,3 +196,49 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
     replica = gathered(2, [0, 2, 3])  # pp2 x dp2: rank 1 (stage 0) died, rank 0 holds stage 0
     assert replica.kind == "peer" and isinstance(replica.resume, PeerRestore)
     assert [(s.meta.rank, s.meta.pp_rank) for s in replica.resume.sources] == [(0, 0), (2, 1)]
+
+
+def test_tensor_parallel_peer_needs_every_tp_coordinate() -> None:
+    # tp2 x dp2 (ddp): ranks 0,1 are replica 0 (tp coordinates 0,1), ranks 2,3 replica 1; rank 1 died:
+    # the data-parallel replica of its (pp, tp) coordinate, rank 3, serves it
+    replica = rank_sources(tp=2, dp_replicate=2, dp_shard=1, survivors={0: 7, 2: 7, 3: 7}, memory={},
+                           durable_step=None, last_step=7)
+    assert replica.chosen.kind == "peer" and replica.chosen.ranks == (0, 3) and replica.lost_steps == 0
+    assert "every tp coordinate's every shard" in replica.reason
+    # both holders of tp coordinate 1 died: the peer memory tier, named why
+    gone = rank_sources(tp=2, dp_replicate=2, dp_shard=1, survivors={0: 7, 2: 7}, memory={7: True},
+                        durable_step=4, last_step=7)
+    assert gone.chosen.kind == "memory" and gone.lost_steps == 0
+    assert "lack (tp coordinate, shard coordinate) [(1, 0)] of 2 x 1 (mesh dp_replicate=2 x dp_shard=1 x tp=2)" \
+        in gone.reason
+    # tp2 alone: the lost rank's shard is nowhere else live; the tier, else durable
+    alone = rank_sources(tp=2, dp_replicate=1, dp_shard=1, survivors={1: 9}, memory={}, durable_step=6, last_step=9)
+    assert alone.chosen.kind == "checkpoint" and alone.lost_steps == 3 and "[(0, 0)]" in alone.reason
+    # tp2 x pp2 x fsdp2 (world 8): stage p, shard j, tp t is rank 4p + 2j + t; one of each
+    full = rank_sources(pp=2, tp=2, dp_replicate=1, dp_shard=2, survivors={r: 3 for r in range(8) if r != 6},
+                        memory={}, durable_step=None, last_step=3)
+    assert full.chosen.kind == "scratch"
+    assert "lack (pipeline stage, tp coordinate, shard coordinate) [(1, 0, 1)] of 2 x 2 x 2" in full.reason
+    with pytest.raises(ValueError, match="tp=0"):
+        rank_sources(tp=0, dp_replicate=1, dp_shard=1, survivors={}, memory={}, durable_step=None, last_step=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mesh=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4)), data=st.data())
+def test_tp_peer_is_viable_exactly_when_every_coordinate_is_covered(mesh, data) -> None:
+    pp, rep, shard, tp = mesh
+    d_size = rep * shard
+    world = pp * d_size * tp
+    alive = data.draw(st.sets(st.integers(0, world - 1)))
+    d = rank_sources(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard, survivors={r: 4 for r in alive}, memory={},
+                     durable_step=None, last_step=4)
+
+    def coord(r: int) -> tuple[int, int, int]:  # the design's row-major (pp, dp_replicate, dp_shard, tp)
+        return r // (d_size * tp), r % tp, (r // tp) % shard
+
+    every = {(p, t, j) for p in range(pp) for t in range(tp) for j in range(shard)}
+    assert (d.chosen.kind == "peer") == ({coord(r) for r in alive} == every)
+    if d.chosen.kind == "peer":
+        assert sorted(coord(r) for r in d.chosen.ranks) == sorted(every)
+    elif alive:
+        assert "lack" in d.reason

@@ -58,20 +58,24 @@ class SnapshotMeta:
     generation: int = 0                         # membership generation that took it (same step, same math)
     pp_rank: int = 0                            # the rank's pipeline stage coordinate (rank // dp size)
     pp_size: int = 1                            # pipeline stages of the layout that took it
+    tp_rank: int = 0                            # the rank's tensor-parallel coordinate (rank % tp)
+    tp_size: int = 1                            # tensor-parallel size of the layout that took it
 
     # Pickled compactly: a meta travels keeper -> controller -> every joining rank (one per old rank in
     # each ``join`` call), and pickling DCP's metadata objects (torch dtypes, layouts, memory formats,
     # torch.Size per chunk) cost ~2-4 ms per meta of the 2-layer GPT, paid again for each joining member.
     def __getstate__(self) -> tuple:
         return (self.rank, self.step, [(fqn, *_pack_tensor_md(md)) for fqn, md in self.tensors.items()],
-                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.pp_rank, self.pp_size)
+                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.pp_rank, self.pp_size,
+                self.tp_rank, self.tp_size)
 
     def __setstate__(self, state: tuple) -> None:
-        rank, step, tensors, objects, mappings, nbytes, generation, pp_rank, pp_size = state
+        rank, step, tensors, objects, mappings, nbytes, generation, pp_rank, pp_size, tp_rank, tp_size = state
         for name, value in (("rank", rank), ("step", step), ("objects", frozenset(objects)),
                             ("tensors", {t[0]: _unpack_tensor_md(*t[1:]) for t in tensors}),
                             ("mappings", mappings), ("nbytes", nbytes), ("generation", generation),
-                            ("pp_rank", pp_rank), ("pp_size", pp_size)):
+                            ("pp_rank", pp_rank), ("pp_size", pp_size), ("tp_rank", tp_rank),
+                            ("tp_size", tp_size)):
             object.__setattr__(self, name, value)
 
 
@@ -197,7 +201,8 @@ def start_fetches(requests: Sequence[tuple[Any, Iterable[Key]]]) -> list[Callabl
 
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
-                  pp_rank: int = 0, pp_size: int = 1, reuse: Snapshot | None = None) -> Snapshot:
+                  pp_rank: int = 0, pp_size: int = 1, tp_rank: int = 0, tp_size: int = 1,
+                  reuse: Snapshot | None = None) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free. CPU sources are copied
     when this returns, so the caller may mutate them right away (this copy is the whole training stall).
     CUDA sources are copied into pinned host tensors on a side stream and may still be in flight
@@ -205,6 +210,8 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
 
     ``pp_rank``/``pp_size``: the rank's pipeline stage coordinate and the layout's stage count (the
     snapshot of one stage holds that stage's parameters only; :func:`coverage` needs every stage).
+    ``tp_rank``/``tp_size``: its tensor-parallel coordinate and size (a TP rank holds its shard of each
+    TP-sharded parameter, with global offsets; :func:`coverage` needs every coordinate of each stage).
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
     same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
     spare = {} if reuse is None else reuse.data
@@ -241,7 +248,7 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             md.chunks.append(td.chunk)
     ready = copy_to_host(pairs)
     meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation,
-                        pp_rank, pp_size)
+                        pp_rank, pp_size, tp_rank, tp_size)
     return Snapshot(meta, data, ready)
 
 
@@ -288,7 +295,11 @@ def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = Non
     Under pipeline parallelism a snapshot holds its stage's entries only, so a set that lacks a stage
     names none of that stage's parameters and would look whole: the set must also hold every pipeline
     coordinate ``0..pp_size-1`` of one ``pp_size``, and the snapshots of each coordinate must cover every
-    element of every tensor they name (as a whole set does without pipelining, ``pp_size`` 1)."""
+    element of every tensor they name (as a whole set does without pipelining, ``pp_size`` 1).
+
+    Under tensor parallelism each snapshot holds its TP shard of the sharded parameters (global offsets),
+    so a lost TP coordinate leaves holes the element check finds; the set must also agree on one
+    ``tp_size`` and hold every tp coordinate ``0..tp_size-1`` of each stage (named when one lacks)."""
     missing: list[str] = []
     steps = sorted({(m.generation, m.step) for m in metas})
     if len(steps) > 1:
@@ -298,15 +309,27 @@ def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = Non
     sizes = sorted({m.pp_size for m in metas})
     if len(sizes) > 1:
         missing.append(f"snapshots of different pipeline sizes (pp_size {sizes}) cannot be combined")
+    tps = sorted({m.tp_size for m in metas})
+    if len(tps) > 1:
+        missing.append(f"snapshots of different tensor-parallel sizes (tp_size {tps}) cannot be combined")
     stages: dict[int, list[SnapshotMeta]] = {}
     for m in metas:
         stages.setdefault(m.pp_rank, []).append(m)
     strays = sorted({(m.rank, m.pp_rank, m.pp_size) for m in metas if not 0 <= m.pp_rank < m.pp_size})
     if strays:
         missing.append(f"snapshots (rank, pp_rank, pp_size) {strays} name a stage outside their pipeline")
+    strays = sorted({(m.rank, m.tp_rank, m.tp_size) for m in metas if not 0 <= m.tp_rank < m.tp_size})
+    if strays:
+        missing.append(f"snapshots (rank, tp_rank, tp_size) {strays} name a tp coordinate outside their group")
     lacking = [p for p in range(max(sizes)) if p not in stages]
     if lacking:
         missing.append(f"no snapshot of pipeline stage(s) {lacking} of pp_size {max(sizes)}")
+    for p, group in sorted(stages.items()):  # a TP rank lost with no replica: its shards are holes below too
+        held = {m.tp_rank for m in group}
+        lacking = [t for t in range(max(tps)) if t not in held]
+        if lacking:
+            where = f" of pipeline stage {p}" if max(sizes) > 1 else ""
+            missing.append(f"no snapshot of tp coordinate(s) {lacking}{where} of tp_size {max(tps)}")
     merged: dict[str, Any] = {}
     for p, group in sorted(stages.items()):
         stage = merge_metadata(group)

@@ -29,6 +29,7 @@ from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
+from elastictrain.parallel.placement import arrange
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
 from elastictrain.task import Task
@@ -377,7 +378,9 @@ class Controller(WorkerMonitor):
     def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None, start: bool = True) -> bool:
         """Rendezvous ``chosen`` (in rank order) as a new generation, sync state from the most advanced
         survivor, and start the step loop (not with ``start=False``: a generation that only saves). False if
-        a member failed on the way (recorded as a failure)."""
+        a member failed on the way (recorded as a failure). Under tp or pp the ranks are first given by
+        topology (:meth:`_place`)."""
+        chosen = self._place(chosen)
         self._poll_members_blocking()
         self.ledger.flush_partial()
         self.generation += 1
@@ -456,6 +459,17 @@ class Controller(WorkerMonitor):
                                  f"generation {gen} failed: {describe_remote_error(e)}")
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         return True
+
+    def _place(self, chosen: list[Slot]) -> list[Slot]:
+        """``chosen`` reordered by rank so that a TP group stays on one node and pipeline stages spread
+        across nodes first (parallel/placement.py; members keep their ranks where that allows). A TP group
+        no order keeps on one node is a ``warning`` event, each generation it happens."""
+        order, placed = arrange([s.info.get("node_id") for s in chosen], self.layout(len(chosen)).dims)
+        if placed is not None:
+            log.info("placement: %s", placed.reason)
+            for why in placed.warnings:
+                self.events.emit("warning", source="placement", reason=why)
+        return [chosen[i] for i in order]
 
     def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:
         """Load ``manifest`` on every member (collective). A load error is the checkpoint's (corrupt bytes

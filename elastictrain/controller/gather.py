@@ -189,11 +189,12 @@ class SourceGatherer:
         (ledger, records, the open failure). Raises :class:`SurvivorLost` (a serving survivor died) or
         :class:`CheckpointLoadFailed` (storage failed and nothing else holds the state)."""
         dims = self.layout(prev.world).dims if prev.world else None
-        rep, shard, pp = (dims.dp_replicate, dims.dp_shard, dims.pp) if dims else (1, 1, 1)
+        rep, shard, pp, tp = (dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp) if dims else (1, 1, 1, 1)
         # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
         # DTensors, which the replicated broadcast path does not move); so do a pipeline's, whose ranks
-        # each hold one stage, loaded by name whatever the next generation's stages are
-        sharded = bool(prev.world) and (self.layout(prev.world).plan != "ddp" or pp > 1)
+        # each hold one stage, and a tensor-parallel one's, whose ranks each hold one tp shard: loaded by
+        # name whatever the next generation's layout is
+        sharded = bool(prev.world) and (self.layout(prev.world).plan != "ddp" or pp > 1 or tp > 1)
         # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
         pool = list(chosen) + [s for s in alive if s not in chosen]
         members = [s for s in pool if s.index in prev.ranks and s.rank is not None]
@@ -207,7 +208,7 @@ class SourceGatherer:
         # the newest completed step anyone knows of (records and survivors run ahead of the polls): the
         # same count the ``recovered`` event reports as ``lost_steps``
         last_step = max([*known_steps, *survivors.values()])
-        args = dict(dp_replicate=rep, dp_shard=shard, pp=pp, survivors=survivors, last_step=last_step)
+        args = dict(dp_replicate=rep, dp_shard=shard, pp=pp, tp=tp, survivors=survivors, last_step=last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
             try:

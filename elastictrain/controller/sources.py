@@ -3,11 +3,13 @@
 Three kinds of source, in this order of preference at equal step:
 
 * ``peer`` -- live survivors (replicas on the replicate dimension). The mesh of the failed generation is
-  ``(pp, dp_replicate, dp_shard)`` in row-major rank order: with ``D = dp_replicate * dp_shard``, rank
-  ``r`` is in pipeline stage ``r // D`` and holds shard ``r % dp_shard`` of that stage's parameters.
-  Survivors at the newest step that cover every (stage, shard coordinate) hold everything (DDP has
-  ``pp == dp_shard == 1``: any survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs
-  all; a pipeline needs that for each of its stages, so pp alone with ``D == 1`` needs every rank).
+  ``(pp, dp_replicate, dp_shard, tp)`` in row-major rank order: with ``D = dp_replicate * dp_shard`` and
+  ``T = tp``, rank ``r`` is in pipeline stage ``r // (D * T)``, on tp coordinate ``r % T``, and holds
+  shard ``(r // T) % dp_shard`` of that stage's tp shard. Survivors at the newest step that cover every
+  (stage, tp coordinate, shard coordinate) hold everything (DDP has ``pp == dp_shard == T == 1``: any
+  survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs all; a pipeline needs that for
+  each of its stages, so pp alone with ``D == 1`` needs every rank; tensor parallel for each tp
+  coordinate, so a lost rank of tp2 x dp2 is covered by the data-parallel replica of its coordinate).
   Lost work: the step in flight only.
 * ``memory`` -- the peer memory tier: the newest step whose per-rank snapshots, kept on other nodes,
   cover every element (see :func:`elastictrain.checkpoint.memory_dcp.coverage`). Lost work <= the
@@ -47,37 +49,41 @@ class SourceDecision:
     reason: str
 
 
-def _peer(pp: int, dp_replicate: int, dp_shard: int,
-          survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
+def _peer(pp: int, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int],
+          tp: int = 1) -> tuple[Candidate | None, str]:
     d = dp_replicate * dp_shard
-    world = pp * d
+    world = pp * d * tp
     alive = {r: s for r, s in survivors.items() if 0 <= r < world}
     if not alive:
         return None, "no survivor holds state"
     newest = max(alive.values())
-    holders: dict[tuple[int, int], int] = {}  # (stage, shard coordinate) -> the lowest survivor holding it
+    # (stage, tp coordinate, shard coordinate) -> the lowest survivor holding it (mesh order: pp, dp, tp)
+    holders: dict[tuple[int, int, int], int] = {}
     for r in sorted(alive):
         if alive[r] == newest:
-            holders.setdefault((r // d, r % dp_shard), r)
-    need = [(p, j) for p in range(pp) for j in range(dp_shard)]
+            holders.setdefault((r // (d * tp), r % tp, (r // tp) % dp_shard), r)
+    need = [(p, t, j) for p in range(pp) for t in range(tp) for j in range(dp_shard)]
     missing = [c for c in need if c not in holders]
     mesh = f"dp_replicate={dp_replicate} x dp_shard={dp_shard}"
-    if pp > 1:
-        mesh = f"pp={pp} x {mesh}"
-        if missing:
-            return None, (f"survivors at step {newest} lack (pipeline stage, shard coordinate) {missing} of "
-                          f"{pp} x {dp_shard} (mesh {mesh})")
-    elif missing:
-        return None, (f"survivors at step {newest} lack shard coordinates {[j for _, j in missing]} of "
-                      f"{dp_shard} (mesh {mesh})")
+    mesh = (f"pp={pp} x " if pp > 1 else "") + mesh + (f" x tp={tp}" if tp > 1 else "")
+    if missing:  # named by the axes the layout has: (pipeline stage,) (tp coordinate,) shard coordinate
+        axes = [(name, i, n) for name, i, n in (("pipeline stage", 0, pp), ("tp coordinate", 1, tp),
+                                                ("shard coordinate", 2, dp_shard)) if n > 1 or i == 2]
+        if len(axes) == 1:
+            return None, (f"survivors at step {newest} lack shard coordinates {[c[2] for c in missing]} of "
+                          f"{dp_shard} (mesh {mesh})")
+        lacking = [tuple(c[i] for _, i, _ in axes) for c in missing]
+        return None, (f"survivors at step {newest} lack ({', '.join(a[0] for a in axes)}) {lacking} of "
+                      f"{' x '.join(str(a[2]) for a in axes)} (mesh {mesh})")
     ranks = tuple(holders[c] for c in need)
-    every = "every stage's every shard" if pp > 1 else "every shard"
+    every = " ".join(w for on, w in ((pp > 1, "every stage's"), (tp > 1, "every tp coordinate's"),
+                                     (True, "every shard")) if on)
     return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold {every} at step {newest}"), ""
 
 
 def rank_sources(
     *, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int], memory: Mapping[int, bool],
-    durable_step: int | None, last_step: int, storage_asked: bool = True, pp: int = 1,
+    durable_step: int | None, last_step: int, storage_asked: bool = True, pp: int = 1, tp: int = 1,
 ) -> SourceDecision:
     """Rank the recovery sources.
 
@@ -85,14 +91,15 @@ def rank_sources(
     whether the peer tier's snapshots of that step cover everything. ``durable_step``: newest committed
     checkpoint, or None. ``last_step``: the newest step the group completed (for ``lost_steps``).
     ``storage_asked`` False: storage was not listed (see :func:`storage_needed`), and the reason says so.
-    ``pp``: the failed generation's pipeline stages (the outermost mesh axis). Raises ``ValueError`` on
-    mesh dims < 1.
+    ``pp``: the failed generation's pipeline stages (the outermost mesh axis); ``tp``: its tensor-parallel
+    size (the innermost). Raises ``ValueError`` on mesh dims < 1.
     """
-    if dp_replicate < 1 or dp_shard < 1 or pp < 1:
-        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard}")
+    if dp_replicate < 1 or dp_shard < 1 or pp < 1 or tp < 1:
+        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} "
+                         f"tp={tp}")
     found: list[Candidate] = []
     notes: list[str] = []
-    peer, why = _peer(pp, dp_replicate, dp_shard, survivors)
+    peer, why = _peer(pp, dp_replicate, dp_shard, survivors, tp)
     if peer is not None:
         found.append(peer)
     else:

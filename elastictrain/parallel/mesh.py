@@ -69,3 +69,9 @@ def forget_earlier_meshes() -> None:
         MeshTopoInfo.build_from_mesh.cache_clear()
     except (ImportError, AttributeError):
         pass
+    try:  # keyed by (propagator, op schema): its specs carry the mesh, which keeps the groups alive
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    except (ImportError, AttributeError):
+        pass

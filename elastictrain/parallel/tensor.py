@@ -67,7 +67,10 @@ def parallelize_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Any) -> nn.Modul
             f"parallel.tp > 1 needs a tensor-parallel plan for {type(model).__name__}: give the model a "
             "tp_plan(sequence_parallel) method returning a parallelize_module plan, or apply one in "
             "Task.parallelize_fn (see examples/tp_llama.py); or set parallel.tp=1")
-    return parallelize_module(model, tp_mesh, make(sequence_parallel_on(plan)))
+    # src_data_rank=None: each rank splits its own copy, no scatter. Every rank's model is the same seeded
+    # init (or a meta rebuild a restore fills), and a collective here would pair a fresh joiner's real
+    # tensors with a survivor's meta rebuild, which sends nothing: the joiner waits out the timeout
+    return parallelize_module(model, tp_mesh, make(sequence_parallel_on(plan)), src_data_rank=None)
 
 
 def local_loss(per_sample: torch.Tensor) -> torch.Tensor:
