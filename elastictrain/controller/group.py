@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
+from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 
@@ -55,19 +56,19 @@ class MemberCallFailed(RuntimeError):
         self.what, self.outcomes = what, outcomes
 
 
-def call_outcomes(calls: list[tuple[Slot, Any]]) -> list[CallOutcome]:
+def call_outcomes(calls: list[tuple[Slot, Any]], rt: Runtime = RAY) -> list[CallOutcome]:
     """How each member's call (``(slot, ref)``) ended, without waiting (see :class:`CallOutcome`)."""
     from elastictrain.worker.errors import is_communication_error
 
     refs = [ref for _, ref in calls]
-    done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    done = set(rt.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
     out = []
     for slot, ref in calls:
         if ref not in done:
             out.append(CallOutcome(slot.index, "pending"))
             continue
         try:
-            ray.get(ref)
+            rt.get(ref)
         except ray.exceptions.RayActorError as e:
             out.append(CallOutcome(slot.index, "dead", describe_remote_error(e)))
         except Exception as e:  # noqa: BLE001 - classified: its own error, or a peer's broken communication
@@ -79,13 +80,13 @@ def call_outcomes(calls: list[tuple[Slot, Any]]) -> list[CallOutcome]:
     return out
 
 
-def call_members(calls: list[tuple[Slot, Any]], timeout: float, what: str) -> list[Any]:
-    """``ray.get`` of the members' calls ``(slot, ref)``, in order. Raises :class:`MemberCallFailed` with
+def call_members(calls: list[tuple[Slot, Any]], timeout: float, what: str, rt: Runtime = RAY) -> list[Any]:
+    """``get`` of the members' calls ``(slot, ref)``, in order. Raises :class:`MemberCallFailed` with
     every member's outcome when any part fails or the call outlasts ``timeout``."""
     try:
-        return ray.get([ref for _, ref in calls], timeout=timeout)
+        return rt.get([ref for _, ref in calls], timeout=timeout)
     except Exception as e:  # noqa: BLE001 - whose failure it is: the outcomes tell
-        raise MemberCallFailed(what, call_outcomes(calls), e) from e
+        raise MemberCallFailed(what, call_outcomes(calls, rt), e) from e
 
 
 def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, float]]) -> str:
@@ -132,6 +133,7 @@ class WorkerGroup:
     _standby_probe: Any = None  # its node id, once the process is up (an ObjectRef)
     _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
+    rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
 
     def __init__(self, config: JobConfig, task: Task) -> None:
         self.config = config

@@ -15,14 +15,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import ray
-
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.ledger import Ledger
+from elastictrain.controller.runtime import Runtime
 from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
@@ -33,6 +32,7 @@ class MonitorHost(Protocol):
 
     config: JobConfig
     group: WorkerGroup
+    rt: Runtime                              # how calls on the workers are waited for (the group's)
     ledger: Ledger
     committer: Committer
     detector: FailureDetector
@@ -79,11 +79,11 @@ class WorkerMonitor:
     def _pump(self, timeout: float) -> None:
         """Wait a little for run results, poll members, turn records into events, watch for hangs."""
         refs = list(self.run_refs)
-        ended, running = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        ended, running = self.rt.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         if running and not ended:  # wake at the first run that ends (a death, a failed step) or at `timeout`
-            ray.wait(running, num_returns=1, timeout=timeout)
+            self.rt.wait(running, num_returns=1, timeout=timeout)
         elif ended and running:  # some ranks left the loop: the rest follow within a step; don't spin
-            ray.wait(running, num_returns=len(running), timeout=min(timeout, 0.05))
+            self.rt.wait(running, num_returns=len(running), timeout=min(timeout, 0.05))
         self._poll_members()
         for slot in self.group.collect_ready(timeout=0):
             self._on_setup_done(slot)
@@ -98,13 +98,13 @@ class WorkerMonitor:
             if slot.index not in self.poll_refs:
                 self.poll_refs[slot.index] = (slot.actor.poll.remote(), now)
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             idx = refs[ref]
             del self.poll_refs[idx]
             slot = self.group.slots[idx]
             try:
-                result = ray.get(ref)
+                result = self.rt.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor is found by its run ref
                 continue
             self._take_poll(slot, result)
@@ -121,13 +121,13 @@ class WorkerMonitor:
             self._on_memory_report(slot, report)
 
     def _check_runs(self) -> None:
-        done = [ref for ref in self.run_refs if _is_ready(ref)]
+        done = [ref for ref in self.run_refs if self._is_ready(ref)]
         for ref in done:
             slot = self.run_refs[ref]
             if slot.state is SlotState.DEAD:
                 continue
             try:
-                res = ray.get(ref)
+                res = self.rt.get(ref)
             except Exception as e:  # noqa: BLE001 - the actor died
                 self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(e)}")
                 continue
@@ -142,12 +142,12 @@ class WorkerMonitor:
 
     def _finished_runs(self) -> list[dict[str, Any]] | None:
         """All members' run results, once every one has returned (else None)."""
-        if not self.run_refs or not all(_is_ready(r) for r in self.run_refs):
+        if not self.run_refs or not all(self._is_ready(r) for r in self.run_refs):
             return None
         results = []
         for ref, slot in self.run_refs.items():
             try:
-                results.append(ray.get(ref))
+                results.append(self.rt.get(ref))
             except Exception:  # noqa: BLE001
                 return None
         self._poll_members_blocking()
@@ -163,7 +163,7 @@ class WorkerMonitor:
             if slot.state is SlotState.DEAD:
                 continue
             try:
-                self._take_poll(slot, ray.get(ref, timeout=timeout))
+                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
                 pass
         # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
@@ -171,7 +171,7 @@ class WorkerMonitor:
         asked = [(slot, slot.actor.poll.remote()) for slot in self.group.members()]
         for slot, ref in asked:
             try:
-                self._take_poll(slot, ray.get(ref, timeout=timeout))
+                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001
                 pass
 
@@ -222,12 +222,12 @@ class WorkerMonitor:
         :func:`~elastictrain.controller.detect.blame`), quoting its own error; only when nothing names one,
         the first."""
         refs = {s.actor.poll.remote(): s for s in slots if s.actor is not None}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
+        done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=2.0)
         for ref, slot in refs.items():
             ok = ref in done
             if ok:
                 try:
-                    ray.get(ref)
+                    self.rt.get(ref)
                 except Exception:  # noqa: BLE001
                     ok = False
             if not ok:
@@ -247,7 +247,7 @@ class WorkerMonitor:
         """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
         Returns (failure, kind, node) for accounting once the survivors' last records are in."""
         failures = self.detector.take()
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if failures else set()
+        alive_nodes = self.rt.alive_nodes() if failures else set()
         out = []
         for f in failures:
             slot = self.group.slots[f.slot]
@@ -305,15 +305,14 @@ class WorkerMonitor:
         return is recorded as hung (handled by the next recovery iteration)."""
         if not self.run_refs:
             return
-        ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
+        self.rt.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
         self._check_runs()
         for ref, slot in list(self.run_refs.items()):
-            if not _is_ready(ref) and slot.state is SlotState.MEMBER:
+            if not self._is_ready(ref) and slot.state is SlotState.MEMBER:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
         self._poll_members_blocking()
         self.run_refs = {}
 
-
-def _is_ready(ref: Any) -> bool:
-    done, _ = ray.wait([ref], timeout=0)
-    return bool(done)
+    def _is_ready(self, ref: Any) -> bool:
+        done, _ = self.rt.wait([ref], timeout=0)
+        return bool(done)
