@@ -2,11 +2,13 @@
 
 Scenarios (each a whole run of the real Controller over a simulated cluster, one process, no Ray, no
 training): ``steady`` (no fault), ``kill`` (one rank killed mid-step), ``node`` (a node of 8 ranks lost,
-back 20 steps later: growth back), ``hang`` (one rank SIGSTOPped), ``preempt`` (a drain notice for 5% of
+back 25 steps later: growth back), ``hang`` (one rank SIGSTOPped), ``preempt`` (a drain notice for 5% of
 the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
 
 - ``driver_cpu_per_step_s``: the driver thread's CPU (``time.thread_time``) per training step in steady
-  state (steps 5..19, before any fault), minus what the fake workers spent answering calls;
+  state (from step 1 to the fault at step 50: steps trained meanwhile, whether or not the driver kept
+  up), minus what the fake workers spent answering calls; ``driver_busy``: that CPU over the wall time
+  (near 1: the driver cannot keep up and falls behind the training);
 - ``events_bytes_per_step``: events.jsonl growth per step in steady state;
 - ``fault_to_detect_s`` / ``fault_to_decision_s``: from the injected fault to the ``failure`` event, and to
   the next ``generation_started`` (membership and recovery sources chosen, the rendezvous done) -- for
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-s", type=float, default=0.02)
     ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
     args = ap.parse_args()
@@ -54,7 +56,7 @@ def main() -> None:
         rows.append(row)
         print(f"{name:9s} N={args.ranks:6d} state={r.state:9s} steps={r.steps:3d} lost={r.lost_steps} "
               f"worlds={r.worlds} cpu/step={r.driver_cpu_per_step_s * 1e3:.3f}ms "
-              f"bytes/step={r.events_bytes_per_step:.0f} detect={r.fault_to_detect_s} "
+              f"busy={r.extra.get('driver_busy')} bytes/step={r.events_bytes_per_step:.0f} detect={r.fault_to_detect_s} "
               f"decide={r.fault_to_decision_s} growth={r.growth_s} mem={r.peak_mem_mb}MB "
               f"wall={row['wall_s']}s", flush=True)
     steady = next((r for r in rows if r["scenario"] == "steady"), rows[0])

@@ -28,8 +28,8 @@ from elastictrain.sim.world import Fault, SimWorld
 from elastictrain.task import builtin_task
 
 SCENARIOS = ("steady", "kill", "node", "hang", "preempt", "lose2pct")
-FAULT_STEP = 20
-BACK_STEP = 40  # a lost node comes back (growth back)
+FAULT_STEP = 50
+BACK_STEP = 75  # a lost node comes back (growth back)
 
 
 def sim_config(ranks: int, steps: int, step_s: float, **recovery: Any) -> JobConfig:
@@ -100,7 +100,7 @@ def _faults(scenario: str, ranks: int, world: SimWorld, rng: random.Random) -> l
     return []
 
 
-def run_scenario(scenario: str, ranks: int, *, steps: int = 60, step_s: float = 0.02, memory: bool = False,
+def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float = 0.02, memory: bool = False,
                  seed: int = 0) -> Result:
     """Run one scenario to the controller's end and measure it (see the module docstring)."""
     config = sim_config(ranks, steps, step_s)
@@ -112,17 +112,14 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 60, step_s: float = 
         events.listeners.append(lambda r: seen.append((r["event"], time.time(), r)))
         group = SimGroup(world, config.workers.max + config.workers.spares)
         c = Controller(config, builtin_task(config), events, group=group)
-        marks: dict[str, tuple[float, float, int, int]] = {}  # first/last step: cpu, worker cpu, bytes, step
+        marks: list[tuple[float, float, float, int, int]] = []  # cpu, worker cpu, wall, events bytes, step
 
-        def on_step(r: dict[str, Any]) -> None:
-            if r["event"] != "step":
-                return
-            if r["step"] < 5 or r["step"] >= FAULT_STEP:
-                return  # steady-state figures: after the start, before any fault
-            key = "first" if "first" not in marks else "last"
-            marks[key] = (time.thread_time(), world.worker_cpu_s, events.path.stat().st_size, r["step"])
+        def mark(w: SimWorld, t: float) -> None:
+            marks.append((time.thread_time(), w.worker_cpu_s, time.time(), events.path.stat().st_size,
+                          c.ledger.last_step))
 
-        events.listeners.append(on_step)
+        # steady state: from mid-step 1 to the fault (both applied at the driver's next call after them)
+        world.faults[:0] = [Fault(0, "start", mark), Fault(FAULT_STEP, "mark", mark)]
         if memory:
             tracemalloc.start()
         try:
@@ -138,12 +135,15 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 60, step_s: float = 
 
 def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], world: SimWorld,
             seen: list[tuple[str, float, dict[str, Any]]], marks: dict[str, Any], peak: float) -> Result:
-    (c0, w0, b0, s0), (c1, w1, b1, s1) = marks["first"], marks.get("last", marks["first"])
-    n = max(1, s1 - s0)
-    fault = next((f for f in world.faults if f.label != "back"), None)
+    (c0, w0, t0, b0, s0), (c1, w1, t1, b1, s1) = marks[0], marks[-1]
+    tl = world.timelines[0]
+    steps = tl.completed(t1) - tl.completed(t0)  # trained meanwhile, whether or not the driver kept up
+    cpu = (c1 - c0) - (w1 - w0)
+    fault = next((f for f in world.faults if f.label not in ("back", "start", "mark")), None)
     out = Result(scenario, ranks, summary["state"], summary["final_step"], summary["lost_steps"],
                  [h["world_size"] for h in summary["world_size_history"]],
-                 round(((c1 - c0) - (w1 - w0)) / n, 7), round((b1 - b0) / n, 1), round(peak, 1))
+                 round(cpu / max(1, steps), 7), round((b1 - b0) / max(1, s1 - s0), 1), round(peak, 1))
+    out.extra["driver_busy"] = round(cpu / max(1e-9, t1 - t0), 3)  # ~1: the driver cannot keep up
     if fault is not None and fault.at is not None:
         after = [(e, t, r) for e, t, r in seen if t >= fault.at]
         detect = next((t for e, t, _ in after if e in ("failure", "preempted")), None)
