@@ -44,6 +44,11 @@ class Committer:
         """Stop taking commits; a commit stuck on storage is left to finish on its own (never joined)."""
         self._pool.shutdown(wait=False, cancel_futures=False)
 
+    def waiting(self) -> bool:
+        """Whether a save has some of its ranks' reports and waits for the others (the controller then
+        polls every member until they are in)."""
+        return bool(self._reports)
+
     def new_generation(self, generation: int, world_size: int) -> None:
         """Saves of ``generation`` commit when ``world_size`` ranks reported."""
         self._world[generation] = world_size

@@ -51,7 +51,8 @@ class Controller(WorkerMonitor):
         self.sm = StateMachine()
         self.group = group if group is not None else WorkerGroup(config, task)
         self.rt = self.group.rt  # how calls on the workers are waited for (Ray, or the simulator's)
-        self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
+        self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max,
+                             keep_compute=max(64, config.recovery.straggler_window))
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
@@ -383,8 +384,9 @@ class Controller(WorkerMonitor):
         self.generation += 1
         gen, world = self.generation, len(chosen)
         self.committer.new_generation(gen, world)
+        taken = {s.index for s in chosen}  # by slot index: `in` on a list of Slots is O(N^2)
         for s in self.group.members():
-            if s not in chosen:  # a member dropped by the decision goes back to READY
+            if s.index not in taken:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
         t = self.config.timeouts
         try:
@@ -412,7 +414,8 @@ class Controller(WorkerMonitor):
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
             src = policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
-            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync", self.rt)
+            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync",
+                                 self.rt)
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
             self._fail_checkpoint(str(e))
             return False
@@ -455,6 +458,7 @@ class Controller(WorkerMonitor):
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
                                  f"generation {gen} failed: {describe_remote_error(e)}")
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
+        self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
         return True
 
     def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:

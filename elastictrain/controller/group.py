@@ -113,6 +113,10 @@ class SlotState(enum.Enum):
 
 @dataclass
 class Slot:
+    """One worker's place in the group. Its ``state`` is indexed by the group (:meth:`WorkerGroup.by_state`
+    answers from the index, not by scanning every slot: at 10,000 slots the controller asks every poll
+    interval whether a worker is starting or ready)."""
+
     index: int
     actor: Any = None
     state: SlotState = SlotState.DEAD
@@ -123,6 +127,14 @@ class Slot:
     started_at: float = 0.0
     incarnation: int = 0
     from_standby: bool = False  # this incarnation runs in the standby process started ahead
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state":
+            index = self.__dict__.get("_by_state")
+            if index is not None:
+                index[self.__dict__["state"]].discard(self.index)
+                index[value].add(self.index)
+        object.__setattr__(self, name, value)
 
 
 class WorkerGroup:
@@ -244,8 +256,10 @@ class WorkerGroup:
         the workers' own start-up and first rendezvous; started then, it is up before a first failure
         (its start costs a core for a few seconds while the run trains at full size), so the first
         replacement of a run is warm too."""
-        members = [s for s in self.slots if s.state is SlotState.MEMBER]
-        if self._standby_started or not members:
+        if self._standby_started or not self.config.workers.standby:
+            return
+        members = self.by_state(SlotState.MEMBER)
+        if not members:
             return
         self._start_standby(min(s.index for s in members))
 
@@ -280,7 +294,7 @@ class WorkerGroup:
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
         returned too, with ``info['error']`` set."""
-        pending = {s.setup_ref: s for s in self.slots if s.state is SlotState.STARTING}
+        pending = {s.setup_ref: s for s in self.by_state(SlotState.STARTING)}
         if not pending:
             return []
         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
@@ -330,7 +344,24 @@ class WorkerGroup:
         return state in ("Z", "X")
 
     def by_state(self, *states: SlotState) -> list[Slot]:
-        return [s for s in self.slots if s.state in states]
+        """The slots in any of ``states``, in slot order; from the state index (built on first use, kept by
+        :class:`Slot` on every state change): O(slots found), not O(slots)."""
+        index = self._state_index()
+        return [self.slots[i] for i in sorted(i for st in states for i in index[st])]
+
+    def _state_index(self) -> dict[SlotState, set[int]]:
+        index = self.__dict__.get("_by_state")
+        if index is None:
+            index = {st: set() for st in SlotState}
+            for slot in self.slots:
+                index[slot.state].add(slot.index)
+                object.__setattr__(slot, "_by_state", index)
+            self.__dict__["_by_state"] = index
+        return index
+
+    def count(self, state: SlotState) -> int:
+        """How many slots are in ``state``: O(1)."""
+        return len(self._state_index()[state])
 
     def members(self) -> list[Slot]:
         return sorted(self.by_state(SlotState.MEMBER), key=lambda s: s.rank)

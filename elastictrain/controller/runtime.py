@@ -32,6 +32,16 @@ class Runtime(Protocol):
     def drain_watcher(self) -> Any:
         """An object with ``draining() -> set[str]`` (node ids about to go) and ``take_notice()``."""
 
+    def watch(self, refs: Sequence[Any]) -> RunWatch:
+        """Watch a generation's in-flight ``run`` calls: how a death (the call fails) or the end of the
+        loop is learned without looking at each call every poll interval."""
+
+
+class RunWatch(Protocol):
+    def wait(self, timeout: float) -> list[Any]:
+        """The watched calls that ended since the last call (each once), waiting up to ``timeout`` s for
+        the first."""
+
 
 class RayRuntime:
     """:class:`Runtime` over Ray (the driver must have called ``ray.init``)."""
@@ -50,6 +60,26 @@ class RayRuntime:
         from elastictrain.controller.drain import DrainWatcher
 
         return DrainWatcher(ray.get_runtime_context().gcs_address)
+
+    def watch(self, refs: Sequence[Any]) -> RayRunWatch:
+        return RayRunWatch(refs)
+
+
+class RayRunWatch:
+    """One ``ray.wait`` for the first ended call and one to take the others that ended with it: Ray's
+    own notifications (an actor's death fails its calls), two calls per poll interval whatever N."""
+
+    def __init__(self, refs: Sequence[Any]) -> None:
+        self.pending = list(refs)
+
+    def wait(self, timeout: float) -> list[Any]:
+        if not self.pending:
+            return []
+        ready, self.pending = ray.wait(self.pending, num_returns=1, timeout=timeout)
+        if ready and self.pending:
+            more, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+            ready += more
+        return ready
 
 
 RAY = RayRuntime()

@@ -24,7 +24,7 @@ class SimGroup(WorkerGroup):
         return slot
 
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
-        pending = {s.setup_ref: s for s in self.slots if s.state is SlotState.STARTING}
+        pending = {s.setup_ref: s for s in self.by_state(SlotState.STARTING)}
         if not pending:
             return []
         done, _ = self.world.wait(list(pending), num_returns=len(pending), timeout=timeout)

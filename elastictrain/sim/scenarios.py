@@ -8,6 +8,7 @@ lost, and the world-size history (:func:`promised_worlds`).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import tempfile
@@ -120,21 +121,61 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float =
 
         # steady state: from mid-step 1 to the fault (both applied at the driver's next call after them)
         world.faults[:0] = [Fault(0, "start", mark), Fault(FAULT_STEP, "mark", mark)]
+        said = _Said(world)
         if memory:
             tracemalloc.start()
         try:
-            c.run()
+            with said:
+                c.run()
         finally:
             peak = tracemalloc.get_traced_memory()[1] / 2 ** 20 if memory else 0.0
             if memory:
                 tracemalloc.stop()
             events.close()
         summary = c.summary()
-    return _result(scenario, ranks, c, summary, world, seen, marks, peak)
+    return _result(scenario, ranks, c, summary, world, seen, marks, peak, said.lines)
+
+
+class _Said(logging.Handler):
+    """The controller's log lines while a scenario runs, with the wall time and the fake workers' CPU so
+    far: its decisions are read off them ("controller RUNNING -> RECOVERING", "recovery source: ...")."""
+
+    def __init__(self, world: SimWorld) -> None:
+        super().__init__(logging.INFO)
+        self.world, self.lines = world, []
+        self.log = logging.getLogger("elastictrain.controller")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((time.time(), self.world.own_clock(), record.getMessage()))
+
+    def __enter__(self) -> _Said:
+        self.level, self.propagate = self.log.level, self.log.propagate
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        self.log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.log.removeHandler(self)
+        self.log.setLevel(self.level)
+        self.log.propagate = self.propagate
+
+
+def _after_fault(lines: list[tuple[float, float, str]], fault: Fault, *marks: str) -> tuple[float, float] | None:
+    """From ``fault`` to the first controller line holding one of ``marks``: (on a core of its own, wall).
+    On a core of its own: the driver's CPU (less the fake workers' polls, answered on their own machines on
+    a real cluster) plus its waits for the cluster -- what it takes whatever else this machine runs;
+    wall: as measured here (a loaded machine makes it longer)."""
+    start = fault.apply_clock
+    for t, own, msg in lines:
+        if t >= fault.at and any(m in msg for m in marks):
+            return round(own - start, 4), round(t - fault.at, 4)
+    return None
 
 
 def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], world: SimWorld,
-            seen: list[tuple[str, float, dict[str, Any]]], marks: dict[str, Any], peak: float) -> Result:
+            seen: list[tuple[str, float, dict[str, Any]]], marks: list[Any], peak: float,
+            lines: list[tuple[float, float, str]]) -> Result:
     (c0, w0, t0, b0, s0), (c1, w1, t1, b1, s1) = marks[0], marks[-1]
     tl = world.timelines[0]
     steps = tl.completed(t1) - tl.completed(t0)  # trained meanwhile, whether or not the driver kept up
@@ -145,11 +186,13 @@ def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], w
                  round(cpu / max(1, steps), 7), round((b1 - b0) / max(1, s1 - s0), 1), round(peak, 1))
     out.extra["driver_busy"] = round(cpu / max(1e-9, t1 - t0), 3)  # ~1: the driver cannot keep up
     if fault is not None and fault.at is not None:
-        after = [(e, t, r) for e, t, r in seen if t >= fault.at]
-        detect = next((t for e, t, _ in after if e in ("failure", "preempted")), None)
-        decide = next((t for e, t, _ in after if e in ("generation_started", "preempted")), None)
-        out.fault_to_detect_s = None if detect is None else round(detect - fault.at, 4)
-        out.fault_to_decision_s = None if decide is None else round(decide - fault.at, 4)
+        detect = _after_fault(lines, fault, "-> RECOVERING", "-> CHECKPOINTING")
+        decide = _after_fault(lines, fault, "recovery source:", "-> CHECKPOINTING")
+        out.fault_to_detect_s = None if detect is None else detect[0]
+        out.fault_to_decision_s = None if decide is None else decide[0]
+        out.extra["fault_to_decision_wall_s"] = None if decide is None else decide[1]
+        formed = next((t for e, t, _ in seen if t >= fault.at and e in ("generation_started", "preempted")), None)
+        out.extra["fault_to_generation_s"] = None if formed is None else round(formed - fault.at, 4)
     back = next((f for f in world.faults if f.label == "back"), None)
     if back is not None and back.at is not None:
         grown = next((t for e, t, r in seen if t >= back.at and e == "generation_started"

@@ -1,12 +1,13 @@
 """The simulated cluster: nodes, fake workers on a wall-clock step timeline, injected faults, and the
 :class:`~elastictrain.controller.runtime.Runtime` the controller waits through.
 
-A generation's members complete step ``s0 + k`` at ``t0 + k * step_s`` (``t0``: its first ``run`` call),
+A generation's members complete step ``s0 + k`` at ``t0 + k * step_s`` (``t0``: its last ``run`` call),
 as one collective: a killed member breaks the step in flight (its peers' ``run`` return ``peer_failed``
 at once, as gloo's closed sockets make them), a stopped one (a hang) stalls it until it is killed, a stop
 request ends ``run`` at the next step boundary. Calls resolve when the timeline says they would; ``wait``
 sleeps until the next thing can happen, so the controller sees real time pass and its own work is the only
-CPU spent (the fake workers' share is counted apart in :attr:`SimWorld.worker_cpu_s`).
+CPU spent (the fake workers' polls, which build step records, are counted apart in
+:attr:`SimWorld.worker_cpu_s`; their other answers take constant time and count as the driver's).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ class Timeline:
     step_s: float
     members: set[int] = field(default_factory=set)  # slots
     s0: int = 0
-    t0: float | None = None  # first run() call
+    t0: float | None = None  # the last member's run() call
     target: int = 0
     stop_at: float | None = None
     broken_at: float | None = None  # a member died: the step in flight fails
     stall_at: float | None = None   # a member stopped (hang): the step in flight never completes
+    synced: bool = False
+    running: int = 0  # members whose run() was called
 
     def _raw(self, t: float) -> int:
         if self.t0 is None:
@@ -90,9 +93,12 @@ class _Remote:
 
     def remote(self, *args: Any) -> SimRef:
         world = self.worker.world
+        world._advance()  # a fault due by now has happened before the call is answered
+        if self.name != "poll":  # the other calls answer in constant time: counted with the driver's
+            return getattr(self.worker, "_" + self.name)(*args)
         t = time.thread_time()
         try:
-            return getattr(self.worker, "_" + self.name)(*args)
+            return self.worker._poll(*args)
         finally:
             world.worker_cpu_s += time.thread_time() - t
 
@@ -140,27 +146,28 @@ class SimWorker:
 
     def _sync(self, src: int) -> SimRef:
         tl = self.tl
-        if tl.t0 is None:  # the group takes the most advanced member's state (the broadcast)
-            tl.s0 = max(self.world.workers[s].held for s in tl.members)
+        if not tl.synced:  # the group takes the most advanced member's state (the broadcast)
+            tl.s0, tl.synced = max(self.world.workers[s].held for s in tl.members), True
         self.held = self.polled = tl.s0
         return self._now(tl.s0)
 
     def _run(self, target: int) -> SimRef:
         tl = self.tl
-        if tl.t0 is None:
+        tl.running += 1
+        if tl.running == len(tl.members):  # the first step's collective needs every member in the loop
             tl.t0, tl.target = time.time(), target
         return SimRef("run", self)
 
-    def _poll(self, limit: int | None = None) -> SimRef:
+    def _poll(self, after: int | None = None) -> SimRef:
         if self.stopped_at is not None or self.dead_at is not None:
             return SimRef("poll", self)  # never answers (stopped) or fails (dead)
-        return self._now(self._poll_result(limit))
+        return self._now(self._poll_result(after))
 
-    def _poll_result(self, limit: int | None) -> dict[str, Any]:
+    def _poll_result(self, after: int | None) -> dict[str, Any]:
         now = time.time()
         tl = self.tl
         done = self._step_now(now)
-        first = self.polled + 1 if limit is None else max(self.polled + 1, done - limit + 1)
+        first = self.polled + 1 if after is None else max(self.polled + 1, after + 1)
         records = []
         if tl is not None and tl.t0 is not None:
             loss = 1.0
@@ -218,6 +225,7 @@ class Fault:
     label: str
     apply: Callable[[SimWorld, float], None]
     at: float | None = None
+    apply_clock: float = 0.0  # :meth:`SimWorld.own_clock` when it was applied (the driver's next call)
 
 
 class _Drains:
@@ -242,7 +250,21 @@ class SimWorld:
         self.draining: set[str] = set()
         self.timelines: dict[int, Timeline] = {}
         self.faults: list[Fault] = []
-        self.worker_cpu_s = 0.0  # thread CPU spent answering calls (the fake workers' side, not the driver's)
+        self.slept_s = 0.0  # the driver's waits for calls to resolve (asked, not as long as the OS made them)
+        self.crashed: list[SimWorker] = []  # in the order they died (what Ray's death notices tell)
+        self.worker_cpu_s = 0.0  # thread CPU spent answering polls (the fake workers' side, not the driver's)
+
+    def own_clock(self) -> float:
+        """The driver's time as if it had a core of its own: its thread's CPU, less the fake workers' polls,
+        plus its waits for the cluster."""
+        return time.thread_time() - self.worker_cpu_s + self.slept_s
+
+    def sleep(self, seconds: float) -> None:
+        """The driver waits for the cluster: counted (:attr:`slept_s`), so that what the controller would
+        take on a core of its own is CPU + waits, whatever else the machine runs."""
+        seconds = max(0.0, seconds)
+        self.slept_s += seconds
+        time.sleep(seconds)
 
     # ------------------------------------------------------------------ cluster
     def node_of(self, slot: int) -> str:
@@ -271,6 +293,7 @@ class SimWorld:
         if w.dead_at is not None:
             return
         w.dead_at = t
+        self.crashed.append(w)
         tl = w.tl
         if tl is not None and tl.broken_at is None and tl.t0 is not None and tl.run_end()[0] > t:
             tl.broken_at = t
@@ -307,7 +330,7 @@ class SimWorld:
             if f.at is None:
                 t = self._fault_time(f)
                 if t <= now:
-                    f.at = t
+                    f.at, f.apply_clock = t, self.own_clock()
                     f.apply(self, t)
         return now
 
@@ -358,7 +381,7 @@ class SimWorld:
             wake = min([deadline, self._next_fault(), *(e for e in ends if e > now)])
             if wake == INF:
                 raise RuntimeError("simulation: waiting forever on calls that never resolve")
-            time.sleep(max(0.0, wake - now))
+            self.sleep(wake - now)
 
     def get(self, refs: Any, *, timeout: float | None = None) -> Any:
         many = isinstance(refs, list)
@@ -374,3 +397,44 @@ class SimWorld:
 
     def drain_watcher(self) -> _Drains:
         return _Drains(self)
+
+    def watch(self, refs: Sequence[Any]) -> SimRunWatch:
+        return SimRunWatch(self, refs)
+
+
+class SimRunWatch:
+    """A generation's ``run`` calls, watched event by event (deaths in order, then the group's end), as
+    Ray's notifications would tell them: O(events), not O(calls), per wait."""
+
+    def __init__(self, world: SimWorld, refs: Sequence[Any]) -> None:
+        self.world, self.refs = world, list(refs)
+        self.by_worker = {r.worker: r for r in self.refs}
+        self.told: set[int] = set()
+        self.crash_seen = len(world.crashed)
+        self.tl = self.refs[0].worker.tl if self.refs else None
+        self.all_told = False
+
+    def _scan(self, now: float) -> list[Any]:
+        out = []
+        crashed = self.world.crashed
+        for w in crashed[self.crash_seen:]:
+            ref = self.by_worker.get(w)
+            if ref is not None and id(ref) not in self.told and self.world.end_of(ref) <= now:
+                out.append(ref)
+                self.told.add(id(ref))
+        self.crash_seen = len(crashed)
+        if not self.all_told and self.tl is not None and self.tl.run_end()[0] <= now:
+            self.all_told = True  # the loop ended: every call not stopped (hung) returns now
+            out += [r for r in self.refs if id(r) not in self.told and self.world.end_of(r) <= now]
+        self.told.update(map(id, out))
+        return out
+
+    def wait(self, timeout: float) -> list[Any]:
+        deadline = time.time() + timeout
+        while True:
+            now = self.world._advance()
+            out = self._scan(now)
+            if out or now >= deadline:
+                return out
+            end = self.tl.run_end()[0] if self.tl is not None and not self.all_told else INF
+            self.world.sleep(min(deadline, self.world._next_fault(), end) - now)
