@@ -6,13 +6,15 @@ back 25 steps later: growth back), ``hang`` (one rank SIGSTOPped), ``preempt`` (
 the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
 
 - ``driver_cpu_per_step_s``: the driver thread's CPU (``time.thread_time``) per training step in steady
-  state (from step 1 to the fault at step 50: steps trained meanwhile, whether or not the driver kept
-  up), minus what the fake workers spent answering calls; ``driver_busy``: that CPU over the wall time
-  (near 1: the driver cannot keep up and falls behind the training);
+  state, between its step events 5 and 49 (the fault comes at step 50); the fake workers answer in the
+  driver's thread and count with it (building a poll's records stands for deserializing them); ``driver_busy``: that CPU over the wall time between the two events (near
+  1: the driver cannot keep up and falls behind the training);
 - ``events_bytes_per_step``: events.jsonl growth per step in steady state;
-- ``fault_to_detect_s`` / ``fault_to_decision_s``: from the injected fault to the ``failure`` event, and to
-  the next ``generation_started`` (membership and recovery sources chosen, the rendezvous done) -- for
-  ``preempt`` to the ``preempted`` event; a hang is bounded by the hang watchdog instead;
+- ``fault_to_detect_s`` / ``fault_to_decision_s``: from the injected fault to the controller's state
+  change (RUNNING -> RECOVERING / CHECKPOINTING) and to its decision (membership and recovery sources
+  chosen: its "recovery source" line; the stop for ``preempt``), on the driver's own clock: its CPU plus
+  its waits for the cluster (this machine's load left out; ``fault_to_decision_wall_s`` has the wall
+  time). A hang is bounded by the hang watchdog (wall time: read ``fault_to_decision_wall_s``);
 - ``growth_s``: from the lost node's return to the generation back at full size;
 - ``peak_mem_mb`` (``--memory``: tracemalloc peak of the whole run; slows the run down).
 
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--step-s", type=float, default=0.02)
+    ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
     args = ap.parse_args()
     rows = []

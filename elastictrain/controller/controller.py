@@ -26,7 +26,7 @@ from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, Wo
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
-from elastictrain.controller.monitor import WorkerMonitor
+from elastictrain.controller.monitor import POLL_INTERVAL_S, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
 from elastictrain.events import EventLog
@@ -34,9 +34,6 @@ from elastictrain.task import Task
 
 log = logging.getLogger("elastictrain.controller")
 
-# Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
-# and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
-POLL_INTERVAL_S = 0.5
 
 
 class Controller(WorkerMonitor):

@@ -27,6 +27,9 @@ from elastictrain.events import EventLog
 log = logging.getLogger("elastictrain.controller")
 
 POLL_SWEEP = 64  # members polled per interval besides the reporting rank (their compute times, in turn)
+# Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
+# and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
+POLL_INTERVAL_S = 0.5
 
 
 class MonitorHost(Protocol):
@@ -90,6 +93,7 @@ class WorkerMonitor:
     sweep_next = 0
     known_step = 0  # the newest step a member of this generation reported (polls, run results)
     stragglers_due = False
+    stall_polled_at: float | None = None  # when every member was first polled in the current stall
 
     def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
         """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
@@ -129,8 +133,11 @@ class WorkerMonitor:
 
     def _poll_targets(self, now: float) -> list[Slot]:
         """Whom to poll now (see the note above ``_watch_runs``)."""
-        stalled = bool(self.run_refs) and now - self._progress_at() > policy.suspect_after(
-            self._step_times(), self.config.timeouts)
+        progress = self._progress_at()
+        stalled = bool(self.run_refs) and now - progress > policy.suspect_after(
+            self._step_times(), self.config.timeouts, POLL_INTERVAL_S)
+        if stalled and (self.stall_polled_at is None or self.stall_polled_at < progress):
+            self.stall_polled_at = now  # this stall's first poll of everyone: the watchdog judges after it
         if self.reporter is None or stalled or self.committer.waiting():
             self.stragglers_due = True
             return self.group.members()
@@ -249,6 +256,8 @@ class WorkerMonitor:
         progress, times = self._progress_at(), self._step_times()
         if now - progress < policy.hang_bound(times, self.config.timeouts):
             return
+        if self.reporter is not None and (self.stall_polled_at is None or self.stall_polled_at < progress):
+            return  # the members' phases are from before the stall: judge once every one was asked again
         self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
                                  progress_at=progress, step_times=times, **self._when())
 

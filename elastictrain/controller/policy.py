@@ -43,11 +43,12 @@ def hang_bound(step_times: Sequence[float], t: TimeoutsConfig) -> float:
     return min(t.step_watchdog_cap_s, max(t.watchdog_floor_s, bound))
 
 
-def suspect_after(step_times: Sequence[float], t: TimeoutsConfig) -> float:
-    """Seconds without progress after which the controller asks every member how it is (a poll each, for
-    hang blame), instead of only the generation's reporting rank: a quarter of the hang bound, so the
-    hung member's unanswered poll is old enough by the time the bound is reached plus that quarter."""
-    return hang_bound(step_times, t) / 4
+def suspect_after(step_times: Sequence[float], t: TimeoutsConfig, poll_interval_s: float) -> float:
+    """Seconds without progress after which the controller polls every member (for hang blame) instead of
+    the generation's reporting rank and a few others in turn: a quarter of the hang bound, and never under
+    two poll intervals (progress is known one interval late: a healthy step is never suspected). A hang is
+    then found at most this long after the bound alone would find it."""
+    return max(hang_bound(step_times, t) / 4, 2 * poll_interval_s)
 
 
 def decide_membership(

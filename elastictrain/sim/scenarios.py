@@ -1,6 +1,6 @@
 """Scenarios at N simulated ranks, each driving the real controller to its end, and what each measures:
-driver CPU per training step (the driver thread's CPU minus the fake workers' share), events.jsonl bytes
-per step, memory, and the time from the injected fault to the controller's decision.
+driver CPU per training step, events.jsonl bytes per step, memory, and the time from the injected fault
+to the controller's decision.
 
 A scenario's numbers must equal what the policy promises (tests/test_sim.py): the steps run, the steps
 lost, and the world-size history (:func:`promised_worlds`).
@@ -101,7 +101,7 @@ def _faults(scenario: str, ranks: int, world: SimWorld, rng: random.Random) -> l
     return []
 
 
-def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float = 0.02, memory: bool = False,
+def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float = 0.05, memory: bool = False,
                  seed: int = 0) -> Result:
     """Run one scenario to the controller's end and measure it (see the module docstring)."""
     config = sim_config(ranks, steps, step_s)
@@ -113,14 +113,15 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float =
         events.listeners.append(lambda r: seen.append((r["event"], time.time(), r)))
         group = SimGroup(world, config.workers.max + config.workers.spares)
         c = Controller(config, builtin_task(config), events, group=group)
-        marks: list[tuple[float, float, float, int, int]] = []  # cpu, worker cpu, wall, events bytes, step
+        marks: list[tuple[float, float, int, int]] = []  # cpu, wall, events bytes, step
 
-        def mark(w: SimWorld, t: float) -> None:
-            marks.append((time.thread_time(), w.worker_cpu_s, time.time(), events.path.stat().st_size,
-                          c.ledger.last_step))
+        def on_step(r: dict[str, Any]) -> None:
+            # steady state as the driver processes it: from its step-5 event to its last one before the
+            # fault (a driver that falls behind processes the same steps later, not fewer of them)
+            if r["event"] == "step" and 5 <= r["step"] < FAULT_STEP and r.get("complete", True):
+                marks.append((time.thread_time(), time.time(), events.path.stat().st_size, r["step"]))
 
-        # steady state: from mid-step 1 to the fault (both applied at the driver's next call after them)
-        world.faults[:0] = [Fault(0, "start", mark), Fault(FAULT_STEP, "mark", mark)]
+        events.listeners.append(on_step)
         said = _Said(world)
         if memory:
             tracemalloc.start()
@@ -137,8 +138,9 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float =
 
 
 class _Said(logging.Handler):
-    """The controller's log lines while a scenario runs, with the wall time and the fake workers' CPU so
-    far: its decisions are read off them ("controller RUNNING -> RECOVERING", "recovery source: ...")."""
+    """The controller's log lines while a scenario runs, with the wall time and the driver's own clock
+    (:meth:`SimWorld.own_clock`): its decisions are read off them ("controller RUNNING -> RECOVERING",
+    "recovery source: ...")."""
 
     def __init__(self, world: SimWorld) -> None:
         super().__init__(logging.INFO)
@@ -163,9 +165,8 @@ class _Said(logging.Handler):
 
 def _after_fault(lines: list[tuple[float, float, str]], fault: Fault, *marks: str) -> tuple[float, float] | None:
     """From ``fault`` to the first controller line holding one of ``marks``: (on a core of its own, wall).
-    On a core of its own: the driver's CPU (less the fake workers' polls, answered on their own machines on
-    a real cluster) plus its waits for the cluster -- what it takes whatever else this machine runs;
-    wall: as measured here (a loaded machine makes it longer)."""
+    On a core of its own: the driver's CPU plus its waits for the cluster -- what it takes whatever else
+    this machine runs; wall: as measured here (a loaded machine makes it longer)."""
     start = fault.apply_clock
     for t, own, msg in lines:
         if t >= fault.at and any(m in msg for m in marks):
@@ -176,14 +177,13 @@ def _after_fault(lines: list[tuple[float, float, str]], fault: Fault, *marks: st
 def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], world: SimWorld,
             seen: list[tuple[str, float, dict[str, Any]]], marks: list[Any], peak: float,
             lines: list[tuple[float, float, str]]) -> Result:
-    (c0, w0, t0, b0, s0), (c1, w1, t1, b1, s1) = marks[0], marks[-1]
-    tl = world.timelines[0]
-    steps = tl.completed(t1) - tl.completed(t0)  # trained meanwhile, whether or not the driver kept up
-    cpu = (c1 - c0) - (w1 - w0)
-    fault = next((f for f in world.faults if f.label not in ("back", "start", "mark")), None)
+    (c0, t0, b0, s0), (c1, t1, b1, s1) = marks[0], marks[-1]
+    steps = max(1, s1 - s0)
+    cpu = c1 - c0
+    fault = next((f for f in world.faults if f.label != "back"), None)
     out = Result(scenario, ranks, summary["state"], summary["final_step"], summary["lost_steps"],
                  [h["world_size"] for h in summary["world_size_history"]],
-                 round(cpu / max(1, steps), 7), round((b1 - b0) / max(1, s1 - s0), 1), round(peak, 1))
+                 round(cpu / steps, 7), round((b1 - b0) / steps, 1), round(peak, 1))
     out.extra["driver_busy"] = round(cpu / max(1e-9, t1 - t0), 3)  # ~1: the driver cannot keep up
     if fault is not None and fault.at is not None:
         detect = _after_fault(lines, fault, "-> RECOVERING", "-> CHECKPOINTING")
