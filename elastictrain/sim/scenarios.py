@@ -184,6 +184,7 @@ def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], w
     out = Result(scenario, ranks, summary["state"], summary["final_step"], summary["lost_steps"],
                  [h["world_size"] for h in summary["world_size_history"]],
                  round(cpu / steps, 7), round((b1 - b0) / steps, 1), round(peak, 1))
+    out.extra["calls"] = dict(world.calls)
     out.extra["driver_busy"] = round(cpu / max(1e-9, t1 - t0), 3)  # ~1: the driver cannot keep up
     if fault is not None and fault.at is not None:
         detect = _after_fault(lines, fault, "-> RECOVERING", "-> CHECKPOINTING")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,9 @@ class _Remote:
 
     def remote(self, *args: Any) -> SimRef:
         world = self.worker.world
-        self.worker.world._advance()  # a fault due by now has happened before the call is answered
+        world = self.worker.world
+        world._advance()  # a fault due by now has happened before the call is answered
+        world.calls[self.name] += 1
         return getattr(self.worker, "_" + self.name)(*args)
 
 
@@ -245,6 +248,7 @@ class SimWorld:
         self.draining: set[str] = set()
         self.timelines: dict[int, Timeline] = {}
         self.faults: list[Fault] = []
+        self.calls: Counter[str] = Counter()  # calls made on the workers, by method
         self.slept_s = 0.0  # the driver's waits for calls to resolve (asked, not as long as the OS made them)
         self.crashed: list[SimWorker] = []  # in the order they died (what Ray's death notices tell)
 
