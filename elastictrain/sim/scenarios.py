@@ -177,6 +177,8 @@ def _after_fault(lines: list[tuple[float, float, str]], fault: Fault, *marks: st
 def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], world: SimWorld,
             seen: list[tuple[str, float, dict[str, Any]]], marks: list[Any], peak: float,
             lines: list[tuple[float, float, str]]) -> Result:
+    if not marks:  # the driver processed no step of the window (it fell that far behind)
+        marks = [(0.0, 0.0, 0, 0)]
     (c0, t0, b0, s0), (c1, t1, b1, s1) = marks[0], marks[-1]
     steps = max(1, s1 - s0)
     cpu = c1 - c0

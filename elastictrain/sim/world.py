@@ -157,6 +157,9 @@ class SimWorker:
         return SimRef("run", self)
 
     def _poll(self, after: int | None = None) -> SimRef:
+        if self.world.running(self):  # polled while its generation trains (not at a formation or an end)
+            self.world.calls["poll_running"] += 1
+            self.world.calls["poll_running_rank0"] += self.rank == 0
         if self.stopped_at is not None or self.dead_at is not None:
             return SimRef("poll", self)  # never answers (stopped) or fails (dead)
         return self._now(self._poll_result(after))
