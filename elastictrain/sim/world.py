@@ -44,16 +44,23 @@ class Timeline:
     stall_at: float | None = None   # a member stopped (hang): the step in flight never completes
     synced: bool = False
     running: int = 0  # members whose run() was called
+    _cached: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def _raw(self, t: float) -> int:
         if self.t0 is None:
             return self.s0
         return min(self.target, self.s0 + max(0, int((t - self.t0) / self.step_s)))
 
+    def _key(self) -> tuple:
+        return self.t0, self.target, self.stop_at, self.broken_at, self.stall_at
+
     def cap(self) -> float:
         """The step count that can be reached at all (inf: no stall, no break)."""
-        caps = [self._raw(x) for x in (self.broken_at, self.stall_at) if x is not None]
-        return min(caps) if caps else INF
+        key = self._key()
+        if self._cached.get("cap", (None,))[0] != key:
+            caps = [self._raw(x) for x in (self.broken_at, self.stall_at) if x is not None]
+            self._cached["cap"] = (key, min(caps) if caps else INF)
+        return self._cached["cap"][1]
 
     def completed(self, t: float) -> int:
         return int(min(self._raw(t), self.cap()))
@@ -62,7 +69,14 @@ class Timeline:
         return INF if self.t0 is None else self.t0 + (k - self.s0) * self.step_s
 
     def run_end(self) -> tuple[float, str, int]:
-        """When a healthy member's ``run`` returns, with its status and step (inf: not foreseeable)."""
+        """When a healthy member's ``run`` returns, with its status and step (inf: not foreseeable).
+        Cached until the timeline changes: every member's calls ask it."""
+        key = self._key()
+        if self._cached.get("end", (None,))[0] != key:
+            self._cached["end"] = (key, self._run_end())
+        return self._cached["end"][1]
+
+    def _run_end(self) -> tuple[float, str, int]:
         if self.t0 is None:
             return INF, "", 0
         ends = []
