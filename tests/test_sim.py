@@ -47,6 +47,14 @@ def test_at_1000_ranks_a_kill_shrinks_to_the_promised_size_and_grows_back() -> N
     assert r.worlds == promised_worlds(config, [1000, 999, 1000]) == [1000, 990, 1000], r
 
 
+def test_at_1000_ranks_a_hang_blames_the_hung_rank_alone() -> None:
+    """The sweep leaves most members' last phase stale (polled seconds ago): the watchdog must judge only
+    views asked after the stall began, or it blames healthy ranks "computing" since before it."""
+    r = run_scenario("hang", 1000, steps=STEPS, step_s=STEP_S)
+    assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0)
+    assert r.worlds == [1000, 990, 1000], r  # 999 available -> 990 (the policy's), then back
+
+
 def test_the_driver_polls_rank_0_and_a_bounded_sweep_not_every_rank() -> None:
     """Before: every member was polled every interval (1,000 polls per half second here). Now: rank 0 and
     POLL_SWEEP others per interval, every member only when a generation forms or ends."""

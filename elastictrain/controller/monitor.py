@@ -94,6 +94,7 @@ class WorkerMonitor:
     known_step = 0  # the newest step a member of this generation reported (polls, run results)
     stragglers_due = False
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
+    reporter_now = 0.0  # rank 0's clock when it last answered a poll
 
     def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
         """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
@@ -103,6 +104,7 @@ class WorkerMonitor:
         self.reporter = chosen[0] if aggregate else None
         self.sweep, self.sweep_next = chosen[1:], 0
         self.known_step = self.generation_start_step
+        self.reporter_now = self.generation_started_at
 
     def _pump(self, timeout: float) -> None:
         """Wait a little for run results, poll members, turn records into events, watch for hangs."""
@@ -134,8 +136,14 @@ class WorkerMonitor:
     def _poll_targets(self, now: float) -> list[Slot]:
         """Whom to poll now (see the note above ``_watch_runs``)."""
         progress = self._progress_at()
-        stalled = bool(self.run_refs) and now - progress > policy.suspect_after(
-            self._step_times(), self.config.timeouts, POLL_INTERVAL_S)
+        bound = policy.suspect_after(self._step_times(), self.config.timeouts, POLL_INTERVAL_S)
+        if self.reporter is None:
+            stalled = now - progress > bound
+        else:  # as rank 0 saw it (its clock, when it last answered), or rank 0 not answering: a driver that
+            # was itself held up (a loaded machine) does not take its own lateness for a stalled step
+            sent = self.poll_refs.get(self.reporter.index)
+            stalled = self.reporter_now - progress > bound or (sent is not None and now - sent[1] > bound)
+        stalled = stalled and bool(self.run_refs)
         if stalled and (self.stall_polled_at is None or self.stall_polled_at < progress):
             self.stall_polled_at = now  # this stall's first poll of everyone: the watchdog judges after it
         if self.reporter is None or stalled or self.committer.waiting():
@@ -149,6 +157,8 @@ class WorkerMonitor:
         return [self.reporter, *picked]
 
     def _poll_members(self) -> None:
+        """Take the answered polls, then ask again (:meth:`_poll_targets`): the answers come next interval."""
+        self._take_polls()
         now = time.time()
         after = self.ledger.last_step - self.config.recovery.straggler_window
         for slot in self._poll_targets(now):
@@ -156,6 +166,8 @@ class WorkerMonitor:
                 # a non-reporting rank sends only records a straggler check or a dead reporter may need
                 ref = slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after)
                 self.poll_refs[slot.index] = (ref, now)
+
+    def _take_polls(self) -> None:
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
         done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
@@ -177,6 +189,8 @@ class WorkerMonitor:
         self.known_step = max(self.known_step, int(result["step"]))
         slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
         complete = None if self.reporter is None else slot is self.reporter
+        if complete:
+            self.reporter_now = float(result.get("now", time.time()))
         for record in result["records"]:
             if slot.rank is not None:
                 self.ledger.add(slot.rank, record, complete)
@@ -254,10 +268,14 @@ class WorkerMonitor:
         # until the generation completed a step (DDP rebuild, warm-up) the bound is the cap, not one
         # derived from steady steps; under the bound nobody can be hung: no member is looked at
         progress, times = self._progress_at(), self._step_times()
-        if now - progress < policy.hang_bound(times, self.config.timeouts):
+        bound = policy.hang_bound(times, self.config.timeouts)
+        if now - progress < bound:
             return
-        if self.reporter is not None and (self.stall_polled_at is None or self.stall_polled_at < progress):
-            return  # the members' phases are from before the stall: judge once every one was asked again
+        asked = self.stall_polled_at
+        if self.reporter is not None and (asked is None or asked < progress or now - asked < bound):
+            # judge views asked in this stall, once their polls are answered (a fresh phase) or unanswered
+            # for the bound (hung): a phase from before the stall would blame a healthy rank
+            return
         self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
                                  progress_at=progress, step_times=times, **self._when())
 
