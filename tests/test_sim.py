@@ -112,3 +112,19 @@ def test_the_reporting_ranks_record_completes_a_step_other_ranks_feed_only_strag
     ledger.flush_partial()
     steps = [e for e in read_events(tmp_path) if e["event"] == "step"]
     assert [(e["step"], e.get("complete", True)) for e in steps] == [(1, True), (2, True), (3, False)]
+
+
+def test_only_a_save_of_the_current_generation_keeps_every_rank_polled(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from elastictrain.controller.commits import Committer
+
+    c = Committer(sim_config(4, 10, STEP_S), EventLog(tmp_path, console=None), None, {})
+    try:
+        c.new_generation(0, 4)
+        c.take(0, SimpleNamespace(step=10, generation=0, rank=0))  # 1 of 4 reports: the save waits
+        assert c.waiting()
+        c.new_generation(1, 3)  # a rank died: that save is abandoned, nobody's reports are awaited
+        assert not c.waiting()
+    finally:
+        c.close()
