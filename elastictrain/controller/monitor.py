@@ -26,6 +26,7 @@ from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
 
+INF = float("inf")
 POLL_SWEEP = 64  # members polled per interval besides the reporting rank (their compute times, in turn)
 # Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
@@ -95,6 +96,7 @@ class WorkerMonitor:
     stragglers_due = False
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
     reporter_now = 0.0  # rank 0's clock when it last answered a poll
+    taken_at = 0.0  # when the answered polls were last taken
 
     def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
         """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
@@ -145,7 +147,7 @@ class WorkerMonitor:
             stalled = self.reporter_now - progress > bound or (sent is not None and now - sent[1] > bound)
         stalled = stalled and bool(self.run_refs)
         if stalled and (self.stall_polled_at is None or self.stall_polled_at < progress):
-            self.stall_polled_at = now  # this stall's first poll of everyone: the watchdog judges after it
+            self.stall_polled_at = INF  # this stall's first poll of everyone: set once all are sent
         if self.reporter is None or stalled or self.committer.waiting():
             self.stragglers_due = True
             return self.group.members()
@@ -158,6 +160,7 @@ class WorkerMonitor:
 
     def _poll_members(self) -> None:
         """Take the answered polls, then ask again (:meth:`_poll_targets`): the answers come next interval."""
+        self.taken_at = time.time()
         self._take_polls()
         now = time.time()
         after = self.ledger.last_step - self.config.recovery.straggler_window
@@ -166,6 +169,8 @@ class WorkerMonitor:
                 # a non-reporting rank sends only records a straggler check or a dead reporter may need
                 ref = slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after)
                 self.poll_refs[slot.index] = (ref, now)
+        if self.stall_polled_at == INF:  # (sending 10,000 polls takes a while: the round counts from its end)
+            self.stall_polled_at = time.time()
 
     def _take_polls(self) -> None:
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
@@ -272,9 +277,10 @@ class WorkerMonitor:
         if now - progress < bound:
             return
         asked = self.stall_polled_at
-        if self.reporter is not None and (asked is None or asked < progress or now - asked < bound):
-            # judge views asked in this stall, once their polls are answered (a fresh phase) or unanswered
-            # for the bound (hung): a phase from before the stall would blame a healthy rank
+        if self.reporter is not None and (asked is None or asked < progress or self.taken_at - asked < bound):
+            # judge views asked in this stall, once the answers were taken a bound after the last poll was
+            # sent: a poll still out then went unanswered for the bound (hung), the others' phases are fresh;
+            # a phase from before the stall would blame a healthy rank
             return
         self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
                                  progress_at=progress, step_times=times, **self._when())
