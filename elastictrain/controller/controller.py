@@ -212,7 +212,7 @@ class Controller(WorkerMonitor):
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
         under a sharded layout their shards no longer make a whole state (restored from a reader)."""
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
-        for s in survivors:
+        for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
             s.actor.abort_group.remote()
         if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:

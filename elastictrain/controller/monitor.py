@@ -243,8 +243,10 @@ class WorkerMonitor:
         self.run_refs = {}
         return results
 
-    def _poll_members_blocking(self) -> None:
-        """Take every outstanding poll, then poll each live member once more: no record is dropped."""
+    def _poll_members_blocking(self, reporter_only: bool = False) -> None:
+        """Take every outstanding poll, then poll each live member once more: no record is dropped.
+        ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
+        others' last records and reports are taken when the next generation forms)."""
         timeout = self.config.timeouts.poll_s
         outstanding, self.poll_refs = self.poll_refs, {}
         for idx, (ref, _) in outstanding.items():
@@ -258,8 +260,9 @@ class WorkerMonitor:
         # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
         # the outstanding ones: a slot's records stay in order
         after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
+        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
         asked = [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
-                 for slot in self.group.members()]
+                 for slot in members if slot.state is SlotState.MEMBER]
         for slot, ref in asked:
             try:
                 self._take_poll(slot, self.rt.get(ref, timeout=timeout))
@@ -419,6 +422,9 @@ class WorkerMonitor:
         for ref, slot in list(self.run_refs.items()):
             if ref not in ready_set and slot.state is SlotState.MEMBER:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
-        self._poll_members_blocking()
+        # the decision waits on this: with rank 0 alive, its records say which steps completed (a
+        # dead rank 0's steps are in the survivors' records: then every member is asked)
+        alive = self.reporter is not None and self.reporter.state is SlotState.MEMBER
+        self._poll_members_blocking(reporter_only=alive)
         self.run_refs = {}
 
