@@ -7,8 +7,9 @@ the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
 
 - ``driver_cpu_per_step_s``: the driver thread's CPU (``time.thread_time``) per training step in steady
   state, between its step events 5 and 49 (the fault comes at step 50); the fake workers answer in the
-  driver's thread and count with it (building a poll's records stands for deserializing them); ``driver_busy``: that CPU over the wall time between the two events (near
-  1: the driver cannot keep up and falls behind the training);
+  driver's thread and count with it (building a poll's records stands for deserializing them);
+  ``driver_busy``: that CPU over the wall time between the two events (near 1: the driver cannot keep up
+  and falls behind the training);
 - ``events_bytes_per_step``: events.jsonl growth per step in steady state;
 - ``fault_to_detect_s`` / ``fault_to_decision_s``: from the injected fault to the controller's state
   change (RUNNING -> RECOVERING / CHECKPOINTING) and to its decision (membership and recovery sources
@@ -58,7 +59,8 @@ def main() -> None:
         rows.append(row)
         print(f"{name:9s} N={args.ranks:6d} state={r.state:9s} steps={r.steps:3d} lost={r.lost_steps} "
               f"worlds={r.worlds} cpu/step={r.driver_cpu_per_step_s * 1e3:.3f}ms "
-              f"busy={r.extra.get('driver_busy')} bytes/step={r.events_bytes_per_step:.0f} detect={r.fault_to_detect_s} "
+              f"busy={r.extra.get('driver_busy')} bytes/step={r.events_bytes_per_step:.0f} "
+              f"detect={r.fault_to_detect_s} "
               f"decide={r.fault_to_decision_s} growth={r.growth_s} mem={r.peak_mem_mb}MB "
               f"wall={row['wall_s']}s", flush=True)
     steady = next((r for r in rows if r["scenario"] == "steady"), rows[0])

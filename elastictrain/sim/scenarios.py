@@ -35,7 +35,8 @@ BACK_STEP = 75  # a lost node comes back (growth back)
 
 def sim_config(ranks: int, steps: int, step_s: float, **recovery: Any) -> JobConfig:
     """A job for ``ranks`` simulated workers: ddp, one sample per rank and step (every world size that
-    divides the global batch is valid: ``ranks`` and many sizes below it), timeouts scaled to the simulated step time."""
+    divides the global batch is valid: ``ranks`` and many sizes below it), timeouts scaled to the simulated
+    step time."""
     return build_config({
         "name": "sim",
         "train": {"steps": steps, "seed": 0, "global_batch": math.lcm(ranks, 720720),
