@@ -67,7 +67,7 @@ class ScriptedWorker:
         return {"status": status, "step": self.step, "slot": self.slot,
                 "error": self.script.get("error") if status != "done" else None}
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self, after: int | None = None) -> dict[str, Any]:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
                 "phase_since": time.time(), "records": [], "ckpt": [], "now": time.time()}
 

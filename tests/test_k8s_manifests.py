@@ -146,6 +146,18 @@ def test_kuberay_controller_rules(name: str, doc: dict[str, Any]) -> None:
         assert spec["submissionMode"] == "K8sJobMode"
 
 
+@pytest.mark.parametrize(("name", "doc"), RAY_DOCS, ids=[n for n, _ in RAY_DOCS])
+def test_the_gcs_declares_a_lost_node_dead_within_seconds(name: str, doc: dict[str, Any]) -> None:
+    """The head's GCS health checks (Ray reads RAY_<setting> from the head's env): a node lost without a
+    word is declared dead after failure_threshold x (period + timeout) at most -- at most 12 s here, not
+    Ray's default 5 x (3 s + 10 s) (docs/design.md, "The control plane at scale")."""
+    head = _cluster_spec(doc)["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    period, timeout, threshold = (int(env[f"RAY_health_check_{k}"])
+                                  for k in ("period_ms", "timeout_ms", "failure_threshold"))
+    assert threshold * (period + timeout) <= 12_000 and timeout <= period and threshold >= 3
+
+
 @pytest.mark.parametrize(("cluster", "rayjob"), PAIRS)
 def test_rayjob_runs_on_the_raycluster_spec(cluster: str, rayjob: str) -> None:
     assert _doc(rayjob)["spec"]["rayClusterSpec"] == _doc(cluster)["spec"], f"{rayjob} drifted from {cluster}"

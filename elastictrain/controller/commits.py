@@ -23,6 +23,7 @@ class Committer:
         self.meta = meta
         self._reports: dict[tuple[int, int | None], dict[int, Any]] = defaultdict(dict)
         self._world: dict[int | None, int] = {}  # world size of each generation
+        self._current: int | None = None  # the newest generation
         self.stall_s = 0.0
         self.committed_steps: list[int] = []
         # Commits and retention talk to storage, which may be slow or stalled: they run on a thread of
@@ -44,9 +45,16 @@ class Committer:
         """Stop taking commits; a commit stuck on storage is left to finish on its own (never joined)."""
         self._pool.shutdown(wait=False, cancel_futures=False)
 
+    def waiting(self) -> bool:
+        """Whether a save of the current generation has some of its ranks' reports and waits for the others
+        (the controller then polls every member until they are in). An abandoned save of an earlier
+        generation waits for nobody."""
+        return any(generation == self._current for _, generation in self._reports)
+
     def new_generation(self, generation: int, world_size: int) -> None:
         """Saves of ``generation`` commit when ``world_size`` ranks reported."""
         self._world[generation] = world_size
+        self._current = generation
 
     def take(self, rank: int, item: Any) -> None:
         """One item from a worker's poll: a staging note (``{"staged", "stall_s"}``) or a ShardReport."""

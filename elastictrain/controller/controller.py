@@ -20,14 +20,13 @@ from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.admission import admit
 from elastictrain.controller.commits import Committer
-from elastictrain.controller.drain import DrainWatcher
 from elastictrain.controller.gather import (CheckpointLoadFailed, PeerRestore, Previous, SourceGatherer,
                                             SurvivorLost, slot_step)
 from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
-from elastictrain.controller.monitor import WorkerMonitor
+from elastictrain.controller.monitor import POLL_INTERVAL_S, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.placement import arrange
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
@@ -36,9 +35,6 @@ from elastictrain.task import Task
 
 log = logging.getLogger("elastictrain.controller")
 
-# Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
-# and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
-POLL_INTERVAL_S = 0.5
 
 
 class Controller(WorkerMonitor):
@@ -52,7 +48,9 @@ class Controller(WorkerMonitor):
         self.events = events
         self.sm = StateMachine()
         self.group = group if group is not None else WorkerGroup(config, task)
-        self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max)
+        self.rt = self.group.rt  # how calls on the workers are waited for (Ray, or the simulator's)
+        self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max,
+                             keep_compute=max(64, config.recovery.straggler_window))
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
@@ -88,7 +86,7 @@ class Controller(WorkerMonitor):
         branch = m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
         self.sources = SourceGatherer(config, events, store, self.committer, self.lineage, branch, self.layout)
         self.sources.start_keepers()
-        self.drains = DrainWatcher(ray.get_runtime_context().gcs_address)
+        self.drains = self.rt.drain_watcher()
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -215,7 +213,7 @@ class Controller(WorkerMonitor):
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
         under a sharded layout their shards no longer make a whole state (restored from a reader)."""
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
-        for s in survivors:
+        for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
             s.actor.abort_group.remote()
         if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:
@@ -386,18 +384,19 @@ class Controller(WorkerMonitor):
         self.generation += 1
         gen, world = self.generation, len(chosen)
         self.committer.new_generation(gen, world)
+        taken = {s.index for s in chosen}  # by slot index: `in` on a list of Slots is O(N^2)
         for s in self.group.members():
-            if s not in chosen:  # a member dropped by the decision goes back to READY
+            if s.index not in taken:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
         t = self.config.timeouts
         try:
             host, port = call_members([(chosen[0], chosen[0].actor.open_store.remote(gen))], t.poll_s,
-                                      "opening the rendezvous store")[0]
+                                      "opening the rendezvous store", self.rt)[0]
             layout = self.layout(world)
             # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
             peer = resume.sources if isinstance(resume, PeerRestore) else None
             got = call_members([(s, s.actor.join.remote(gen, r, world, host, port, layout, peer))
-                                for r, s in enumerate(chosen)], t.restart_grace_s, "join")
+                                for r, s in enumerate(chosen)], t.restart_grace_s, "join", self.rt)
             if isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
@@ -415,7 +414,8 @@ class Controller(WorkerMonitor):
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
             src = policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state}
                                      or {0: 0})
-            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync")
+            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync",
+                                 self.rt)
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
             self._fail_checkpoint(str(e))
             return False
@@ -452,12 +452,13 @@ class Controller(WorkerMonitor):
             self.sources.start_keepers()
             keepers = self.sources.keepers_for(chosen)
             try:
-                ray.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
+                self.rt.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
                         timeout=t.poll_s)
             except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
                                  f"generation {gen} failed: {describe_remote_error(e)}")
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
+        self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
         return True
 
     def _place(self, chosen: list[Slot]) -> list[Slot]:
@@ -481,12 +482,12 @@ class Controller(WorkerMonitor):
         while True:
             calls = [(s, s.actor.load.remote(manifest, self.ckpt_root)) for s in chosen]
             try:
-                ray.get([ref for _, ref in calls], timeout=self.config.timeouts.restart_grace_s)
+                self.rt.get([ref for _, ref in calls], timeout=self.config.timeouts.restart_grace_s)
                 return manifest
             except Exception as e:  # noqa: BLE001 - classified: checkpoint errors vs worker failures
                 cause = getattr(e, "cause", e)
                 if not isinstance(cause, CheckpointError):
-                    raise MemberCallFailed("checkpoint load", call_outcomes(calls), e) from e
+                    raise MemberCallFailed("checkpoint load", call_outcomes(calls, self.rt), e) from e
                 self._collect_errors([ref for _, ref in calls])
                 older = (None if explicit or self.store is None
                          else self.store.older_valid(manifest.step, self.lineage))
@@ -501,10 +502,10 @@ class Controller(WorkerMonitor):
     def _collect_errors(self, refs: list[Any]) -> None:
         """Take the results of the other members' calls after one failed: Ray prints an error nobody took
         as an "Unhandled error" traceback on the driver's console, and the first error says it all."""
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)
+        done, _ = self.rt.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)
         for ref in done:
             try:
-                ray.get(ref)
+                self.rt.get(ref)
             except Exception:  # noqa: BLE001, S110 - the first error is the one reported
                 pass
 
@@ -610,7 +611,7 @@ class Controller(WorkerMonitor):
     def _save_now(self, members: list[Slot], step: int) -> bool:
         t = self.config.timeouts
         try:
-            ray.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
+            self.rt.get([s.actor.save.remote(step) for s in members], timeout=t.poll_s)
             self._collect_reports(members)
             self.committer.drain(timeout=t.poll_s)
         except Exception as e:  # noqa: BLE001
@@ -629,7 +630,7 @@ class Controller(WorkerMonitor):
     def _collect_reports(self, members: list[Slot]) -> None:
         """Wait for the members' in-flight saves and hand every report to the committer."""
         for s in members:
-            for report in ray.get(s.actor.flush_checkpoints.remote(), timeout=self.config.timeouts.poll_s):
+            for report in self.rt.get(s.actor.flush_checkpoints.remote(), timeout=self.config.timeouts.poll_s):
                 self.committer.take(s.rank, report)
 
     def _flush_checkpoints(self) -> None:
@@ -637,7 +638,7 @@ class Controller(WorkerMonitor):
         try:
             self._collect_reports(members)
             for s in members:
-                self._take_poll(s, ray.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+                self._take_poll(s, self.rt.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
             self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
@@ -660,9 +661,9 @@ class Controller(WorkerMonitor):
     def _gather_final_model(self, members: list[Slot]) -> None:
         if members:  # collective under a sharded layout: every member takes part, rank 0 answers
             t = self.config.timeouts.poll_s
-            self.final_digest = ray.get([s.actor.digest.remote() for s in members], timeout=t)[0]
+            self.final_digest = self.rt.get([s.actor.digest.remote() for s in members], timeout=t)[0]
             if self.config.train.save_final_model:
-                self.final_state = ray.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+                self.final_state = self.rt.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
 
     def _finish_failed(self, e: Exception) -> str:
         """Why a run that trained every step still failed: a worker died while the final model was gathered."""

@@ -196,7 +196,8 @@ class SourceGatherer:
         # name whatever the next generation's layout is
         sharded = bool(prev.world) and (self.layout(prev.world).plan != "ddp" or pp > 1 or tp > 1)
         # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
-        pool = list(chosen) + [s for s in alive if s not in chosen]
+        taken = {s.index for s in chosen}  # by slot index: `in` on a list of Slots is O(N^2) at 10,000
+        pool = list(chosen) + [s for s in alive if s.index not in taken]
         members = [s for s in pool if s.index in prev.ranks and s.rank is not None]
         # members of the previous generation, by their rank in its mesh (a sharded survivor's has_state was
         # cleared: its shard alone is not a whole state, but it is a source for the policy). Growing after

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
+from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 from elastictrain.worker.import_priority import STANDBY_ENV
@@ -57,19 +58,19 @@ class MemberCallFailed(RuntimeError):
         self.what, self.outcomes = what, outcomes
 
 
-def call_outcomes(calls: list[tuple[Slot, Any]]) -> list[CallOutcome]:
+def call_outcomes(calls: list[tuple[Slot, Any]], rt: Runtime = RAY) -> list[CallOutcome]:
     """How each member's call (``(slot, ref)``) ended, without waiting (see :class:`CallOutcome`)."""
     from elastictrain.worker.errors import is_communication_error
 
     refs = [ref for _, ref in calls]
-    done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    done = set(rt.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
     out = []
     for slot, ref in calls:
         if ref not in done:
             out.append(CallOutcome(slot.index, "pending"))
             continue
         try:
-            ray.get(ref)
+            rt.get(ref)
         except ray.exceptions.RayActorError as e:
             out.append(CallOutcome(slot.index, "dead", describe_remote_error(e)))
         except Exception as e:  # noqa: BLE001 - classified: its own error, or a peer's broken communication
@@ -81,13 +82,13 @@ def call_outcomes(calls: list[tuple[Slot, Any]]) -> list[CallOutcome]:
     return out
 
 
-def call_members(calls: list[tuple[Slot, Any]], timeout: float, what: str) -> list[Any]:
-    """``ray.get`` of the members' calls ``(slot, ref)``, in order. Raises :class:`MemberCallFailed` with
+def call_members(calls: list[tuple[Slot, Any]], timeout: float, what: str, rt: Runtime = RAY) -> list[Any]:
+    """``get`` of the members' calls ``(slot, ref)``, in order. Raises :class:`MemberCallFailed` with
     every member's outcome when any part fails or the call outlasts ``timeout``."""
     try:
-        return ray.get([ref for _, ref in calls], timeout=timeout)
+        return rt.get([ref for _, ref in calls], timeout=timeout)
     except Exception as e:  # noqa: BLE001 - whose failure it is: the outcomes tell
-        raise MemberCallFailed(what, call_outcomes(calls), e) from e
+        raise MemberCallFailed(what, call_outcomes(calls, rt), e) from e
 
 
 def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, float]]) -> str:
@@ -114,6 +115,10 @@ class SlotState(enum.Enum):
 
 @dataclass
 class Slot:
+    """One worker's place in the group. Its ``state`` is indexed by the group (:meth:`WorkerGroup.by_state`
+    answers from the index, not by scanning every slot: at 10,000 slots the controller asks every poll
+    interval whether a worker is starting or ready)."""
+
     index: int
     actor: Any = None
     state: SlotState = SlotState.DEAD
@@ -125,6 +130,14 @@ class Slot:
     incarnation: int = 0
     from_standby: bool = False  # this incarnation runs in the standby process started ahead
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state":
+            index = self.__dict__.get("_by_state")
+            if index is not None:
+                index[self.__dict__["state"]].discard(self.index)
+                index[value].add(self.index)
+        object.__setattr__(self, name, value)
+
 
 class WorkerGroup:
     # A worker process started ahead (``workers.standby``): its imports are done and it has no slot yet; the
@@ -134,6 +147,7 @@ class WorkerGroup:
     _standby_probe: Any = None  # its node id, once the process is up (an ObjectRef)
     _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
+    rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
 
     def __init__(self, config: JobConfig, task: Task) -> None:
         self.config = config
@@ -246,8 +260,10 @@ class WorkerGroup:
         the workers' own start-up and first rendezvous; started then, it is up before a first failure
         (its start costs a core for a few seconds while the run trains at full size), so the first
         replacement of a run is warm too."""
-        members = [s for s in self.slots if s.state is SlotState.MEMBER]
-        if self._standby_started or not members:
+        if self._standby_started or not self.config.workers.standby:
+            return
+        members = self.by_state(SlotState.MEMBER)
+        if not members:
             return
         self._start_standby(min(s.index for s in members))
 
@@ -282,7 +298,7 @@ class WorkerGroup:
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
         returned too, with ``info['error']`` set."""
-        pending = {s.setup_ref: s for s in self.slots if s.state is SlotState.STARTING}
+        pending = {s.setup_ref: s for s in self.by_state(SlotState.STARTING)}
         if not pending:
             return []
         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
@@ -332,7 +348,24 @@ class WorkerGroup:
         return state in ("Z", "X")
 
     def by_state(self, *states: SlotState) -> list[Slot]:
-        return [s for s in self.slots if s.state in states]
+        """The slots in any of ``states``, in slot order; from the state index (built on first use, kept by
+        :class:`Slot` on every state change): O(slots found), not O(slots)."""
+        index = self._state_index()
+        return [self.slots[i] for i in sorted(i for st in states for i in index[st])]
+
+    def _state_index(self) -> dict[SlotState, set[int]]:
+        index = self.__dict__.get("_by_state")
+        if index is None:
+            index = {st: set() for st in SlotState}
+            for slot in self.slots:
+                index[slot.state].add(slot.index)
+                object.__setattr__(slot, "_by_state", index)
+            self.__dict__["_by_state"] = index
+        return index
+
+    def count(self, state: SlotState) -> int:
+        """How many slots are in ``state``: O(1)."""
+        return len(self._state_index()[state])
 
     def members(self) -> list[Slot]:
         return sorted(self.by_state(SlotState.MEMBER), key=lambda s: s.rank)

@@ -4,15 +4,18 @@ goodput breakdown (it adds up to wall time) and ``summary.json``."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from elastictrain.events import EventLog
 from elastictrain.worker.loop import StepRecord
 
+COMPUTE_TIMES_KEPT = 64  # compute times kept per rank (the straggler window looks at the newest)
+
 
 class Ledger:
-    def __init__(self, events: EventLog, total_steps: int, global_batch: int, max_workers: int) -> None:
+    def __init__(self, events: EventLog, total_steps: int, global_batch: int, max_workers: int,
+                 keep_compute: int = COMPUTE_TIMES_KEPT) -> None:
         self.events = events
         self.max_workers = max_workers
         self.total_steps = total_steps
@@ -22,7 +25,8 @@ class Ledger:
         self.last_loss: float | None = None
         self.last_progress = time.time()  # last time any step completed (the watchdog's reference)
         self.step_times: list[float] = []
-        self.compute_times: dict[int, list[float]] = defaultdict(list)  # by rank
+        # by rank, the newest only (the straggler window): bounded whatever the run's length
+        self.compute_times: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=keep_compute))
         self.world_size_history: list[dict[str, Any]] = []
         self.failures = 0
         self.recoveries = 0
@@ -41,13 +45,22 @@ class Ledger:
             {"generation": generation, "world_size": world_size, "accum": accum, "from_step": self.last_step,
              "time": time.time()})
 
-    def add(self, rank: int, record: StepRecord) -> list[dict[str, Any]]:
-        """Take one rank's record; emit ``step`` events for steps that every rank has reported."""
-        self._pending[record.step][rank] = record
+    def add(self, rank: int, record: StepRecord, complete: bool | None = None) -> list[dict[str, Any]]:
+        """Take one rank's record; emit ``step`` events for steps that every rank has reported.
+
+        ``complete=True``: the record is the group's (the generation's reporting rank, see
+        :meth:`~elastictrain.controller.monitor.WorkerMonitor._poll_members`): its step completed on every
+        rank -- the step's collective finished everywhere -- so it is emitted at once, one record per step
+        whatever the world size. ``False``: another rank's record, kept for its compute time and, newest
+        first, for the steps a dead reporting rank never reported (:meth:`flush_partial`). ``None``: count
+        ranks (every rank reports every step)."""
         # Progress as any rank saw it: a dead rank's last records die with it, so complete steps lag.
         if record.finished_at > self.latest_record_at:
             self.latest_record_at, self.latest_record_step = record.finished_at, record.step
         self.compute_times[rank].append(record.compute_s / max(1, record.accum))  # per micro-batch
+        if complete is not None:
+            return self._add_aggregated(rank, record, complete)
+        self._pending[record.step][rank] = record
         out = []
         for step in sorted(self._pending):
             if len(self._pending[step]) < self._world or step <= self.last_step:
@@ -57,6 +70,18 @@ class Ledger:
                 break
             out.append(self._emit(step, self._pending.pop(step), complete=True))
         return out
+
+    def _add_aggregated(self, rank: int, record: StepRecord, complete: bool) -> list[dict[str, Any]]:
+        if record.step <= self.last_step:
+            return []
+        if not complete:  # the lowest rank's record stands for the step (as with every rank reporting)
+            held = self._pending[record.step]
+            if not held or rank < min(held):
+                self._pending[record.step] = {rank: record}
+            return []
+        for step in [s for s in self._pending if s <= record.step]:
+            del self._pending[step]
+        return [self._emit(record.step, {rank: record}, complete=True)]
 
     def flush_partial(self) -> None:
         """At a generation's end: steps some survivor completed are kept (their state is broadcast)."""

@@ -15,17 +15,22 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import ray
-
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.ledger import Ledger
+from elastictrain.controller.runtime import RunWatch, Runtime
 from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
+
+INF = float("inf")
+POLL_SWEEP = 64  # members polled per interval besides the reporting rank (their compute times, in turn)
+# Poll cadence while healthy: a dead worker is seen at once through its run ref; polls carry step records
+# and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
+POLL_INTERVAL_S = 0.5
 
 
 class MonitorHost(Protocol):
@@ -33,6 +38,7 @@ class MonitorHost(Protocol):
 
     config: JobConfig
     group: WorkerGroup
+    rt: Runtime                              # how calls on the workers are waited for (the group's)
     ledger: Ledger
     committer: Committer
     detector: FailureDetector
@@ -72,90 +78,175 @@ class WorkerMonitor:
                           slot.state is SlotState.DEAD)
 
     def _when(self) -> dict[str, Any]:
-        known = max([self.ledger.last_step] + [int(s.info.get("step", 0)) for s in self.group.members()])
-        return {"last_progress": self.ledger.last_progress, "known_step": known}
+        return {"last_progress": self.ledger.last_progress, "known_step": max(self.ledger.last_step, self.known_step)}
 
     # ------------------------------------------------------------------ observing workers
+    # What the driver does per poll interval does not grow with the world size (docs/design.md, "The
+    # control plane at scale"): it polls the generation's reporting rank (rank 0: a step it completed is
+    # complete on every rank, its collective says so) and POLL_SWEEP other members in turn (their compute
+    # times for stragglers), learns of deaths and ended loops from the run watch (Ray's own notices), and
+    # polls every member only when it has to: a stalled step (hang blame), a save whose reports are
+    # arriving, a pipeline generation (its step events carry every rank's bubble).
+    run_watch: RunWatch | None = None
+    runs_ended: set[Any] = frozenset()  # type: ignore[assignment] - replaced per generation
+    reporter: Slot | None = None  # None: every member reports every step (counted by the ledger)
+    sweep: Sequence[Slot] = ()
+    sweep_next = 0
+    known_step = 0  # the newest step a member of this generation reported (polls, run results)
+    stragglers_due = False
+    stall_polled_at: float | None = None  # when every member was first polled in the current stall
+    reporter_now = 0.0  # rank 0's clock when it last answered a poll
+    taken_at = 0.0  # when the answered polls were last taken
+
+    def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
+        """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
+        reports its steps (``aggregate``: rank 0 for all; else every rank)."""
+        self.run_watch = self.rt.watch(list(self.run_refs))
+        self.runs_ended = set()
+        self.reporter = chosen[0] if aggregate else None
+        self.sweep, self.sweep_next = chosen[1:], 0
+        self.known_step = self.generation_start_step
+        self.reporter_now = self.generation_started_at
+
     def _pump(self, timeout: float) -> None:
         """Wait a little for run results, poll members, turn records into events, watch for hangs."""
-        refs = list(self.run_refs)
-        ended, running = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        if running and not ended:  # wake at the first run that ends (a death, a failed step) or at `timeout`
-            ray.wait(running, num_returns=1, timeout=timeout)
-        elif ended and running:  # some ranks left the loop: the rest follow within a step; don't spin
-            ray.wait(running, num_returns=len(running), timeout=min(timeout, 0.05))
+        new: list[Any] = []
+        if self.run_watch is not None and len(self.runs_ended) < len(self.run_refs):
+            # wake at the first run that ends (a death, a failed step) or at `timeout`; once some ranks
+            # left the loop the rest follow within a step: don't spin
+            wait = timeout if not self.runs_ended else min(timeout, 0.05)
+            new = [ref for ref in self.run_watch.wait(wait) if ref in self.run_refs]
+            self.runs_ended.update(new)
         self._poll_members()
-        for slot in self.group.collect_ready(timeout=0):
-            self._on_setup_done(slot)
-        self._check_runs()
+        if self.group.count(SlotState.STARTING):
+            for slot in self.group.collect_ready(timeout=0):
+                self._on_setup_done(slot)
+        self._check_runs(new)
         self._watchdog()
         self._check_stragglers()
         self._check_drains()
 
+    def _progress_at(self) -> float:
+        """Progress as any rank reports it, and never before this generation began."""
+        return max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
+
+    def _step_times(self) -> list[float]:
+        """Recent step times once this generation completed a step (DDP rebuild, warm-up: none before)."""
+        warm = self.ledger.latest_record_step > self.generation_start_step
+        return self.ledger.step_times if warm else []
+
+    def _poll_targets(self, now: float) -> list[Slot]:
+        """Whom to poll now (see the note above ``_watch_runs``)."""
+        progress = self._progress_at()
+        bound = policy.suspect_after(self._step_times(), self.config.timeouts, POLL_INTERVAL_S)
+        if self.reporter is None:
+            stalled = now - progress > bound
+        else:  # as rank 0 saw it (its clock, when it last answered), or rank 0 not answering: a driver that
+            # was itself held up (a loaded machine) does not take its own lateness for a stalled step
+            sent = self.poll_refs.get(self.reporter.index)
+            stalled = self.reporter_now - progress > bound or (sent is not None and now - sent[1] > bound)
+        stalled = stalled and bool(self.run_refs)
+        if stalled and (self.stall_polled_at is None or self.stall_polled_at < progress):
+            self.stall_polled_at = INF  # this stall's first poll of everyone: set once all are sent
+        if self.reporter is None or stalled or self.committer.waiting():
+            self.stragglers_due = True
+            return self.group.members()
+        n = len(self.sweep)
+        picked = [self.sweep[(self.sweep_next + i) % n] for i in range(min(POLL_SWEEP, n))]
+        self.sweep_next += len(picked)
+        if self.sweep_next >= n:  # every member's compute times came in once more: look for stragglers
+            self.sweep_next, self.stragglers_due = self.sweep_next % max(1, n), True
+        return [self.reporter, *picked]
+
     def _poll_members(self) -> None:
+        """Take the answered polls, then ask again (:meth:`_poll_targets`): the answers come next interval."""
+        self.taken_at = time.time()
+        self._take_polls()
         now = time.time()
-        for slot in self.group.members():
-            if slot.index not in self.poll_refs:
-                self.poll_refs[slot.index] = (slot.actor.poll.remote(), now)
+        after = self.ledger.last_step - self.config.recovery.straggler_window
+        for slot in self._poll_targets(now):
+            if slot.state is SlotState.MEMBER and slot.index not in self.poll_refs:
+                # a non-reporting rank sends only records a straggler check or a dead reporter may need
+                ref = slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after)
+                self.poll_refs[slot.index] = (ref, now)
+        if self.stall_polled_at == INF:  # (sending 10,000 polls takes a while: the round counts from its end)
+            self.stall_polled_at = time.time()
+
+    def _take_polls(self) -> None:
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             idx = refs[ref]
             del self.poll_refs[idx]
             slot = self.group.slots[idx]
             try:
-                result = ray.get(ref)
+                result = self.rt.get(ref)
             except Exception:  # noqa: BLE001 - a dead actor is found by its run ref
                 continue
             self._take_poll(slot, result)
 
+    def _reports_all(self, slot: Slot) -> bool:
+        """Whether every record of ``slot`` is taken: the reporting rank's, or every rank's without one."""
+        return self.reporter is None or slot is self.reporter
+
     def _take_poll(self, slot: Slot, result: dict[str, Any]) -> None:
         slot.info["step"] = result["step"]
+        self.known_step = max(self.known_step, int(result["step"]))
         slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
+        complete = None if self.reporter is None else slot is self.reporter
+        if complete:
+            self.reporter_now = float(result.get("now", time.time()))
         for record in result["records"]:
             if slot.rank is not None:
-                self.ledger.add(slot.rank, record)
+                self.ledger.add(slot.rank, record, complete)
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
         for report in result.get("memory", ()):
             self._on_memory_report(slot, report)
 
-    def _check_runs(self) -> None:
-        done = [ref for ref in self.run_refs if _is_ready(ref)]
-        for ref in done:
-            slot = self.run_refs[ref]
-            if slot.state is SlotState.DEAD:
+    def _check_runs(self, ended: Sequence[Any]) -> None:
+        """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's."""
+        peer_failed = False
+        for ref in ended:
+            slot = self.run_refs.get(ref)
+            if slot is None or slot.state is SlotState.DEAD:
                 continue
             try:
-                res = ray.get(ref)
+                res = self.rt.get(ref)
             except Exception as e:  # noqa: BLE001 - the actor died
                 self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(e)}")
                 continue
             slot.info["step"] = res["step"]
+            self.known_step = max(self.known_step, int(res["step"]))
             slot.info["result"] = res
             if res["status"] == "error":
                 self.detector.on_run_result(self._view(slot), res, now=time.time(), **self._when())
-            elif res["status"] == "peer_failed":  # a peer broke the step: find it without waiting for Ray
-                for peer in self.run_refs.values():
-                    if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
-                        self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
+            peer_failed = peer_failed or res["status"] == "peer_failed"
+        if peer_failed:  # a peer broke the step: find it without waiting for Ray (once, not per survivor)
+            for peer in self.run_refs.values():
+                if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
+                    self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
 
     def _finished_runs(self) -> list[dict[str, Any]] | None:
         """All members' run results, once every one has returned (else None)."""
-        if not self.run_refs or not all(_is_ready(r) for r in self.run_refs):
+        if not self.run_refs or len(self.runs_ended) < len(self.run_refs):
+            return None
+        if not all(ref in self.runs_ended for ref in self.run_refs):
             return None
         results = []
         for ref, slot in self.run_refs.items():
             try:
-                results.append(ray.get(ref))
+                results.append(self.rt.get(ref))
             except Exception:  # noqa: BLE001
                 return None
         self._poll_members_blocking()
         self.run_refs = {}
         return results
 
-    def _poll_members_blocking(self) -> None:
-        """Take every outstanding poll, then poll each live member once more: no record is dropped."""
+    def _poll_members_blocking(self, reporter_only: bool = False) -> None:
+        """Take every outstanding poll, then poll each live member once more: no record is dropped.
+        ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
+        others' last records and reports are taken when the next generation forms)."""
         timeout = self.config.timeouts.poll_s
         outstanding, self.poll_refs = self.poll_refs, {}
         for idx, (ref, _) in outstanding.items():
@@ -163,15 +254,18 @@ class WorkerMonitor:
             if slot.state is SlotState.DEAD:
                 continue
             try:
-                self._take_poll(slot, ray.get(ref, timeout=timeout))
+                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
                 pass
         # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
         # the outstanding ones: a slot's records stay in order
-        asked = [(slot, slot.actor.poll.remote()) for slot in self.group.members()]
+        after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
+        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
+        asked = [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
+                 for slot in members if slot.state is SlotState.MEMBER]
         for slot, ref in asked:
             try:
-                self._take_poll(slot, ray.get(ref, timeout=timeout))
+                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
             except Exception:  # noqa: BLE001
                 pass
 
@@ -179,13 +273,20 @@ class WorkerMonitor:
         if not self.run_refs:
             return
         now = time.time()
-        # Progress as any rank reports it, and never before this generation began; until the generation
-        # completed a step (DDP rebuild, warm-up) the bound is the cap, not one derived from steady steps.
-        progress = max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
-        warm = self.ledger.latest_record_step > self.generation_start_step
+        # until the generation completed a step (DDP rebuild, warm-up) the bound is the cap, not one
+        # derived from steady steps; under the bound nobody can be hung: no member is looked at
+        progress, times = self._progress_at(), self._step_times()
+        bound = policy.hang_bound(times, self.config.timeouts)
+        if now - progress < bound:
+            return
+        asked = self.stall_polled_at
+        if self.reporter is not None and (asked is None or asked < progress or self.taken_at - asked < bound):
+            # judge views asked in this stall, once the answers were taken a bound after the last poll was
+            # sent: a poll still out then went unanswered for the bound (hung), the others' phases are fresh;
+            # a phase from before the stall would blame a healthy rank
+            return
         self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
-                                 progress_at=progress, step_times=self.ledger.step_times if warm else [],
-                                 **self._when())
+                                 progress_at=progress, step_times=times, **self._when())
 
     def _check_drains(self) -> None:
         """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
@@ -195,11 +296,17 @@ class WorkerMonitor:
         if notice:
             log.warning("drain watcher turned off: %s", notice)
             self.events.emit("warning", source="drain_watcher", reason=notice)
+        if not draining:  # the usual case: no member is looked at
+            return
         hit = sorted({s.info.get("node_id") for s in self.group.members()} & draining)
         if hit:
             self.request_preemption(f"Ray drain notice for node {', '.join(hit)}")
 
     def _check_stragglers(self) -> None:
+        """Once every member's compute times came in again (a sweep, or a poll of all), not every interval."""
+        if not self.stragglers_due:
+            return
+        self.stragglers_due = False
         r = self.config.recovery
         found = policy.find_stragglers(self.ledger.compute_times, r.straggler_factor, r.straggler_window)
         for rank, reason in found.items():
@@ -222,12 +329,12 @@ class WorkerMonitor:
         :func:`~elastictrain.controller.detect.blame`), quoting its own error; only when nothing names one,
         the first."""
         refs = {s.actor.poll.remote(): s for s in slots if s.actor is not None}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
+        done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=2.0)
         for ref, slot in refs.items():
             ok = ref in done
             if ok:
                 try:
-                    ray.get(ref)
+                    self.rt.get(ref)
                 except Exception:  # noqa: BLE001
                     ok = False
             if not ok:
@@ -247,7 +354,7 @@ class WorkerMonitor:
         """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
         Returns (failure, kind, node) for accounting once the survivors' last records are in."""
         failures = self.detector.take()
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} if failures else set()
+        alive_nodes = self.rt.alive_nodes() if failures else set()
         out = []
         for f in failures:
             slot = self.group.slots[f.slot]
@@ -257,9 +364,11 @@ class WorkerMonitor:
             pid = slot.info.get("pid")
             self.group.kill(slot)
             slot.info.update(pid=pid, node_id=node)  # kept for the event
-            self.run_refs = {ref: s for ref, s in self.run_refs.items() if s is not slot}
             self.poll_refs.pop(slot.index, None)
             out.append((f, kind, node))
+        if out:  # one pass for all (2% of 10,000 ranks lost at once: not one pass per failure)
+            gone = {f.slot for f, _, _ in out}
+            self.run_refs = {ref: s for ref, s in self.run_refs.items() if s.index not in gone}
         return out
 
     def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
@@ -305,15 +414,17 @@ class WorkerMonitor:
         return is recorded as hung (handled by the next recovery iteration)."""
         if not self.run_refs:
             return
-        ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
-        self._check_runs()
+        ready, _ = self.rt.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
+        ready_set = set(ready)
+        new = [ref for ref in ready if ref not in self.runs_ended]
+        self.runs_ended = set(self.runs_ended) | ready_set
+        self._check_runs(new)
         for ref, slot in list(self.run_refs.items()):
-            if not _is_ready(ref) and slot.state is SlotState.MEMBER:
+            if ref not in ready_set and slot.state is SlotState.MEMBER:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
-        self._poll_members_blocking()
+        # the decision waits on this: with rank 0 alive, its records say which steps completed (a
+        # dead rank 0's steps are in the survivors' records: then every member is asked)
+        alive = self.reporter is not None and self.reporter.state is SlotState.MEMBER
+        self._poll_members_blocking(reporter_only=alive)
         self.run_refs = {}
 
-
-def _is_ready(ref: Any) -> bool:
-    done, _ = ray.wait([ref], timeout=0)
-    return bool(done)

@@ -339,11 +339,15 @@ class Worker:
             return
         self._stop.set()
 
-    def poll(self) -> dict[str, Any]:
-        """Progress since the last poll: completed step records, checkpoint reports, current phase."""
+    def poll(self, after: int | None = None) -> dict[str, Any]:
+        """Progress since the last poll: completed step records, checkpoint reports, current phase.
+        ``after``: send only the records of later steps (older ones are dropped): a rank other than the
+        generation's reporting one is polled in turn, for its newest compute times only."""
         records = []
         while self._records:
-            records.append(self._records.popleft())
+            record = self._records.popleft()
+            if after is None or record.step > after:
+                records.append(record)
         reports = []
         while self._ckpt_events:
             reports.append(self._ckpt_events.popleft())

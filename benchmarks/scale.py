@@ -1,0 +1,77 @@
+"""Control-plane scale benchmark: the real controller driving N simulated ranks (elastictrain/sim/).
+
+Scenarios (each a whole run of the real Controller over a simulated cluster, one process, no Ray, no
+training): ``steady`` (no fault), ``kill`` (one rank killed mid-step), ``node`` (a node of 8 ranks lost,
+back 25 steps later: growth back), ``hang`` (one rank SIGSTOPped), ``preempt`` (a drain notice for 5% of
+the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
+
+- ``driver_cpu_per_step_s``: the driver thread's CPU (``time.thread_time``) per training step in steady
+  state, between its step events 5 and 49 (the fault comes at step 50); the fake workers answer in the
+  driver's thread and count with it (building a poll's records stands for deserializing them);
+  ``driver_busy``: that CPU over the wall time between the two events (near 1: the driver cannot keep up
+  and falls behind the training);
+- ``events_bytes_per_step``: events.jsonl growth per step in steady state;
+- ``fault_to_detect_s`` / ``fault_to_decision_s``: from the injected fault to the controller's state
+  change (RUNNING -> RECOVERING / CHECKPOINTING) and to its decision (membership and recovery sources
+  chosen: its "recovery source" line; the stop for ``preempt``), on the driver's own clock: its CPU plus
+  its waits for the cluster (this machine's load left out; ``fault_to_decision_wall_s`` has the wall
+  time). A hang is bounded by the hang watchdog (wall time: read ``fault_to_decision_wall_s``);
+- ``growth_s``: from the lost node's return to the generation back at full size;
+- ``peak_mem_mb`` (``--memory``: tracemalloc peak of the whole run; slows the run down).
+
+Usage::
+
+    python benchmarks/scale.py --ranks 1000 [--json] [--scenarios steady,kill] [--step-s 0.02]
+
+``--json`` ends the output with one line: driver_cpu_per_step_s (steady), fault_to_decision_s (the
+slowest scenario but the hang, whose bound is the watchdog's), events_bytes_per_step, and every
+scenario's figures. Figures taken on a loaded machine are relative, not final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from elastictrain.sim.scenarios import SCENARIOS, run_scenario  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--step-s", type=float, default=0.05)
+    ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
+    args = ap.parse_args()
+    rows = []
+    for name in args.scenarios.split(","):
+        t = time.perf_counter()
+        r = run_scenario(name, args.ranks, steps=args.steps, step_s=args.step_s, memory=args.memory)
+        row = {**dataclasses.asdict(r), "wall_s": round(time.perf_counter() - t, 2)}
+        rows.append(row)
+        print(f"{name:9s} N={args.ranks:6d} state={r.state:9s} steps={r.steps:3d} lost={r.lost_steps} "
+              f"worlds={r.worlds} cpu/step={r.driver_cpu_per_step_s * 1e3:.3f}ms "
+              f"busy={r.extra.get('driver_busy')} bytes/step={r.events_bytes_per_step:.0f} "
+              f"detect={r.fault_to_detect_s} "
+              f"decide={r.fault_to_decision_s} growth={r.growth_s} mem={r.peak_mem_mb}MB "
+              f"wall={row['wall_s']}s", flush=True)
+    steady = next((r for r in rows if r["scenario"] == "steady"), rows[0])
+    decisions = [r["fault_to_decision_s"] for r in rows
+                 if r["scenario"] != "hang" and r["fault_to_decision_s"] is not None]
+    if args.json:
+        print(json.dumps({"ranks": args.ranks, "driver_cpu_per_step_s": steady["driver_cpu_per_step_s"],
+                          "fault_to_decision_s": max(decisions, default=None),
+                          "events_bytes_per_step": steady["events_bytes_per_step"],
+                          "load_1min": os.getloadavg()[0], "scenarios": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The simulated cluster drives the real controller (elastictrain/sim): its numbers are what the policy
+promises (steps run, steps lost, world-size history), and what the driver does per poll interval does not
+grow with the rank count. Correctness only: no timing is asserted (benchmarks/scale.py has the figures)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from elastictrain.controller import policy
+from elastictrain.controller.ledger import Ledger
+from elastictrain.controller.monitor import POLL_SWEEP
+from elastictrain.events import EventLog, read_events
+from elastictrain.parallel.plan import PlanSpec, valid_world_sizes
+from elastictrain.sim.scenarios import promised_worlds, run_scenario, sim_config
+from elastictrain.worker.loop import StepRecord
+
+STEP_S = 0.01  # simulated: a hundred steps take a second
+STEPS = 300  # the fault comes at step 50: the rest leaves time to recover and grow back on a loaded machine
+
+
+def _lost(ranks: int, scenario: str) -> int:
+    return {"kill": 1, "node": 8, "hang": 1, "lose2pct": max(1, ranks // 50)}.get(scenario, 0)
+
+
+@pytest.mark.parametrize("scenario", ["steady", "kill", "node", "hang", "lose2pct"])
+def test_a_simulated_run_at_64_ranks_keeps_what_the_policy_promises(scenario: str) -> None:
+    r = run_scenario(scenario, 64, steps=STEPS, step_s=STEP_S)
+    config = sim_config(64, STEPS, STEP_S)
+    assert r.state == "finished" and r.steps == STEPS
+    assert r.lost_steps == 0  # survivors hold the newest state: the step in flight is lost time, not a step
+    expected = [64] if scenario == "steady" else [64, 64 - _lost(64, scenario), 64]
+    assert r.worlds == promised_worlds(config, expected), r
+
+
+def test_a_drain_notice_for_5_percent_of_the_nodes_preempts_at_a_step_boundary() -> None:
+    r = run_scenario("preempt", 64, steps=STEPS, step_s=STEP_S)
+    assert r.state == "preempted" and r.worlds == [64] and 50 <= r.steps < STEPS, r
+
+
+def test_at_1000_ranks_a_kill_shrinks_to_the_promised_size_and_grows_back() -> None:
+    r = run_scenario("kill", 1000, steps=STEPS, step_s=STEP_S)
+    config = sim_config(1000, STEPS, STEP_S)
+    assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0)
+    assert r.worlds == promised_worlds(config, [1000, 999, 1000]) == [1000, 990, 1000], r
+
+
+def test_at_1000_ranks_a_hang_blames_the_hung_rank_alone() -> None:
+    """The sweep leaves most members' last phase stale (polled seconds ago): the watchdog must judge only
+    views asked after the stall began, or it blames healthy ranks "computing" since before it."""
+    r = run_scenario("hang", 1000, steps=STEPS, step_s=STEP_S)
+    assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0)
+    assert r.worlds == [1000, 990, 1000], r  # 999 available -> 990 (the policy's), then back
+
+
+def test_the_driver_polls_rank_0_and_a_bounded_sweep_not_every_rank() -> None:
+    """Before: every member was polled every interval (1,000 polls per half second here). Now: rank 0 and
+    POLL_SWEEP others per interval, every member only when a generation forms or ends."""
+    r = run_scenario("steady", 1000, steps=200, step_s=STEP_S)  # two seconds: a few poll intervals
+    calls = r.extra["calls"]
+    intervals = calls["poll_running_rank0"]  # rank 0 is asked once an interval while the generation trains
+    assert intervals >= 2 and calls["poll_running"] <= intervals * (POLL_SWEEP + 1), calls
+
+
+def _pairwise(compute_times: dict[int, list[float]], factor: float, window: int) -> dict[int, str]:
+    """The rule as first written (O(N^2)): each rank against the median of the others."""
+    medians = {r: statistics.median(ts[-window:]) for r, ts in compute_times.items() if len(ts) >= window}
+    out = {}
+    for rank, med in medians.items():
+        base = statistics.median([m for r, m in medians.items() if r != rank]) if len(medians) > 1 else 0
+        if base > 0 and med > factor * base:
+            out[rank] = med
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stragglers_found_by_sorted_medians_are_the_pairwise_ones(seed: int) -> None:
+    rng = random.Random(seed)
+    times = {r: [rng.choice([1.0, 1.0, 1.1, 2.5, 4.0]) * rng.uniform(0.9, 1.1) for _ in range(rng.randint(3, 9))]
+             for r in range(rng.randint(2, 40))}
+    assert set(policy.find_stragglers(times, 2.0, 4)) == set(_pairwise(times, 2.0, 4))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_membership_searched_downwards_is_the_largest_valid_size(seed: int) -> None:
+    rng = random.Random(seed)
+    spec = PlanSpec("ddp", rng.choice([720, 1000, 4096, 5040]), rng.choice([1, 2, 4]))
+    top = rng.randint(8, 300)
+    for available in range(0, top + 3):
+        d = policy.decide_membership(available=available, current=top, mode="elastic", min_workers=1,
+                                     max_workers=top, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                                     waiting_since=None, now=0.0, wait_limit_s=60.0, spec=spec)
+        fits = [w for w in valid_world_sizes(spec, top) if w <= available]
+        assert (d.action, d.world_size) == (("go", max(fits)) if fits else ("wait", d.world_size))
+
+
+def test_the_reporting_ranks_record_completes_a_step_other_ranks_feed_only_stragglers(tmp_path) -> None:
+    ledger = Ledger(EventLog(tmp_path, console=None), total_steps=10, global_batch=8, max_workers=1000)
+    ledger.new_generation(0, 1000, 1)
+
+    def rec(step: int, compute: float = 0.1) -> StepRecord:
+        return StepRecord(step, 1.0, 1000, 1, 0.2, compute, 100.0 + step)
+
+    ledger.add(7, rec(1, 0.5), complete=False)  # another rank first: no step yet
+    assert ledger.last_step == 0
+    ledger.add(0, rec(1), complete=True)  # rank 0's record: the step completed on all 1,000 ranks
+    ledger.add(0, rec(2), complete=True)
+    assert ledger.last_step == 2 and list(ledger.compute_times[7]) == [0.5]
+    ledger.add(3, rec(3), complete=False)  # rank 0 died before reporting step 3: kept as partial
+    ledger.flush_partial()
+    steps = [e for e in read_events(tmp_path) if e["event"] == "step"]
+    assert [(e["step"], e.get("complete", True)) for e in steps] == [(1, True), (2, True), (3, False)]
+
+
+def test_only_a_save_of_the_current_generation_keeps_every_rank_polled(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from elastictrain.controller.commits import Committer
+
+    c = Committer(sim_config(4, 10, STEP_S), EventLog(tmp_path, console=None), None, {})
+    try:
+        c.new_generation(0, 4)
+        c.take(0, SimpleNamespace(step=10, generation=0, rank=0))  # 1 of 4 reports: the save waits
+        assert c.waiting()
+        c.new_generation(1, 3)  # a rank died: that save is abandoned, nobody's reports are awaited
+        assert not c.waiting()
+    finally:
+        c.close()
