@@ -117,7 +117,7 @@ class BackgroundRun:
         except BaseException as e:  # noqa: BLE001 - re-raised in finish()
             self.error = e
 
-    def wait_for(self, predicate: Any, timeout: float = 60.0) -> dict[str, Any]:
+    def wait_for(self, predicate: Any, timeout: float = 180.0) -> dict[str, Any]:
         """Block until an event satisfying ``predicate`` is in events.jsonl; return it."""
         import time
 
