@@ -182,6 +182,21 @@ def test_memory_follows_how_elastictrain_lays_out_the_state():
     assert staged.gathered == pytest.approx(stage_n * 4 + 2 * block * 4 - freed)
 
 
+def test_gradients_count_at_the_peak_only_where_they_exist_then():
+    """The step loop drops the gradients after each step except DDP's buckets: one micro-batch under FSDP
+    peaks before any gradient exists; accumulation (a second micro-batch) peaks with all of them."""
+    model = ModelShape(layers=8, hidden=256, heads=8, seq_len=64, vocab=256)
+    node = Cluster(nodes=1, devices_per_node=4, **H100)
+    n = model.total_params
+    one = Training(global_batch=16, micro_batch=4)  # dp 4 x micro 4: one micro-batch per step
+    assert memory(model, one, node, Candidate(dp_replicate=4, micro_batch=4)).grads == n * 4  # buckets
+    assert memory(model, one, node, Candidate(dp_shard=4, micro_batch=4)).grads == 0
+    two = Training(global_batch=32, micro_batch=4)  # two micro-batches: the first one's gradients are held
+    assert memory(model, two, node, Candidate(dp_shard=4, micro_batch=4)).grads == n * 4 / 4
+    # a pipeline stage holding every micro-batch in flight peaks before its first backward
+    assert memory(model, one, node, Candidate(dp_replicate=2, pp=2, micro_batch=4)).grads == 0
+
+
 def test_sequence_parallel_keeps_the_gathered_linear_inputs_whole():
     """torch's DTensor saves the column-wise linears' gathered inputs (q/k/v's and mlp_in's: 4 of the 34
     units of s*b*h at 2 bytes) over the whole sequence; the other 30 split over tp."""

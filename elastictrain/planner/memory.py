@@ -5,7 +5,9 @@ the last one the output head: the larger of the two is taken):
 
 * **state** (weights, gradients, fp32 master, optimizer moments; :attr:`Training.state_bytes_per_param`)
   of the rank's stage, divided by ``tp`` (every block is split over the TP group) and by ``dp_shard``
-  (FSDP/ZeRO-3 shards all of it);
+  (FSDP/ZeRO-3 shards all of it); the gradients only where they exist at the activation peak
+  (:func:`_grads_held_at_peak`), else what they exceed the activations by (measured with
+  benchmarks/planner.py: pricing them always over-predicted fsdp/hsdp/pp2's model bytes by 10-20%);
 * **gathered weights** under FSDP at the activation peak (the start of backward, :func:`_fsdp_gathered`):
   the last block and the one prefetched, unsharded in the compute dtype, the embeddings and head (the root,
   gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off
@@ -120,6 +122,17 @@ def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -
     return held * train.compute_param_bytes + max(0.0, 2 * block * g - freed)
 
 
+def _grads_held_at_peak(train: Training, c: Candidate) -> bool:
+    """Whether the gradients exist at the activation peak. The step loop drops them after each step
+    (``zero_grad(set_to_none=True)``) except DDP's, which are its reduction buckets
+    (``grads_in_buckets``); dropped ones are there again at the peak only when an earlier micro-batch's
+    backward made them: accumulation outside a pipeline, or more micro-batches than a stage holds in flight."""
+    if c.dp_shard == 1 and c.tp == 1 and c.pp == 1:
+        return True
+    m = _microbatches(train, c)
+    return m > (in_flight(c.schedule, c.pp, m, c.stages_per_rank) if c.pp > 1 else 1)
+
+
 def _microbatches(train: Training, c: Candidate) -> int:
     return max(1, train.global_batch // (c.dp * c.micro_batch))
 
@@ -132,6 +145,8 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     params, grads = n * w / shard, n * g / shard
     optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
     acts = activation_bytes(model, train, c)
+    if not _grads_held_at_peak(train, c):
+        grads = max(0.0, grads - acts)  # they grow as backward frees the activations: the later peak
     if shard > 1:
         gathered = _fsdp_gathered(model, train, c, n)
     else:
