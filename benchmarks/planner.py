@@ -1,8 +1,8 @@
 """The planner's accuracy: predicted against measured peak memory per process and step time, for every
 layout that runs here, after calibration (issue 24).
 
-Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 8] [--d-model 256] [--world 4]
-[--layouts ddp,fsdp,hsdp,pp2] [--calibration FILE]``
+Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-model 384] [--seq-len 128]
+[--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE]``
 
 1. Calibrate (``elastictrain plan --calibrate``'s measurement, :mod:`elastictrain.planner.calibrate`): the
    matmul rate of one thread, the all-reduce bus bandwidth and latency of two processes, a process's
@@ -10,8 +10,9 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 8] [--d-m
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
-   and ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``); tp joins once ``parallel.tp``
-   exists. Measured: the median step time on rank 0 after ``--warmup`` steps, and the training peak of
+   ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``), ``tp2`` (tensor parallel 2 with
+   sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
+   Measured: the median step time on rank 0 after ``--warmup`` steps, and the training peak of
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
@@ -22,7 +23,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 8] [--d-m
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
-blocks leave the peak. Takes about a minute on a quiet 4-core machine with the defaults.
+blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
+(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs (not timed quiet).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ LAYOUTS = {  # name -> the job's parallel section (the data-parallel ranks are w
     "fsdp": {"plan": "fsdp"},
     "hsdp": {"plan": "hsdp", "shard_size": 2},
     "pp2": {"plan": "ddp", "pp": 2, "pp_schedule": "1f1b"},
+    "tp2": {"plan": "ddp", "tp": 2},  # tp 2 x dp world/2 (sequence parallel on)
+    "tp2xdp2": {"plan": "fsdp", "tp": 2},  # tp 2 x FSDP over world/2
 }
 
 
@@ -118,7 +122,8 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
                       **{**CPU_DEFAULTS, **measured, "inter_node_bw": CPU_DEFAULTS["inter_node_bw"]})
     c = Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, schedule=lay.pp_schedule,
-                  stages_per_rank=lay.stages_per_rank, micro_batch=args.micro_batch)
+                  stages_per_rank=lay.stages_per_rank, micro_batch=args.micro_batch,
+                  sequence_parallel=lay.sp if d.tp > 1 else True)
     return evaluate(model_shape(cfg), training(cfg), cluster, c)
 
 
@@ -126,9 +131,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=64)
+    # large enough that the model's bytes (params, grads, Adam, activations: ~480 MiB per ddp rank) are not
+    # noise beside the runtime's (~365 MiB), small enough for minutes on 2 cores
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--d-model", type=int, default=384)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)

@@ -5,16 +5,20 @@ the last one the output head: the larger of the two is taken):
 
 * **state** (weights, gradients, fp32 master, optimizer moments; :attr:`Training.state_bytes_per_param`)
   of the rank's stage, divided by ``tp`` (every block is split over the TP group) and by ``dp_shard``
-  (FSDP/ZeRO-3 shards all of it);
-* **gathered weights** under FSDP: the blocks being computed and the one prefetched, unsharded in the compute
-  dtype, with the all-gather's flat buffers they are copied out of, the embeddings and head (the root,
-  gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off (always inside a pipeline stage), and
-  a block's unsharded gradient with the reduce-scatter's flat input. DDP adds nothing: its buckets are the
-  gradients (``gradient_as_bucket_view``, parallel/parallelize.py);
+  (FSDP/ZeRO-3 shards all of it); the gradients only where they exist at the activation peak
+  (:func:`_grads_held_at_peak`), else what they exceed the activations by (measured with
+  benchmarks/planner.py: pricing them always over-predicted fsdp/hsdp/pp2's model bytes by 10-20%);
+* **gathered weights** under FSDP at the activation peak (the start of backward, :func:`_fsdp_gathered`):
+  the last block and the one prefetched, unsharded in the compute dtype, the embeddings and head (the root,
+  gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off
+  (always inside a pipeline stage), and what a block's unsharded gradient with the reduce-scatter's flat
+  input exceeds the activations its backward frees by. DDP adds nothing: its buckets are the gradients
+  (``gradient_as_bucket_view``, parallel/parallelize.py);
 * **activations** per block per micro-batch after Korthikanti et al. 2022 (arXiv:2205.05198): ``s b h (34 +
   5 a s / h)`` bytes at 2-byte activations, without the ``5 a s / h`` term under flash-style attention
-  (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp``, without
-  it only the 24 of 34 inside the TP regions are split. Activation checkpointing keeps each block's input
+  (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp`` except
+  the gathered inputs of the column-wise linears (4 of the 34, saved whole by torch's DTensor), without it
+  only the 24 of 34 inside the TP regions are split. Activation checkpointing keeps each block's input
   (``s b h`` elements) and one block's full set while it is recomputed. A pipeline rank holds
   :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
   the logits (and their gradient) of one micro-batch in fp32 on the last stage;
@@ -75,7 +79,9 @@ def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, 
     s, b, h, a = model.seq_len, c.micro_batch, model.hidden, model.heads
     scores = 0.0 if flash else 5 * a * s / h
     if c.tp > 1 and c.sequence_parallel:
-        per = (34 + scores) / c.tp
+        # the norms' outputs are gathered to the whole sequence and saved so by the column-wise q/k/v and
+        # mlp_in (torch's DTensor keeps the gathered input; Megatron re-gathers it in backward)
+        per = (30 + scores) / c.tp + 4
     else:
         per = 10 + (24 + scores) / c.tp
     return s * b * h * per * train.activation_bytes / 2
@@ -97,6 +103,36 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     return stage + extra + logits
 
 
+def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -> float:
+    """FSDP's unsharded bytes at the rank's peak, which is the activation peak (the start of backward).
+
+    Held there: the root's weights (embeddings and head, gathered from forward to backward), the last block
+    (never resharded after its forward, parallel/parallelize.py) and the one prefetched for the next
+    backward; all of the stage's weights when ``reshard_after_forward`` is off (always inside a pipeline
+    stage). The last block's unsharded gradient and the reduce-scatter's flat input appear while its
+    backward frees its own activations, so only what they exceed those by adds to the peak (measured:
+    benchmarks/planner.py; pricing the gathered weights, the all-gather outputs and the gradients all at the
+    activation peak over-predicted FSDP's model bytes by ~25%)."""
+    _, g, _ = PRECISIONS[train.precision]
+    block = model.block_params * model.scale / c.tp
+    blocks = math.ceil(model.layers / c.pp)
+    root = n - blocks * block
+    held = n if not c.reshard_after_forward or c.pp > 1 else root + 2 * block
+    freed = block_activation_bytes(model, train, c) if not c.activation_checkpointing else 0.0
+    return held * train.compute_param_bytes + max(0.0, 2 * block * g - freed)
+
+
+def _grads_held_at_peak(train: Training, c: Candidate) -> bool:
+    """Whether the gradients exist at the activation peak. The step loop drops them after each step
+    (``zero_grad(set_to_none=True)``) except DDP's, which are its reduction buckets
+    (``grads_in_buckets``); dropped ones are there again at the peak only when an earlier micro-batch's
+    backward made them: accumulation outside a pipeline, or more micro-batches than a stage holds in flight."""
+    if c.dp_shard == 1 and c.tp == 1 and c.pp == 1:
+        return True
+    m = _microbatches(train, c)
+    return m > (in_flight(c.schedule, c.pp, m, c.stages_per_rank) if c.pp > 1 else 1)
+
+
 def _microbatches(train: Training, c: Candidate) -> int:
     return max(1, train.global_batch // (c.dp * c.micro_batch))
 
@@ -108,19 +144,13 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     shard = c.dp_shard
     params, grads = n * w / shard, n * g / shard
     optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
+    acts = activation_bytes(model, train, c)
+    if not _grads_held_at_peak(train, c):
+        grads = max(0.0, grads - acts)  # they grow as backward frees the activations: the later peak
     if shard > 1:
-        block = model.block_params * model.scale / c.tp
-        blocks = math.ceil(model.layers / c.pp)
-        root = n - blocks * block  # embeddings and head: gathered from forward to backward
-        # inside a pipeline stage FSDP keeps the stage's weights gathered (reshard_after_forward=False,
-        # parallel/pipeline.py)
-        held = n if not c.reshard_after_forward or c.pp > 1 else 2 * block + root
-        # gathered weights plus the all-gather's flat output they are copied out of (the current block and
-        # the prefetched one), and a block's unsharded gradient plus the reduce-scatter's flat input
-        gathered = (held + 2 * block) * train.compute_param_bytes + 2 * block * g
+        gathered = _fsdp_gathered(model, train, c, n)
     else:
         gathered = 0.0  # DDP's buckets ARE the gradients here (gradient_as_bucket_view)
-    acts = activation_bytes(model, train, c)
     body = params + grads + optimizer + gathered + acts
     return Memory(params, grads, optimizer, gathered, acts, cluster.runtime_bytes, cluster.fragmentation * body,
                   cluster.device_memory)
