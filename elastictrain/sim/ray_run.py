@@ -125,6 +125,8 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
                 slot = group.slots[victim]
                 marks["kill"] = time.time()
                 os.kill(slot.info["pid"], signal.SIGKILL)
+            elif r["event"] == "failure" and "kill" in marks and "failure" not in marks:
+                marks["failure"] = now
             elif r["event"] == "generation_started" and "kill" in marks and "formed" not in marks:
                 marks["formed"] = now
             elif r["event"] == "step" and "formed" in marks and "next" not in marks:
@@ -144,6 +146,8 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
     if "next" in marks:
         out.kill_to_next_step_s = round(marks["next"] - marks["kill"], 4)
         out.extra["kill_to_next_step_seen_s"] = round(marks["next_seen"] - marks["kill"], 4)
+    if "failure" in marks:
+        out.extra["kill_to_detect_s"] = round(marks["failure"] - marks["kill"], 4)
     if "formed" in marks:
         out.kill_to_decision_s = round(marks["formed"] - marks["kill"], 4)
     return out
