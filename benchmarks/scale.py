@@ -33,7 +33,8 @@ actors (``num_cpus=0``, no torch in their processes) driven by the real controll
 one actor's process is SIGKILLed by its pid. Prints ``kill_to_next_step_s`` (the SIGKILL to the end of
 the next generation's first step, on the actors' clock; target < 1 s at 128 actors),
 ``kill_to_detect_s`` (to the controller's failure event: Ray's notice of the death),
-``kill_to_decision_s`` (to the next generation's start), the driver's view of that step
+``kill_to_generation_s`` (to the next generation's start: after the decision, ``join``/``sync`` of
+every member), the driver's view of that step
 (``kill_to_next_step_seen_s``: it learns of steps by polling rank 0), the world-size history and whether
 torch was imported in an actor.
 """
@@ -101,7 +102,8 @@ def _ray_actors(args: argparse.Namespace) -> None:
     finally:
         ray.shutdown()
     print(f"ray-actors N={r.actors} state={r.state} steps={r.steps} lost={r.lost_steps} worlds={r.worlds} "
-          f"torch_in_actor={r.torch_in_actor} kill->detect={r.extra.get('kill_to_detect_s')}s kill->decision={r.kill_to_decision_s}s "
+          f"torch_in_actor={r.torch_in_actor} kill->detect={r.extra.get('kill_to_detect_s')}s "
+          f"kill->generation={r.kill_to_generation_s}s "
           f"kill->next step={r.kill_to_next_step_s}s (seen by the driver "
           f"{r.extra.get('kill_to_next_step_seen_s')}s) wall={wall}s", flush=True)
     if args.json:

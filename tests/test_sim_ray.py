@@ -32,4 +32,4 @@ def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(ba
     assert not r.torch_in_actor
     assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0), r
     assert r.worlds == promised_worlds(sim_config(ACTORS, STEPS, STEP_S), [16, 15, 16]) == [16, 15, 16], r
-    assert r.kill_to_decision_s is not None and r.kill_to_next_step_s is not None, r  # the kill came mid-run
+    assert r.kill_to_generation_s is not None and r.kill_to_next_step_s is not None, r  # the kill came mid-run
