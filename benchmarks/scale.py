@@ -22,10 +22,21 @@ the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
 Usage::
 
     python benchmarks/scale.py --ranks 1000 [--json] [--scenarios steady,kill] [--step-s 0.02]
+    python benchmarks/scale.py --ray-actors 128 [--json] [--steps 400] [--step-s 0.05]
 
 ``--json`` ends the output with one line: driver_cpu_per_step_s (steady), fault_to_decision_s (the
 slowest scenario but the hang, whose bound is the watchdog's), events_bytes_per_step, and every
 scenario's figures. Figures taken on a loaded machine are relative, not final.
+
+``--ray-actors N``: the Ray variant instead (elastictrain/sim/ray_run.py): a local Ray, N lightweight
+actors (``num_cpus=0``, no torch in their processes) driven by the real controller over Ray; at step 20
+one actor's process is SIGKILLed by its pid. Prints ``kill_to_next_step_s`` (the SIGKILL to the end of
+the next generation's first step, on the actors' clock; target < 1 s at 128 actors),
+``kill_to_detect_s`` (to the controller's failure event: Ray's notice of the death),
+``kill_to_generation_s`` (to the next generation's start: after the decision, ``join``/``sync`` of
+every member), the driver's view of that step
+(``kill_to_next_step_seen_s``: it learns of steps by polling rank 0), the world-size history and whether
+torch was imported in an actor.
 """
 
 from __future__ import annotations
@@ -44,13 +55,18 @@ from elastictrain.sim.scenarios import SCENARIOS, run_scenario  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--ranks", type=int)
+    ap.add_argument("--ray-actors", type=int, help="the Ray variant with this many actors (instead of --ranks)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
     args = ap.parse_args()
+    if args.ray_actors:
+        return _ray_actors(args)
+    if not args.ranks:
+        ap.error("give --ranks N (the simulation) or --ray-actors N (the Ray variant)")
     rows = []
     for name in args.scenarios.split(","):
         t = time.perf_counter()
@@ -71,6 +87,27 @@ def main() -> None:
                           "fault_to_decision_s": max(decisions, default=None),
                           "events_bytes_per_step": steady["events_bytes_per_step"],
                           "load_1min": os.getloadavg()[0], "scenarios": rows}))
+
+
+def _ray_actors(args: argparse.Namespace) -> None:
+    import ray
+
+    from elastictrain.sim.ray_run import run_ray_actors
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        t = time.perf_counter()
+        r = run_ray_actors(args.ray_actors, steps=args.steps, step_s=args.step_s, kill_at=20)
+        wall = round(time.perf_counter() - t, 2)
+    finally:
+        ray.shutdown()
+    print(f"ray-actors N={r.actors} state={r.state} steps={r.steps} lost={r.lost_steps} worlds={r.worlds} "
+          f"torch_in_actor={r.torch_in_actor} kill->detect={r.extra.get('kill_to_detect_s')}s "
+          f"kill->generation={r.kill_to_generation_s}s "
+          f"kill->next step={r.kill_to_next_step_s}s (seen by the driver "
+          f"{r.extra.get('kill_to_next_step_seen_s')}s) wall={wall}s", flush=True)
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(r), "wall_s": wall, "load_1min": os.getloadavg()[0]}))
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ FAULT_STEP = 50
 BACK_STEP = 75  # a lost node comes back (growth back)
 
 
-def sim_config(ranks: int, steps: int, step_s: float, **recovery: Any) -> JobConfig:
+def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float = 60, **recovery: Any) -> JobConfig:
     """A job for ``ranks`` simulated workers: ddp, one sample per rank and step (every world size that
     divides the global batch is valid: ``ranks`` and many sizes below it), timeouts scaled to the simulated
-    step time."""
+    step time. ``restart_grace_s``: also how long the start waits for every worker (the Ray variant's
+    actor processes start a few at a time)."""
     return build_config({
         "name": "sim",
         "train": {"steps": steps, "seed": 0, "global_batch": math.lcm(ranks, 720720),
@@ -44,7 +45,7 @@ def sim_config(ranks: int, steps: int, step_s: float, **recovery: Any) -> JobCon
         "workers": {"min": 1, "max": ranks, "standby": False},
         "checkpoint": {"memory_every_steps": 0},  # no peer memory tier: its keepers are Ray actors
         "timeouts": {"collective_s": 2, "step_watchdog_cap_s": 5, "watchdog_floor_s": max(0.5, 10 * step_s),
-                     "poll_s": 10, "restart_grace_s": 60},
+                     "poll_s": 10, "restart_grace_s": restart_grace_s},
         "recovery": {"max_failures": 10 ** 6, "max_failures_per_rank": 10, **recovery},
     })
 

@@ -1,0 +1,154 @@
+"""The Ray variant of the simulation: the real :class:`~elastictrain.controller.controller.Controller` over
+Ray (:class:`~elastictrain.controller.runtime.RayRuntime`, the production worker group's kill, death and
+set-up paths) driving lightweight actors (:mod:`elastictrain.sim.ray_actors`: ``num_cpus=0``, no torch)
+that speak the worker protocol. A fault is a real SIGKILL of an actor's process by its pid, at a step.
+
+:class:`ActorGroup` is the production :class:`~elastictrain.controller.group.WorkerGroup` with another actor
+class to start and no placement groups (the actors hold no resources); every other path is the group's own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from elastictrain.config import JobConfig
+from elastictrain.controller.controller import Controller
+from elastictrain.controller.group import Slot, SlotState, WorkerGroup
+from elastictrain.events import EventLog
+from elastictrain.sim.ray_actors import sim_actor_class
+from elastictrain.sim.scenarios import sim_config
+from elastictrain.task import builtin_task
+
+
+class _Join:
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def remote(self, generation: int, rank: int, world_size: int, host: str, port: int, layout: Any = None,
+               restore: Any = None) -> Any:
+        return self.actor.join.remote(generation, rank, world_size, host, port, getattr(layout, "accum", 1),
+                                      restore is not None)
+
+
+class _Handle:
+    """An actor handle that sends ``join`` what a simulated actor needs of the layout and the restore
+    sources (the accumulation; whether to report a step) instead of the objects: unpickling them would
+    import elastictrain.parallel and elastictrain.data, hence torch, in the actor. Every other call is the
+    handle's own."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.join = _Join(actor)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.actor, name)
+
+
+class ActorGroup(WorkerGroup):
+    """A worker group of :class:`~elastictrain.sim.ray_actors.SimActor` actors, one per slot, placed by Ray
+    anywhere (``num_cpus=0``: no placement groups, every slot is placed)."""
+
+    def __init__(self, config: JobConfig, step_s: float) -> None:  # noqa: D107 - no placement groups to make
+        self.config, self.step_s = config, step_s
+        self.slots = [Slot(i) for i in range(config.workers.max + config.workers.spares)]
+        self._actor_cls = sim_actor_class()
+        self._pgs: list[Any] = []
+
+    def spawn(self, index: int) -> Slot:
+        slot = self.slots[index]
+        slot.from_standby = False
+        slot.actor = _Handle(self._actor_cls.options(num_cpus=0, max_restarts=0, max_task_retries=0).remote(
+            self.step_s, self.config.timeouts.collective_s))
+        slot.setup_ref = slot.actor.setup.remote(index)
+        slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
+        slot.started_at = time.time()
+        slot.incarnation += 1
+        return slot
+
+    def kill(self, slot: Slot) -> None:
+        if isinstance(slot.actor, _Handle):  # ray.kill takes the handle itself
+            slot.actor = slot.actor.actor
+        super().kill(slot)
+
+    def placed(self, slot: Slot) -> bool:
+        return True
+
+    def shortfall(self) -> str:
+        return "nothing: simulated actors ask for no resources"
+
+    def replace_lost_placement(self, index: int) -> bool:
+        return False
+
+
+@dataclass
+class RayRunResult:
+    actors: int
+    state: str
+    steps: int
+    lost_steps: int
+    worlds: list[int]
+    torch_in_actor: bool  # asked of every actor at the first step (True also when it could not be asked)
+    kill_to_next_step_s: float | None = None  # from the SIGKILL to the end of the next generation's first step
+    kill_to_generation_s: float | None = None   # from the SIGKILL to the next generation's start
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_at: int | None = 20,
+                   kill_slot: int | None = None) -> RayRunResult:
+    """Run the real controller over ``actors`` simulated actors (Ray must be initialized) and, at step
+    ``kill_at`` (None: no fault), SIGKILL the process of slot ``kill_slot`` (default: one in the middle,
+    not rank 0's)."""
+    # the start waits for every actor: Ray starts their processes a few at a time (one per CPU at once)
+    config = sim_config(actors, steps, step_s, restart_grace_s=max(60.0, 5.0 * actors))
+    victim = actors // 2 + 1 if kill_slot is None else kill_slot
+    with tempfile.TemporaryDirectory() as tmp:
+        events = EventLog(Path(tmp), console=None)
+        group = ActorGroup(config, step_s)
+        marks: dict[str, float] = {}
+        checked: dict[str, bool] = {}
+
+        def on_event(r: dict[str, Any]) -> None:
+            now = time.time()
+            if r["event"] == "step" and "torch" not in checked:  # once every actor runs this module's code
+                live = [s.actor.actor for s in group.slots if isinstance(s.actor, _Handle)]
+                checked["torch"] = any(ray.get([a.imported.remote("torch") for a in live], timeout=60))
+            if r["event"] == "step" and kill_at is not None and r["step"] >= kill_at and "kill" not in marks:
+                slot = group.slots[victim]
+                marks["kill"] = time.time()
+                os.kill(slot.info["pid"], signal.SIGKILL)
+            elif r["event"] == "failure" and "kill" in marks and "failure" not in marks:
+                marks["failure"] = now
+            elif r["event"] == "generation_started" and "kill" in marks and "formed" not in marks:
+                marks["formed"] = now
+            elif r["event"] == "step" and "formed" in marks and "next" not in marks:
+                marks["next"], marks["next_seen"] = r["finished_at"], now
+
+        events.listeners.append(on_event)
+        c = Controller(config, builtin_task(config), events, group=group)
+        try:
+            c.run()
+            summary = c.summary()
+        finally:
+            group.shutdown()
+            events.close()
+    out = RayRunResult(actors, summary["state"], summary["final_step"], summary["lost_steps"],
+                       [h["world_size"] for h in summary["world_size_history"]], checked.get("torch", True))
+    out.extra["reason"] = summary.get("reason")
+    if "next" in marks:
+        out.kill_to_next_step_s = round(marks["next"] - marks["kill"], 4)
+        out.extra["kill_to_next_step_seen_s"] = round(marks["next_seen"] - marks["kill"], 4)
+    if "failure" in marks:
+        out.extra["kill_to_detect_s"] = round(marks["failure"] - marks["kill"], 4)
+    if "formed" in marks:
+        out.kill_to_generation_s = round(marks["formed"] - marks["kill"], 4)
+    return out

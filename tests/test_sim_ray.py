@@ -1,0 +1,35 @@
+"""The Ray variant of the simulation (elastictrain/sim/ray_actors.py, ray_run.py): the real controller over
+Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); a real SIGKILL of one
+actor's process is recovered and the run finishes its steps with the world sizes the policy promises.
+Correctness only: no timing is asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
+
+Its own local Ray, not the session's: the session's workers preload the worker actor's module (torch),
+and the point here is an actor process without it. It shuts its Ray down after; the next test on
+``ray_local`` starts the session's again."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from elastictrain.sim.ray_run import run_ray_actors
+from elastictrain.sim.scenarios import promised_worlds, sim_config
+
+ACTORS, STEPS, STEP_S = 16, 400, 0.025  # ten simulated seconds: time for a replacement to start under load
+
+
+@pytest.fixture
+def bare_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(bare_ray) -> None:
+    r = run_ray_actors(ACTORS, steps=STEPS, step_s=STEP_S, kill_at=20)
+    assert not r.torch_in_actor
+    assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0), r
+    assert r.worlds == promised_worlds(sim_config(ACTORS, STEPS, STEP_S), [16, 15, 16]) == [16, 15, 16], r
+    assert r.kill_to_generation_s is not None and r.kill_to_next_step_s is not None, r  # the kill came mid-run
