@@ -24,7 +24,6 @@ import copy
 import datetime
 import importlib.util
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ import torch
 
 from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.parallel.pipeline import PipelineError
+from tests.checkpoint_fixtures import free_port
 from tests.conftest import job, run_job
 from tests.ranks import run_ranks
 
@@ -46,12 +46,6 @@ def _spec(world: int, **parallel: Any) -> dict[str, Any]:
     return job(task={"model": MODEL, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
                train={"steps": STEPS, "global_batch": 16, "micro_batch": 2, "audit_samples": True},
                workers={"min": world, "max": world}, parallel=parallel)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out: str) -> None:
@@ -106,7 +100,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
 
 def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, layouts, _free_port(), out), nprocs=world)
+    run_ranks(_train, (world, layouts, free_port(), out), nprocs=world)
     return torch.load(out)
 
 
@@ -303,4 +297,4 @@ def _batch_p2p(rank: int, port: int) -> None:
 def test_gloo_batch_p2p_does_not_hang():
     """pytorch#132644 (gloo's batch_isend_irecv hanging, fixed by #152938): on our torch a mixed send/recv
     batch completes (the collective timeout of 30 s would fail it otherwise)."""
-    run_ranks(_batch_p2p, (_free_port(),), nprocs=2)
+    run_ranks(_batch_p2p, (free_port(),), nprocs=2)

@@ -26,12 +26,12 @@ import dataclasses
 import datetime
 import importlib.util
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 
+from tests.checkpoint_fixtures import free_port
 from tests.conftest import job
 from tests.ranks import run_ranks
 
@@ -45,12 +45,6 @@ def _spec(world: int, **parallel: Any) -> dict[str, Any]:
     return job(task={"model": MODEL, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
                train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "audit_samples": True},
                workers={"min": world, "max": world}, parallel=parallel)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out: str) -> None:
@@ -124,7 +118,7 @@ def _tp_sharded(model: torch.nn.Module) -> list[str]:
 
 def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, layouts, _free_port(), out), nprocs=world)
+    run_ranks(_train, (world, layouts, free_port(), out), nprocs=world)
     return torch.load(out)
 
 
