@@ -5,6 +5,9 @@ a pipeline's stages (and a TP group's ranks) share a node, as the ``worker_start
 from __future__ import annotations
 
 import copy
+
+import pytest
+
 from tests.cluster_fixtures import cluster_2x2  # noqa: F401 - fixture
 from tests.conftest import BASE_JOB, job, run_job
 
@@ -23,22 +26,12 @@ def _spec(**parallel) -> dict:
                              workers={"min": 4, "max": 4, "placement_strategy": "SPREAD"}, parallel=parallel))
 
 
-def test_pp2_dp2_puts_each_stage_on_one_node(tmp_path, cluster_2x2) -> None:
-    """pp2 x dp2: stage 0 is ranks 0,1 and stage 1 ranks 2,3. The bundles alternate nodes (a, b, a, b);
-    in slot order a stage would span both nodes: placed by topology, each stage is on a node of its own."""
-    run = run_job(tmp_path, _spec(plan="ddp", pp=2), name="pp2dp2")
-    assert run.result.exit_code == 0, run.summary
-    slots = {e["slot"]: e["node_id"] for e in run.of("worker_started")}
-    assert slots[0] != slots[1], "SPREAD did not alternate the bundles: the test proves nothing"
-    nodes = _nodes_by_rank(run)
-    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
-    assert not [w for w in run.of("warning") if w.get("source") == "placement"]
-
-
-def test_tp2_dp2_puts_each_tp_group_on_one_node(tmp_path, cluster_2x2) -> None:
-    """tp2 x dp2: ranks 0,1 and ranks 2,3 are TP groups. The bundles alternate nodes; placed by topology,
-    each TP group's all-reduces stay inside a node."""
-    run = run_job(tmp_path, _spec(plan="ddp", tp=2), name="tp2dp2")
+@pytest.mark.parametrize("factor", ["pp", "tp"])
+def test_each_stage_or_tp_group_of_a_2x2_layout_is_on_one_node(tmp_path, cluster_2x2, factor) -> None:
+    """pp2 x dp2: stage 0 is ranks 0,1 and stage 1 ranks 2,3; tp2 x dp2: ranks 0,1 and ranks 2,3 are TP
+    groups. The bundles alternate nodes (a, b, a, b); in slot order each pair would span both nodes: placed
+    by topology, each stage (or TP group, whose all-reduces then stay inside a node) is on a node of its own."""
+    run = run_job(tmp_path, _spec(plan="ddp", **{factor: 2}), name=f"{factor}2dp2")
     assert run.result.exit_code == 0, run.summary
     slots = {e["slot"]: e["node_id"] for e in run.of("worker_started")}
     assert slots[0] != slots[1], "SPREAD did not alternate the bundles: the test proves nothing"
