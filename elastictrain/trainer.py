@@ -140,7 +140,7 @@ class Trainer:
         from elastictrain.controller.controller import Controller
 
         self.controller = Controller(self.config, self.task, events, store=plan.store,
-                                     resume_manifest=plan.manifest, resume_plan=plan)
+                                     resume_manifest=plan.manifest, resume_plan=plan, planned=planned)
         restore = _install_signal_handlers(self.controller)
         try:
             summary = self.controller.run()

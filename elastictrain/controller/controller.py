@@ -40,10 +40,13 @@ log = logging.getLogger("elastictrain.controller")
 
 class Controller(WorkerMonitor):
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
-                 resume_manifest: Any = None, group: WorkerGroup | None = None, resume_plan: Any = None) -> None:
+                 resume_manifest: Any = None, group: WorkerGroup | None = None, resume_plan: Any = None,
+                 planned: Any = None) -> None:
         """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
         one with the same interface to step the state machine through its paths). ``resume_plan``: the driver's
-        :class:`~elastictrain.checkpoint.resume.ResumePlan` (lineage, fingerprint)."""
+        :class:`~elastictrain.checkpoint.resume.ResumePlan` (lineage, fingerprint). ``planned``: the start-time
+        choice of ``parallel.plan: auto`` (:class:`~elastictrain.planner.job.Choice`): each generation formed
+        at another world size is then re-planned (:meth:`_replan`)."""
         self.config = config
         self.task = task
         self.events = events
@@ -81,6 +84,14 @@ class Controller(WorkerMonitor):
         self.memory_stall_s, self.memory_snapshots = 0.0, 0
         self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, gpus_per_node() if config.workers.use_gpu else None)
+        self.generation_layout: Layout | None = None  # the last generation formed runs this (and generation_spec)
+        self.generation_spec = self.plan_spec
+        self.replanner = None
+        if getattr(planned, "cluster", None) is not None:  # parallel.plan: auto (planner/live.py)
+            from elastictrain.planner.live import Replanner
+
+            self.replanner = Replanner(config, planned.cluster, config.parallel.model_shape)
+            self.generation_layout = self.layout(planned.world)  # as planned, until a generation forms
         self.prev_ranks: dict[int, int] = {}  # slot index -> rank in the current generation's mesh
         self.prev_generation = -1  # the generation prev_ranks describes (the last one formed)
         m = resume_manifest  # the branch point: a recovery source until the run commits its own
@@ -156,6 +167,8 @@ class Controller(WorkerMonitor):
             return self._fail(f"could not start {self.config.workers.min} workers within "
                               f"timeouts.restart_grace_s={t.restart_grace_s:g}: {decision.reason}{why}")
         chosen = sorted(ready, key=lambda s: s.index)[: decision.world_size]
+        if not self._replan(len(chosen)):
+            return
         if not self._form_generation(chosen, reason="start", resume=self.resume_manifest):
             if self.sm.terminal:
                 return
@@ -226,7 +239,7 @@ class Controller(WorkerMonitor):
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
         for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
             s.actor.abort_group.remote()
-        if self.world_size and not self.layout(self.world_size).replicated:
+        if self.world_size and not (self.generation_layout or self.layout(self.world_size)).replicated:
             for s in survivors:
                 s.has_state = False
 
@@ -264,6 +277,8 @@ class Controller(WorkerMonitor):
             why = decision.reason
         else:
             chosen = (survivors + ready)[: decision.world_size]
+            if not self._replan(len(chosen)):
+                return False
             try:
                 resume = self._recovery_source(chosen, self.world_size, survivors)
             except (SurvivorLost, CheckpointLoadFailed) as e:
@@ -286,11 +301,34 @@ class Controller(WorkerMonitor):
             waiting_since=self.waiting_since, now=time.time(),
             wait_limit_s=self.config.recovery.min_workers_wait_s, plan=self.plan_spec.plan,
             shard_size=self.plan_spec.shard_size, spec=self.plan_spec,
+            valid=self.replanner.runs_at if self.replanner is not None else None,
         )
 
     def layout(self, world_size: int) -> Layout:
         """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
         return resolve(self.plan_spec, world_size)
+
+    def _replan(self, world: int) -> bool:
+        """``parallel.plan: auto``: the layout of the next generation, of ``world`` workers. At the running
+        generation's size its layout stays; at another the planner decides (planner/replan.py: keep the
+        running family, or switch where the move pays for itself, or move because the family cannot run or
+        fit there), a ``replanned`` event says what and why, and :meth:`layout` answers with the choice. A
+        fixed plan: nothing to do. False when the run failed (nothing runnable fits at ``world``)."""
+        if self.replanner is None or self.generation_layout is None:
+            return True
+        old = self.generation_layout
+        if old.dims.world_size == world:
+            self.plan_spec = self.generation_spec
+            return True
+        got = self.replanner.decide(old, self.generation_spec, world, self.config.train.steps - self.ledger.last_step)
+        if got is None:
+            self._fail(f"parallel.plan=auto: no runnable layout fits at world size {world} (the running layout is "
+                       f"{old.reason}); add capacity or set a fixed parallel.plan")
+            return False
+        self.plan_spec = got.spec
+        log.info("replanned at world size %d: %s", world, got.decision.reason)
+        self.events.emit("replanned", generation=self.generation + 1, step=self.ledger.last_step, **got.as_event())
+        return True
 
     def _regroup(self, reason: str) -> None:
         """Form the next generation from survivors and ready joiners, or wait, or fail."""
@@ -314,6 +352,8 @@ class Controller(WorkerMonitor):
         self.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
         old = self.world_size
+        if not self._replan(len(chosen)):
+            return
         try:
             resume = self._recovery_source(chosen, old, survivors)
         except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
@@ -344,8 +384,8 @@ class Controller(WorkerMonitor):
         known = [self.ledger.last_step, self.ledger.latest_record_step]
         if self.open_failure is not None:
             known.append(self.open_failure.last_step)
-        prev = Previous(self.prev_generation, self.prev_ranks, old_world)
-        got = self.sources.gather(chosen, alive, prev, self.generation, known)
+        prev = Previous(self.prev_generation, self.prev_ranks, old_world, self.generation_layout if old_world else None)
+        got = self.sources.gather(chosen, alive, prev, self.generation, known, next_layout=self.layout(len(chosen)))
         self.recovery_source, self.recovery_reason, self.recovery_last_step = got.kind, got.reason, got.last_step
         log.info("recovery source: %s", got.reason)
         if got.kind == "scratch" and self.sm.state is not State.CHECKPOINTING:  # (preempted: nothing restarts)
@@ -438,6 +478,7 @@ class Controller(WorkerMonitor):
                 self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
         self.prev_ranks, self.prev_generation = {s.index: r for r, s in enumerate(chosen)}, gen
+        self.generation_layout, self.generation_spec = layout, self.plan_spec
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True

@@ -65,12 +65,13 @@ class PeerRestore:
 
 @dataclass(frozen=True)
 class Previous:
-    """The generation a recovery starts from: its number, its members' ranks (slot index -> rank) and
-    its world size (0: none formed yet)."""
+    """The generation a recovery starts from: its number, its members' ranks (slot index -> rank), its
+    world size (0: none formed yet) and its layout (None: the plan's at ``world``)."""
 
     generation: int
     ranks: dict[int, int]
     world: int
+    layout: Layout | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ class Gathered:
 def slot_step(slot: Slot) -> int:
     """The newest completed step a worker reported."""
     return int(slot.info.get("step", 0))
+
+
+def _split(layout: Layout) -> bool:
+    """No rank of ``layout`` holds the whole state as a DDP replica (sharded, staged or tensor-parallel)."""
+    return layout.plan != "ddp" or layout.dims.pp > 1 or layout.dims.tp > 1
 
 
 class SourceGatherer:
@@ -181,20 +187,23 @@ class SourceGatherer:
 
     # ------------------------------------------------------------------ the choice
     def gather(self, chosen: list[Slot], alive: Sequence[Slot], prev: Previous, generation: int,
-               known_steps: Sequence[int]) -> Gathered:
+               known_steps: Sequence[int], next_layout: Layout | None = None) -> Gathered:
         """Pick where the next generation's state comes from (:func:`sources.rank_sources`), asking
         survivors, then the tier, then storage, each only when the ones before do not cover the state.
         ``alive``: every live member of the previous generation, chosen or not -- a survivor left out of a
         folded mesh still serves its shards. ``known_steps``: completed steps the controller knows of
         (ledger, records, the open failure). Raises :class:`SurvivorLost` (a serving survivor died) or
-        :class:`CheckpointLoadFailed` (storage failed and nothing else holds the state)."""
-        dims = self.layout(prev.world).dims if prev.world else None
+        :class:`CheckpointLoadFailed` (storage failed and nothing else holds the state). ``next_layout``: the
+        next generation's, when it may differ from the previous one's family (``parallel.plan: auto``)."""
+        old = (prev.layout or self.layout(prev.world)) if prev.world else None
+        dims = old.dims if old is not None else None
         rep, shard, pp, tp = (dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp) if dims else (1, 1, 1, 1)
         # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
         # DTensors, which the replicated broadcast path does not move); so do a pipeline's, whose ranks
         # each hold one stage, and a tensor-parallel one's, whose ranks each hold one tp shard: loaded by
-        # name whatever the next generation's layout is
-        sharded = bool(prev.world) and (self.layout(prev.world).plan != "ddp" or pp > 1 or tp > 1)
+        # name whatever the next generation's layout is. A replicated generation followed by a sharded one
+        # (a re-plan) serves snapshots too: the next one's rebuilt shards are loaded from them by name.
+        sharded = old is not None and (_split(old) or (next_layout is not None and _split(next_layout)))
         # (a slot respawned since has rank None: a replacement in the same slot is not a survivor)
         taken = {s.index for s in chosen}  # by slot index: `in` on a list of Slots is O(N^2) at 10,000
         pool = list(chosen) + [s for s in alive if s.index not in taken]

@@ -34,12 +34,14 @@ class Ledger:
         self.goodput: dict[str, float] = defaultdict(float)
         self._pending: dict[int, dict[int, StepRecord]] = defaultdict(dict)
         self._world = 0
+        self._mesh_told = True
         self._first_step_at: float | None = None
         self.latest_record_at = 0.0
         self.latest_record_step = 0
 
     def new_generation(self, generation: int, world_size: int, accum: int) -> None:
         self._world = world_size
+        self._mesh_told = False  # the generation's first step event says the mesh its ranks built
         self.compute_times.clear()  # ranks are renumbered and the accumulation changes: start afresh
         self.world_size_history.append(
             {"generation": generation, "world_size": world_size, "accum": accum, "from_step": self.last_step,
@@ -114,6 +116,8 @@ class Ledger:
         }
         if not complete:
             fields["complete"] = False
+        if first.mesh and not self._mesh_told:
+            fields["mesh"], self._mesh_told = first.mesh, True
         if first.pipeline:  # pp > 1: the schedule's bubble (its timeline) and each rank's measured idle share
             by_rank = {r: rec.pipeline["bubble_measured"] for r, rec in sorted(records.items()) if rec.pipeline}
             fields.update({k: v for k, v in first.pipeline.items() if k != "bubble_measured"})

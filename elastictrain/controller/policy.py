@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
@@ -55,12 +55,16 @@ def decide_membership(
     *, available: int, current: int, mode: str, min_workers: int, max_workers: int, global_batch: int,
     micro_batch: int, waiting_since: float | None, now: float, wait_limit_s: float, plan: str = "ddp",
     shard_size: int = CPU_DEFAULT_SHARD_SIZE, spec: PlanSpec | None = None,
+    valid: Callable[[int], bool] | None = None,
 ) -> Membership:
     """How many workers form the next generation, given ``available`` ready workers (survivors plus
     ready joiners). Elastic: the largest world size valid for the plan (see parallel/plan.py; hsdp needs
     whole shard groups, so a broken group re-plans to fewer, whole groups; pp whole pipelines); strict:
-    exactly ``current``. ``spec`` (the job's whole plan, pp included) replaces plan/shard_size when given."""
+    exactly ``current``. ``spec`` (the job's whole plan, pp included) replaces plan/shard_size when given.
+    ``valid`` (``parallel.plan: auto``: some layout of the job runs and fits at that size, planner/live.py)
+    replaces the plan's own rule."""
     spec = spec or PlanSpec(plan, global_batch, micro_batch, shard_size)
+    ok = valid or (lambda w: is_valid(spec, w)[0])
     waited = 0.0 if waiting_since is None else now - waiting_since
     if mode == "strict":
         if available >= current:
@@ -69,11 +73,12 @@ def decide_membership(
     else:
         # the largest valid size that fits, searched downwards from what is there: a step per size
         # skipped, not a check of every size up to workers.max (10,000 layouts resolved per decision)
-        w = next((w for w in range(min(available, max_workers), min_workers - 1, -1) if is_valid(spec, w)[0]), None)
+        w = next((w for w in range(min(available, max_workers), min_workers - 1, -1) if ok(w)), None)
         if w is not None:
             return Membership("go", w, f"{available} workers available; largest valid world size is {w}")
-        valid = [w for w in valid_world_sizes(spec, max_workers) if w >= min_workers]
-        target, need = (min(valid) if valid else min_workers), (min(valid) if valid else min_workers)
+        sizes = [w for w in (range(1, max_workers + 1) if valid else valid_world_sizes(spec, max_workers))
+                 if w >= min_workers and ok(w)]
+        target, need = (min(sizes) if sizes else min_workers), (min(sizes) if sizes else min_workers)
     if waited >= wait_limit_s:
         # strict mode needs the whole world size back: workers.min plays no part there, so the fix named
         # is capacity or elastic mode (which shrinks to what is there)

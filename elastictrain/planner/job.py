@@ -109,6 +109,7 @@ class Choice:
     estimate: Estimate
     world: int
     reason: str
+    cluster: Cluster | None = None  # what it was priced on: a live re-plan prices on the same (planner/live.py)
 
     def as_event(self) -> dict[str, Any]:
         e = self.estimate.as_dict()
@@ -167,7 +168,7 @@ def choose(config: Any, cluster: Cluster, worlds: list[int], shape: str | None =
             why = (f"best of {len(ranked)} layouts at world size {world} that fits and runs: "
                    f"{best.candidate.describe()}, predicted {best.time.total_s:.3g} s per step at "
                    f"{best.memory.total / 2**30:.2f} GiB per device (cluster: {cluster.source})")
-            return concrete, Choice(settings, best, world, why)
+            return concrete, Choice(settings, best, world, why, cluster)
     if closest is not None:
         raise PlannerInputError("parallel.plan=auto: no layout fits; closest: " + refusal(closest, cluster))
     raise PlannerInputError(f"parallel.plan=auto: no runnable layout is valid at world sizes {worlds}"

@@ -9,14 +9,15 @@ as every device reading its share of the new layout's weights and optimizer stat
 process groups, the model wrapped again). When the running family cannot run or fit at the new size, the
 move is required and the best layout that fits is taken whatever it costs.
 
-Not wired into the controller yet: a run under ``parallel.plan: auto`` keeps its start-time layout across
-resizes (docs/config.md). This module is the decision the controller will ask for.
+The controller asks it through :mod:`.live` (a run under ``parallel.plan: auto``, at every generation
+formed at another world size) and emits ``replanned`` with :meth:`Replan.as_event`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
 from elastictrain.planner.inputs import OPTIMIZER_BYTES, PRECISIONS, Candidate, Cluster, ModelShape, Training
@@ -47,8 +48,10 @@ class Replan:
         return {"action": self.action, "world_size": self.world_size, "old_layout": self.old.describe(),
                 "new_layout": self.new.candidate.describe(), "predicted_step_s": self.new.time.total_s,
                 "predicted_memory_bytes": int(self.new.memory.total),
-                "kept_step_s": self.kept.time.total_s if self.kept else None, "move_s": self.move_s,
-                "saved_s": self.saved_s, "pays_for_itself": self.pays_for_itself, "reason": self.reason}
+                "kept_step_s": self.kept.time.total_s if self.kept else None,
+                "kept_memory_bytes": int(self.kept.memory.total) if self.kept else None, "move_s": self.move_s,
+                "saved_s": None if math.isinf(self.saved_s) else self.saved_s,  # required: not a saving
+                "pays_for_itself": self.pays_for_itself, "reason": self.reason}
 
 
 def same_family(old: Candidate, world: int, train: Training) -> Candidate | None:
@@ -75,16 +78,19 @@ def move_seconds(model: ModelShape, train: Training, cluster: Cluster, new: Cand
 
 
 def decide(model: ModelShape, train: Training, cluster: Cluster, old: Candidate, world: int, steps_left: int,
-           *, rebuild_s: float = 2.0, **search: Any) -> Replan | None:
+           *, rebuild_s: float = 2.0, allowed: Callable[[Candidate], bool] | None = None,
+           **search: Any) -> Replan | None:
     """The layout for ``world`` devices after a resize (module docstring), or None when nothing runnable
-    fits there. ``search`` goes to :func:`.search.plan` (e.g. ``micro_batches``)."""
-    ranked = [e for e in plan(model, train, cluster, world, **search) if e.fits]
+    fits there. ``allowed``: which candidates the job can run at all (e.g. sharded ones only; the running
+    family is kept only if allowed too). ``search`` goes to :func:`.search.plan` (e.g. ``micro_batches``)."""
+    ok = allowed or (lambda c: True)
+    ranked = [e for e in plan(model, train, cluster, world, **search) if e.fits and ok(e.candidate)]
     if not ranked:
         return None
     best = ranked[0]
     fam = same_family(old, world, train)
     kept = None
-    if fam is not None and why_invalid(model, train, cluster, fam) is None:
+    if fam is not None and ok(fam) and why_invalid(model, train, cluster, fam) is None:
         kept = evaluate(model, train, cluster, fam)
     if kept is None or not kept.fits:
         why = ("cannot run at this size" if kept is None else

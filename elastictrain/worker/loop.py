@@ -54,6 +54,7 @@ class StepRecord:
     finished_at: float        # time.time()
     sample_ids: list[int] = field(default_factory=list)  # only when audit is on
     pipeline: dict[str, Any] | None = None  # pp > 1: pp, schedule, n_microbatches, bubble_timeline/_measured
+    mesh: str | None = None  # the layout this rank runs, as built (StepRunner.mesh): "fsdp: dp_shard=3"
 
 
 def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -87,6 +88,7 @@ class StepRunner:
         self.uninitialized = False  # parameters have memory but no values yet (set by attach)
         self.pm: ParallelModel | None = None
         self.layout: Layout | None = None
+        self.mesh: str | None = None  # what attach built: the plan applied and the mesh's axes
         self.state = TrainingState(self.model, self._optimizer(), self.cursor)
         self.step_stats = StepStats(None)
         self.rank = 0
@@ -167,8 +169,10 @@ class StepRunner:
             host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         mesh = build_mesh(layout.dims, self.device)
+        plan = parallel_of(layout, self.parallel)
+        self.mesh = f"{plan.plan}: " + " x ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
         if layout.dims.pp > 1:
-            return self._attach_pipeline(mesh, layout)
+            return self._attach_pipeline(mesh, layout, plan)
         whole = layout.plan == "ddp" and layout.dims.tp == 1  # each rank holds the whole model
         kept = self.model is not None and self.replicated and whole
         pristine = (self.model is not None and self.pm is None and self.step == 0
@@ -176,7 +180,7 @@ class StepRunner:
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
             # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here
             self.model = self._fresh_model() if whole else self._meta_model()
-        module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, self.parallel)
+        module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, plan)
         if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
             materialize(module, self.device)
             self.uninitialized = True
@@ -189,13 +193,13 @@ class StepRunner:
             self.state.model = self.pm.model
         return kept
 
-    def _attach_pipeline(self, mesh: Any, layout: Layout) -> bool:
+    def _attach_pipeline(self, mesh: Any, layout: Layout, plan: ParallelConfig) -> bool:
         """Build this rank's pipeline stages from a fresh meta copy of the model (parallel/pipeline.py): no
         state survives a re-mesh, the values come from a restore or the seeded init. Returns False."""
         from elastictrain.parallel.pipeline import build_pipeline
 
         self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
-                                 self.task.parallelize_fn, self.parallel, self.device,
+                                 self.task.parallelize_fn, plan, self.device,
                                  materialize_fn=materialize)
         self.model = self.pm.model
         self.uninitialized = True
@@ -264,7 +268,7 @@ class StepRunner:
         record = StepRecord(
             step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
             step_s=time.perf_counter() - t0, compute_s=done.compute_s, finished_at=time.time(), sample_ids=seen,
-            pipeline=_pipeline_fields(self.layout, done),
+            pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
         )
         return record, bool(stats[1] > 0)
 
@@ -349,6 +353,18 @@ def _pipeline_fields(layout: Layout, done: MicroStepResult) -> dict[str, Any] | 
     return {"pp": layout.dims.pp, "schedule": done.schedule, "n_microbatches": done.n_microbatches,
             "stages_per_rank": done.stages_per_rank, "bubble_timeline": round(timeline, 4),
             "bubble_measured": round(done.idle_share, 4)}
+
+
+def parallel_of(layout: Layout, base: ParallelConfig) -> ParallelConfig:
+    """The ``parallel`` settings a generation runs: ``base`` (the job's: mixed precision, activation
+    checkpointing, resharding...) with the layout's own keys taken from ``layout``, the single source for a
+    running generation (under ``parallel.plan: auto`` the controller may re-plan it at a resize)."""
+    d = layout.dims
+    return base.model_copy(update={
+        "plan": d.plan, "shard_size": d.dp_shard if d.plan == "hsdp" else base.shard_size, "pp": d.pp, "tp": d.tp,
+        "pp_schedule": layout.pp_schedule if d.pp > 1 else base.pp_schedule,
+        "stages_per_rank": layout.stages_per_rank if d.pp > 1 else base.stages_per_rank,
+        "sequence_parallel": layout.sp if d.tp > 1 else None})
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
