@@ -1,0 +1,123 @@
+"""``parallel.plan: auto`` re-plans a live run when the world changes size (issue 24): the planner's
+decision (pure, from the figures the job gives in ``parallel.calibration``), then a real run on local Ray
+(gloo, a real SIGKILL, no spare) whose workers build each generation's layout from the ``Layout`` they join
+with, the state moving between layout families through the survivors' snapshots, never storage."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from elastictrain import build_config
+from elastictrain.parallel.plan import resolve, spec_from_config
+from elastictrain.planner.cluster import CPU_DEFAULTS
+from elastictrain.planner.inputs import Cluster
+from elastictrain.planner.live import Replanner
+
+from tests.conftest import BASE_JOB, job, run_job
+from tests.parallel_fixtures import InProcessRun
+
+STEPS = 12
+MODEL = {**BASE_JOB["task"]["model"], "n_layer": 2}  # two blocks: pp2 has one per stage
+TASK = {**copy.deepcopy(BASE_JOB["task"]), "model": MODEL}
+TRAIN = {"steps": STEPS, "global_batch": 24, "micro_batch": 2}  # data-parallel sizes 1, 2, 3, 4 all valid
+# The planner's figures for this machine, as a calibration file gives them: 2 MB per worker and 100 kB/s
+# between workers. Then (tiny GPT above): at 4 workers the replicas of ddp 4 do not fit and pipelining
+# moves the least, so pp2 x ddp2 is planned (~1.9 s a step); at 3 no whole pipelines and only fsdp 3 fits
+# (ddp 3 does not); back at 4 the running family, fsdp 4, is ~10 s a step slower than pp2 x ddp2 and
+# the move costs ~6 s: a switch that pays for itself with a single step left.
+FIGURES = {"device_memory": 2.0e6, "runtime_bytes": 1e6, "intra_node_bw": 1e5}
+
+
+def _cluster() -> Cluster:
+    return Cluster(nodes=1, devices_per_node=4, **{**CPU_DEFAULTS, **FIGURES})
+
+
+def _spec(calibration: str | None, **sections) -> dict:
+    parallel = {"plan": "auto", "calibration": calibration} if calibration else {"plan": "ddp", "pp": 2}
+    return copy.deepcopy(job(task=TASK, train=TRAIN, workers={"min": 2, "max": 4}, parallel=parallel, **sections))
+
+
+def test_replanner_moves_when_it_must_and_switches_back_when_the_move_pays():
+    config = build_config(_spec(None))  # the run's concrete config as auto makes it: ddp x pp2
+    spec = spec_from_config(config)
+    start = resolve(spec, 4)
+    planner = Replanner(config, _cluster())
+    assert planner.runs_at(4) and planner.runs_at(3) and planner.runs_at(2)
+    down = planner.decide(start, spec, 3, steps_left=8)
+    assert down.decision.action == "required" and "cannot run at this size" in down.decision.reason
+    assert (down.spec.plan, down.spec.pp, down.layout.dims.dp_shard) == ("fsdp", 1, 3)
+    event = down.as_event()
+    assert event["old_layout"] == "ddp 2, pp 2 1f1b, mb 2" and event["new_layout"] == "fsdp 3, mb 2"
+    assert event["saved_s"] is None and event["predicted_memory_bytes"] <= FIGURES["device_memory"]
+    assert event["old_world_size"] == 4 and event["old_step_s"] > 0 and event["mesh"] == {"dp_shard": 3}
+    up = planner.decide(down.layout, down.spec, 4, steps_left=3)
+    assert up.decision.action == "switch" and up.decision.pays_for_itself, up.decision.reason
+    assert (up.spec.plan, up.spec.pp, up.layout.dims.dp_replicate) == ("ddp", 2, 2)
+    assert up.decision.kept.candidate.describe() == "fsdp 4, mb 2"  # the running family at 4: slower
+    # no steps left: nothing pays for a move, fsdp 4 is kept
+    assert planner.decide(down.layout, down.spec, 4, steps_left=0).decision.action == "keep"
+    # a world where nothing fits is never chosen (the membership rule under auto)
+    tight = Replanner(config, Cluster(nodes=1, devices_per_node=4, **{**CPU_DEFAULTS, **FIGURES,
+                                                                        "device_memory": 1.82e6}))
+    assert not tight.runs_at(3) and tight.decide(start, spec, 3, steps_left=8) is None
+
+
+def _slow(ranks: int, seconds: float, generation: int | None = None) -> list[dict]:
+    return [{"rank": r, "step": 1, "kind": "slow", "seconds": seconds, "generation": generation}
+            for r in range(ranks)]
+
+
+def _audit(run) -> None:
+    from elastictrain.data.cursor import step_sample_ids
+    from elastictrain.data.datasets import TokenWindows, load_text_tokens
+
+    n = len(TokenWindows(load_text_tokens("builtin:pydoc"), MODEL["seq_len"]))
+    seen: dict[int, list[int]] = {}
+    for e in run.of("step"):
+        ids = sorted(e["sample_ids"])
+        assert ids == sorted(step_sample_ids(e["step"] - 1, TRAIN["global_batch"], 0, n).tolist()), e["step"]
+        assert seen.setdefault(e["step"], ids) == ids
+    assert sorted(seen) == list(range(1, STEPS + 1))
+
+
+def test_auto_run_replans_at_each_resize_and_moves_state_through_memory(tmp_path, ray_local):
+    """4 workers plan pp2 x ddp2; rank 1 is SIGKILLed with no spare: 3 survivors cannot hold whole
+    pipelines, so the next generation runs fsdp 3 (``replanned``: required), restored from the survivors'
+    snapshots; the replacement comes up and the group grows back to pp2 x ddp2 (``replanned``: switch,
+    its move paid for). Every generation's ranks report the mesh they built; the run ends at the loss of an
+    uninterrupted one, every step seeing exactly its samples."""
+    calibration = tmp_path / "figures.json"
+    calibration.write_text(json.dumps(FIGURES))
+    kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
+    t = job()["timeouts"]
+    # the fsdp 3 generation (1) runs slowly so that the replacement is up before the run ends
+    spec = _spec(str(calibration), faults=_slow(4, 0.03) + [kill] + _slow(3, 1.0, generation=1),
+                 train={**TRAIN, "audit_samples": True},
+                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2},
+                 recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240})
+    run = run_job(tmp_path, spec, name="auto")
+    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    planned = run.of("run_started")[0]["planned"]
+    assert (planned["layout"]["plan"], planned["layout"]["pp"], planned["world_size"]) == ("ddp", 2, 4), planned
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    replans = run.of("replanned")
+    assert [(e["action"], e["world_size"], e["new_layout"]) for e in replans] == [
+        ("required", 3, "fsdp 3, mb 2"), ("switch", 4, "ddp 2, pp 2 1f1b, mb 2")], replans
+    assert replans[0]["old_layout"] == "ddp 2, pp 2 1f1b, mb 2" and replans[1]["old_layout"] == "fsdp 3, mb 2"
+    assert replans[1]["saved_s"] > replans[1]["move_s"] > 0 and replans[1]["kept_step_s"] > replans[1]["predicted_step_s"]
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes == [(4, 3), (3, 4)], sizes
+    # the workers built what the controller chose: each generation's first step names its ranks' mesh
+    meshes = [(e["step"], e["mesh"]) for e in run.of("step") if "mesh" in e]
+    assert [m for _, m in meshes] == ["ddp: pp=2 x dp_replicate=2", "fsdp: dp_shard=3",
+                                      "ddp: pp=2 x dp_replicate=2"], meshes
+    # both moves came from the survivors' memory (a committed checkpoint was there to fall back on)
+    assert run.of("checkpoint_saved")
+    assert [r["source"] for r in run.of("recovered")] == ["peer"], run.of("recovered")
+    grown = [g for g in run.of("generation_started") if g["reason"] == "grow"]
+    assert len(grown) == 1 and not run.of("resumed")
+    _audit(run)
+    clean = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
+    lf, lc = run.summary["final_loss"], InProcessRun(clean).losses()[STEPS]
+    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
