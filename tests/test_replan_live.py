@@ -35,7 +35,8 @@ def _cluster() -> Cluster:
 
 def _spec(calibration: str | None, **sections) -> dict:
     parallel = {"plan": "auto", "calibration": calibration} if calibration else {"plan": "ddp", "pp": 2}
-    return copy.deepcopy(job(task=TASK, train=TRAIN, workers={"min": 2, "max": 4}, parallel=parallel, **sections))
+    base = dict(task=TASK, train=TRAIN, workers={"min": 2, "max": 4}, parallel=parallel)
+    return copy.deepcopy(job(**{**base, **sections}))
 
 
 def test_replanner_moves_when_it_must_and_switches_back_when_the_move_pays():
@@ -121,3 +122,39 @@ def test_auto_run_replans_at_each_resize_and_moves_state_through_memory(tmp_path
     clean = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
     lf, lc = run.summary["final_loss"], InProcessRun(clean).losses()[STEPS]
     assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+
+
+def test_a_replicated_generation_followed_by_a_sharded_one_serves_snapshots(ray_local, tmp_path):
+    """ddp on 3 (every survivor a whole replica) re-planned to fsdp on 4: the broadcast path cannot fill the
+    rebuilt shards, so the gatherer asks a survivor for its snapshot (a peer restore read by name); the
+    same generation followed by ddp keeps the broadcast."""
+    import ray
+
+    from elastictrain.checkpoint.memory_dcp import SnapshotMeta
+    from elastictrain.controller.gather import PeerRestore, Previous, SourceGatherer
+    from elastictrain.controller.group import Slot, SlotState
+    from elastictrain.events import EventLog
+    from elastictrain.parallel.plan import Layout, MeshDims
+
+    @ray.remote(num_cpus=0)
+    class Survivor:
+        def own_snapshots(self) -> list:
+            return []
+
+        def hold_snapshot(self, expect):
+            gen, rank, step = expect
+            return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen)
+
+    actor = Survivor.remote()
+    ddp3 = Layout(MeshDims(dp_replicate=3, plan="ddp"), 4, "ddp 3")
+    g = SourceGatherer(build_config(job()), EventLog(tmp_path, console=None), None, None, None, None,
+                       lambda world: ddp3)
+    slots = [Slot(r, actor=actor, state=SlotState.MEMBER, info={"step": 5}, rank=r, has_state=True)
+             for r in range(3)]
+    prev = Previous(1, {r: r for r in range(3)}, 3, ddp3)
+    fsdp4 = Layout(MeshDims(dp_shard=4, plan="fsdp"), 3, "fsdp 4")
+    moved = g.gather(slots, slots, prev, 2, [5], next_layout=fsdp4)
+    assert moved.kind == "peer" and isinstance(moved.resume, PeerRestore) and moved.resume.step == 5
+    assert [s.meta.rank for s in moved.resume.sources] == [0]  # one replica holds it all
+    kept = g.gather(slots, slots, prev, 2, [5], next_layout=Layout(MeshDims(dp_replicate=4), 3, "ddp 4"))
+    assert kept.kind == "peer" and kept.resume is None  # survivors broadcast, as before
