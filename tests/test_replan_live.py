@@ -158,3 +158,41 @@ def test_a_replicated_generation_followed_by_a_sharded_one_serves_snapshots(ray_
     assert [s.meta.rank for s in moved.resume.sources] == [0]  # one replica holds it all
     kept = g.gather(slots, slots, prev, 2, [5], next_layout=Layout(MeshDims(dp_replicate=4), 3, "ddp 4"))
     assert kept.kind == "peer" and kept.resume is None  # survivors broadcast, as before
+
+
+def _sim_run(tmp_path, planned) -> list[dict]:
+    """The real controller over 8 simulated ddp workers (elastictrain/sim), one killed at step 6 (its slot
+    respawns and the group grows back); the events it wrote."""
+    from elastictrain.controller.controller import Controller
+    from elastictrain.events import EventLog, read_events
+    from elastictrain.sim.group import SimGroup
+    from elastictrain.sim.scenarios import sim_config
+    from elastictrain.sim.world import Fault, SimWorld
+    from elastictrain.task import builtin_task
+
+    config = sim_config(8, 20, 0.01)
+    world = SimWorld(step_s=0.01, setup_s=0.05)
+    world.faults = [Fault(6, "kill", lambda w, t: w.crash(w.workers[5], t))]
+    events = EventLog(tmp_path, console=None)
+    group = SimGroup(world, config.workers.max)
+    c = Controller(config, builtin_task(config), events, group=group, planned=planned)
+    summary = c.run()
+    events.close()
+    assert summary["state"] == "finished", summary
+    return read_events(tmp_path)
+
+
+def test_a_fixed_layout_is_never_replanned_and_auto_asks_the_planner_at_each_resize(tmp_path):
+    from types import SimpleNamespace
+
+    fixed = _sim_run(tmp_path / "fixed", planned=None)
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in fixed if e["event"] == "resized"]
+    assert sizes and sizes[0][0] == 8 and not [e for e in fixed if e["event"] == "replanned"], sizes
+    roomy = Cluster(nodes=1, devices_per_node=8, **{**CPU_DEFAULTS, "device_memory": 64e9})
+    auto = _sim_run(tmp_path / "auto", planned=SimpleNamespace(cluster=roomy, world=8))
+    replans = [e for e in auto if e["event"] == "replanned"]
+    resized = [e for e in auto if e["event"] == "resized"]
+    assert len(replans) == len(resized) >= 1, (replans, resized)  # one decision per generation of another size
+    for r, s in zip(replans, resized):
+        assert r["world_size"] == s["new_world_size"] and r["old_world_size"] == s["old_world_size"]
+        assert r["action"] in ("keep", "switch", "required") and r["reason"]
