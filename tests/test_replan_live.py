@@ -106,6 +106,8 @@ def test_auto_run_replans_at_each_resize_and_moves_state_through_memory(tmp_path
     assert [(e["action"], e["world_size"], e["new_layout"]) for e in replans] == [
         ("required", 3, "fsdp 3, mb 2"), ("switch", 4, "ddp 2, pp 2 1f1b, mb 2")], replans
     assert replans[0]["old_layout"] == "ddp 2, pp 2 1f1b, mb 2" and replans[1]["old_layout"] == "fsdp 3, mb 2"
+    # what does not fit is never chosen: ddp 3 (faster, 2.15 MB per worker) is not, fsdp 3 is
+    assert all(e["predicted_memory_bytes"] <= FIGURES["device_memory"] for e in replans), replans
     up = replans[1]
     assert up["saved_s"] > up["move_s"] > 0 and up["kept_step_s"] > up["predicted_step_s"], up
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
