@@ -71,7 +71,8 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
 
         group.kill(group.slots[0])
         group.spawn(0)  # the first replacement starts cold ...
-        assert _ready(group, 0)["standby"] is False
+        cold_info = _ready(group, 0)
+        assert cold_info["standby"] is False and cold_info["prebuilt"] is False
         standby = group._standby  # ... and once it is up, a standby is started
         assert standby is not None
         standby_pid = _pid_of(standby)
@@ -88,10 +89,12 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
             assert ahead == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
         assert cold == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
 
+        ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
         group.kill(group.slots[0])
         group.spawn(0)
         info = _ready(group, 0)
         assert info["standby"] is True and info["pid"] == standby_pid and info["slot"] == 0
+        assert info["prebuilt"] is True  # taking it only named the slot: no build after the death
         assert group._standby is not None and group._standby is not standby  # the next one is on its way
         next_pid = _pid_of(group._standby)
         assert next_pid != standby_pid

@@ -111,28 +111,33 @@ class Worker:
     @_on_state_thread
     def setup(self, slot: int | None = None) -> dict[str, Any]:
         """The slow start-up (imports, model build, dataset): done while the others keep training. ``slot``:
-        the slot this process takes (a standby started ahead was created without one)."""
+        the slot this process takes (a standby started ahead was created without one). A standby runs it
+        ahead with no slot (:meth:`WorkerGroup._start_standby`); taking the standby calls it again with
+        the slot, which then only names the slot: the model and data it built are a fresh worker's (built
+        from the config and seed alone, never joined to a group), and ``prebuilt`` says so."""
         t0 = time.perf_counter()
         if slot is not None and slot != self.slot:
             self.slot = slot
             self._log = configure_worker_logging(slot)
-        _freeze_imported_objects()
-        threads = max(1, int(self.config.workers.cpus_per_worker))
-        torch.set_num_threads(threads)
-        faults = FaultInjector(self.config.faults)
-        if self.config.workers.use_gpu:
-            # We abort NCCL communicators ourselves when the controller reports a death (abort_group);
-            # torch's watchdog must not tear the surviving process down first (see _abort_process_group).
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        device = worker_device(self.config.workers.use_gpu)
-        self.runner = StepRunner(self.task, self.config.train, faults, audit=self.config.train.audit_samples,
-                                 parallel=self.config.parallel, device=device)
+        prebuilt = self.runner is not None
+        if not prebuilt:
+            _freeze_imported_objects()
+            threads = max(1, int(self.config.workers.cpus_per_worker))
+            torch.set_num_threads(threads)
+            faults = FaultInjector(self.config.faults)
+            if self.config.workers.use_gpu:
+                # We abort NCCL communicators ourselves when the controller reports a death (abort_group);
+                # torch's watchdog must not tear the surviving process down first (see _abort_process_group).
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            self.runner = StepRunner(self.task, self.config.train, faults,
+                                     audit=self.config.train.audit_samples, parallel=self.config.parallel,
+                                     device=worker_device(self.config.workers.use_gpu))
         self._status = "ready"
         ctx = ray.get_runtime_context()
         return {
             "slot": self.slot, "pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": _node_ip(),
-            "device": _device_name(device),
-            "setup_s": time.perf_counter() - t0, "dataset_len": self.runner.dataset_len,
+            "device": _device_name(self.runner.device),
+            "setup_s": time.perf_counter() - t0, "prebuilt": prebuilt, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),
         }
