@@ -247,26 +247,37 @@ class WorkerMonitor:
         """Take every outstanding poll, then poll each live member once more: no record is dropped.
         ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
         others' last records and reports are taken when the next generation forms)."""
-        timeout = self.config.timeouts.poll_s
+        self._take_members(self._ask_members(reporter_only))
+
+    def _ask_members(self, reporter_only: bool = False) -> list[tuple[Slot, Any]]:
+        """Send the polls of :meth:`_poll_members_blocking` without waiting: ``(slot, ref)`` in the order
+        :meth:`_take_members` must take them (a slot's poll still out before its new one: its records stay
+        in order). A generation's formation sends them before its rendezvous and takes the answers while
+        the members join (:meth:`~elastictrain.controller.controller.Controller._form_generation`)."""
         outstanding, self.poll_refs = self.poll_refs, {}
-        for idx, (ref, _) in outstanding.items():
-            slot = self.group.slots[idx]
-            if slot.state is SlotState.DEAD:
-                continue
-            try:
-                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
-            except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
-                pass
-        # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
-        # the outstanding ones: a slot's records stay in order
+        asked = [(self.group.slots[idx], ref) for idx, (ref, _) in outstanding.items()
+                 if self.group.slots[idx].state is not SlotState.DEAD]
+        # asked all at once: a recovery pays one round trip, not one per member
         after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
         members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
-        asked = [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
-                 for slot in members if slot.state is SlotState.MEMBER]
+        asked += [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
+                  for slot in members if slot.state is SlotState.MEMBER]
+        return asked
+
+    def _take_members(self, asked: list[tuple[Slot, Any]]) -> None:
+        """Take the answers to :meth:`_ask_members`' polls, in its order, waiting up to ``timeouts.poll_s``
+        for all of them together (one wait, not one per member). A member dead or not answering is skipped:
+        its run ref or the watchdog finds it."""
+        refs = [ref for _, ref in asked]
+        if not refs:
+            return
+        done = set(self.rt.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)[0])
         for slot, ref in asked:
+            if ref not in done:
+                continue
             try:
-                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
-            except Exception:  # noqa: BLE001
+                self._take_poll(slot, self.rt.get(ref))
+            except Exception:  # noqa: BLE001 - it died after answering nothing
                 pass
 
     def _watchdog(self) -> None:
