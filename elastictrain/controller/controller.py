@@ -390,13 +390,14 @@ class Controller(WorkerMonitor):
         a member failed on the way (recorded as a failure). Under tp or pp the ranks are first given by
         topology (:meth:`_place`).
 
-        Rounds of calls on the members, after the decision: the previous members' last polls (sent first,
-        their answers taken while the new members join), ``open_store`` on rank 0, then ``join`` -- which
+        Rounds of calls on the members, after the decision: ``open_store`` on rank 0, then ``join`` -- which
         also syncs the state from its source when that is known before the rendezvous (the survivors hold
-        it, or step 0) -- then ``run``. A restore (the peer tier, a checkpoint) runs between ``join`` and
-        ``sync``: the source is known once it is loaded, so ``sync`` is a round of its own."""
+        it, or step 0) -- then ``run``; the last polls of the previous members that need one
+        (:meth:`_last_poll_targets`, usually none) are sent first and taken while the members join. A
+        restore (the peer tier, a checkpoint) runs between ``join`` and ``sync``: the source is known once
+        it is loaded, so ``sync`` is a round of its own."""
         chosen = self._place(chosen)
-        asked = self._ask_members()  # answered while the rendezvous runs; taken before the generation starts
+        asked = self._ask_members(self._last_poll_targets())  # taken while the members join
         self.generation += 1
         gen, world = self.generation, len(chosen)
         self.committer.new_generation(gen, world)

@@ -247,22 +247,34 @@ class WorkerMonitor:
         """Take every outstanding poll, then poll each live member once more: no record is dropped.
         ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
         others' last records and reports are taken when the next generation forms)."""
-        self._take_members(self._ask_members(reporter_only))
+        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
+        self._take_members(self._ask_members(members))
 
-    def _ask_members(self, reporter_only: bool = False) -> list[tuple[Slot, Any]]:
-        """Send the polls of :meth:`_poll_members_blocking` without waiting: ``(slot, ref)`` in the order
-        :meth:`_take_members` must take them (a slot's poll still out before its new one: its records stay
-        in order). A generation's formation sends them before its rendezvous and takes the answers while
-        the members join (:meth:`~elastictrain.controller.controller.Controller._form_generation`)."""
+    def _ask_members(self, members: Sequence[Slot]) -> list[tuple[Slot, Any]]:
+        """Send a poll to each live one of ``members`` without waiting: ``(slot, ref)``, after every poll
+        still out, in the order :meth:`_take_members` must take them (a slot's earlier poll first: its
+        records stay in order). Asked all at once: a round trip for all, not one per member."""
         outstanding, self.poll_refs = self.poll_refs, {}
         asked = [(self.group.slots[idx], ref) for idx, (ref, _) in outstanding.items()
                  if self.group.slots[idx].state is not SlotState.DEAD]
-        # asked all at once: a recovery pays one round trip, not one per member
         after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
-        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
         asked += [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
                   for slot in members if slot.state is SlotState.MEMBER]
         return asked
+
+    def _last_poll_targets(self) -> list[Slot]:
+        """The members a generation's formation must poll before the next generation starts (their answers
+        are taken while the new members join): all of them while a save of the ending generation waits for
+        their reports (:meth:`Committer.waiting`) or when every rank reports its steps (pp); else only a
+        member whose run ended past every step reported so far -- its records make the step only some
+        survivors completed (``Ledger.flush_partial``). Usually nobody: the generation ended with a poll of
+        its reporting rank (a failure) or of every member (a stop), and the others' records (compute times,
+        kept by the worker until asked) and reports come with their next poll."""
+        members = self.group.members()
+        if self.reporter is None or self.committer.waiting():
+            return members
+        known = max(self.ledger.last_step, self.ledger.latest_record_step)
+        return [s for s in members if int(s.info.get("step", 0)) > known]
 
     def _take_members(self, asked: list[tuple[Slot, Any]]) -> None:
         """Take the answers to :meth:`_ask_members`' polls, in its order, waiting up to ``timeouts.poll_s``
