@@ -247,11 +247,18 @@ class Fault:
 
 
 class _Drains:
+    """The drain watcher over the simulated cluster: notices are there as soon as posted (a fault); the
+    controller reads them when it checks (once per poll interval). The first read that names a node is
+    recorded (:attr:`SimWorld.notice_read`): when the notice reached the controller."""
+
     def __init__(self, world: SimWorld) -> None:
         self.world = world
 
     def draining(self, now: float | None = None) -> set[str]:
-        return set(self.world.draining)
+        hit = set(self.world.draining)
+        if hit and self.world.notice_read is None:
+            self.world.notice_read = (time.time(), self.world.own_clock())
+        return hit
 
     def take_notice(self) -> str | None:
         return None
@@ -266,6 +273,7 @@ class SimWorld:
         self.dead_nodes: set[str] = set()
         self.node_back_at: dict[str, float] = {}
         self.draining: set[str] = set()
+        self.notice_read: tuple[float, float] | None = None  # (wall, own clock) the controller first read one
         self.timelines: dict[int, Timeline] = {}
         self.faults: list[Fault] = []
         self.calls: Counter[str] = Counter()  # calls made on the workers, by method
