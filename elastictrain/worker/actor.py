@@ -3,7 +3,8 @@
 The actor is threaded (``max_concurrency`` > 1) so the controller can ``poll`` and ``request_stop`` while
 ``run`` executes steps. Healthy actors survive every membership change: ``join`` only swaps the process
 group (a fresh TCPStore per generation, hosted by the new rank 0) and re-applies the layout on a new
-DeviceMesh, and ``sync`` brings state from a live peer.
+DeviceMesh, and ``sync`` brings state from a live peer (within ``join`` when the controller names the
+source there: one call per rank instead of two).
 
 Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation and load their state through a
 DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: survivors' held snapshots
