@@ -36,10 +36,10 @@ class ScriptedWorker:
         return "127.0.0.1", 0
 
     def join(self, generation: int, rank: int, world: int, host: str, port: int, layout: Any = None,
-             restore: Any = None) -> int | None:
+             restore: Any = None, sync_src: int | None = None) -> int | None:
         if self.script.get("join_error"):  # e.g. a joiner whose restore fails: its own error
             raise ValueError(self.script["join_error"])
-        return None if restore is None else self.step
+        return None if restore is None and sync_src is None else self.step
 
     def abort_group(self) -> str:
         return "noop"

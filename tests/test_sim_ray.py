@@ -1,7 +1,8 @@
 """The Ray variant of the simulation (elastictrain/sim/ray_actors.py, ray_run.py): the real controller over
 Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); a real SIGKILL of one
-actor's process is recovered and the run finishes its steps with the world sizes the policy promises.
-Correctness only: no timing is asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
+actor's process is recovered and the run finishes its steps with the world sizes the policy promises,
+with one ``join`` per member and generation and no ``sync`` round (counted). Correctness only: no timing is
+asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
 
 Its own local Ray, not the session's: the session's workers preload the worker actor's module (torch),
 and the point here is an actor process without it. It shuts its Ray down after; the next test on
@@ -33,3 +34,6 @@ def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(ba
     assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0), r
     assert r.worlds == promised_worlds(sim_config(ACTORS, STEPS, STEP_S), [16, 15, 16]) == [16, 15, 16], r
     assert r.kill_to_generation_s is not None and r.kill_to_next_step_s is not None, r  # the kill came mid-run
+    # one round of calls per generation for the rendezvous and the state: `join` syncs (no `sync` round)
+    calls = r.extra["calls"]
+    assert calls["join"] == sum(r.worlds) and "sync" not in calls and calls["open_store"] == len(r.worlds), calls

@@ -428,10 +428,16 @@ class Controller(WorkerMonitor):
         """Rendezvous ``chosen`` (in rank order) as a new generation, sync state from the most advanced
         survivor, and start the step loop (not with ``start=False``: a generation that only saves). False if
         a member failed on the way (recorded as a failure). Under tp or pp the ranks are first given by
-        topology (:meth:`_place`)."""
+        topology (:meth:`_place`).
+
+        Rounds of calls on the members, after the decision: ``open_store`` on rank 0, then ``join`` -- which
+        also syncs the state from its source when that is known before the rendezvous (the survivors hold
+        it, or step 0) -- then ``run``; the last polls of the previous members that need one
+        (:meth:`_last_poll_targets`, usually none) are sent first and taken while the members join. A
+        restore (the peer tier, a checkpoint) runs between ``join`` and ``sync``: the source is known once
+        it is loaded, so ``sync`` is a round of its own."""
         chosen = self._place(chosen)
-        self._poll_members_blocking()
-        self.ledger.flush_partial()
+        asked = self._ask_members(self._last_poll_targets())  # taken while the members join
         self.generation += 1
         gen, world = self.generation, len(chosen)
         self.committer.new_generation(gen, world)
@@ -446,9 +452,14 @@ class Controller(WorkerMonitor):
             layout = self.layout(world)
             # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
             peer = resume.sources if isinstance(resume, PeerRestore) else None
-            got = call_members([(s, s.actor.join.remote(gen, r, world, host, port, layout, peer))
-                                for r, s in enumerate(chosen)], t.restart_grace_s, "join", self.rt)
-            if isinstance(resume, PeerRestore):
+            src = None if resume is not None else self._sync_source(chosen)
+            joins = [(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
+                     for r, s in enumerate(chosen)]
+            asked = self._take_last_polls(asked)
+            got = call_members(joins, t.restart_grace_s, "join", self.rt)
+            if src is not None:  # joined and synced in one round
+                steps = got
+            elif isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
                 self.recovery_source = resume.kind
@@ -463,14 +474,16 @@ class Controller(WorkerMonitor):
                 self.ledger.last_step = int(resume.step)
                 self.events.emit("resumed", step=int(resume.step), world_size=world,
                                  from_world_size=getattr(resume, "world_size", None), uri=root)
-            src = policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state}
-                                     or {0: 0})
-            steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s, "state sync",
-                                 self.rt)
+            if src is None:
+                src = self._sync_source(chosen)
+                steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s,
+                                     "state sync", self.rt)
         except CheckpointLoadFailed as e:  # the checkpoint's fault, not the workers': exit 3, no crash loop
+            self._take_last_polls(asked)
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
+            self._take_last_polls(asked)  # before _detect_dead polls again: a slot's records stay in order
             # charged to the member whose part failed (its own error quoted), not to whoever comes first
             if isinstance(e, MemberCallFailed):
                 self._detect_dead(chosen, f"failed during rendezvous of generation {gen} ({e.what})", e.outcomes)
@@ -512,6 +525,20 @@ class Controller(WorkerMonitor):
         self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
         self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
         return True
+
+    def _take_last_polls(self, asked: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
+        """Take the previous members' last polls (:meth:`_ask_members`) and keep the steps only some
+        survivor completed (``Ledger.flush_partial``); returns the empty list of polls still to take."""
+        if asked:
+            self._take_members(asked)
+        self.ledger.flush_partial()
+        return []
+
+    @staticmethod
+    def _sync_source(chosen: list[Slot]) -> int:
+        """The rank whose state every member takes: the most advanced member holding state (rank 0 at
+        step 0, when none does)."""
+        return policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state} or {0: 0})
 
     def _place(self, chosen: list[Slot]) -> list[Slot]:
         """``chosen`` reordered by rank so that a TP group stays on one node and pipeline stages spread

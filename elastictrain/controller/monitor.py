@@ -247,26 +247,49 @@ class WorkerMonitor:
         """Take every outstanding poll, then poll each live member once more: no record is dropped.
         ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
         others' last records and reports are taken when the next generation forms)."""
-        timeout = self.config.timeouts.poll_s
+        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
+        self._take_members(self._ask_members(members))
+
+    def _ask_members(self, members: Sequence[Slot]) -> list[tuple[Slot, Any]]:
+        """Send a poll to each live one of ``members`` without waiting: ``(slot, ref)``, after every poll
+        still out, in the order :meth:`_take_members` must take them (a slot's earlier poll first: its
+        records stay in order). Asked all at once: a round trip for all, not one per member."""
         outstanding, self.poll_refs = self.poll_refs, {}
-        for idx, (ref, _) in outstanding.items():
-            slot = self.group.slots[idx]
-            if slot.state is SlotState.DEAD:
+        asked = [(self.group.slots[idx], ref) for idx, (ref, _) in outstanding.items()
+                 if self.group.slots[idx].state is not SlotState.DEAD]
+        after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
+        asked += [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
+                  for slot in members if slot.state is SlotState.MEMBER]
+        return asked
+
+    def _last_poll_targets(self) -> list[Slot]:
+        """The members a generation's formation must poll before the next generation starts (their answers
+        are taken while the new members join): all of them while a save of the ending generation waits for
+        their reports (:meth:`Committer.waiting`) or when every rank reports its steps (pp); else only a
+        member whose run ended past every step reported so far -- its records make the step only some
+        survivors completed (``Ledger.flush_partial``). Usually nobody: the generation ended with a poll of
+        its reporting rank (a failure) or of every member (a stop), and the others' records (compute times,
+        kept by the worker until asked) and reports come with their next poll."""
+        members = self.group.members()
+        if self.reporter is None or self.committer.waiting():
+            return members
+        known = max(self.ledger.last_step, self.ledger.latest_record_step)
+        return [s for s in members if int(s.info.get("step", 0)) > known]
+
+    def _take_members(self, asked: list[tuple[Slot, Any]]) -> None:
+        """Take the answers to :meth:`_ask_members`' polls, in its order, waiting up to ``timeouts.poll_s``
+        for all of them together (one wait, not one per member). A member dead or not answering is skipped:
+        its run ref or the watchdog finds it."""
+        refs = [ref for _, ref in asked]
+        if not refs:
+            return
+        done = set(self.rt.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)[0])
+        for slot, ref in asked:
+            if ref not in done:
                 continue
             try:
-                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
-            except Exception:  # noqa: BLE001 - dead or unresponsive: found by its run ref / watchdog
-                pass
-        # asked all at once (a recovery pays one round trip, not one per member), taken in slot order, after
-        # the outstanding ones: a slot's records stay in order
-        after = self.ledger.last_step  # (compute times restart with the next generation: no window kept)
-        members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
-        asked = [(slot, slot.actor.poll.remote() if self._reports_all(slot) else slot.actor.poll.remote(after))
-                 for slot in members if slot.state is SlotState.MEMBER]
-        for slot, ref in asked:
-            try:
-                self._take_poll(slot, self.rt.get(ref, timeout=timeout))
-            except Exception:  # noqa: BLE001
+                self._take_poll(slot, self.rt.get(ref))
+            except Exception:  # noqa: BLE001 - it died after answering nothing
                 pass
 
     def _watchdog(self) -> None:

@@ -174,9 +174,10 @@ class SimActor:
             self.conn = None
 
     def join(self, generation: int, rank: int, world_size: int, host: str, port: int, accum: int = 1,
-             restore: bool = False) -> int | None:
+             restore: bool = False, sync_src: int | None = None) -> int | None:
         """The worker's ``join`` with the layout's accumulation for the layout, and whether it was asked to
-        restore (then it returns the step it holds, as ``load_peer`` would)."""
+        restore (then it returns the step it holds, as ``load_peer`` would); with ``sync_src``, then
+        :meth:`sync` (the worker's ``join`` does the same)."""
         self._leave()
         self.accum = accum
         self.gen, self.rank, self.world = generation, rank, world_size
@@ -188,6 +189,8 @@ class SimActor:
         self._say({"hello": rank, "world": world_size, "held": self.step})
         self._await("held")
         self.status = "joined"
+        if sync_src is not None:
+            return self.sync(sync_src)
         return self.step if restore else None
 
     def _say(self, msg: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,30 +29,44 @@ from elastictrain.sim.scenarios import sim_config
 from elastictrain.task import builtin_task
 
 
-class _Join:
-    __slots__ = ("actor",)
+class _Counted:
+    """An actor method whose calls the group counts (by method name)."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    __slots__ = ("method", "name", "calls")
+
+    def __init__(self, method: Any, name: str, calls: Counter[str]) -> None:
+        self.method, self.name, self.calls = method, name, calls
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls[self.name] += 1
+        return self.method.remote(*args, **kwargs)
+
+
+class _Join:
+    __slots__ = ("actor", "calls")
+
+    def __init__(self, actor: Any, calls: Counter[str]) -> None:
+        self.actor, self.calls = actor, calls
 
     def remote(self, generation: int, rank: int, world_size: int, host: str, port: int, layout: Any = None,
-               restore: Any = None) -> Any:
+               restore: Any = None, sync_src: int | None = None) -> Any:
+        self.calls["join"] += 1
         return self.actor.join.remote(generation, rank, world_size, host, port, getattr(layout, "accum", 1),
-                                      restore is not None)
+                                      restore is not None, sync_src)
 
 
 class _Handle:
     """An actor handle that sends ``join`` what a simulated actor needs of the layout and the restore
     sources (the accumulation; whether to report a step) instead of the objects: unpickling them would
     import elastictrain.parallel and elastictrain.data, hence torch, in the actor. Every other call is the
-    handle's own."""
+    handle's own. Every call the controller makes is counted in ``calls`` (by method name)."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-        self.join = _Join(actor)
+    def __init__(self, actor: Any, calls: Counter[str]) -> None:
+        self.actor, self.calls = actor, calls
+        self.join = _Join(actor, calls)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.actor, name)
+        return _Counted(getattr(self.actor, name), name, self.calls)
 
 
 class ActorGroup(WorkerGroup):
@@ -60,6 +75,7 @@ class ActorGroup(WorkerGroup):
 
     def __init__(self, config: JobConfig, step_s: float) -> None:  # noqa: D107 - no placement groups to make
         self.config, self.step_s = config, step_s
+        self.calls: Counter[str] = Counter()  # the controller's calls on the actors, by method
         self.slots = [Slot(i) for i in range(config.workers.max + config.workers.spares)]
         self._actor_cls = sim_actor_class()
         self._pgs: list[Any] = []
@@ -68,7 +84,7 @@ class ActorGroup(WorkerGroup):
         slot = self.slots[index]
         slot.from_standby = False
         slot.actor = _Handle(self._actor_cls.options(num_cpus=0, max_restarts=0, max_task_retries=0).remote(
-            self.step_s, self.config.timeouts.collective_s))
+            self.step_s, self.config.timeouts.collective_s), self.calls)
         slot.setup_ref = slot.actor.setup.remote(index)
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         slot.started_at = time.time()
@@ -144,6 +160,7 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
     out = RayRunResult(actors, summary["state"], summary["final_step"], summary["lost_steps"],
                        [h["world_size"] for h in summary["world_size_history"]], checked.get("torch", True))
     out.extra["reason"] = summary.get("reason")
+    out.extra["calls"] = dict(group.calls)
     if "next" in marks:
         out.kill_to_next_step_s = round(marks["next"] - marks["kill"], 4)
         out.extra["kill_to_next_step_seen_s"] = round(marks["next_seen"] - marks["kill"], 4)

@@ -107,12 +107,11 @@ class _Remote:
     def __init__(self, worker: SimWorker, name: str) -> None:
         self.worker, self.name = worker, name
 
-    def remote(self, *args: Any) -> SimRef:
-        world = self.worker.world
+    def remote(self, *args: Any, **kwargs: Any) -> SimRef:
         world = self.worker.world
         world._advance()  # a fault due by now has happened before the call is answered
         world.calls[self.name] += 1
-        return getattr(self.worker, "_" + self.name)(*args)
+        return getattr(self.worker, "_" + self.name)(*args, **kwargs)
 
 
 class SimWorker:
@@ -144,12 +143,13 @@ class SimWorker:
         return self._now(("sim", 0))
 
     def _join(self, gen: int, rank: int, world: int, host: str, port: int, layout: Any = None,
-              restore: Any = None) -> SimRef:
+              restore: Any = None, sync_src: int | None = None) -> SimRef:
         tl = self.world.timeline(gen, world, getattr(layout, "accum", 1))
         self._leave()
         tl.members.add(self.slot)
         self.tl, self.rank, self.polled = tl, rank, self.held
-        return self._now(None)
+        # joined and synced: the broadcast's value is taken when every member joined (the result is read)
+        return self._now(None) if sync_src is None else SimRef("synced", self)
 
     def _leave(self) -> None:
         if self.tl is not None:
@@ -157,11 +157,14 @@ class SimWorker:
             self.tl = None
 
     def _sync(self, src: int) -> SimRef:
+        return self._now(self._synced())
+
+    def _synced(self) -> int:
         tl = self.tl
         if not tl.synced:  # the group takes the most advanced member's state (the broadcast)
             tl.s0, tl.synced = max(self.world.workers[s].held for s in tl.members), True
         self.held = self.polled = tl.s0
-        return self._now(tl.s0)
+        return tl.s0
 
     def _run(self, target: int) -> SimRef:
         tl = self.tl
@@ -244,11 +247,18 @@ class Fault:
 
 
 class _Drains:
+    """The drain watcher over the simulated cluster: notices are there as soon as posted (a fault); the
+    controller reads them when it checks (once per poll interval). The first read that names a node is
+    recorded (:attr:`SimWorld.notice_read`): when the notice reached the controller."""
+
     def __init__(self, world: SimWorld) -> None:
         self.world = world
 
     def draining(self, now: float | None = None) -> set[str]:
-        return set(self.world.draining)
+        hit = set(self.world.draining)
+        if hit and self.world.notice_read is None:
+            self.world.notice_read = (time.time(), self.world.own_clock())
+        return hit
 
     def take_notice(self) -> str | None:
         return None
@@ -263,6 +273,7 @@ class SimWorld:
         self.dead_nodes: set[str] = set()
         self.node_back_at: dict[str, float] = {}
         self.draining: set[str] = set()
+        self.notice_read: tuple[float, float] | None = None  # (wall, own clock) the controller first read one
         self.timelines: dict[int, Timeline] = {}
         self.faults: list[Fault] = []
         self.calls: Counter[str] = Counter()  # calls made on the workers, by method
@@ -355,7 +366,7 @@ class SimWorld:
     def end_of(self, ref: SimRef) -> float:
         """When ``ref`` resolves (inf: not foreseeable now)."""
         w = ref.worker
-        if ref.kind == "value":
+        if ref.kind in ("value", "synced"):
             return ref.created
         if ref.kind == "setup":
             if w.dead_at is not None:
@@ -372,6 +383,8 @@ class SimWorld:
         w = ref.worker
         if ref.kind == "value":
             return ref.value
+        if ref.kind == "synced":
+            return w._synced()
         if w.dead_at is not None and w.dead_at <= self.end_of(ref):
             raise ray.exceptions.ActorDiedError()
         if ref.kind == "setup":

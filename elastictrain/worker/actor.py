@@ -3,7 +3,8 @@
 The actor is threaded (``max_concurrency`` > 1) so the controller can ``poll`` and ``request_stop`` while
 ``run`` executes steps. Healthy actors survive every membership change: ``join`` only swaps the process
 group (a fresh TCPStore per generation, hosted by the new rank 0) and re-applies the layout on a new
-DeviceMesh, and ``sync`` brings state from a live peer.
+DeviceMesh, and ``sync`` brings state from a live peer (within ``join`` when the controller names the
+source there: one call per rank instead of two).
 
 Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation and load their state through a
 DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: survivors' held snapshots
@@ -151,12 +152,17 @@ class Worker:
 
     @_on_state_thread
     def join(self, generation: int, rank: int, world_size: int, host: str, port: int,
-             layout: Layout | None = None, restore: list[Any] | None = None) -> int | None:
+             layout: Layout | None = None, restore: list[Any] | None = None,
+             sync_src: int | None = None) -> int | None:
         """Leave the old process group (if any), join generation ``generation`` and apply ``layout``
         (default: the config's plan resolved at ``world_size``). Collective over the new members: all of
         them must call it concurrently. ``restore`` (snapshot sources, see :meth:`load_peer`): load them
         right after the rebuild and return the step -- one call instead of two, and a rank that finished its
-        rebuild loads while slower ones still rebuild (loads are collective-free)."""
+        rebuild loads while slower ones still rebuild (loads are collective-free). ``sync_src``: then
+        :meth:`sync` from that rank and return the step -- the controller's one round of calls per member
+        for a rendezvous whose state source it knows before (never with ``restore``)."""
+        if restore is not None and sync_src is not None:
+            raise ValueError("join: restore and sync_src exclude each other (sync after every member restored)")
         held = self.runner.state.step if getattr(self.runner, "state", None) is not None else 0
         self.runner.faults.fire(rank=rank, step=held, point="join", generation=generation)
         self._leave_group()
@@ -187,7 +193,9 @@ class Worker:
         self._stop.clear()
         self._open_writer(rank, world_size, generation)
         self._status = "joined"
-        return None if restore is None else self.load_peer(restore)
+        if restore is not None:
+            return self.load_peer(restore)
+        return None if sync_src is None else self.sync(sync_src)
 
     @_on_state_thread
     def sync(self, src: int) -> int:
