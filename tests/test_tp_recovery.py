@@ -66,3 +66,72 @@ def test_tp2_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local,
     assert "lack (tp coordinate, shard coordinate) [(1, 0)]" in rec["reason"], rec
     _kept_their_process(run, [0])
     _like_clean(run, clean_run(CLEAN))
+
+
+def _abandon_rank(rank: int, port: int, out: str) -> None:
+    """One rank of tp2 on 2 (4 micro-batches per step): the controller's word that a member of generation 0
+    died (``StepRunner.peer_lost``, as ``Worker.abort_group`` passes it on) arrives during the forward of
+    micro-batch 1 of step 2; what the step runs after it is counted."""
+    import dataclasses
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from elastictrain import build_config
+    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.errors import classify_step_error
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = build_config({**job(task=TASK, train={"steps": 4, "global_batch": 8, "micro_batch": 2}),
+                        "workers": {"min": 2, "max": 2}, "parallel": {"plan": "ddp", "tp": 2}})
+    task = builtin_task(cfg)
+    runner = StepRunner(task, cfg.train, FaultInjector(()), parallel=cfg.parallel)
+    runner.attach(rank, 2, 0, resolve(spec_from_config(cfg), 2))
+    forwards = []
+
+    def loss_fn(model, batch, seeds):
+        forwards.append(runner.step)
+        if runner.step == 1 and len(forwards) == 5:  # micro-batch 1 of step 2: a peer of generation 0 died
+            runner.peer_lost(0)
+        return task.loss_fn(model, batch, seeds)
+
+    runner.task = dataclasses.replace(task, loss_fn=loss_fn)
+    runner.run_step(False)
+    before = {k: v.to_local().clone() for k, v in runner.model.state_dict().items()}
+    try:
+        runner.run_step(False)
+        verdict = "completed"
+    except Exception as e:  # noqa: BLE001 - what the worker's run loop sees
+        runner.discard_partial_step()
+        verdict = classify_step_error(e)
+    unchanged = all(torch.equal(v.to_local(), before[k]) for k, v in runner.model.state_dict().items())
+    runner.peer_lost(7)  # another generation's word: this one's steps run on
+    runner.run_step(False)
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"verdict": verdict, "forwards": forwards, "step": runner.step, "unchanged": unchanged}, f)
+    dist.destroy_process_group()
+
+
+def test_tp_survivor_leaves_the_failed_step_at_the_next_micro_batch(tmp_path) -> None:
+    """Under tp a survivor's tp group computes on after a member of another group died, until the step's
+    first collective with that group (the data-parallel average): the rest of a step that cannot complete.
+    Told by the controller (``abort_group(generation)`` -> ``StepRunner.peer_lost``), each rank leaves at its
+    next micro-batch boundary, before its (loss, stop) word: no further forward, no optimizer step, the
+    step discarded as ``peer_failed``."""
+    import json
+
+    from tests.checkpoint_fixtures import free_port
+    from tests.ranks import run_ranks
+
+    run_ranks(_abandon_rank, (free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        # step 1: 4 forwards; step 2: micro-batch 1's forward, then out (not micro-batches 2-4)
+        assert got["forwards"][:5] == [0, 0, 0, 0, 1] and got["forwards"][5:] == [1] * 4, got
+        assert got["verdict"] == "peer_failed" and got["unchanged"] and got["step"] == 2, got
