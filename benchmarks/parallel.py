@@ -260,7 +260,7 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
     """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`; ``parallel``:
     the job's ``parallel`` section instead) on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns
     (seconds from the kill to the first step completed after recovery, seconds to the ``recovered`` event,
-    the recovery source)."""
+    the recovery source, the phases: see :func:`_kill_row`)."""
     import signal
     import tempfile
     import threading
@@ -302,7 +302,38 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
     evs = events()
     rec = next(i for i, e in enumerate(evs) if e["event"] == "recovered")
     nxt = next(e for e in evs[rec:] if e["event"] == "step")
-    return nxt.get("finished_at", nxt["time"]) - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"]
+    failure = next(e for e in evs if e["event"] == "failure")
+    done = nxt.get("finished_at", nxt["time"])
+    same = []  # the steps after the first one in the recovered generation (before a grow-back): the layout's own
+    for e in evs[rec:]:
+        if e["event"] == "generation_started" and same:
+            break
+        if e["event"] == "step" and e["step"] > nxt["step"]:
+            same.append(e["step_s"])
+    phases = {"detect": failure["time"] - t_kill, "regroup": evs[rec]["time"] - failure["time"],
+              "first_step": nxt["step_s"], "wait": done - nxt["step_s"] - evs[rec]["time"],
+              "steady_step": statistics.median(same) if same else float("nan")}
+    return done - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"], phases
+
+
+def _kill_row(runs: list[tuple]) -> tuple:
+    """A layout's kill figures over its runs: (median to the next step, median to the ``recovered`` event,
+    sources, each run's figure, the median of each phase). Phases: ``detect``, the kill to the ``failure``
+    event (the controller sees the death and the survivors leave the failed step: the event waits for their
+    records); ``regroup``, that event to ``recovered`` (rendezvous, rebuild, restore); ``wait``, from there
+    to the first step's start; ``first_step``, that step's own time; ``steady_step``, the median step time
+    of the later steps of the same generation (the layout's own step at that world size, no recovery in
+    it): ``first_step - steady_step`` is what the recovery leaves in the first step."""
+    phases = {k: statistics.median(r[3][k] for r in runs) for k in runs[0][3]}
+    return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+            "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs], phases)
+
+
+def _print_kill_phases(kills: dict) -> None:
+    for label, row in kills.items():
+        ph = row[4]
+        print(f"  {label} kill phases (median): detect {ph['detect']:.3f} s, regroup {ph['regroup']:.3f} s, wait "
+              f"{ph['wait']:.3f} s, first step {ph['first_step']:.3f} s (steady step after {ph['steady_step']:.3f} s)")
 
 
 def _free_port() -> int:
@@ -446,10 +477,8 @@ def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
     for label, parallel in (("ddp", None), ("tp2xdp2", TP_KILL)):
         if label in kills:
             continue
-        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch, parallel)
-                for _ in range(args.kill_repeats)]
-        out[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                      "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+        out[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch,
+                                                              parallel) for _ in range(args.kill_repeats)])
     return out
 
 
@@ -513,10 +542,8 @@ def main() -> None:
             raise SystemExit("--kill-pp runs pp2 x dp2: it needs --world 4")
         killed += (["ddp"] if "ddp" not in killed else []) + ["pp2xdp2"]
     for label in killed if args.kill_steps else ():
-        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
-                for _ in range(args.kill_repeats)]
-        kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+        kills[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
+                                  for _ in range(args.kill_repeats)])
     if args.kill_tp and args.kill_steps:
         kills.update(_tp_kills(args, kills))
     first = (plans or [base])[0]
@@ -528,8 +555,9 @@ def main() -> None:
         _print_table(plans, next((r for r in plans if r.label == "ddp"), None), kills)
     if base is not None:
         _print_table([base, *pipes], base, {})
-    for plan, (*_, each) in kills.items():
+    for plan, (*_, each, _phases) in kills.items():
         print(f"kill runs {plan}: next step {each} s")
+    _print_kill_phases(kills)
     if plans:
         print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
               f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "
