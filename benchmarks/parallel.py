@@ -31,7 +31,12 @@ with the same model, data and global batch; printed after the table, each beside
   ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
 * kill -> next step under tp2 x dp2 against ddp (``--kill-tp``; target <= 2x, issue #23): the same tiny job
   on ``--world 4``, rank 1 (tp coordinate 1 of replica 0) killed, its shard served by rank 3, the replica of
-  its (pp, tp) coordinate (source ``peer``).
+  its (pp, tp) coordinate (source ``peer``). Every kill row also prints its phases (:func:`_kill_row`):
+  detect, regroup, wait, the first step and the steady step of the recovered generation. The last bounds
+  the ratio: the tiny job's tp step (2 layers of d_model 64, four micro-batches per rank at tp2 x dp1 after
+  the shrink) waits on ~25 collectives per micro-batch (profiled: 700 over 28) besides DTensor's dispatch
+  of every op, 4-8x ddp's step on CPU, so tp2's first step alone, with no recovery in it, is close to 2x
+  ddp's whole kill -> next step.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -41,6 +46,20 @@ split of one micro-batch (MiB autograd keeps for backward on one rank: the norm 
 sequence parallel splits T ways, and the rest; target: sequence parallel's below plain TP's). Under
 ``tpT`` the tiny GPT needs ``n_head`` (8 here), ``4 x d_model`` and the vocabulary (256) to divide by T.
 
+Where tp2's training peak goes (50.7M, 2 processes, measured by sampling RSS through a step): the runtime
+before the model (279 MiB: torch 219, DTensor/FSDP/DCP 47, this package ~10), ~74 MiB of the rest of the
+process (dataset, Python objects of the model, allocator), then 97 MiB of parameters (exactly half of
+ddp's 194), 194 of Adam state (half of 387), 97 of gradients (allocated in backward, freed after the
+step) and ~40 of activations and collective buffers at the backward's peak; nothing is held twice (no
+full copy of the weights after the split: ``distribute_tensor`` clones each shard; the full logits are
+never gathered; the whole model built before the split is gone before the first step, below the
+training peak). ddp2: the same runtime, 60 MiB of the rest, parameters, bucketed gradients and Adam
+state (775 MiB), ~70 of activations. The ratio is therefore bounded by the runtime, which no layout
+shards: train peak tp2/ddp2 0.668 at 50.7M and 0.628 at 75.7M (``--layers 24``) before pyarrow left the
+workers' imports (29 MiB less for every layout), 0.660 and 0.621 after (SP on; without SP 0.670 and 0.630
+before, 0.662 and 0.624 after). ddp2 at 75.7M: 1633 MiB before, 1603 after; tp2 1025 and 995.
+Minus the runtime baseline (the ``peak-base`` column: state, data and activations only) 0.55 and 0.54.
+
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
 d_model 512, 50.7M parameters, so that the training state -- 16 bytes per parameter: params, grads, two
@@ -49,7 +68,7 @@ batch, data and seed for every plan.
 
 Why not the 25M the issue names as a floor: there the part no layout shards is half of ddp's peak.
 Measured per process (4 ranks, 25.5M parameters, ``--layers 8``): 309 MiB once torch, DTensor/FSDP and
-the data code are imported (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
+the data code are imported (279 since the data code no longer imports pyarrow) (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
 activations at the end of the forward (micro batch 2); ddp adds 408 MiB of state (peak 794 MiB), fsdp
 102 MiB of sharded state and ~48 MiB of FSDP2's per-block buffers (peak 546 MiB, 0.69x). Even with no
 per-block buffers at all fsdp would sit at (309 + 35 + 37 + 102) / 794 = 0.61x, so at 25M the figure
