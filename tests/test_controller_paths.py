@@ -41,7 +41,7 @@ class ScriptedWorker:
             raise ValueError(self.script["join_error"])
         return None if restore is None else self.step
 
-    def abort_group(self, generation: int | None = None) -> str:
+    def abort_group(self) -> str:
         return "noop"
 
     def hold_snapshot(self, expect: Any = None) -> Any:

@@ -222,15 +222,11 @@ class Controller(WorkerMonitor):
 
     def _abort_survivors(self) -> None:
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
-        under a sharded layout their shards no longer make a whole state (restored from a reader) and they
-        leave the failed step at its next micro-batch boundary (``StepRunner.peer_lost``: under tp a
-        survivor otherwise computes the rest of its step with its tp group before a collective fails)."""
+        under a sharded layout their shards no longer make a whole state (restored from a reader)."""
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
-        sharded = bool(self.world_size) and not self.layout(self.world_size).replicated
-        # ddp under gloo: the survivors' collectives fail fast already, no call per rank sent
-        for s in survivors if self.config.workers.use_gpu or sharded else ():
-            s.actor.abort_group.remote(self.generation)
-        if sharded:
+        for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
+            s.actor.abort_group.remote()
+        if self.world_size and not self.layout(self.world_size).replicated:
             for s in survivors:
                 s.has_state = False
 

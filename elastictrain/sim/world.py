@@ -212,7 +212,7 @@ class SimWorker:
             tl.stop_at = time.time()
         return self._now(None)
 
-    def _abort_group(self, generation: int | None = None) -> SimRef:
+    def _abort_group(self) -> SimRef:
         return self._now("noop")
 
     def _flush_checkpoints(self) -> SimRef:

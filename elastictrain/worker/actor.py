@@ -217,11 +217,8 @@ class Worker:
         self.runner.uninitialized = False
         return step
 
-    def abort_group(self, generation: int | None = None) -> str:
+    def abort_group(self) -> str:
         """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
-        ``generation`` (the generation the dead peer belonged to): this rank's step of that generation also
-        stops at its next micro-batch boundary (``StepRunner.peer_lost``), on any backend; returns
-        ``"abandon"`` for that alone (gloo).
         NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
         instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
         fail gloo's collectives with it, ``ProcessGroupGloo.abort`` does not wake a blocked collective, and
@@ -230,10 +227,8 @@ class Worker:
         (``_release_groups``). Returns what was done. Checked on one GPU (abort, then a new generation
         trains on: ``tests/test_gpu.py``); a live rank blocked in an NCCL collective on a dead one needs
         two GPUs and has not run."""
-        if generation is not None and self.runner is not None:
-            self.runner.peer_lost(generation)
         if not dist.is_initialized() or not self.config.workers.use_gpu:
-            return "noop" if generation is None else "abandon"
+            return "noop"
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as e:  # noqa: BLE001 - already aborted or destroyed

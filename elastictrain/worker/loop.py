@@ -60,11 +60,6 @@ def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-class PeerLost(ConnectionError):
-    """This rank left its step because a member of its generation died (``StepRunner.peer_lost``): a
-    communication failure as far as the step is concerned (``worker/errors.py``: ``peer_failed``)."""
-
-
 class StepRunner:
     """Model, optimizer and data of one worker, and the code that runs one step on the current group.
 
@@ -99,8 +94,6 @@ class StepRunner:
         self.generation = 0
         self.phase = "idle"  # idle | compute | collective: tells a hung rank from its waiting peers
         self.phase_since = time.time()
-        # a generation the controller reported a dead member of (set from another thread: ``peer_lost``)
-        self.peer_lost_in: int | None = None
 
     def _fresh_model(self) -> torch.nn.Module:
         return self._seeded_model().to(self.device)
@@ -236,20 +229,6 @@ class StepRunner:
     def _set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
 
-    def peer_lost(self, generation: int) -> None:
-        """A member of generation ``generation`` died (the controller's word; callable from any thread): a
-        step of that generation stops at its next micro-batch boundary (:meth:`check_peers`) instead of
-        computing what can no longer complete, which under tensor parallelism goes on with the live peers of
-        its tp group until the first collective with the dead rank's group. No effect on a later generation."""
-        self.peer_lost_in = generation
-
-    def check_peers(self, where: str) -> None:
-        """Raise :class:`PeerLost` if a member of this generation died (:meth:`peer_lost`). Called at the
-        step's micro-batch boundaries, all before this rank sends its (loss, stop) word: no rank can complete
-        the step without it, so leaving here discards the step everywhere, as a failed collective does."""
-        if self.peer_lost_in is not None and self.peer_lost_in == self.generation:
-            raise PeerLost(f"a member of generation {self.generation} died: step {self.step + 1} left {where}")
-
     # ------------------------------------------------------------------ one step
     def run_step(self, stop_requested: bool) -> tuple[StepRecord, bool]:
         """Run step ``self.step`` on every rank of the group. Returns the record and whether any rank asked
@@ -335,7 +314,6 @@ class _LoopHooks:
 
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
-        r.check_peers(f"before micro-batch {k + 1} of {len(self.micro)}")
         batch = _to(r.collate([r.dataset[int(i)] for i in ids]), r.device)
         seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
         return MicroBatch([int(i) for i in ids], batch, seeds)
@@ -348,7 +326,6 @@ class _LoopHooks:
 
     def forwarded(self, k: int) -> None:
         r = self.r
-        r.check_peers(f"after the forward of micro-batch {k + 1} of {len(self.micro)}")
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
             time.sleep(delay)
