@@ -31,7 +31,12 @@ with the same model, data and global batch; printed after the table, each beside
   ``--kill-repeats``; without ``--kill-pp`` the output says it was not run.
 * kill -> next step under tp2 x dp2 against ddp (``--kill-tp``; target <= 2x, issue #23): the same tiny job
   on ``--world 4``, rank 1 (tp coordinate 1 of replica 0) killed, its shard served by rank 3, the replica of
-  its (pp, tp) coordinate (source ``peer``).
+  its (pp, tp) coordinate (source ``peer``). Every kill row also prints its phases (:func:`_kill_row`):
+  detect, regroup, wait, the first step and the steady step of the recovered generation. The last bounds
+  the ratio: the tiny job's tp step (2 layers of d_model 64, four micro-batches per rank at tp2 x dp1 after
+  the shrink) waits on ~25 collectives per micro-batch (profiled: 700 over 28) besides DTensor's dispatch
+  of every op, 4-8x ddp's step on CPU, so tp2's first step alone, with no recovery in it, is close to 2x
+  ddp's whole kill -> next step.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -41,6 +46,20 @@ split of one micro-batch (MiB autograd keeps for backward on one rank: the norm 
 sequence parallel splits T ways, and the rest; target: sequence parallel's below plain TP's). Under
 ``tpT`` the tiny GPT needs ``n_head`` (8 here), ``4 x d_model`` and the vocabulary (256) to divide by T.
 
+Where tp2's training peak goes (50.7M, 2 processes, measured by sampling RSS through a step): the runtime
+before the model (279 MiB: torch 219, DTensor/FSDP/DCP 47, this package ~10), ~74 MiB of the rest of the
+process (dataset, Python objects of the model, allocator), then 97 MiB of parameters (exactly half of
+ddp's 194), 194 of Adam state (half of 387), 97 of gradients (allocated in backward, freed after the
+step) and ~40 of activations and collective buffers at the backward's peak; nothing is held twice (no
+full copy of the weights after the split: ``distribute_tensor`` clones each shard; the full logits are
+never gathered; the whole model built before the split is gone before the first step, below the
+training peak). ddp2: the same runtime, 60 MiB of the rest, parameters, bucketed gradients and Adam
+state (775 MiB), ~70 of activations. The ratio is therefore bounded by the runtime, which no layout
+shards: train peak tp2/ddp2 0.668 at 50.7M and 0.628 at 75.7M (``--layers 24``) before pyarrow left the
+workers' imports (29 MiB less for every layout), 0.660 and 0.621 after (SP on; without SP 0.670 and 0.630
+before, 0.662 and 0.624 after). ddp2 at 75.7M: 1633 MiB before, 1603 after; tp2 1025 and 995.
+Minus the runtime baseline (the ``peak-base`` column: state, data and activations only) 0.55 and 0.54.
+
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
 d_model 512, 50.7M parameters, so that the training state -- 16 bytes per parameter: params, grads, two
@@ -49,7 +68,7 @@ batch, data and seed for every plan.
 
 Why not the 25M the issue names as a floor: there the part no layout shards is half of ddp's peak.
 Measured per process (4 ranks, 25.5M parameters, ``--layers 8``): 309 MiB once torch, DTensor/FSDP and
-the data code are imported (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
+the data code are imported (279 since the data code no longer imports pyarrow) (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
 activations at the end of the forward (micro batch 2); ddp adds 408 MiB of state (peak 794 MiB), fsdp
 102 MiB of sharded state and ~48 MiB of FSDP2's per-block buffers (peak 546 MiB, 0.69x). Even with no
 per-block buffers at all fsdp would sit at (309 + 35 + 37 + 102) / 794 = 0.61x, so at 25M the figure
@@ -260,7 +279,7 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
     """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`; ``parallel``:
     the job's ``parallel`` section instead) on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns
     (seconds from the kill to the first step completed after recovery, seconds to the ``recovered`` event,
-    the recovery source)."""
+    the recovery source, the phases: see :func:`_kill_row`)."""
     import signal
     import tempfile
     import threading
@@ -302,7 +321,38 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
     evs = events()
     rec = next(i for i, e in enumerate(evs) if e["event"] == "recovered")
     nxt = next(e for e in evs[rec:] if e["event"] == "step")
-    return nxt.get("finished_at", nxt["time"]) - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"]
+    failure = next(e for e in evs if e["event"] == "failure")
+    done = nxt.get("finished_at", nxt["time"])
+    same = []  # the steps after the first one in the recovered generation (before a grow-back): the layout's own
+    for e in evs[rec:]:
+        if e["event"] == "generation_started" and same:
+            break
+        if e["event"] == "step" and e["step"] > nxt["step"]:
+            same.append(e["step_s"])
+    phases = {"detect": failure["time"] - t_kill, "regroup": evs[rec]["time"] - failure["time"],
+              "first_step": nxt["step_s"], "wait": done - nxt["step_s"] - evs[rec]["time"],
+              "steady_step": statistics.median(same) if same else float("nan")}
+    return done - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"], phases
+
+
+def _kill_row(runs: list[tuple]) -> tuple:
+    """A layout's kill figures over its runs: (median to the next step, median to the ``recovered`` event,
+    sources, each run's figure, the median of each phase). Phases: ``detect``, the kill to the ``failure``
+    event (the controller sees the death and the survivors leave the failed step: the event waits for their
+    records); ``regroup``, that event to ``recovered`` (rendezvous, rebuild, restore); ``wait``, from there
+    to the first step's start; ``first_step``, that step's own time; ``steady_step``, the median step time
+    of the later steps of the same generation (the layout's own step at that world size, no recovery in
+    it): ``first_step - steady_step`` is what the recovery leaves in the first step."""
+    phases = {k: statistics.median(r[3][k] for r in runs) for k in runs[0][3]}
+    return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+            "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs], phases)
+
+
+def _print_kill_phases(kills: dict) -> None:
+    for label, row in kills.items():
+        ph = row[4]
+        print(f"  {label} kill phases (median): detect {ph['detect']:.3f} s, regroup {ph['regroup']:.3f} s, wait "
+              f"{ph['wait']:.3f} s, first step {ph['first_step']:.3f} s (steady step after {ph['steady_step']:.3f} s)")
 
 
 def _free_port() -> int:
@@ -446,10 +496,8 @@ def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
     for label, parallel in (("ddp", None), ("tp2xdp2", TP_KILL)):
         if label in kills:
             continue
-        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch, parallel)
-                for _ in range(args.kill_repeats)]
-        out[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                      "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+        out[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch,
+                                                              parallel) for _ in range(args.kill_repeats)])
     return out
 
 
@@ -513,10 +561,8 @@ def main() -> None:
             raise SystemExit("--kill-pp runs pp2 x dp2: it needs --world 4")
         killed += (["ddp"] if "ddp" not in killed else []) + ["pp2xdp2"]
     for label in killed if args.kill_steps else ():
-        runs = [_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
-                for _ in range(args.kill_repeats)]
-        kills[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                        "/".join(sorted({r[2] for r in runs})), [round(r[0], 2) for r in runs])
+        kills[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
+                                  for _ in range(args.kill_repeats)])
     if args.kill_tp and args.kill_steps:
         kills.update(_tp_kills(args, kills))
     first = (plans or [base])[0]
@@ -528,8 +574,9 @@ def main() -> None:
         _print_table(plans, next((r for r in plans if r.label == "ddp"), None), kills)
     if base is not None:
         _print_table([base, *pipes], base, {})
-    for plan, (*_, each) in kills.items():
+    for plan, (*_, each, _phases) in kills.items():
         print(f"kill runs {plan}: next step {each} s")
+    _print_kill_phases(kills)
     if plans:
         print(f"snap stall: per step at memory_every_steps={args.memory_every}, share of the step time; "
               f"kill: tiny job on a local Ray, rank 1 SIGKILLed, median of {args.kill_repeats} runs: to the next "

@@ -135,3 +135,18 @@ def test_parquet_from_s3_through_moto(s3_server, s3_bucket):
         pq.write_table(table, f)
     tokens = load_text_tokens(f"{s3_bucket}/corpus/part-0.parquet", storage_options=opts)
     assert bytes(tokens.to(torch.uint8).tolist()) == b"hello from s3\nsecond row"
+
+
+def test_worker_code_does_not_import_pyarrow() -> None:
+    """pyarrow (~30 MiB resident per process) is imported by the parquet loader only: a worker's step loop,
+    its data code and the built-in task leave it out (a fresh interpreter, so this test's own import of
+    pyarrow does not count)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, elastictrain.data, elastictrain.worker.loop, elastictrain.task; "
+            "from elastictrain.data.datasets import load_text_tokens; load_text_tokens('builtin:pydoc'); "
+            "print('pyarrow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

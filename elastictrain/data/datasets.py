@@ -10,8 +10,6 @@ import operator
 from typing import Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from elastictrain.data.corpus import KNOWN_CORPORA, builtin_corpus_bytes, byte_tokens
@@ -120,6 +118,11 @@ def _parquet_files(fs: fsspec.AbstractFileSystem, path: str, source: str) -> lis
 
 
 def _read_text_column(fs: fsspec.AbstractFileSystem, file: str, column: str) -> bytes:
+    # imported here, not with the module: every worker imports this module (the data code), and pyarrow
+    # costs ~30 MiB of resident memory per process that only a parquet source uses (benchmarks/parallel.py)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     with fs.open(file, "rb") as handle:
         parquet = pq.ParquetFile(handle)
         schema = parquet.schema_arrow
