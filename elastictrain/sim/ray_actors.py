@@ -43,6 +43,7 @@ class Record:
     finished_at: float
     sample_ids: list[int] = field(default_factory=list)
     pipeline: dict[str, Any] | None = None
+    mesh: str | None = None  # the real record's layout as built: the fake builds none
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
