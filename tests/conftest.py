@@ -24,6 +24,9 @@ BASE_JOB: dict[str, Any] = {
     # no standby process started ahead (workers.standby, on by default): a run starts one once it trained a
     # step, an extra process importing torch beside every short test run; tests/test_standby.py turns it on
     "workers": {"min": 1, "max": 2, "standby": False},
+    # no peer memory tier (checkpoint.memory_every_steps, 10 by default): it starts a ShardKeeper process per
+    # node, importing torch, beside every run; the tests whose promise involves the tier turn it on
+    "checkpoint": {"memory_every_steps": 0},
     "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 90,
                  "watchdog_floor_s": 2},
 }
@@ -55,16 +58,25 @@ def ray_local():
     yield
 
 
+# Fixtures of tests that start a Ray of their own (tests/test_sim_ray.py: actors without the torch preload).
+OWN_RAY_FIXTURES = ("bare_ray",)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
-    """Tests on a multi-node ``cluster`` (tests/cluster_fixtures.py) run last, in their files' order: each
-    shuts the session's local Ray down, and the next test on ``ray_local`` would have to start it again."""
+    """Tests that shut the session's local Ray down run last, in their files' order: those on their own
+    local Ray (``OWN_RAY_FIXTURES``), then those on a multi-node ``cluster`` (tests/cluster_fixtures.py).
+    Run among the others, each would make the next test on ``ray_local`` start the session's Ray again
+    (its raylet, and its prestarted workers importing torch)."""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
         names = ("cluster", "cluster_2x2")
         defs = [d for n in names for d in info.name2fixturedefs.get(n, ())] if info is not None else ()
         return any(d.func.__module__ == "tests.cluster_fixtures" for d in defs)
 
-    items.sort(key=on_cluster)
+    def own_ray(item: Any) -> bool:
+        return any(n in getattr(item, "fixturenames", ()) for n in OWN_RAY_FIXTURES)
+
+    items.sort(key=lambda item: (on_cluster(item), own_ray(item)))
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001

@@ -162,11 +162,20 @@ def test_every_config_key_is_documented():
 
 
 def test_peer_tier_is_on_by_default_and_its_budget_must_be_positive():
-    c = build_config(job()).checkpoint
+    spec = job()
+    del spec["checkpoint"]  # BASE_JOB turns the tier off (its keeper process); the default is what is checked
+    c = build_config(spec).checkpoint
     assert c.memory_every_steps == 10 and c.memory_budget_gib == 4.0
     for bad in (0, -1.5, "nan"):
         with pytest.raises(ConfigError, match=r"checkpoint.memory_budget_gib: .*(greater than 0|finite)"):
             build_config(job(checkpoint={"memory_budget_gib": bad}))
+
+
+def test_the_tests_base_job_starts_no_process_beyond_its_workers():
+    """The suite's time is mostly processes importing torch (#21 item 14): a run of tests/conftest.py's
+    BASE_JOB starts no peer-tier keeper and no standby; the tests about those turn them on."""
+    c = build_config(job())
+    assert c.checkpoint.memory_every_steps == 0 and c.workers.standby is False
 
 
 def test_version_option_prints_the_package_version() -> None:
