@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
 from tests.parallel_fixtures import InProcessRun
 
@@ -39,18 +40,8 @@ def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
 
 
 def _audit(run, steps: int = STEPS) -> None:
-    """Every step 1..steps ran and saw exactly its global-cursor samples (a step redone after a restore
-    from the tier saw the same samples both times), whatever rank reported it."""
-    from elastictrain.data.cursor import step_sample_ids
-    from elastictrain.data.datasets import TokenWindows, load_text_tokens
-
-    n = len(TokenWindows(load_text_tokens("builtin:pydoc"), MODEL["seq_len"]))
-    seen: dict[int, list[int]] = {}
-    for e in run.of("step"):
-        ids = sorted(e["sample_ids"])
-        assert ids == sorted(step_sample_ids(e["step"] - 1, TRAIN["global_batch"], 0, n).tolist()), e["step"]
-        assert seen.setdefault(e["step"], ids) == ids
-    assert sorted(seen) == list(range(1, steps + 1))
+    """Every step 1..steps ran and saw exactly its global-cursor samples (tests/audit.py)."""
+    assert_cursor_audit(run, steps, MODEL["seq_len"], TRAIN["global_batch"])
 
 
 _CLEAN_LOSS: dict[str, float] = {}

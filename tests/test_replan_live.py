@@ -14,6 +14,7 @@ from elastictrain.planner.cluster import CPU_DEFAULTS
 from elastictrain.planner.inputs import Cluster
 from elastictrain.planner.live import Replanner
 
+from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
 from tests.parallel_fixtures import InProcessRun
 
@@ -70,16 +71,7 @@ def _slow(ranks: int, seconds: float, generation: int | None = None) -> list[dic
 
 
 def _audit(run) -> None:
-    from elastictrain.data.cursor import step_sample_ids
-    from elastictrain.data.datasets import TokenWindows, load_text_tokens
-
-    n = len(TokenWindows(load_text_tokens("builtin:pydoc"), MODEL["seq_len"]))
-    seen: dict[int, list[int]] = {}
-    for e in run.of("step"):
-        ids = sorted(e["sample_ids"])
-        assert ids == sorted(step_sample_ids(e["step"] - 1, TRAIN["global_batch"], 0, n).tolist()), e["step"]
-        assert seen.setdefault(e["step"], ids) == ids
-    assert sorted(seen) == list(range(1, STEPS + 1))
+    assert_cursor_audit(run, STEPS, MODEL["seq_len"], TRAIN["global_batch"])
 
 
 def test_auto_run_replans_at_each_resize_and_moves_state_through_memory(tmp_path, ray_local):
