@@ -21,7 +21,7 @@ from elastictrain.controller.commits import Committer
 from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.runtime import RunWatch, Runtime
+from elastictrain.controller.runtime import RunWatch, Runtime, get_each
 from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
@@ -175,15 +175,11 @@ class WorkerMonitor:
     def _take_polls(self) -> None:
         refs = {ref: idx for idx, (ref, _) in self.poll_refs.items()}
         done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=0)
-        for ref in done:
+        for ref, (result, error) in zip(done, get_each(self.rt, done)):
             idx = refs[ref]
             del self.poll_refs[idx]
-            slot = self.group.slots[idx]
-            try:
-                result = self.rt.get(ref)
-            except Exception:  # noqa: BLE001 - a dead actor is found by its run ref
-                continue
-            self._take_poll(slot, result)
+            if error is None:  # (a dead actor is found by its run ref)
+                self._take_poll(self.group.slots[idx], result)
 
     def _reports_all(self, slot: Slot) -> bool:
         """Whether every record of ``slot`` is taken: the reporting rank's, or every rank's without one."""
@@ -207,14 +203,11 @@ class WorkerMonitor:
     def _check_runs(self, ended: Sequence[Any]) -> None:
         """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's."""
         peer_failed = False
-        for ref in ended:
-            slot = self.run_refs.get(ref)
-            if slot is None or slot.state is SlotState.DEAD:
-                continue
-            try:
-                res = self.rt.get(ref)
-            except Exception as e:  # noqa: BLE001 - the actor died
-                self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(e)}")
+        taken = [(ref, slot) for ref in ended
+                 if (slot := self.run_refs.get(ref)) is not None and slot.state is not SlotState.DEAD]
+        for (ref, slot), (res, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
+            if error is not None:  # the actor died
+                self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(error)}")
                 continue
             slot.info["step"] = res["step"]
             self.known_step = max(self.known_step, int(res["step"]))
@@ -234,11 +227,10 @@ class WorkerMonitor:
         if not all(ref in self.runs_ended for ref in self.run_refs):
             return None
         results = []
-        for ref, slot in self.run_refs.items():
-            try:
-                results.append(self.rt.get(ref))
-            except Exception:  # noqa: BLE001
+        for res, error in get_each(self.rt, list(self.run_refs)):
+            if error is not None:
                 return None
+            results.append(res)
         self._poll_members_blocking()
         self.run_refs = {}
         return results
@@ -284,13 +276,10 @@ class WorkerMonitor:
         if not refs:
             return
         done = set(self.rt.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.poll_s)[0])
-        for slot, ref in asked:
-            if ref not in done:
-                continue
-            try:
-                self._take_poll(slot, self.rt.get(ref))
-            except Exception:  # noqa: BLE001 - it died after answering nothing
-                pass
+        answered = [(slot, ref) for slot, ref in asked if ref in done]
+        for (slot, _), (result, error) in zip(answered, get_each(self.rt, [ref for _, ref in answered])):
+            if error is None:  # (else it died after answering nothing)
+                self._take_poll(slot, result)
 
     def _watchdog(self) -> None:
         if not self.run_refs:
@@ -437,13 +426,14 @@ class WorkerMonitor:
         return is recorded as hung (handled by the next recovery iteration)."""
         if not self.run_refs:
             return
-        ready, _ = self.rt.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=timeout)
-        ready_set = set(ready)
-        new = [ref for ref in ready if ref not in self.runs_ended]
-        self.runs_ended = set(self.runs_ended) | ready_set
+        # only the calls not seen ending yet are waited for (usually none: a failed step ends them all,
+        # and the run watch told them; at 10,000 ranks a wait on every call was ~10 ms of the decision)
+        pending = [ref for ref in self.run_refs if ref not in self.runs_ended]
+        new, _ = self.rt.wait(pending, num_returns=len(pending), timeout=timeout) if pending else ([], [])
+        self.runs_ended = set(self.runs_ended) | set(new)
         self._check_runs(new)
         for ref, slot in list(self.run_refs.items()):
-            if ref not in ready_set and slot.state is SlotState.MEMBER:
+            if ref not in self.runs_ended and slot.state is SlotState.MEMBER:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
         # the decision waits on this: with rank 0 alive, its records say which steps completed (a
         # dead rank 0's steps are in the survivors' records: then every member is asked)
