@@ -230,7 +230,7 @@ def test_get_each_takes_results_in_few_gets_and_isolates_each_failed_call() -> N
     assert rt.gets == -(-3000 // GET_CHUNK)
 
 
-def test_a_lost_node_at_2048_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp_path) -> None:
+def test_a_lost_node_at_1024_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp_path) -> None:
     """A failed step ends every member's ``run``; the controller used to take each result with its own
     ``get`` (a round trip each through Ray: 10,000 at 10,000 ranks, ~30 ms of the decision in the
     simulator alone). It takes them in chunks: from the fault to the decision, a few dozen ``get``."""
@@ -240,7 +240,7 @@ def test_a_lost_node_at_2048_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp
     from elastictrain.sim.world import SimWorld
     from elastictrain.task import builtin_task
 
-    ranks = 2048
+    ranks = 1024
     config = sim_config(ranks, 80, STEP_S)
     world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
     world.faults = _faults("node", ranks, world, random.Random(0))
