@@ -163,7 +163,6 @@ class BackgroundRun:
 # checkpoints, memory snapshots, sample audits and slow-step faults change no number. Tests that compare a
 # faulty run with a clean one share one clean run per spec instead of each training its own.
 CLEAN_40 = job(train={"steps": 40})
-CLEAN_60 = job(train={"steps": 60})
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 from elastictrain import build_config
 from elastictrain.config import ConfigError
 from elastictrain.trainer import Trainer
-from tests.conftest import CLEAN_60, BackgroundRun, job, run_job
+from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,21 +83,25 @@ def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path
 
 
 def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local, clean_run) -> None:
-    """Nine SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained
-    a few steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise
-    equal to a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per
-    slot): this run died at the 4th kill of a slot. Nine is the fewest kills that exceed both budgets as
-    lifetime counts: recovery.max_failures=8 of the run and max_failures_per_rank=3 of the slot."""
+    """SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained a few
+    steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise equal to
+    a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per slot): a
+    run died at the 4th kill of a slot. Three kills are the fewest that exceed both budgets here as lifetime
+    counts: recovery.max_failures=2 of the run and max_failures_per_rank=1 of the slot (the smallest
+    allowed), so a budget counted over the run's lifetime ends this run and the rate and in-a-row budgets
+    do not. The rate window is 0.5 s: three failures in it would need two recoveries and five steps each
+    within 0.25 s on average (the nine kills in 4 s this test used to make allowed 0.5 s each)."""
     kills = [{"rank": 1, "step": 6 + 5 * k, "point": "mid_step", "kind": "kill", "generation": k}
-             for k in range(9)]  # strict mode: one new generation per failure, so generation k is after k kills
-    base = dict(train={"steps": 60}, workers={"spares": 2, "standby": True},  # replacements warm: 9 of them
+             for k in range(3)]  # strict mode: one new generation per failure, so generation k is after k kills
+    base = dict(train={"steps": 40}, workers={"spares": 2, "standby": True},  # replacements warm: 3 of them
                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
-                recovery={"mode": "strict", "max_failures": 8, "failure_window_s": 4.0})
+                recovery={"mode": "strict", "max_failures": 2, "max_failures_per_rank": 1,
+                          "failure_window_s": 0.5})
     faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")
-    clean = clean_run(CLEAN_60)  # the same 60 steps on 2 workers: no spares, checkpoints or kills
+    clean = clean_run(CLEAN_40)  # the same 40 steps on 2 workers: no spares, checkpoints or kills
     assert faulty.result.exit_code == 0, faulty.summary["error"]
-    assert faulty.summary["failures"] == 9 and {e["rank"] for e in faulty.of("failure")} == {1}
-    assert faulty.summary["final_step"] == 60 and len(faulty.of("recovered")) == 9
+    assert faulty.summary["failures"] == 3 and {e["rank"] for e in faulty.of("failure")} == {1}
+    assert faulty.summary["final_step"] == 40 and len(faulty.of("recovered")) == 3
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
     assert faulty.summary["final_loss"] == clean.summary["final_loss"]
 
