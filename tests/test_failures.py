@@ -86,22 +86,24 @@ def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local,
     """SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained a few
     steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise equal to
     a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per slot): a
-    run died at the 4th kill of a slot. Three kills are the fewest that exceed both budgets here as lifetime
-    counts: recovery.max_failures=2 of the run and max_failures_per_rank=1 of the slot (the smallest
-    allowed), so a budget counted over the run's lifetime ends this run and the rate and in-a-row budgets
-    do not. The rate window is 0.5 s: three failures in it would need two recoveries and five steps each
-    within 0.25 s on average (the nine kills in 4 s this test used to make allowed 0.5 s each)."""
+    run died at the 4th kill of a slot. Four kills are the fewest that exceed both budgets here as lifetime
+    counts: recovery.max_failures=3 of the run and max_failures_per_rank=3 of the slot, so a budget counted
+    over the run's lifetime ends this run and the rate and in-a-row budgets must not. (max_failures_per_rank
+    stays 3: a replacement's progress is what the controller saw of its steps, which may lag on a loaded
+    machine; four kills in a row would all have to look progress-free to make a crash loop.) The rate
+    window is 0.5 s: four failures in it would need three recoveries and five steps each within 0.17 s
+    (the nine kills in 4 s this test used to make allowed 0.5 s each)."""
     kills = [{"rank": 1, "step": 6 + 5 * k, "point": "mid_step", "kind": "kill", "generation": k}
-             for k in range(3)]  # strict mode: one new generation per failure, so generation k is after k kills
-    base = dict(train={"steps": 40}, workers={"spares": 2, "standby": True},  # replacements warm: 3 of them
+             for k in range(4)]  # strict mode: one new generation per failure, so generation k is after k kills
+    base = dict(train={"steps": 40}, workers={"spares": 2, "standby": True},  # replacements warm: 4 of them
                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
-                recovery={"mode": "strict", "max_failures": 2, "max_failures_per_rank": 1,
+                recovery={"mode": "strict", "max_failures": 3, "max_failures_per_rank": 3,
                           "failure_window_s": 0.5})
     faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")
     clean = clean_run(CLEAN_40)  # the same 40 steps on 2 workers: no spares, checkpoints or kills
     assert faulty.result.exit_code == 0, faulty.summary["error"]
-    assert faulty.summary["failures"] == 3 and {e["rank"] for e in faulty.of("failure")} == {1}
-    assert faulty.summary["final_step"] == 40 and len(faulty.of("recovered")) == 3
+    assert faulty.summary["failures"] == 4 and {e["rank"] for e in faulty.of("failure")} == {1}
+    assert faulty.summary["final_step"] == 40 and len(faulty.of("recovered")) == 4
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
     assert faulty.summary["final_loss"] == clean.summary["final_loss"]
 
