@@ -163,7 +163,6 @@ class BackgroundRun:
 # checkpoints, memory snapshots, sample audits and slow-step faults change no number. Tests that compare a
 # faulty run with a clean one share one clean run per spec instead of each training its own.
 CLEAN_40 = job(train={"steps": 40})
-CLEAN_60 = job(train={"steps": 60})
 
 
 @pytest.fixture(scope="session")
@@ -181,3 +180,17 @@ def clean_run(tmp_path_factory):
         return done[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def raised_run(tmp_path_factory) -> Run:
+    """One run in which rank 1 raises in its backward of step 5 (its own error, while its peer waits in the
+    collectives) and recovers: 12 steps on 2 workers, a checkpoint every 4 steps. Trained once per session
+    for the tests that read such a run (tests/test_failures.py: the failure verdict; tests/test_report.py:
+    the report of a run with a failure and checkpoints). Read-only for them."""
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("raised")
+    boom = {"rank": 1, "step": 5, "point": "backward", "kind": "raise"}
+    spec = job(name="report", train={"steps": 12}, checkpoint={"uri": str(tmp / "ckpt"), "every_steps": 4},
+               faults=[boom])
+    return run_job(tmp, spec, name="raised")

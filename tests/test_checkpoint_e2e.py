@@ -25,11 +25,32 @@ def _ckpt(tmp_path: Path, **extra) -> dict:
             **extra}
 
 
-def test_periodic_checkpoints_commit_and_retain(tmp_path, ray_local):
-    run = run_job(tmp_path, job(name="per", train={"steps": 20}, checkpoint=_ckpt(tmp_path)))
+@pytest.fixture(scope="module")
+def periodic(tmp_path_factory):
+    """Run "per": 20 steps on 2 workers, a checkpoint every 5, the last 2 kept (15 and 20). The periodic test
+    reads it; the resume and corrupt-checkpoint tests each work on their own copy of its checkpoint root."""
+    from tests.conftest import _ensure_local_ray
+
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("periodic")
+    run = run_job(tmp, job(name="per", train={"steps": 20}, checkpoint=_ckpt(tmp)))
+
+    def copy_to(tmp_path: Path) -> Path:
+        import shutil
+
+        shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
+        return tmp_path / "ckpt" / "per"
+
+    run.copy_to = copy_to
+    run.root = tmp / "ckpt" / "per"
+    return run
+
+
+def test_periodic_checkpoints_commit_and_retain(periodic):
+    run = periodic
     saved = [e["step"] for e in run.of("checkpoint_saved")]
     assert saved == [5, 10, 15, 20], run.of("checkpoint_failed")
-    store = CheckpointStore(str(tmp_path / "ckpt" / "per"))
+    store = CheckpointStore(str(run.root))
     assert [m.step for m in store.committed()] == [15, 20]  # keep_last=2
     newest, skipped = store.latest_valid()
     assert newest.step == 20 and not skipped and newest.world_size == 2
@@ -77,33 +98,32 @@ def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local, cl
     assert resumed_summary["final_model_sha256"] == clean.summary["final_model_sha256"]
 
 
-def test_resume_at_another_world_size_and_skip_corrupt(tmp_path, ray_local):
+def test_resume_at_another_world_size_and_skip_corrupt(tmp_path, ray_local, periodic):
     ck = _ckpt(tmp_path, keep_last=5)
-    run_job(tmp_path, job(name="rs", train={"steps": 10}, checkpoint=ck), name="two")
-    store = CheckpointStore(str(tmp_path / "ckpt" / "rs"))
+    root = periodic.copy_to(tmp_path)  # run "per" on 2 workers: commits 15 and 20
+    store = CheckpointStore(str(root))
     newest = store.committed()[-1]
-    assert newest.step == 10
-    shard = next(p for p in (tmp_path / "ckpt" / "rs").glob("step_*10/**/*") if p.suffix == ".distcp")
+    assert newest.step == 20
+    shard = next(p for p in root.glob("step_*20/**/*") if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte
     shard.write_bytes(bytes(data))
-    # 15 steps instead of 10 changes the cosine schedule: accepted on purpose (checkpoint.accept_changes)
-    one = run_job(tmp_path, job(name="rs", train={"steps": 15}, workers={"min": 1, "max": 1},
+    # 25 steps instead of 20 changes the cosine schedule: accepted on purpose (checkpoint.accept_changes)
+    one = run_job(tmp_path, job(name="per", train={"steps": 25}, workers={"min": 1, "max": 1},
                                 checkpoint={**ck, "accept_changes": ["schedule"]}), name="one")
-    # the driver checks sizes only; the rank that read step 10 found the SHA-256 mismatch, step 5 was loaded
+    # the driver checks sizes only; the rank that read step 20 found the SHA-256 mismatch, step 15 was loaded
     (bad,) = [e for e in one.of("checkpoint_failed") if "could not load" in e["reason"]]
-    assert "SHA-256 mismatch" in bad["reason"] and bad["step"] == 10, bad
+    assert "SHA-256 mismatch" in bad["reason"] and bad["step"] == 20, bad
     (resumed,) = one.of("resumed")
-    assert resumed["step"] == 5 and resumed["world_size"] == 1 and resumed["from_world_size"] == 2
-    assert one.summary["final_step"] == 15 and one.result.exit_code == 0
+    assert resumed["step"] == 15 and resumed["world_size"] == 1 and resumed["from_world_size"] == 2
+    assert one.summary["final_step"] == 25 and one.result.exit_code == 0
 
 
-def test_explicit_corrupt_checkpoint_is_a_clear_error(tmp_path, ray_local):
+def test_explicit_corrupt_checkpoint_is_a_clear_error(tmp_path, periodic):
     ck = _ckpt(tmp_path)
-    run_job(tmp_path, job(name="bad", train={"steps": 5}, checkpoint=ck))
-    step_dir = next((tmp_path / "ckpt" / "bad").glob("step_*5"))
+    step_dir = periodic.copy_to(tmp_path) / "step_000000020"  # run "per"'s last commit
     (step_dir / "manifest.json").write_text("{not json")
-    spec = job(name="bad", train={"steps": 8}, checkpoint={**ck, "resume": str(step_dir)})
+    spec = job(name="per", train={"steps": 25}, checkpoint={**ck, "resume": str(step_dir)})
     proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(_write_job(tmp_path, spec))],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr

@@ -73,10 +73,13 @@ def two_workers(tmp_path_factory) -> Run:
     return _run(tmp_path_factory.mktemp("dropout"), job(train={"steps": 6}), "two")
 
 
-def test_plain_dropout_same_at_one_and_two_workers(tmp_path, ray_local, two_workers):
+def test_plain_dropout_same_at_one_and_two_workers(ray_local, two_workers):
     """Chunk j = k*W + r names the same samples at any world size, so the masks match: before the
-    generators were seeded per (seed, step, chunk), 1 and 2 workers drew different masks."""
-    one = _run(tmp_path, job(train={"steps": 6}, workers={"min": 1, "max": 1}), "one")
+    generators were seeded per (seed, step, chunk), 1 and 2 workers drew different masks. One worker: the
+    worker's step loop on a one-rank group in this process (tests/parallel_fixtures.py InProcessRun)."""
+    from tests.parallel_fixtures import InProcessRun
+
+    one = InProcessRun(job(train={"steps": 6}, workers={"min": 1, "max": 1}), task=_dropout_task())
     two = two_workers
     assert {e["world_size"] for e in two.of("step")} == {2}
     p1, p2 = one.final_params(), two.final_params()

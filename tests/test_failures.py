@@ -14,7 +14,7 @@ import pytest
 from elastictrain import build_config
 from elastictrain.config import ConfigError
 from elastictrain.trainer import Trainer
-from tests.conftest import CLEAN_60, BackgroundRun, job, run_job
+from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,11 +53,11 @@ def test_setup_failure_on_every_worker_ends_once_with_its_message(tmp_path, ray_
     assert finished["state"] == "failed" and finished["exit_code"] == 1
 
 
-def test_own_error_in_last_backward_is_that_ranks_failure(tmp_path, ray_local) -> None:
+def test_own_error_in_last_backward_is_that_ranks_failure(raised_run) -> None:
     """A ValueError raised by autograd in rank 1's last backward (its peers wait in the collectives) is
-    rank 1's failure, quoted; the run recovers and finishes."""
-    boom = {"rank": 1, "step": 5, "point": "backward", "kind": "raise"}
-    run = run_job(tmp_path, job(train={"steps": 12}, faults=[boom]))
+    rank 1's failure, quoted; the run recovers and finishes (the session's run with that fault, 12 steps:
+    tests/conftest.py raised_run, whose checkpoints every 4 steps change none of this)."""
+    run = raised_run
     assert run.result.exit_code == 0 and run.summary["final_step"] == 12
     # The verdict: one failure, rank 1's own ("exception"); rank 0, whose collective broke under it, is a
     # survivor (peer_failed), not a second failure.
@@ -83,21 +83,27 @@ def test_deterministic_own_error_is_a_crash_loop_not_an_endless_regroup(tmp_path
 
 
 def test_many_kills_over_one_run_finish_with_the_clean_loss(tmp_path, ray_local, clean_run) -> None:
-    """Nine SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained
-    a few steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise
-    equal to a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per
-    slot): this run died at the 4th kill of a slot. Nine is the fewest kills that exceed both budgets as
-    lifetime counts: recovery.max_failures=8 of the run and max_failures_per_rank=3 of the slot."""
+    """SIGKILLs of the rank-1 worker over one run, checkpoints on, each after the replacement trained a few
+    steps: none is a crash loop and the rate stays within the budget, so the run finishes, bitwise equal to
+    a run without failures (strict mode). Budgets used to be lifetime counts (10 per run, 3 per slot): a
+    run died at the 4th kill of a slot. Four kills are the fewest that exceed both budgets here as lifetime
+    counts: recovery.max_failures=3 of the run and max_failures_per_rank=3 of the slot, so a budget counted
+    over the run's lifetime ends this run and the rate and in-a-row budgets must not. (max_failures_per_rank
+    stays 3: a replacement's progress is what the controller saw of its steps, which may lag on a loaded
+    machine; four kills in a row would all have to look progress-free to make a crash loop.) The rate
+    window is 0.5 s: four failures in it would need three recoveries and five steps each within 0.17 s
+    (the nine kills in 4 s this test used to make allowed 0.5 s each)."""
     kills = [{"rank": 1, "step": 6 + 5 * k, "point": "mid_step", "kind": "kill", "generation": k}
-             for k in range(9)]  # strict mode: one new generation per failure, so generation k is after k kills
-    base = dict(train={"steps": 60}, workers={"spares": 2, "standby": True},  # replacements warm: 9 of them
+             for k in range(4)]  # strict mode: one new generation per failure, so generation k is after k kills
+    base = dict(train={"steps": 40}, workers={"spares": 2, "standby": True},  # replacements warm: 4 of them
                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 2},
-                recovery={"mode": "strict", "max_failures": 8, "failure_window_s": 4.0})
+                recovery={"mode": "strict", "max_failures": 3, "max_failures_per_rank": 3,
+                          "failure_window_s": 0.5})
     faulty = run_job(tmp_path, job(**base, faults=kills), name="faulty")
-    clean = clean_run(CLEAN_60)  # the same 60 steps on 2 workers: no spares, checkpoints or kills
+    clean = clean_run(CLEAN_40)  # the same 40 steps on 2 workers: no spares, checkpoints or kills
     assert faulty.result.exit_code == 0, faulty.summary["error"]
-    assert faulty.summary["failures"] == 9 and {e["rank"] for e in faulty.of("failure")} == {1}
-    assert faulty.summary["final_step"] == 60 and len(faulty.of("recovered")) == 9
+    assert faulty.summary["failures"] == 4 and {e["rank"] for e in faulty.of("failure")} == {1}
+    assert faulty.summary["final_step"] == 40 and len(faulty.of("recovered")) == 4
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
     assert faulty.summary["final_loss"] == clean.summary["final_loss"]
 

@@ -13,19 +13,20 @@ from elastictrain.parallel.materialize import has_meta_params, materialize, para
 from tests.conftest import job, run_job
 
 
+# the fp32 fsdp reference of tests/test_parallel_switches.py (its _spec("fsdp", 2, 6)): one clean run for both
+CLEAN = job(train={"steps": 6, "global_batch": 16, "micro_batch": 2}, workers={"min": 2, "max": 2},
+            parallel={"plan": "fsdp"})
+
+
 def _spec(meta_init: bool = False, **sections):
-    return job(train={"steps": 8, "global_batch": 16, "micro_batch": 4},
-               parallel={"plan": "fsdp", "meta_init": meta_init}, workers={"min": 2, "max": 2}, **sections)
+    return job(train=CLEAN["train"], parallel={"plan": "fsdp", "meta_init": meta_init}, workers=CLEAN["workers"],
+               **sections)
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    from tests.conftest import _ensure_local_ray
-
-    _ensure_local_ray()
-    run = run_job(tmp_path_factory.mktemp("clean"), _spec(), name="clean")
-    assert run.result.exit_code == 0
-    return run.summary
+@pytest.fixture
+def clean(ray_local, clean_run):
+    """The fault-free fsdp run on 2 workers, trained once per session (shared with the switches' tests)."""
+    return clean_run(CLEAN).summary
 
 
 def test_params_on_meta_keeps_buffers_and_materialize_restores_them() -> None:

@@ -93,7 +93,8 @@ def test_reshard_after_forward_keeps_what_backward_needs_first(reshard):
         dist.destroy_process_group()
 
 
-STEPS = 6  # the fp32 fsdp run on 2 workers of this many steps is the reference of bf16 and of AC under fsdp
+STEPS = 6  # the fp32 fsdp run on 2 workers of this many steps: the reference of bf16, of AC under fsdp and of
+# tests/test_meta_init.py (its CLEAN: keep the two specs equal, so the session trains it once)
 
 
 def test_bf16_fsdp_trains_near_fp32_and_keeps_fp32_master_state(tmp_path, ray_local, clean_run):

@@ -119,9 +119,10 @@ def test_all_workers_lost_recovers_from_memory_replica(tmp_path, ray_local, clea
     """Both workers die at once: no survivor holds state, so the keeper's in-memory copy is used, not
     storage (none is configured), and the run ends bitwise equal to one without the failure."""
     both = [{"rank": r, "step": 8, "point": "mid_step", "kind": "kill"} for r in (0, 1)]
-    spec = job(train={"steps": 16}, checkpoint={"memory_every_steps": 1}, recovery={"mode": "strict"})
+    spec = job(train={"steps": 40}, checkpoint={"memory_every_steps": 1}, recovery={"mode": "strict"})
     faulty = run_job(tmp_path, {**spec, "faults": both}, name="f")
-    clean = clean_run(job(train={"steps": 16}))  # snapshots and strict mode change no number of a clean run
+    # the session's shared 40-step reference: snapshots and strict mode change no number of a clean run
+    clean = clean_run(CLEAN_40)
     (recovered,) = faulty.of("recovered")
     assert recovered["source"] == "memory" and recovered["lost_steps"] <= 1
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from elastictrain.report import build_view, find_chromium, render_html, write_report
-from tests.conftest import job, run_job
 
 T0 = 1000.0
 
@@ -114,10 +113,9 @@ class _Figures(html.parser.HTMLParser):
 
 @pytest.mark.skipif(find_chromium() is None, reason="no headless Chromium (apt-get install chromium); "
                     ".ci/run installs it where it can")
-def test_report_renders_in_headless_chromium(ray_local, tmp_path: Path) -> None:
-    spec = job(name="report", train={"steps": 12}, checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 4},
-               faults=[{"rank": 1, "step": 5, "kind": "kill", "point": "mid_step"}])
-    run = run_job(tmp_path, spec)
+def test_report_renders_in_headless_chromium(raised_run, tmp_path: Path) -> None:
+    # the session's 12-step run with one failure (rank 1 raised at step 5) and a checkpoint every 4 steps
+    run = raised_run
     assert run.result.ok and run.summary["failures"] == 1, run.summary
     written = write_report(run.dir)
     assert set(written) == {"html", "png"}

@@ -40,17 +40,47 @@ def _cli(tmp_path: Path, spec: dict, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
-def test_rerun_of_a_finished_run_and_a_reused_run_dir(tmp_path, ray_local):
+# Past the warm-up at step 4 (warmup_steps 1): the cosine of steps 2..4 depends on train.steps, so a longer
+# run changes the schedule (the extension test); the other tests only need a finished run's commits.
+_OPT = {"optimizer": {"lr": 3e-3, "warmup_steps": 1}}
+
+
+def _finished_spec(root: Path, **train) -> dict:
+    return job(name="base", train={"steps": 4, **train}, checkpoint=_ckpt(root), task=_OPT)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished run "base" (4 steps, commits 2 and 4) that the tests below rerun, extend, branch from or
+    corrupt, each on its own copy of the checkpoint root (a test's writes never reach another's)."""
+    from tests.conftest import _ensure_local_ray
+
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("finished")
+    run = run_job(tmp, _finished_spec(tmp), name="first")
+    assert run.result.exit_code == 0 and run.summary["checkpoints_committed"] == [2, 4], run.summary
+
+    def copy_to(tmp_path: Path) -> Path:
+        import shutil
+
+        shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
+        return tmp_path / "ckpt" / "base"
+
+    run.copy_to = copy_to
+    return run
+
+
+def test_rerun_of_a_finished_run_and_a_reused_run_dir(tmp_path, finished):
     """Item 1: the quickstart run twice says 'already finished' (exit 0, no traceback); a reused --run-dir is
     refused (exit 2) instead of appending a second run to its events.jsonl."""
-    spec = job(name="twice", train={"steps": 4}, checkpoint=_ckpt(tmp_path))
-    first = run_job(tmp_path, spec, name="first")
+    first = finished
     assert first.result.exit_code == 0 and first.summary["checkpoints_committed"] == [2, 4]
-    again = _cli(tmp_path, spec)
+    root = first.copy_to(tmp_path)
+    again = _cli(tmp_path, _finished_spec(tmp_path))
     assert again.returncode == 0, again.stderr
     assert "Traceback" not in again.stderr + again.stdout
-    step4 = CheckpointStore(str(tmp_path / "ckpt" / "twice")).step_uri(4)
-    assert (f"run twice already finished at step 4 from checkpoint {step4}; to train again use a new run_id "
+    step4 = CheckpointStore(str(root)).step_uri(4)
+    assert (f"run base already finished at step 4 from checkpoint {step4}; to train again use a new run_id "
             "or --set checkpoint.resume=never") in again.stdout
     before = (first.dir / "events.jsonl").read_text()
     reused = _cli(tmp_path, job(name="other", train={"steps": 2}), "--run-dir", str(first.dir))
@@ -58,25 +88,23 @@ def test_rerun_of_a_finished_run_and_a_reused_run_dir(tmp_path, ray_local):
     assert (first.dir / "events.jsonl").read_text() == before
 
 
-def test_changed_schedule_refused_then_extended_on_purpose(tmp_path, ray_local):
+def test_changed_schedule_refused_then_extended_on_purpose(tmp_path, ray_local, finished):
     """Item 2: more train.steps changes the cosine schedule: exit 3 naming it and the ways out; with
     checkpoint.accept_changes=[schedule] the run continues from its checkpoint to the new end."""
-    opt = {"optimizer": {"lr": 3e-3, "warmup_steps": 1}}  # past the warm-up: the cosine depends on train.steps
-    spec = job(name="ext", train={"steps": 4}, checkpoint=_ckpt(tmp_path), task=opt)
-    run_job(tmp_path, spec, name="first")
-    longer = job(name="ext", train={"steps": 6}, checkpoint=_ckpt(tmp_path), task=opt)
+    root = finished.copy_to(tmp_path)  # the 4 steps of run "base", past the warm-up (_OPT)
+    longer = _finished_spec(tmp_path, steps=6)
     refused = _cli(tmp_path, longer)
     assert refused.returncode == 3, refused.stderr
     err = refused.stderr
     assert "checkpoint error" in err and "schedule: the learning-rate multiplier at step" in err
     assert "checkpoint.accept_changes=[schedule]" in err and "checkpoint.resume=never" in err
     assert "Traceback" not in err
-    ok = run_job(tmp_path, job(name="ext", train={"steps": 6}, task=opt,
+    ok = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT,
                                checkpoint=_ckpt(tmp_path, accept_changes=["schedule"])), name="ext")
     (resumed,) = ok.of("resumed")
     assert resumed["step"] == 4 and ok.summary["final_step"] == 6 and ok.result.exit_code == 0
     # the new manifest carries the new schedule: the next resume compares with the extended run
-    newest = CheckpointStore(str(tmp_path / "ckpt" / "ext")).committed()[-1]
+    newest = CheckpointStore(str(root)).committed()[-1]
     assert newest.step == 6 and newest.meta["fingerprint"]["schedule"][-1][0] == 5
 
 
@@ -91,18 +119,17 @@ def test_data_order_keys_can_never_be_accepted():
     assert "train.global_batch: 16 in the checkpoint, 32 now" in why and "accept_changes" not in why
 
 
-def test_resume_never_isolates_the_new_run(tmp_path, ray_local):
+def test_resume_never_isolates_the_new_run(tmp_path, ray_local, finished):
     """Item 4: resume=never next to an existing run gets a new unique run id and its own root; the old
     run's commits are untouched (retention never deletes them, a fallback never loads them)."""
-    run_job(tmp_path, job(name="iso", train={"steps": 4}, checkpoint=_ckpt(tmp_path)), name="old")
-    old_root = tmp_path / "ckpt" / "iso"
+    old_root = finished.copy_to(tmp_path)  # run "base": commits 2 and 4
     old = {str(p): p.read_bytes() for p in old_root.glob("step_*/manifest.json")}
     assert len(old) == 2
-    fresh = run_job(tmp_path, job(name="iso", train={"steps": 6}, checkpoint=_ckpt(tmp_path, resume="never")),
+    fresh = run_job(tmp_path, job(name="base", train={"steps": 6}, checkpoint=_ckpt(tmp_path, resume="never")),
                     name="fresh")
     assert fresh.result.exit_code == 0 and not fresh.of("resumed")
     new_id = fresh.summary["run_id"]
-    assert new_id.startswith("iso-") and fresh.summary["checkpoint_root"] == str(tmp_path / "ckpt" / new_id)
+    assert new_id.startswith("base-") and fresh.summary["checkpoint_root"] == str(tmp_path / "ckpt" / new_id)
     assert fresh.of("run_started")[0]["run_id"] == new_id and "another run" in fresh.of("run_started")[0]["note"]
     assert {str(p): p.read_bytes() for p in old_root.glob("step_*/manifest.json")} == old
     mine = CheckpointStore(fresh.summary["checkpoint_root"]).committed()
@@ -165,18 +192,16 @@ def test_incompatible_model_is_a_checkpoint_error_not_a_crash_loop(tmp_path, ray
     assert "model:" in failed["reason"] and "Ways out" in failed["reason"]
 
 
-def test_corrupt_explicit_checkpoint_found_by_the_rank_is_exit_3(tmp_path, ray_local):
+def test_corrupt_explicit_checkpoint_found_by_the_rank_is_exit_3(tmp_path, ray_local, finished):
     """Items 9 and 15: the driver checks sizes only; the rank that reads a same-size corrupt file finds the
     SHA-256 mismatch, and that load error ends the run as a checkpoint error (exit 3), once."""
-    ck = _ckpt(tmp_path)
-    run_job(tmp_path, job(name="cx", train={"steps": 2}, checkpoint=ck), name="a")
-    step_dir = next((tmp_path / "ckpt" / "cx").glob("step_*2"))
+    step_dir = finished.copy_to(tmp_path) / "step_000000004"  # run "base"'s last commit, named explicitly
     shard = next(step_dir.glob("**/*.distcp"))  # inside the attempt directory (g0/)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    run = run_job(tmp_path, job(name="cx", train={"steps": 4}, checkpoint={**ck, "resume": str(step_dir),
-                                                                       "accept_changes": ["schedule"]}), name="b")
+    ck = _ckpt(tmp_path, resume=str(step_dir), accept_changes=["schedule"])
+    run = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT, checkpoint=ck), name="b")
     assert run.result.exit_code == 3 and run.summary["failures"] == 0
     (failed,) = run.of("run_failed")
     assert "SHA-256 mismatch" in failed["reason"] and shard.name in failed["reason"]

@@ -247,7 +247,7 @@ def test_tp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local) 
     """tp2 (sequence parallel) through the real controller on local Ray for 4 steps, with the peer tier every
     step and a durable checkpoint every 2: every step's samples audited once; then ddp1 resumes its step-4
     checkpoint (the framework's own format) to 6 steps with the losses and final model of 6 uninterrupted
-    ddp1 steps."""
+    ddp1 steps (trained in this process: tests/parallel_fixtures.py InProcessRun)."""
     def spec(world: int, steps: int, run_id: str, ckpt: bool = True, **parallel: Any) -> dict[str, Any]:
         s = _spec(world, **parallel)
         s["train"] = {**s["train"], "steps": steps}
@@ -257,6 +257,7 @@ def test_tp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local) 
         return s
 
     from tests.conftest import run_job
+    from tests.parallel_fixtures import InProcessRun
 
     tp = run_job(tmp_path, spec(2, 4, "tp-resume", tp=2), name="tp2")
     assert tp.result.exit_code == 0, tp.summary
@@ -265,7 +266,8 @@ def test_tp2_run_through_the_controller_resumes_under_ddp1(tmp_path, ray_local) 
     assert ddp.result.exit_code == 0, ddp.summary
     (resumed,) = ddp.of("resumed")
     assert resumed["step"] == 4
-    ref = run_job(tmp_path, spec(1, 6, "ref", ckpt=False), name="ref")
+    # 6 uninterrupted ddp1 steps: the worker's step loop on one rank in this process (no worker to start)
+    ref = InProcessRun(spec(1, 6, "ref", ckpt=False))
     losses = {**tp.losses(), **ddp.losses()}
     assert sorted(losses) == list(range(1, 7))
     for step, loss in ref.losses().items():

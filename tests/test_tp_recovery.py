@@ -8,12 +8,12 @@ from __future__ import annotations
 import copy
 
 from tests.conftest import BASE_JOB, job, run_job
-from tests.test_pp_recovery import _audit, _kept_their_process, _slow
+from tests.test_pp_recovery import _audit, _clean_loss, _kept_their_process, _slow
 
 STEPS = 16
 TASK = copy.deepcopy(BASE_JOB["task"])  # 2 heads, d_model 32: every TP dimension divides by 2
 TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
-# the uninterrupted reference: one process, the same math (tp2 differs by fp32 sum order only; dropout masks
+# the uninterrupted reference: one process (the worker's step loop in the test's own process), the same math (tp2 differs by fp32 sum order only; dropout masks
 # are a function of (seed, step, sample, position), never of the shard)
 CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
 
@@ -28,15 +28,14 @@ def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
     return copy.deepcopy(spec)
 
 
-def _like_clean(run, clean) -> None:
+def _like_clean(run, clean: dict) -> None:
     assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
     _audit(run)
-    lf, lc = run.summary["final_loss"], clean.summary["final_loss"]
+    lf, lc = run.summary["final_loss"], _clean_loss(clean)
     assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
 
 
-def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_and_grows(tmp_path, ray_local,
-                                                                                         clean_run):
+def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_and_grows(tmp_path, ray_local):
     """tp2 x dp2 on 4 (replica 0 = ranks 0,1 on tp coordinates 0,1; replica 1 = ranks 2,3): rank 1 is
     SIGKILLed mid-step with no spare. Rank 3 holds tp coordinate 1 and rank 0 coordinate 0: the survivors
     serve their shards (no keeper, no storage), the 3 left fold to whole TP groups (tp2 x dp1) and grow
@@ -52,10 +51,10 @@ def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_a
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole TP groups only: 3 workers run one
     _kept_their_process(run, [0, 2, 3])
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, CLEAN)
 
 
-def test_tp2_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local, clean_run):
+def test_tp2_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local):
     """tp2 alone on 2: rank 1 holds the only copy of tp coordinate 1 and is SIGKILLed mid-step; the peer
     tier (a snapshot every step) holds it. The replacement loads its shard from the keeper, rank 0 its own."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
@@ -65,4 +64,4 @@ def test_tp2_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local,
     assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
     assert "lack (tp coordinate, shard coordinate) [(1, 0)]" in rec["reason"], rec
     _kept_their_process(run, [0])
-    _like_clean(run, clean_run(CLEAN))
+    _like_clean(run, CLEAN)

@@ -29,24 +29,30 @@ def test_a_finished_run_always_commits_its_final_step(tmp_path, ray_local):
     assert result.exit_code == 0 and result.summary.get("already_finished") is True, result.summary
 
 
-def test_final_step_committed_off_the_cadence(tmp_path, ray_local):
-    run = run_job(tmp_path, job(name="off", train={"steps": 7}, checkpoint=_ck(tmp_path, every_steps=5)))
-    assert run.result.exit_code == 0
-    assert [e["step"] for e in run.of("checkpoint_saved")] == [5, 7], run.of("checkpoint_failed")
-    assert run.summary["checkpoints_committed"] == [5, 7]
-
-
 @pytest.fixture(scope="module")
-def branch_uri(tmp_path_factory) -> str:
-    """A committed step 5 of run "trunk" (on a root of its own) that the branched runs start from; read-only
-    for them: each branch commits under its own run id and root."""
+def trunk(tmp_path_factory):
+    """Run "trunk": 9 steps on 2 workers, a checkpoint every 5 (on a root of its own). Its commits are
+    the off-cadence test's subject, and its step 5 the branch point the branched runs start from (with
+    its 9 steps, so their LR schedule is the trunk's); read-only for them: each branch commits under its
+    own run id and root."""
     from tests.conftest import _ensure_local_ray
 
     _ensure_local_ray()
     tmp = tmp_path_factory.mktemp("trunk")
-    base = run_job(tmp, job(name="trunk", train={"steps": 5}, checkpoint=_ck(tmp, every_steps=5)), name="trunk")
-    assert base.summary["checkpoints_committed"] == [5]
-    return str(tmp / "ckpt" / "trunk" / "step_000000005")
+    return run_job(tmp, job(name="trunk", train={"steps": 9}, checkpoint=_ck(tmp, every_steps=5)), name="trunk")
+
+
+@pytest.fixture(scope="module")
+def branch_uri(trunk) -> str:
+    assert 5 in trunk.summary["checkpoints_committed"], trunk.summary
+    return str(Path(trunk.summary["checkpoint_root"]) / "step_000000005")
+
+
+def test_final_step_committed_off_the_cadence(trunk):
+    run = trunk  # 9 steps, a checkpoint every 5
+    assert run.result.exit_code == 0
+    assert [e["step"] for e in run.of("checkpoint_saved")] == [5, 9], run.of("checkpoint_failed")
+    assert run.summary["checkpoints_committed"] == [5, 9]
 
 
 def test_a_branched_run_recovers_from_its_branch_point(tmp_path, ray_local, branch_uri):
@@ -75,7 +81,7 @@ def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_poi
     its torch group count stayed advanced, so every later rendezvous timed out: a crash loop; and a
     recovery before any generation formed chose zero workers and looped)."""
     kill = [{"rank": 1, "step": 0, "point": "join", "kind": "kill", "generation": 0}]
-    spec = job(name="trunk", run_id="rdv", train={"steps": 7}, workers={"min": 2, "max": 2}, faults=kill,
+    spec = job(name="trunk", run_id="rdv", train={"steps": 9}, workers={"min": 2, "max": 2}, faults=kill,
                recovery={"mode": "strict"}, checkpoint=_ck(tmp_path, every_steps=0, resume=branch_uri))
     run = run_job(tmp_path, spec, name="rdv")
     assert run.result.exit_code == 0, run.summary
@@ -84,9 +90,9 @@ def test_a_branched_run_whose_first_rendezvous_fails_resumes_from_its_branch_poi
     (rec,) = run.of("recovered")
     assert rec["source"] == "checkpoint" and rec["step"] == 5, rec
     steps = [e["step"] for e in run.of("step")]
-    assert steps == [6, 7], steps
+    assert steps == [6, 7, 8, 9], steps
     assert {e["world_size"] for e in run.of("step")} == {2}
-    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "rdv")).committed()] == [7]
+    assert [m.step for m in CheckpointStore(str(tmp_path / "ckpt" / "rdv")).committed()] == [9]
 
 
 def test_a_worker_dying_while_the_run_finishes_still_ends_the_run_cleanly(tmp_path, ray_local):
