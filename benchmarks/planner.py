@@ -116,11 +116,13 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    measured = {k: figures[k] for k in ("flops", "intra_node_bw", "latency_s", "runtime_bytes") if figures.get(k)}
-    # more one-thread processes than CPUs share them: each computes at its share of the measured rate
-    measured["flops"] = measured.get("flops", CPU_DEFAULTS["flops"]) * min(1.0, (os.cpu_count() or 1) / world)
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "optimizer_s_per_param", "runtime_bytes",
+            "cores_per_node")
+    measured = {k: figures[k] for k in keys if figures.get(k)}
+    # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
-                      **{**CPU_DEFAULTS, **measured, "inter_node_bw": CPU_DEFAULTS["inter_node_bw"]})
+                      **{**CPU_DEFAULTS, "cores_per_node": float(os.cpu_count() or 1), **measured,
+                         "inter_node_bw": CPU_DEFAULTS["inter_node_bw"]})
     c = Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, schedule=lay.pp_schedule,
                   stages_per_rank=lay.stages_per_rank, micro_batch=args.micro_batch,
                   sequence_parallel=lay.sp if d.tp > 1 else True)
@@ -148,11 +150,14 @@ def main() -> None:
 
     from elastictrain import build_config
 
-    probe = build_config(_job(args, 2, "ddp")).model_dump(mode="json")
-    figures = json.loads(Path(args.calibration).read_text()) if args.calibration else calibrate(False, 1, 1, probe)
-    print(f"calibration (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): "
-          f"{figures['flops'] / 1e9:.1f} GFLOP/s, all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, "
-          f"latency {figures['latency_s'] * 1e6:.0f} us, runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
+    probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
+    figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
+               else calibrate(False, 1, 1, probe, ranks=args.world))
+    print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs; rates of a process alone): {figures['flops'] / 1e9:.1f} GFLOP/s, "
+          f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
+          f"call {figures['call_s'] * 1e3:.2f} ms, optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
+          f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:
         for layout in [x for x in args.layouts.split(",") if x]:
