@@ -4,9 +4,11 @@ layout that runs here, after calibration (issue 24).
 Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-model 384] [--seq-len 128]
 [--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE]``
 
-1. Calibrate (``elastictrain plan --calibrate``'s measurement, :mod:`elastictrain.planner.calibrate`): the
-   matmul rate of one thread, the all-reduce bus bandwidth and latency of two processes, a process's
-   resident bytes with torch and gloo up. ``--calibration FILE`` uses a file written before instead.
+1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
+   with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
+   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
+   collective call between stretches of compute, a worker's resident bytes besides the model.
+   ``--calibration FILE`` uses a file written before instead.
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
@@ -16,7 +18,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
-   candidate on the calibrated one-node cluster): each ratio predicted / measured, and whether the ranking
+   candidate on the calibrated one-node cluster of ``--world`` processes over this machine's cores, which
+   they share when more: ``Cluster.cores_per_node``): each ratio predicted / measured, and whether the ranking
    by predicted step time is the measured one (targets of the issue: memory within 10%, step time within
    20% on a CPU machine, the same ranking).
 

@@ -217,7 +217,8 @@ CPU4 = dict(nodes=1, devices_per_node=4, device_memory=8 * GIB, flops=50e9, intr
 
 
 def test_ranks_that_share_cores_take_turns_and_a_gpus_figures_keep_their_meaning():
-    """4 processes on 2 cores: a step takes at least twice one rank's work (compute, optimizer, bytes), and
+    """4 processes on 2 cores: a step takes at least twice one rank's compute and optimizer step plus its
+    communication (priced at the contended rate the calibration measures), and
     a pipeline rank idle in its bubble lends its core instead of stretching the step; with as many cores as
     ranks (or none given: GPUs) the critical path alone, as before."""
     train = Training(global_batch=16, micro_batch=4)
@@ -226,8 +227,8 @@ def test_ranks_that_share_cores_take_turns_and_a_gpus_figures_keep_their_meaning
     assert (shared.share(4), shared.share(2), own.share(4), gpu_like.share(4)) == (2.0, 1.0, 1.0, 1.0)
     ddp = Candidate(dp_replicate=4, micro_batch=4)
     a, b = step_time(SMALL, train, shared, ddp), step_time(SMALL, train, own, ddp)
-    work = a.compute_s + a.optimizer_s + a.dp_s - a.dp_calls_s
-    assert a.total_s == pytest.approx(2 * work + a.dp_calls_s + a.calls_s) and a.total_s > 1.8 * b.total_s
+    assert a.total_s == pytest.approx(2 * (a.compute_s + a.optimizer_s) + a.dp_s + a.calls_s)
+    assert a.total_s > 1.8 * b.total_s
     assert b.total_s == pytest.approx(b.path_s + b.calls_s) == step_time(SMALL, train, gpu_like, ddp).total_s
     pp = Candidate(dp_replicate=2, pp=2, micro_batch=4)  # 2 micro-batches: a third of the step idle
     t = step_time(SMALL, train, shared, pp)

@@ -2,9 +2,10 @@
 
 Measured in ``ranks`` processes at once (default: as many as a node runs workers, at least 2), as the
 job's ranks will run: where they share a node's cores (``Cluster.share`` ``s = ranks / cores > 1``: CPU
-processes), each measured rate is what one rank gets while the others run, and the figures written are
-those of a rank on its own (rates times ``s``, times divided by it), which the cost model shares out again
-for the world it plans (:mod:`.steptime`). The figures:
+processes), each measured rate is what one rank gets while the others run; the compute and optimizer
+figures are written as a rank on its own gets them (rates times ``s``, times divided by it), which the cost
+model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured. The
+figures:
 
 * ``flops``: on CPU with a built-in job, the job's own model cut to one block (full width, its micro-batch)
   running forward and backward, its FLOPs (:func:`.steptime.step_flops`) over the time: what the model's
@@ -15,7 +16,8 @@ for the world it plans (:mod:`.steptime`). The figures:
 * ``intra_node_bw`` / ``latency_s``: the processes all-reduce 16 MiB and one element (gloo on CPU, NCCL on
   GPUs; null with ``workers.use_gpu`` on a machine of one GPU); the bandwidth is the ring's bus bandwidth
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by), the latency the one-element all-reduce's time
-  per ring step;
+  per ring step; where the processes share cores, the bandwidth of 4 MiB all-reduces made between
+  stretches of compute instead (a peer off its core holds up every hop of a large message's ring);
 * ``call_s``: what a collective call costs between stretches of compute, as a job makes them: rounds of a
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers
@@ -102,44 +104,54 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     return _peak_rss_bytes()
 
 
-def _timed_rounds(first: Any, second: Any, rounds: int = 7) -> float:
-    """Median over alternating rounds of ``second()``'s time less ``first()``'s (barriers between: every
-    process runs the same round at once)."""
+def _timed_rounds(base: Any, *others: Any, rounds: int = 7) -> list[float]:
+    """For each of ``others``: the median over rounds of its time less ``base()``'s in the same round (each
+    round runs them all in turn, barriers between: every process runs the same thing at once, and a burst
+    of other work on the machine moves one round, not the figure)."""
     import statistics
 
     import torch.distributed as dist
 
-    diffs = []
+    diffs: list[list[float]] = [[] for _ in others]
     for _ in range(rounds):
         times = []
-        for fn in (first, second):
+        for fn in (base, *others):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        diffs.append(times[1] - times[0])
-    return statistics.median(diffs)
+        for d, t in zip(diffs, times[1:]):
+            d.append(t - times[0])
+    return [statistics.median(d) for d in diffs]
 
 
-def contended_call_s(reps: int = 10) -> float:
-    """The cost of one collective call between stretches of compute (module docstring: ``call_s``)."""
+CONTENDED_BYTES = 4 << 20
+
+
+def contended_figures(world: int, reps: int = 10) -> tuple[float, float]:
+    """``(seconds per call, bus bandwidth)`` of all-reduces made between stretches of compute (a few ms of
+    matmuls; module docstring: ``call_s``): one element, then :data:`CONTENDED_BYTES`, each against the
+    compute alone. Where processes share cores this is what a job's collectives get: a peer may be off
+    its core, and a large message waits on every hop of its ring."""
     import torch
     import torch.distributed as dist
 
-    a, b, tiny = torch.randn(256, 256), torch.randn(256, 256), torch.ones(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    tiny, big = torch.ones(1), torch.ones(CONTENDED_BYTES // 4)
 
-    def compute() -> None:
-        for _ in range(reps):
-            for _ in range(16):
-                a @ b
+    def loop(t: torch.Tensor | None) -> Any:
+        def run() -> None:
+            for _ in range(reps):
+                for _ in range(16):
+                    a @ b
+                if t is not None:
+                    dist.all_reduce(t)
+        return run
 
-    def with_calls() -> None:
-        for _ in range(reps):
-            for _ in range(16):
-                a @ b
-            dist.all_reduce(tiny)
-
-    return max(0.0, _timed_rounds(compute, with_calls) / reps)
+    call, big_s = (max(0.0, d / reps) for d in _timed_rounds(loop(None), loop(tiny), loop(big)))
+    moved = 2 * (world - 1) / world * CONTENDED_BYTES
+    # the bytes' share of a large call (at least half of it: two noisy differences must not leave ~0)
+    return call, moved / max(big_s - call, big_s / 2, 1e-6)
 
 
 def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
@@ -199,11 +211,13 @@ def _peak_rss_bytes() -> float:
 
 def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_gpu: bool,
                        threads: int = 1, job: dict[str, Any] | None = None,
-                       gpu_index: int | None = None) -> dict[str, float]:
+                       gpu_index: int | None = None, probes: bool = True) -> dict[str, float]:
     """In each of ``world`` processes: join a group over a TCP store at ``store_addr`` (rank 0 hosts it),
     time all-reduces, and return bus bandwidth, latency and resident bytes (after :func:`runtime_probe`
-    of ``job`` when given, on CPU). ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs;
-    a Ray actor sees its one GPU as 0)."""
+    of ``job`` when given, on CPU); with ``probes`` on CPU also ``call_s`` (:func:`contended_call_s`),
+    ``flops`` and ``optimizer_s_per_param`` (:func:`job_compute_figures` of ``job``, else a matmul), all
+    processes at once. ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs; a Ray actor
+    sees its one GPU as 0)."""
     import torch
     import torch.distributed as dist
 
@@ -236,15 +250,17 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         bw = 2 * (world - 1) / world * ALL_REDUCE_BYTES / per
         del big, tiny
         figures = {"bus_bw": bw, "latency_s": latency}
-        if not gpu:
-            figures["call_s"] = max(0.0, contended_call_s() - 2 * (world - 1) * latency)
+        # the resident peak first: the probes below build a model of the job's width
+        figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
+        if probes and not gpu:
+            call, figures["contended_bw"] = contended_figures(world)
+            figures["call_s"] = max(0.0, call - 2 * (world - 1) * latency)
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
             else:
                 dist.barrier()
                 figures["flops"] = matmul_flops(False, threads)
-        figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
         return figures
     finally:
         dist.destroy_process_group()
@@ -308,7 +324,7 @@ def cross_node_all_reduce(use_gpu: bool, threads: int = 1) -> float | None:
             return ray.util.get_node_ip_address(), _free_port()
 
         def run(self, rank: int, addr: tuple[str, int]) -> dict[str, float]:
-            return all_reduce_figures(rank, 2, addr, use_gpu, threads, gpu_index=0)
+            return all_reduce_figures(rank, 2, addr, use_gpu, threads, gpu_index=0, probes=False)
 
     peers = [_Peer.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
                            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
@@ -338,11 +354,12 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
     local = local_all_reduce(use_gpu, threads, world=min(n, gpus) if use_gpu else n, job=job) \
         if not use_gpu or gpus >= 2 else {}
     share = 1.0 if use_gpu else max(1.0, n / cores)  # the rates of a rank alone (module docstring)
-    bw = local.get("bus_bw")
+    # ranks sharing cores: their collectives move bytes at the contended rate (kept as measured)
+    bw = local.get("contended_bw") if share > 1 and local.get("contended_bw") else local.get("bus_bw")
     optimizer = local.get("optimizer_s_per_param")
     figures: dict[str, Any] = {
         "flops": local["flops"] * share if "flops" in local else matmul_flops(use_gpu, threads),
-        "intra_node_bw": bw * share if bw else None,
+        "intra_node_bw": bw,
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
         "call_s": _positive(local.get("call_s")),

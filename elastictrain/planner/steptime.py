@@ -24,12 +24,14 @@
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
-  processes), the step takes at least ``s`` times a rank's work (compute, optimizer, the bytes it moves):
-  the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the others
-  instead of stretching the step.
+  processes), the step takes at least ``s`` times a rank's compute and optimizer step plus all its
+  communication (priced at what collectives get among ranks that share cores: the calibration measures
+  them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
+  others instead of stretching the step.
 
-``total = max(critical path, s x work) + calls`` with ``critical path = (compute + tp) / (1 - bubble) + pp
-+ exposed data-parallel + optimizer`` and ``s x work`` only where ``s > 1`` (GPUs: the critical path).
+``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp) / (1 - bubble) + pp
++ exposed data-parallel + optimizer`` and ``busy = s x (compute + optimizer) + tp + pp + data-parallel``
+only where ``s > 1`` (GPUs: the critical path).
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ class StepTime:
     calls_s: float = 0.0  # the fixed and per-ring-step costs of TP's, PP's and the step loop's calls (the
     # data-parallel ones are in dp_s, hidden like its bytes)
     share: float = 1.0   # ranks per core on a node (Cluster.share)
-    dp_calls_s: float = 0.0  # the data-parallel calls' part of dp_s
 
     @property
     def comm_s(self) -> float:
@@ -76,11 +77,12 @@ class StepTime:
 
     @property
     def busy_s(self) -> float:
-        """``share x`` a rank's work: what the node's cores need when ranks share them (0 when they do not)."""
+        """``share x`` a rank's compute and optimizer step, plus all its communication (priced at what a
+        collective gets among ranks that share the cores: the calibration measures it so): what the node
+        needs when ranks share its cores (0 when they do not)."""
         if self.share <= 1:
             return 0.0
-        work = self.compute_s + self.optimizer_s + self.tp_s + self.pp_s + self.dp_s - self.dp_calls_s
-        return self.share * work + self.dp_calls_s  # a call's cost is measured with the cores shared
+        return self.share * (self.compute_s + self.optimizer_s) + self.tp_s + self.pp_s + self.dp_s
 
     @property
     def total_s(self) -> float:
@@ -194,7 +196,6 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     final = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, links["dp_replicate"])
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
-    dp_calls = calls.cost_s(cluster, "fsdp", "replicate")
     fsdp += calls.cost_s(cluster, "fsdp")
     final += calls.cost_s(cluster, "replicate")
     hide = cluster.overlap
@@ -202,4 +203,4 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
                     fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
                     calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
-                    share=cluster.share(c.world_size), dp_calls_s=dp_calls)
+                    share=cluster.share(c.world_size))
