@@ -27,7 +27,10 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs (not timed quiet).
+(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs, ``--steps 4 --warmup 1``
+~7 min at load 12-60 (the calibration ~1 min of it; not timed quiet). Under such load the calibration's
+differences (a call against compute alone) can drown: a figure that does not come out is null and the
+planner's default is used (the calibration line says so).
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def main() -> None:
     print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs; rates of a process alone): {figures['flops'] / 1e9:.1f} GFLOP/s, "
           f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
-          f"call {figures['call_s'] * 1e3:.2f} ms, optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
+          f"call {(figures.get('call_s') or float('nan')) * 1e3:.2f} ms (nan: lost in the load, default used), "
+          f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:

@@ -128,11 +128,12 @@ def _timed_rounds(base: Any, *others: Any, rounds: int = 7) -> list[float]:
 CONTENDED_BYTES = 4 << 20
 
 
-def contended_figures(world: int, reps: int = 10) -> tuple[float, float]:
+def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float | None]:
     """``(seconds per call, bus bandwidth)`` of all-reduces made between stretches of compute (a few ms of
     matmuls; module docstring: ``call_s``): one element, then :data:`CONTENDED_BYTES`, each against the
     compute alone. Where processes share cores this is what a job's collectives get: a peer may be off
-    its core, and a large message waits on every hop of its ring."""
+    its core, and a large message waits on every hop of its ring. ``(None, None)`` when the differences
+    drown in the noise of other work on the machine."""
     import torch
     import torch.distributed as dist
 
@@ -148,10 +149,12 @@ def contended_figures(world: int, reps: int = 10) -> tuple[float, float]:
                     dist.all_reduce(t)
         return run
 
-    call, big_s = (max(0.0, d / reps) for d in _timed_rounds(loop(None), loop(tiny), loop(big)))
+    call, big_s = (d / reps for d in _timed_rounds(loop(None), loop(tiny), loop(big)))
+    if big_s <= 0 or call <= 0:  # lost in the noise of other work on the machine: not measured
+        return None, None
     moved = 2 * (world - 1) / world * CONTENDED_BYTES
     # the bytes' share of a large call (at least half of it: two noisy differences must not leave ~0)
-    return call, moved / max(big_s - call, big_s / 2, 1e-6)
+    return call, moved / max(big_s - call, big_s / 2)
 
 
 def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
@@ -254,7 +257,7 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
         if probes and not gpu:
             call, figures["contended_bw"] = contended_figures(world)
-            figures["call_s"] = max(0.0, call - 2 * (world - 1) * latency)
+            figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
@@ -355,7 +358,9 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         if not use_gpu or gpus >= 2 else {}
     share = 1.0 if use_gpu else max(1.0, n / cores)  # the rates of a rank alone (module docstring)
     # ranks sharing cores: their collectives move bytes at the contended rate (kept as measured)
-    bw = local.get("contended_bw") if share > 1 and local.get("contended_bw") else local.get("bus_bw")
+    # (not measured: the bus bandwidth shared out)
+    bw = local.get("bus_bw") and (local.get("contended_bw") or local["bus_bw"] / share if share > 1
+                                  else local["bus_bw"])
     optimizer = local.get("optimizer_s_per_param")
     figures: dict[str, Any] = {
         "flops": local["flops"] * share if "flops" in local else matmul_flops(use_gpu, threads),
