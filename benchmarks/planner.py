@@ -160,9 +160,10 @@ def main() -> None:
     figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
                else calibrate(False, 1, 1, probe, ranks=args.world))
     print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} CPUs; rates of a process alone): {figures['flops'] / 1e9:.1f} GFLOP/s, "
+          f"{os.cpu_count()} CPUs; compute and optimizer as one process alone gets them): {figures['flops'] / 1e9:.1f} GFLOP/s, "
           f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
-          f"call {(figures.get('call_s') or float('nan')) * 1e3:.2f} ms (nan: lost in the load, default used), "
+          + (f"call {figures['call_s'] * 1e3:.2f} ms, " if figures.get("call_s") else
+             "call: lost in the load (the default prices), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
