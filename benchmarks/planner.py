@@ -4,9 +4,11 @@ layout that runs here, after calibration (issue 24).
 Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-model 384] [--seq-len 128]
 [--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE]``
 
-1. Calibrate (``elastictrain plan --calibrate``'s measurement, :mod:`elastictrain.planner.calibrate`): the
-   matmul rate of one thread, the all-reduce bus bandwidth and latency of two processes, a process's
-   resident bytes with torch and gloo up. ``--calibration FILE`` uses a file written before instead.
+1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
+   with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
+   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
+   collective call between stretches of compute, a worker's resident bytes besides the model.
+   ``--calibration FILE`` uses a file written before instead.
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
@@ -16,7 +18,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
-   candidate on the calibrated one-node cluster): each ratio predicted / measured, and whether the ranking
+   candidate on the calibrated one-node cluster of ``--world`` processes over this machine's cores, which
+   they share when more: ``Cluster.cores_per_node``): each ratio predicted / measured, and whether the ranking
    by predicted step time is the measured one (targets of the issue: memory within 10%, step time within
    20% on a CPU machine, the same ranking).
 
@@ -24,7 +27,10 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs (not timed quiet).
+(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs, ``--steps 4 --warmup 1``
+~7 min at load 12-60 (the calibration ~1 min of it; not timed quiet). Under such load the calibration's
+differences (a call against compute alone) can drown: a figure that does not come out is null and the
+planner's default is used (the calibration line says so).
 """
 
 from __future__ import annotations
@@ -116,11 +122,13 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    measured = {k: figures[k] for k in ("flops", "intra_node_bw", "latency_s", "runtime_bytes") if figures.get(k)}
-    # more one-thread processes than CPUs share them: each computes at its share of the measured rate
-    measured["flops"] = measured.get("flops", CPU_DEFAULTS["flops"]) * min(1.0, (os.cpu_count() or 1) / world)
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "optimizer_s_per_param", "runtime_bytes",
+            "cores_per_node")
+    measured = {k: figures[k] for k in keys if figures.get(k)}
+    # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
-                      **{**CPU_DEFAULTS, **measured, "inter_node_bw": CPU_DEFAULTS["inter_node_bw"]})
+                      **{**CPU_DEFAULTS, "cores_per_node": float(os.cpu_count() or 1), **measured,
+                         "inter_node_bw": CPU_DEFAULTS["inter_node_bw"]})
     c = Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, schedule=lay.pp_schedule,
                   stages_per_rank=lay.stages_per_rank, micro_batch=args.micro_batch,
                   sequence_parallel=lay.sp if d.tp > 1 else True)
@@ -148,11 +156,16 @@ def main() -> None:
 
     from elastictrain import build_config
 
-    probe = build_config(_job(args, 2, "ddp")).model_dump(mode="json")
-    figures = json.loads(Path(args.calibration).read_text()) if args.calibration else calibrate(False, 1, 1, probe)
-    print(f"calibration (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs): "
-          f"{figures['flops'] / 1e9:.1f} GFLOP/s, all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, "
-          f"latency {figures['latency_s'] * 1e6:.0f} us, runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
+    probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
+    figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
+               else calibrate(False, 1, 1, probe, ranks=args.world))
+    print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs; compute and optimizer as one process alone gets them): {figures['flops'] / 1e9:.1f} GFLOP/s, "
+          f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
+          + (f"call {figures['call_s'] * 1e3:.2f} ms, " if figures.get("call_s") else
+             "call: lost in the load (the default prices), ") +
+          f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
+          f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:
         for layout in [x for x in args.layouts.split(",") if x]:

@@ -108,6 +108,10 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     assert figures["flops"] > 1e8 and figures["intra_node_bw"] > 1e6 and figures["runtime_bytes"] > 50e6
     assert figures["inter_node_bw"] is None  # one machine, no Ray: nothing across nodes to measure
     assert figures["device_memory"] is None  # CPU workers: their share of the node is the planner's to divide
+    # measured with a node's workers at once: the job's block and optimizer, a call between computes
+    assert figures["ranks"] == max(2, os.cpu_count()) and figures["cores_per_node"] == os.cpu_count()
+    assert figures["optimizer_s_per_param"] > 0 and figures["latency_s"] > 0
+    assert "call_s" in figures and (figures["call_s"] is None or figures["call_s"] > 0)  # None: lost in the load
     # a job naming the file prices with it: halving the measured matmul rate doubles the compute time
     (tmp_path / "slow.json").write_text(json.dumps(dict(figures, flops=figures["flops"] / 2)))
     monkeypatch.chdir(ROOT)

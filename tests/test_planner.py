@@ -209,3 +209,67 @@ def test_sequence_parallel_keeps_the_gathered_linear_inputs_whole():
     assert one == pytest.approx(34 * unit)
     assert sp == pytest.approx((30 / 2 + 4) * unit)
     assert no_sp == pytest.approx((10 + 24 / 2) * unit)
+
+
+SMALL = ModelShape(layers=12, hidden=384, heads=8, seq_len=128, vocab=256)  # benchmarks/planner.py's GPT
+CPU4 = dict(nodes=1, devices_per_node=4, device_memory=8 * GIB, flops=50e9, intra_node_bw=2e9, inter_node_bw=1e9,
+            latency_s=1e-4, call_s=5e-3, optimizer_s_per_param=1e-8, overlap=0.1, kind="cpu")
+
+
+def test_ranks_that_share_cores_take_turns_and_a_gpus_figures_keep_their_meaning():
+    """4 processes on 2 cores: a step takes at least twice one rank's compute and optimizer step plus its
+    communication (priced at the contended rate the calibration measures), and
+    a pipeline rank idle in its bubble lends its core instead of stretching the step; with as many cores as
+    ranks (or none given: GPUs) the critical path alone, as before."""
+    train = Training(global_batch=16, micro_batch=4)
+    shared, own = Cluster(**CPU4, cores_per_node=2), Cluster(**CPU4, cores_per_node=4)
+    gpu_like = Cluster(**CPU4)  # cores_per_node None: every device computes on its own
+    assert (shared.share(4), shared.share(2), own.share(4), gpu_like.share(4)) == (2.0, 1.0, 1.0, 1.0)
+    ddp = Candidate(dp_replicate=4, micro_batch=4)
+    a, b = step_time(SMALL, train, shared, ddp), step_time(SMALL, train, own, ddp)
+    assert a.total_s == pytest.approx(2 * (a.compute_s + a.optimizer_s) + a.dp_s + a.calls_s)
+    assert a.total_s > 1.8 * b.total_s
+    assert b.total_s == pytest.approx(b.path_s + b.calls_s) == step_time(SMALL, train, gpu_like, ddp).total_s
+    pp = Candidate(dp_replicate=2, pp=2, micro_batch=4)  # 2 micro-batches: a third of the step idle
+    t = step_time(SMALL, train, shared, pp)
+    assert t.bubble == pytest.approx(1 / 3) and t.path_s < t.busy_s and t.total_s == pytest.approx(t.busy_s + t.calls_s)
+    assert step_time(SMALL, train, own, pp).total_s == pytest.approx(step_time(SMALL, train, own, pp).path_s
+                                                                     + step_time(SMALL, train, own, pp).calls_s)
+    assert step_time(SMALL, train, own, pp).path_s > step_time(SMALL, train, own, pp).compute_s * 1.5
+
+
+def test_collective_calls_are_counted_per_block_and_micro_batch():
+    """What benchmarks/planner.py's layouts call per step (counted with torch.profiler on 4 gloo processes:
+    tp2 204 all-gathers and reduce-scatters, fsdp 24 gathers and 13 reductions, ddp 4 buckets), each call
+    priced at call_s plus its ring steps' latency."""
+    from elastictrain.planner.steptime import collective_calls
+
+    train = Training(global_batch=16, micro_batch=4)
+    cl = Cluster(**CPU4, cores_per_node=2)
+
+    def count(c: Candidate, what: str) -> float:
+        return sum(n for w, n, size, _ in collective_calls(SMALL, train, cl, c).groups if w == what and size > 1)
+
+    tp = Candidate(dp_replicate=2, tp=2, micro_batch=4)  # 2 micro-batches of 12 blocks, sequence parallel
+    assert count(tp, "tp") == 2 * (12 * 8 + 6) and count(tp, "step") == 2
+    fsdp = Candidate(dp_shard=4, micro_batch=4)
+    assert count(fsdp, "fsdp") == 24 + 13
+    assert count(Candidate(dp_replicate=4, micro_batch=4), "replicate") == 4  # 85 MB of fp32 gradients in 25 MiB
+    assert count(Candidate(dp_replicate=2, pp=2, micro_batch=4), "pp") == 4
+    assert count(Candidate(dp_replicate=2, dp_shard=2, micro_batch=4), "replicate") == 13  # HSDP: per unit
+    # each call costs call_s (+ latency per ring step): TP's are on the critical path, not hidden
+    cheap = dataclasses.replace(cl, call_s=0.0)
+    t, t0 = step_time(SMALL, train, cl, tp), step_time(SMALL, train, cheap, tp)
+    ring = collective_calls(SMALL, train, cl, tp).cost_s(cheap, "tp", "pp", "step")
+    assert t.calls == 204 + 2 + 2 and t.calls_s == pytest.approx(206 * 5e-3 + ring)  # + ddp's 2 buckets
+    assert t.total_s - t0.total_s == pytest.approx(208 * 5e-3, rel=1e-6)
+
+
+def test_a_gpu_cluster_prices_calls_as_before_when_it_has_no_call_cost():
+    """GPU figures (no core sharing, call_s 0): per-block FSDP calls add their ring latencies to the
+    data-parallel traffic, which compute hides; the literature figures above are unchanged."""
+    node = Cluster(nodes=1, devices_per_node=8, **H100)
+    train = Training(global_batch=64, micro_batch=2, precision="mixed", activation_bytes=2)
+    t = step_time(LLAMA70, train, node, Candidate(dp_shard=8, micro_batch=2))
+    assert t.share == 1.0 and t.busy_s == 0.0 and t.total_s == pytest.approx(t.path_s + t.calls_s)
+    assert t.dp_exposed_s == 0.0  # hidden behind compute as before

@@ -1,10 +1,28 @@
 """``elastictrain plan --calibrate``: measure what the cost model otherwise assumes, in a few seconds.
 
-* ``flops``: a square matmul's rate in this process, at the threads a worker runs with (CPU: fp32,
-  ``workers.cpus_per_worker`` threads) or on GPU 0 (bf16);
-* ``intra_node_bw`` / ``latency_s``: two processes of this machine all-reduce 16 MiB (gloo on CPU, NCCL
-  on two GPUs; null with ``workers.use_gpu`` on a machine of one GPU) and one element; the bandwidth is the ring's bus bandwidth
-  ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by);
+Measured in ``ranks`` processes at once (default: as many as a node runs workers, at least 2), as the
+job's ranks will run: where they share a node's cores (``Cluster.share`` ``s = ranks / cores > 1``: CPU
+processes), each measured rate is what one rank gets while the others run; the compute and optimizer
+figures are written as a rank on its own gets them (rates times ``s``, times divided by it), which the cost
+model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured. The
+figures:
+
+* ``flops``: on CPU with a built-in job, the job's own model cut to one block (full width, its micro-batch)
+  running forward and backward, its FLOPs (:func:`.steptime.step_flops`) over the time: what the model's
+  matmuls and everything around them achieve; else a square matmul's rate (CPU: fp32,
+  ``workers.cpus_per_worker`` threads; GPU 0: bf16);
+* ``optimizer_s_per_param``: on CPU with a built-in job, that model's optimizer step and gradient clipping,
+  per parameter;
+* ``intra_node_bw`` / ``latency_s``: the processes all-reduce 16 MiB and one element (gloo on CPU, NCCL on
+  GPUs; null with ``workers.use_gpu`` on a machine of one GPU); the bandwidth is the ring's bus bandwidth
+  ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by), the latency the one-element all-reduce's time
+  per ring step; where the processes share cores, the bandwidth of 4 MiB all-reduces made between
+  stretches of compute instead (a peer off its core holds up every hop of a large message's ring);
+* ``call_s``: what a collective call costs between stretches of compute, as a job makes them: rounds of a
+  few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
+  median difference, less the ring steps' latency): where processes share cores, the wait for the peers
+  to be scheduled;
+* ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null
   otherwise: the planner keeps its default);
@@ -86,6 +104,109 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     return _peak_rss_bytes()
 
 
+def _timed_rounds(base: Any, *others: Any, rounds: int = 7) -> list[float]:
+    """For each of ``others``: the median over rounds of its time less ``base()``'s in the same round (each
+    round runs them all in turn, barriers between: every process runs the same thing at once, and a burst
+    of other work on the machine moves one round, not the figure)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    diffs: list[list[float]] = [[] for _ in others]
+    for _ in range(rounds):
+        times = []
+        for fn in (base, *others):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        for d, t in zip(diffs, times[1:]):
+            d.append(t - times[0])
+    return [statistics.median(d) for d in diffs]
+
+
+CONTENDED_BYTES = 4 << 20
+
+
+def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float | None]:
+    """``(seconds per call, bus bandwidth)`` of all-reduces made between stretches of compute (a few ms of
+    matmuls; module docstring: ``call_s``): one element, then :data:`CONTENDED_BYTES`, each against the
+    compute alone. Where processes share cores this is what a job's collectives get: a peer may be off
+    its core, and a large message waits on every hop of its ring. ``(None, None)`` when the differences
+    drown in the noise of other work on the machine."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    tiny, big = torch.ones(1), torch.ones(CONTENDED_BYTES // 4)
+
+    def loop(t: torch.Tensor | None) -> Any:
+        def run() -> None:
+            for _ in range(reps):
+                for _ in range(16):
+                    a @ b
+                if t is not None:
+                    dist.all_reduce(t)
+        return run
+
+    call, big_s = (d / reps for d in _timed_rounds(loop(None), loop(tiny), loop(big)))
+    if big_s <= 0 or call <= 0:  # lost in the noise of other work on the machine: not measured
+        return None, None
+    moved = 2 * (world - 1) / world * CONTENDED_BYTES
+    # the bytes' share of a large call (at least half of it: two noisy differences must not leave ~0)
+    return call, moved / max(big_s - call, big_s / 2)
+
+
+def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
+    """``(FLOP/s, optimizer seconds per parameter)`` of the job's model cut to one block, forward and backward
+    of one micro-batch, then clipping and the optimizer step, in this process (no collective)."""
+    import torch
+
+    from elastictrain import build_config
+    from elastictrain.planner.inputs import Candidate, Training
+    from elastictrain.planner.job import model_shape
+    from elastictrain.planner.steptime import step_flops
+    from elastictrain.task import builtin_task
+
+    data = json.loads(json.dumps(job))
+    data["task"]["model"].update(n_layer=1)
+    data["parallel"] = {"plan": "ddp"}
+    data["faults"], data["checkpoint"]["uri"] = [], None
+    cfg = build_config(data, source="calibration probe")
+    task = builtin_task(cfg)
+    model = task.model_fn()
+    opt = task.optimizer_fn(model.parameters())
+    mb, seq = cfg.train.micro_batch, cfg.task.model.seq_len
+    tokens = torch.randint(0, 256, (mb, seq + 1))
+    batch = {"input": tokens[:, :-1], "target": tokens[:, 1:]}
+    seeds = torch.arange(mb)
+    flops = step_flops(model_shape(cfg), Training(global_batch=mb, micro_batch=mb), Candidate(micro_batch=mb))
+    params = sum(p.numel() for p in model.parameters())
+
+    def fwd_bwd() -> None:
+        task.loss_fn(model, batch, seeds).sum().backward()
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        opt.step()
+
+    import statistics
+
+    fwd_bwd()
+    update()  # warm-up: the optimizer's state exists from here
+    compute_s, optimizer_s, t_end = [], [], time.perf_counter() + seconds
+    while len(compute_s) < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fwd_bwd()
+        t1 = time.perf_counter()
+        update()
+        compute_s.append(t1 - t0)
+        optimizer_s.append(time.perf_counter() - t1)
+        opt.zero_grad(set_to_none=False)
+    # medians: a burst of other work on the machine moves one iteration, not the figure
+    return flops / statistics.median(compute_s), statistics.median(optimizer_s) / params
+
+
 def _peak_rss_bytes() -> float:
     with open("/proc/self/status") as f:
         return next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -93,11 +214,13 @@ def _peak_rss_bytes() -> float:
 
 def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_gpu: bool,
                        threads: int = 1, job: dict[str, Any] | None = None,
-                       gpu_index: int | None = None) -> dict[str, float]:
+                       gpu_index: int | None = None, probes: bool = True) -> dict[str, float]:
     """In each of ``world`` processes: join a group over a TCP store at ``store_addr`` (rank 0 hosts it),
     time all-reduces, and return bus bandwidth, latency and resident bytes (after :func:`runtime_probe`
-    of ``job`` when given, on CPU). ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs;
-    a Ray actor sees its one GPU as 0)."""
+    of ``job`` when given, on CPU); with ``probes`` on CPU also ``call_s`` (:func:`contended_call_s`),
+    ``flops`` and ``optimizer_s_per_param`` (:func:`job_compute_figures` of ``job``, else a matmul), all
+    processes at once. ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs; a Ray actor
+    sees its one GPU as 0)."""
     import torch
     import torch.distributed as dist
 
@@ -129,8 +252,19 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         latency = (time.perf_counter() - t0) / 20 / (2 * (world - 1))
         bw = 2 * (world - 1) / world * ALL_REDUCE_BYTES / per
         del big, tiny
-        rss = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
-        return {"bus_bw": bw, "latency_s": latency, "rss_bytes": rss}
+        figures = {"bus_bw": bw, "latency_s": latency}
+        # the resident peak first: the probes below build a model of the job's width
+        figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
+        if probes and not gpu:
+            call, figures["contended_bw"] = contended_figures(world)
+            figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
+            if job is not None:
+                dist.barrier()  # every process computes at once, as the job's ranks do
+                figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
+            else:
+                dist.barrier()
+                figures["flops"] = matmul_flops(False, threads)
+        return figures
     finally:
         dist.destroy_process_group()
 
@@ -164,7 +298,7 @@ def local_all_reduce(use_gpu: bool, threads: int = 1, world: int = 2,
     for p in procs:
         p.start()
     try:
-        results = dict(queue.get(timeout=120) for _ in procs)
+        results = dict(queue.get(timeout=600) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -193,7 +327,7 @@ def cross_node_all_reduce(use_gpu: bool, threads: int = 1) -> float | None:
             return ray.util.get_node_ip_address(), _free_port()
 
         def run(self, rank: int, addr: tuple[str, int]) -> dict[str, float]:
-            return all_reduce_figures(rank, 2, addr, use_gpu, threads, gpu_index=0)
+            return all_reduce_figures(rank, 2, addr, use_gpu, threads, gpu_index=0, probes=False)
 
     peers = [_Peer.options(num_cpus=1, num_gpus=1 if use_gpu else 0,
                            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
@@ -207,20 +341,36 @@ def cross_node_all_reduce(use_gpu: bool, threads: int = 1) -> float | None:
             ray.kill(p)
 
 
-def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, Any] | None = None) -> dict[str, Any]:
+def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, Any] | None = None,
+              ranks: int | None = None) -> dict[str, Any]:
     """Every figure of the module docstring, with where and when it was measured. ``job``: a built-in
-    task's config as a mapping, for ``runtime_bytes`` (None: torch and its group only)."""
+    task's config as a mapping, for ``runtime_bytes``, ``flops`` and ``optimizer_s_per_param`` on CPU
+    (None: torch and its group only, a square matmul). ``ranks``: the processes measured at once (default:
+    a node's workers, at least 2)."""
     import torch
 
     gpus = torch.cuda.device_count() if use_gpu and torch.cuda.is_available() else 0
+    cores = (os.cpu_count() or 1) / max(1, threads)
+    n = max(2, ranks or (gpus if use_gpu else int(cores)))
     # on GPUs the link that matters is between two of them: with fewer there is nothing to measure (the
     # default stays), and a gloo figure between CPU processes would be the wrong link
-    local = local_all_reduce(use_gpu, threads, job=job) if not use_gpu or gpus >= 2 else {}
+    local = local_all_reduce(use_gpu, threads, world=min(n, gpus) if use_gpu else n, job=job) \
+        if not use_gpu or gpus >= 2 else {}
+    share = 1.0 if use_gpu else max(1.0, n / cores)  # the rates of a rank alone (module docstring)
+    # ranks sharing cores: their collectives move bytes at the contended rate (kept as measured)
+    # (not measured: the bus bandwidth shared out)
+    bw = local.get("bus_bw") and (local.get("contended_bw") or local["bus_bw"] / share if share > 1
+                                  else local["bus_bw"])
+    optimizer = local.get("optimizer_s_per_param")
     figures: dict[str, Any] = {
-        "flops": matmul_flops(use_gpu, threads),
-        "intra_node_bw": local.get("bus_bw"),
+        "flops": local["flops"] * share if "flops" in local else matmul_flops(use_gpu, threads),
+        "intra_node_bw": bw,
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
-        "latency_s": local.get("latency_s"),
+        "latency_s": _positive(local.get("latency_s")),
+        "call_s": _positive(local.get("call_s")),
+        "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
+        "cores_per_node": None if use_gpu else cores,
+        "ranks": n,
         "runtime_bytes": None if use_gpu else local.get("rss_bytes"),
         "device_memory": float(torch.cuda.get_device_properties(0).total_memory) if gpus else None,
         "kind": "gpu" if use_gpu else "cpu",
@@ -231,6 +381,11 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "load": os.getloadavg()[0],
     }
     return figures
+
+
+def _positive(value: float | None) -> float | None:
+    """A measured time that rounds to nothing is written as 1 ns (a calibration file's figures are > 0)."""
+    return None if value is None else max(value, 1e-9)
 
 
 def write(figures: dict[str, Any], path: str | Path) -> Path:

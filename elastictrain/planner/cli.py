@@ -69,7 +69,7 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
 
             probe = config.model_dump(mode="json") if config.task.kind == "tiny_gpt" else None
             figures = measure(config.workers.use_gpu, base.nodes, max(1, int(config.workers.cpus_per_worker)),
-                              probe)
+                              probe, ranks=world)
             target = out or Path("calibration.json")
             write(figures, target)
             if not as_json:

@@ -20,10 +20,14 @@ from typing import Any
 
 from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
 
+# optimizer_s_per_param: fused AdamW reads and writes ~32 bytes a parameter at ~3 TB/s; CPU: the per-tensor
+# loop and the gradient norm of one thread. call_s on CPU: a gloo call among processes that share cores.
 GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
-                    runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, kind="gpu")
+                    runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, call_s=0.0,
+                    optimizer_s_per_param=1e-11, cores_per_node=None, kind="gpu")
 CPU_DEFAULTS = dict(flops=30e9, intra_node_bw=2 * GB, inter_node_bw=1 * GB, runtime_bytes=0.45 * GIB,
-                    fragmentation=0.05, overlap=0.1, latency_s=100e-6, kind="cpu")
+                    fragmentation=0.05, overlap=0.1, latency_s=100e-6, call_s=1e-3, optimizer_s_per_param=1e-8,
+                    kind="cpu")
 
 
 class ClusterError(ValueError):
@@ -50,6 +54,7 @@ def this_machine(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
     cpus = os.cpu_count() or 1
     workers = max(1, int(cpus // cpus_per_worker))
     return Cluster(nodes=1, devices_per_node=workers, device_memory=_memory_bytes() / workers, **CPU_DEFAULTS,
+                   cores_per_node=cpus / cpus_per_worker,
                    source=f"this machine ({cpus} CPUs, {_memory_bytes() / GIB:.0f} GiB; speeds: defaults)")
 
 
@@ -66,13 +71,14 @@ def from_ray(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
                                "--gpus-per-node to plan for a cluster you do not have, or use_gpu=false")
         return Cluster(nodes=len(counts), devices_per_node=min(counts), **GPU_DEFAULTS,
                        source=f"Ray: {len(counts)} GPU nodes (memory and speeds: defaults)")
-    sized = [(int(n["Resources"].get("CPU", 0) // cpus_per_worker), n["Resources"].get("memory", 0.0))
-             for n in nodes if n["Resources"].get("CPU", 0) >= cpus_per_worker]
+    sized = [(int(n["Resources"].get("CPU", 0) // cpus_per_worker), n["Resources"].get("memory", 0.0),
+              n["Resources"]["CPU"]) for n in nodes if n["Resources"].get("CPU", 0) >= cpus_per_worker]
     if not sized:
         raise ClusterError(f"no Ray node has workers.cpus_per_worker={cpus_per_worker} CPUs")
-    per = min(w for w, _ in sized)
-    mem = min(m / w for w, m in sized)
-    return Cluster(nodes=len(sized), devices_per_node=per, device_memory=mem, **CPU_DEFAULTS,
+    per = min(w for w, _, _ in sized)
+    mem = min(m / w for w, m, _ in sized)
+    cores = min(c for _, _, c in sized) / cpus_per_worker
+    return Cluster(nodes=len(sized), devices_per_node=per, device_memory=mem, **CPU_DEFAULTS, cores_per_node=cores,
                    source=f"Ray: {len(sized)} nodes of >= {per} CPU workers (speeds: defaults)")
 
 
@@ -108,7 +114,8 @@ def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | 
     return replace(base, **changes, source=f"{base.source}; flags {flags}")
 
 
-CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s", "device_memory")
+CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s", "device_memory", "call_s",
+              "optimizer_s_per_param", "cores_per_node")
 
 
 def with_calibration(base: Cluster, path: str | Path) -> Cluster:

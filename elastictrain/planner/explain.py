@@ -35,7 +35,8 @@ def _costs(e: Estimate) -> dict[str, float]:
     stretched = (t.compute_s + t.tp_s) / (1 - t.bubble)
     return {"compute": t.compute_s, "the pipeline bubble": stretched - t.compute_s - t.tp_s,
             "tensor-parallel traffic": t.tp_s / (1 - t.bubble), "pipeline sends": t.pp_s,
-            "exposed data-parallel traffic": t.dp_exposed_s}
+            "exposed data-parallel traffic": t.dp_exposed_s, "the optimizer step": t.optimizer_s,
+            "collective calls": t.calls_s, "ranks sharing cores": max(0.0, t.busy_s - t.path_s)}
 
 
 def _mesh(e: Estimate) -> tuple[int, int, int, int]:

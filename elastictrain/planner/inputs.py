@@ -127,7 +127,14 @@ class Cluster:
     ``runtime_bytes`` is what a process holds before the model (CUDA context, allocator pools, or torch's own
     resident memory on CPU); ``fragmentation`` the share of the rest lost to the allocator; ``overlap`` the
     share of compute that communication can hide behind (GPUs run collectives on their own engines: 0.8;
-    CPU processes share their cores between both: low); ``latency_s`` the start-up cost of a collective."""
+    CPU processes share their cores between both: low); ``latency_s`` the cost of each step of a ring (a
+    collective of ``n`` ranks pays ``n-1`` or ``2 (n-1)``); ``call_s`` the fixed cost of one collective call
+    as a job makes it (the framework's dispatch, the backend's start, and where ranks share cores the wait
+    for the peers to be scheduled: ms with gloo on an oversubscribed CPU, ~0 on GPUs);
+    ``optimizer_s_per_param`` the optimizer step's (and gradient clipping's) time per local parameter;
+    ``cores_per_node`` what a node's ranks compute on, in ranks' worth (CPU cores over the threads of one
+    worker; None: each device computes on its own, as GPUs do): when a node runs more ranks than that, they
+    share it and the step takes at least their summed work over the cores (:func:`share`)."""
 
     nodes: int
     devices_per_node: int
@@ -139,6 +146,9 @@ class Cluster:
     fragmentation: float = 0.10
     latency_s: float = 20e-6
     overlap: float = 0.8
+    call_s: float = 0.0
+    optimizer_s_per_param: float = 0.0
+    cores_per_node: float | None = None
     kind: str = "gpu"
     source: str = "given"  # where the figures come from (flags, Ray, this machine, a calibration file)
 
@@ -146,6 +156,12 @@ class Cluster:
         _positive("cluster", nodes=self.nodes, devices_per_node=self.devices_per_node,
                   device_memory=self.device_memory, flops=self.flops, intra_node_bw=self.intra_node_bw,
                   inter_node_bw=self.inter_node_bw)
+        if self.cores_per_node is not None:
+            _positive("cluster", cores_per_node=self.cores_per_node)
+        for name in ("latency_s", "call_s", "optimizer_s_per_param"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PlannerInputError(f"cluster.{name} must be a number >= 0, got {value!r}")
         if not 0 <= self.overlap <= 1:
             raise PlannerInputError(f"cluster.overlap must be in [0, 1], got {self.overlap!r}")
         if not 0 <= self.fragmentation < 1:
@@ -154,6 +170,14 @@ class Cluster:
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def share(self, world: int) -> float:
+        """How many ranks take turns on each core of a node when ``world`` ranks run (ranks fill a node
+        before the next): ``ranks on a node / cores_per_node``, at least 1 (no sharing: GPUs, or as many
+        cores as ranks)."""
+        if self.cores_per_node is None:
+            return 1.0
+        return max(1.0, min(world, self.devices_per_node) / self.cores_per_node)
 
 
 @dataclass(frozen=True)

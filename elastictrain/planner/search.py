@@ -69,7 +69,8 @@ class Estimate:
             "memory": {k: int(getattr(mem, k)) for k in
                        ("params", "grads", "optimizer", "gathered", "activations", "runtime", "fragmentation")},
             "step_time_s": t.total_s, "compute_s": t.compute_s, "bubble": t.bubble, "tp_comm_s": t.tp_s,
-            "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s, "runnable": self.runnable,
+            "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s, "optimizer_s": t.optimizer_s,
+            "collective_calls": t.calls, "calls_s": t.calls_s, "core_share": t.share, "runnable": self.runnable,
         }
 
 

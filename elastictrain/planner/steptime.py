@@ -13,7 +13,25 @@
   rank's weights per micro-batch forward and again backward (when resharded), a reduce-scatter of the
   gradients per micro-batch; DDP (and HSDP across replicas), one all-reduce of the gradients with the last
   micro-batch's backward. Data-parallel traffic hides behind compute up to :attr:`Cluster.overlap` of it
-  (FSDP's behind all of a step's compute, the final all-reduce behind the last backward only).
+  (FSDP's behind all of a step's compute, the final all-reduce behind the last backward only). Priced
+  by their bytes here; each call also costs :attr:`Cluster.call_s` plus :attr:`Cluster.latency_s` per ring
+  step, counted by :func:`collective_calls` (per block and micro-batch: TP's all-gathers and
+  reduce-scatters, FSDP's per-block gathers and reductions, PP's sends; per step: DDP's gradient
+  buckets, HSDP's per-block all-reduces, the step loop's stop word and gradient-norm reduction). With
+  gloo (``cluster.kind == "cpu"``) a reduce-scatter is an all-reduce (gloo has none of its own), and
+  FSDP's copies of each unsharded buffer out of a gather and into a reduction run at about the rate gloo
+  moves bytes (on GPUs they are HBM copies: left out);
+* **optimizer**: the step and gradient clipping over the rank's local parameters, at
+  :attr:`Cluster.optimizer_s_per_param`;
+* **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
+  processes), the step takes at least ``s`` times a rank's compute and optimizer step plus all its
+  communication (priced at what collectives get among ranks that share cores: the calibration measures
+  them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
+  others instead of stretching the step.
+
+``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp) / (1 - bubble) + pp
++ exposed data-parallel + optimizer`` and ``busy = s x (compute + optimizer) + tp + pp + data-parallel``
+only where ``s > 1`` (GPUs: the critical path).
 """
 
 from __future__ import annotations
@@ -29,27 +47,46 @@ from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per optimizer step: ``total = compute / (1 - bubble) + tp + pp + exposed data-parallel``."""
+    """Seconds per optimizer step (module docstring): :attr:`total_s`."""
 
     compute_s: float
     bubble: float
     tp_s: float
     pp_s: float
-    dp_s: float          # data-parallel traffic in all
+    dp_s: float          # data-parallel traffic in all (bytes)
     dp_exposed_s: float  # the part that compute does not hide
+    optimizer_s: float = 0.0
+    calls: int = 0       # collective calls per step on the worst rank
+    calls_s: float = 0.0  # the fixed and per-ring-step costs of TP's, PP's and the step loop's calls (the
+    # data-parallel ones are in dp_s, hidden like its bytes)
+    share: float = 1.0   # ranks per core on a node (Cluster.share)
 
     @property
     def comm_s(self) -> float:
-        return self.tp_s + self.pp_s + self.dp_s
+        return self.tp_s + self.pp_s + self.dp_s + self.calls_s
 
     @property
     def exposed_comm_s(self) -> float:
         """Communication that compute does not hide (TP's stretched by the bubble like compute)."""
-        return self.tp_s / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
+        return self.tp_s / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.calls_s
+
+    @property
+    def path_s(self) -> float:
+        """The critical path of a rank computing on its own core or device."""
+        return (self.compute_s + self.tp_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.optimizer_s
+
+    @property
+    def busy_s(self) -> float:
+        """``share x`` a rank's compute and optimizer step, plus all its communication (priced at what a
+        collective gets among ranks that share the cores: the calibration measures it so): what the node
+        needs when ranks share its cores (0 when they do not)."""
+        if self.share <= 1:
+            return 0.0
+        return self.share * (self.compute_s + self.optimizer_s) + self.tp_s + self.pp_s + self.dp_s
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
+        return max(self.path_s, self.busy_s) + self.calls_s
 
 
 def microbatches(train: Training, c: Candidate) -> int:
@@ -67,29 +104,103 @@ def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
     return tokens * (weight * n + attention * attn)
 
 
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: one all-reduce per bucket
+TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embeddings out, final norm, head)
+
+
+@dataclass(frozen=True)
+class Calls:
+    """Collective calls of one step on the worst rank, each as ``(what, count, ranks, ring steps per call)``;
+    ``what``: ``tp``, ``pp``, ``fsdp`` (gathers and reductions), ``replicate`` (DDP's buckets, HSDP's
+    all-reduces) or ``step`` (the step loop's own)."""
+
+    groups: tuple[tuple[str, float, int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return int(round(sum(n for _, n, size, _ in self.groups if size > 1)))
+
+    def cost_s(self, cluster: Cluster, *what: str) -> float:
+        """The calls' cost (of the kinds ``what``; all without)."""
+        return sum(n * (cluster.call_s + steps * cluster.latency_s) for w, n, size, steps in self.groups
+                   if size > 1 and (not what or w in what))
+
+
+def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> Calls:
+    """Every collective call of one step on the worst rank (module docstring), with its group size and
+    ring steps (all-reduce ``2 (n-1)``, all-gather and reduce-scatter ``n-1``, gloo's reduce-scatter an
+    all-reduce, a send 1)."""
+    m, blocks = microbatches(train, c), math.ceil(model.layers / c.pp)
+    gloo = cluster.kind == "cpu"
+
+    def ar(n: int) -> int:
+        return 2 * (n - 1)
+
+    def rs(n: int) -> int:
+        return ar(n) if gloo else n - 1
+
+    groups: list[tuple[str, float, int, int]] = []
+    if c.tp > 1:
+        passes = 3 if c.activation_checkpointing else 2  # forward, backward (and the forward again)
+        if c.sequence_parallel:  # an all-gather and a reduce-scatter per all-reduce of the plain layout
+            per = passes * 4 * blocks + TP_EDGE_CALLS
+            groups += [("tp", m * per / 2, c.tp, c.tp - 1), ("tp", m * per / 2, c.tp, rs(c.tp))]
+        else:
+            groups.append(("tp", m * (passes * 2 * blocks + TP_EDGE_CALLS / 2), c.tp, ar(c.tp)))
+    if c.pp > 1:
+        groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
+    if c.dp_shard > 1:
+        gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1
+        groups += [("fsdp", m * gathers * blocks, c.dp_shard, c.dp_shard - 1),
+                   ("fsdp", m * (blocks + 1), c.dp_shard, rs(c.dp_shard))]
+        if c.dp_replicate > 1:  # HSDP: each unit's reduced shard is all-reduced across the replicas
+            groups.append(("replicate", blocks + 1, c.dp_replicate, ar(c.dp_replicate)))
+    elif c.dp_replicate > 1:
+        n = stage_params(model, c) / c.tp * _grad_bytes(train)
+        groups.append(("replicate", math.ceil(n / DDP_BUCKET_BYTES), c.dp_replicate, ar(c.dp_replicate)))
+    world = c.world_size
+    groups.append(("step", 1.0, world, ar(world)))  # the step loop's stop word
+    if c.dp_shard > 1 or c.tp > 1 or c.pp > 1:  # the gradient norm of sharded or staged gradients
+        groups.append(("step", 1.0, world, ar(world)))
+    return Calls(tuple(groups))
+
+
+def _grad_bytes(train: Training) -> int:
+    return 4 if train.precision == "fsdp_bf16" else PRECISIONS[train.precision][1]
+
+
 def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> StepTime:
     """The step time of candidate ``c`` (module docstring)."""
     m = microbatches(train, c)
     compute = step_flops(model, train, c) / cluster.flops
     links = comm.group_links(cluster, c)
-    lat = cluster.latency_s
     blocks = math.ceil(model.layers / c.pp)
     act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
-    per_block = (6 if c.activation_checkpointing else 4) * comm.all_reduce_s(act, c.tp, links["tp"], lat)
+    per_block = (6 if c.activation_checkpointing else 4) * comm.all_reduce_s(act, c.tp, links["tp"])
     tp_s = per_block * blocks * m
     pp_s = 0.0
     if c.pp > 1:
         send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
-        pp_s = 2 * m * c.stages_per_rank * comm.p2p_s(send, links["pp"], lat)
+        pp_s = 2 * m * c.stages_per_rank * comm.p2p_s(send, links["pp"])
     n = stage_params(model, c) / c.tp
-    grad_bytes = n * (4 if train.precision == "fsdp_bf16" else PRECISIONS[train.precision][1])
+    grad_bytes = n * _grad_bytes(train)
+    reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
     fsdp = 0.0
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
-        fsdp = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, links["dp_shard"], lat)
-                    + comm.all_gather_s(grad_bytes, c.dp_shard, links["dp_shard"], lat))
-    final = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, links["dp_replicate"], lat)
+        fsdp = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, links["dp_shard"])
+                    + reduce_scatter(grad_bytes, c.dp_shard, links["dp_shard"]))
+        if cluster.kind == "cpu":  # copy-out of each gathered block, copy-in of each reduction's input:
+            # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
+            fsdp += m * (gathers * n * train.compute_param_bytes + grad_bytes) / links["dp_shard"]
+    final = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, links["dp_replicate"])
+    calls = collective_calls(model, train, cluster, c)
+    # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
+    fsdp += calls.cost_s(cluster, "fsdp")
+    final += calls.cost_s(cluster, "replicate")
     hide = cluster.overlap
     exposed = max(0.0, fsdp - hide * compute) + max(0.0, final - hide * compute / m * 2 / 3)
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
-                    fsdp + final, exposed)
+                    fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
+                    calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
+                    share=cluster.share(c.world_size))
