@@ -274,12 +274,32 @@ def _snapshot_stall(runner, rank: int) -> float:
     return statistics.median(times[1:])  # the first one faults its host buffers in
 
 
+TINY_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}  # jobs/tiny_gpt.yaml's
+# the tiny job's timeouts; the big one's steps take seconds on CPU (a hang bound of 20 s would be a step or
+# two under load), so its bounds are wider. Neither bounds a SIGKILL's detection (the actor's death is seen)
+TINY_TIMEOUTS = {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
+                 "watchdog_floor_s": 10}
+BIG_TIMEOUTS = {"collective_s": 120, "step_watchdog_cap_s": 180, "poll_s": 240, "restart_grace_s": 300,
+                "watchdog_floor_s": 60}
+
+
+def _kill_model(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The kill runs' model and timeouts: ``--kill-model tiny`` (jobs/tiny_gpt.yaml's model) or ``big`` (the
+    throughput rows' model: ``--layers`` x ``--d-model``, seq_len 64, 8 heads, no dropout)."""
+    if args.kill_model == "tiny":
+        return TINY_MODEL, TINY_TIMEOUTS
+    return ({"seq_len": 64, "n_layer": args.layers, "n_head": 8, "d_model": args.d_model, "dropout": 0.0},
+            BIG_TIMEOUTS)
+
+
 def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tuple[int, int],
-                                  parallel: dict | None = None) -> tuple[float, float, str]:
-    """The tiny job under ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`; ``parallel``:
-    the job's ``parallel`` section instead) on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns
-    (seconds from the kill to the first step completed after recovery, seconds to the ``recovered`` event,
-    the recovery source, the phases: see :func:`_kill_row`)."""
+                                  parallel: dict | None = None, model: dict | None = None,
+                                  timeouts: dict | None = None) -> tuple[float, float, str, dict]:
+    """A kill run: the job (``model``, default the tiny job's :data:`TINY_MODEL`, with ``timeouts``) under
+    ``layout`` (a plan, or ``pp2xdp2``: see :func:`_layout_parallel`; ``parallel``: the job's ``parallel``
+    section instead) on a local Ray; rank 1 SIGKILLed after step steps // 4. Returns (seconds from the kill
+    to the first step completed after recovery, seconds to the ``recovered`` event, the recovery source, the
+    phases: see :func:`_kill_row`)."""
     import signal
     import tempfile
     import threading
@@ -292,12 +312,10 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=world, include_dashboard=False, log_to_driver=False)
-    spec = {"name": f"kill-{layout}", "task": {"model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}},
+    spec = {"name": f"kill-{layout}", "task": {"model": model or TINY_MODEL},
             "train": {"steps": steps, "global_batch": batch[0], "micro_batch": batch[1], "log_every": 10_000},
             "workers": {"min": 2, "max": world}, "parallel": parallel or _layout_parallel(layout, "1f1b"),
-            "recovery": {"min_workers_wait_s": 240},
-            "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
-                         "watchdog_floor_s": 10}}
+            "recovery": {"min_workers_wait_s": 240}, "timeouts": timeouts or TINY_TIMEOUTS}
     run_dir = Path(tempfile.mkdtemp(prefix=f"parallel-kill-{layout}-"))
     trainer = Trainer(build_config(spec), run_dir=run_dir, console=None)
     thread = threading.Thread(target=trainer.fit, daemon=True)
@@ -329,9 +347,18 @@ def _time_to_next_step_after_kill(layout: str, world: int, steps: int, batch: tu
             break
         if e["event"] == "step" and e["step"] > nxt["step"]:
             same.append(e["step_s"])
+    # the layout's own step at the full world before the kill (the first step left out: it allocates); a
+    # step event's world_size is the data-parallel size, a generation's the process count
+    before, procs = [], 0
+    for e in evs[:rec]:
+        procs = e["world_size"] if e["event"] == "generation_started" else procs
+        if e["event"] == "step" and e["step"] > 1 and procs == world:
+            before.append(e["step_s"])
     phases = {"detect": failure["time"] - t_kill, "regroup": evs[rec]["time"] - failure["time"],
               "first_step": nxt["step_s"], "wait": done - nxt["step_s"] - evs[rec]["time"],
-              "steady_step": statistics.median(same) if same else float("nan")}
+              "steady_step": statistics.median(same) if same else float("nan"),
+              "steady_before": statistics.median(before) if before else float("nan"),
+              "world_after": evs[rec]["world_size"]}
     return done - t_kill, evs[rec]["time"] - t_kill, evs[rec]["source"], phases
 
 
@@ -352,7 +379,9 @@ def _print_kill_phases(kills: dict) -> None:
     for label, row in kills.items():
         ph = row[4]
         print(f"  {label} kill phases (median): detect {ph['detect']:.3f} s, regroup {ph['regroup']:.3f} s, wait "
-              f"{ph['wait']:.3f} s, first step {ph['first_step']:.3f} s (steady step after {ph['steady_step']:.3f} s)")
+              f"{ph['wait']:.3f} s, first step {ph['first_step']:.3f} s at {ph['world_after']:.0f} processes "
+              f"(steady step there {ph['steady_step']:.3f} s; before the kill, at full world, "
+              f"{ph['steady_before']:.3f} s)")
 
 
 def _free_port() -> int:
@@ -497,16 +526,46 @@ def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
         if label in kills:
             continue
         out[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch,
-                                                              parallel) for _ in range(args.kill_repeats)])
+                                                              parallel, *_kill_model(args))
+                                for _ in range(args.kill_repeats)])
     return out
+
+
+def _kill_model_params(args: argparse.Namespace) -> int:
+    """Parameters of the kill runs' model (built on the meta device: no memory, no init)."""
+    import torch
+
+    from elastictrain.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(GPTConfig(**{"vocab_size": 256, **_kill_model(args)[0]})).parameters())
+
+
+def _kill_model_line(args: argparse.Namespace) -> str:
+    """The kill runs' job in words: model, its size, batch, steps, the kill."""
+    model = _kill_model(args)[0]
+    return (f"{args.kill_model} model ({_kill_model_params(args) / 1e6:.1f}M params: {model['n_layer']} layers, "
+            f"d_model {model['d_model']}, seq_len {model['seq_len']}), global/micro batch {args.kill_batch[0]}/"
+            f"{args.kill_batch[1]}, {args.kill_steps} steps, rank 1 SIGKILLed after step {args.kill_steps // 4}, "
+            f"{args.kill_repeats} runs each")
 
 
 def _print_tp_kill(kills: dict, args: argparse.Namespace) -> None:
     if "tp2xdp2" in kills and "ddp" in kills:
-        ratio = kills["tp2xdp2"][0] / kills["ddp"][0]
-        print(f"  kill -> next step under tp2 x dp2: {kills['tp2xdp2'][0]:.2f} s [{kills['tp2xdp2'][1]:.2f}] "
-              f"({kills['tp2xdp2'][2]}) vs ddp {kills['ddp'][0]:.2f} s on {args.world} processes = {ratio:.2f}x "
-              f"(target <= 2x) {_verdict(ratio <= 2)}")
+        tp, ddp = kills["tp2xdp2"], kills["ddp"]
+        ratio = tp[0] / ddp[0]
+        big = _kill_model_params(args) >= 50e6
+        print(f"  kill -> next step, {_kill_model_line(args)}:")
+        print(f"  kill -> next step under tp2 x dp2: {tp[0]:.2f} s [{tp[1]:.2f}] ({tp[2]}) vs ddp {ddp[0]:.2f} s "
+              f"[{ddp[1]:.2f}] ({ddp[2]}) on {args.world} processes = {ratio:.2f}x (target <= 2x on a >= 50M "
+              f"GPT) " + (_verdict(ratio <= 2) if big else "(not the target's model: --kill-model big runs it)"))
+        print(f"  tp2 x dp2 recovery source: {tp[2]} (expected peer: rank 3 holds rank 1's shard) "
+              f"{_verdict(tp[2] == 'peer')}")
+        print(f"  one step of each (median, s): tp2 x dp2 {tp[4]['steady_before']:.3f} at {args.world} processes, "
+              f"{tp[4]['steady_step']:.3f} at {tp[4]['world_after']:.0f} after the kill; ddp "
+              f"{ddp[4]['steady_before']:.3f} at {args.world}, {ddp[4]['steady_step']:.3f} at "
+              f"{ddp[4]['world_after']:.0f}; first step after recovery {tp[4]['first_step']:.3f} vs "
+              f"{ddp[4]['first_step']:.3f}")
     else:
         print("  kill -> next step under tp2 x dp2 (target <= 2x ddp): not run (--kill-tp runs it: two "
               "more 4-process kill runs)")
@@ -539,6 +598,9 @@ def main() -> None:
                    help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
     p.add_argument("--kill-tp", action="store_true",
                    help="kill runs under tp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
+    p.add_argument("--kill-model", choices=("tiny", "big"), default="tiny",
+                   help="the kill runs' model: tiny (jobs/tiny_gpt.yaml's, default) or big (--layers x "
+                        "--d-model, the throughput rows' model: issue #23's kill target is stated on it)")
     args = p.parse_args()
     args.pp_schedule = "1f1b"  # what a bare "ppN" layout name means (_layout_parallel)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks (see doc)
@@ -561,7 +623,8 @@ def main() -> None:
             raise SystemExit("--kill-pp runs pp2 x dp2: it needs --world 4")
         killed += (["ddp"] if "ddp" not in killed else []) + ["pp2xdp2"]
     for label in killed if args.kill_steps else ():
-        kills[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch)
+        kills[label] = _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch,
+                                                                None, *_kill_model(args))
                                   for _ in range(args.kill_repeats)])
     if args.kill_tp and args.kill_steps:
         kills.update(_tp_kills(args, kills))
