@@ -74,6 +74,18 @@ shards: train peak tp2/ddp2 0.668 at 50.7M and 0.628 at 75.7M (``--layers 24``) 
 workers' imports (29 MiB less for every layout), 0.660 and 0.621 after (SP on; without SP 0.670 and 0.630
 before, 0.662 and 0.624 after). ddp2 at 75.7M: 1633 MiB before, 1603 after; tp2 1025 and 995.
 Minus the runtime baseline (the ``peak-base`` column: state, data and activations only) 0.55 and 0.54.
+Larger models (``--layers 14 --d-model 768``: 99.7M; ``--layers 12 --d-model 1024``: 151.7M; ``--plans ''
+--pp 0 --steps 4 --warmup 2``, measured loaded, which RSS does not mind): train peak ddp2 1957 and 2771
+MiB, tp2 1168 and 1576: 0.597 and 0.569 (without SP 0.599 and 0.570), peak-base 0.53 and 0.52 (state
+alone would be 0.5); 50.7M in the same run 1184 / 782 MiB, 0.660, peak-base 0.55. The activation split of
+one micro-batch (micro batch 2, seq_len 64; norm/dropout regions + the rest), SP vs plain TP: 4.14 + 32.35
+vs 8.28 + 32.35 MiB at 50.7M, 5.45 + 42.47 vs 10.90 + 42.47 at 99.7M, 6.26 + 48.59 vs 12.52 + 48.59 at
+151.7M: sequence parallel halves the norm/dropout regions exactly; the rest (attention, projections,
+embeddings, head, loss) is the same. Nothing is held that need not be: counting every live tensor's
+storage once after three steps of a 3.3M-parameter GPT (gc), a tp2 rank holds its parameters, the two Adam
+moments and the dataset's token tensor (3.56x its local parameters, the dataset 0.56x), ddp2 the same plus
+its bucketed gradients (4.28x); right after the split, parameters and dataset only (the seeded whole
+model is gone).
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
