@@ -40,7 +40,9 @@ with the same model, data and global batch; printed after the table, each beside
   The issue states its target on a >= 50M-parameter GPT: ``--kill-model big`` (the throughput rows'
   model, ``--layers`` x ``--d-model``: 50.7M by default) runs the kill rows on it, which is the figure
   the target is read on (the verdict is printed only there); the default ``--kill-model tiny`` keeps the
-  tiny job's rows. The command for the target (~TODO min on a quiet 2-core machine)::
+  tiny job's rows. The command for the target (15 min on this 2-core machine shared with three
+  engineers' test runs, load 15-37; a quiet machine runs it faster, but that is an estimate: not run
+  quiet yet)::
 
       python benchmarks/parallel.py --plans '' --pp 0 --tp 0 --kill-tp --kill-model big \
           --kill-steps 12 --kill-batch 16,4 --kill-repeats 3
@@ -51,7 +53,17 @@ with the same model, data and global batch; printed after the table, each beside
   tp2 x dp1 after the shrink, wait on ~25 collectives per micro-batch (profiled: 700 over 28) besides
   DTensor's dispatch of every op, 4-8x ddp's step on CPU, so tp2's first step alone, with no recovery in
   it, is close to 2x ddp's whole kill -> next step (measured loaded: 2.2-3.9x). On the 50.7M model the
-  step is compute (the same per rank under both layouts) and the ratio falls under 2x: TODO.
+  step is mostly compute, the same per rank under both layouts, but tp2 x dp2's step is still ~1.45x
+  ddp's on CPU (DTensor dispatch, ~25 collectives per micro-batch, half-width matmuls). Measured loaded,
+  so indicative only: 1 run each (load 14-18): tp2 x dp2 20.3 s vs ddp 11.9 s, 1.71x; 3 runs each (load
+  15-37): 21.0 s [25.8, 15.5, 21.0] vs 10.5 s [10.5, 9.4, 141.8 (a survivor waited out collective_s, see
+  ``BIG_TIMEOUTS``)], 2.01x; median phases tp vs ddp: detect 4.7 vs 2.9 s (the kill to the failure event:
+  under tp2 x dp2 replica 1's ranks only meet the dead rank in the data-parallel gradient average after
+  their last backward, a whole step's compute later), regroup 3.6 vs 1.4 s (a tp re-mesh rebuilds the
+  model from its meta copy and loads its shards from the survivors; ddp re-wraps the model it kept),
+  first step 12.7 vs 6.3 s (steady step there 7.3 vs 5.0 s: the rest is the new mesh's first DTensor
+  step beside the replacement's start-up), steady step before the kill 7.6 vs 5.2 s. The recovery source
+  is ``peer`` in every tp2 x dp2 run (survivors [0, 3]: rank 3 serves rank 1's shard).
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -303,12 +315,15 @@ def _snapshot_stall(runner, rank: int) -> float:
 
 
 TINY_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}  # jobs/tiny_gpt.yaml's
-# the tiny job's timeouts; the big one's steps take seconds on CPU (a hang bound of 20 s would be a step or
-# two under load), so its bounds are wider. Neither bounds a SIGKILL's detection (the actor's death is seen)
+# the tiny job's timeouts; the big one's steps take seconds on CPU (5-15 s on a loaded 2-core machine: a hang
+# bound of 20 s would be a step or two), so its bounds are wider. A SIGKILL is seen as the actor's death, and
+# the survivors leave the failed step when their collectives fail on the dead peer's sockets; in one ddp run
+# of six (loaded) a survivor instead waited out collective_s (then 120 s: the run's kill -> next step was
+# 142 s against 9-10 s for the other two), so collective_s is what such an outlier costs the command
 TINY_TIMEOUTS = {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                  "watchdog_floor_s": 10}
-BIG_TIMEOUTS = {"collective_s": 120, "step_watchdog_cap_s": 180, "poll_s": 240, "restart_grace_s": 300,
-                "watchdog_floor_s": 60}
+BIG_TIMEOUTS = {"collective_s": 60, "step_watchdog_cap_s": 90, "poll_s": 120, "restart_grace_s": 300,
+                "watchdog_floor_s": 30}
 
 
 def _kill_model(args: argparse.Namespace) -> tuple[dict, dict]:
