@@ -40,9 +40,9 @@ with the same model, data and global batch; printed after the table, each beside
   The issue states its target on a >= 50M-parameter GPT: ``--kill-model big`` (the throughput rows'
   model, ``--layers`` x ``--d-model``: 50.7M by default) runs the kill rows on it, which is the figure
   the target is read on (the verdict is printed only there); the default ``--kill-model tiny`` keeps the
-  tiny job's rows. The command for the target (15 min on this 2-core machine shared with three
-  engineers' test runs, load 15-37; a quiet machine runs it faster, but that is an estimate: not run
-  quiet yet)::
+  tiny job's rows. The command for the target (13 min on this 2-core machine shared with three
+  engineers' test runs, load 14-18, one run of which waited out collective_s; a quiet machine runs it
+  faster, but that is an estimate: not run quiet yet)::
 
       python benchmarks/parallel.py --plans '' --pp 0 --tp 0 --kill-tp --kill-model big \
           --kill-steps 12 --kill-batch 16,4 --kill-repeats 3
@@ -56,8 +56,11 @@ with the same model, data and global batch; printed after the table, each beside
   step is mostly compute, the same per rank under both layouts, but tp2 x dp2's step is still ~1.45x
   ddp's on CPU (DTensor dispatch, ~25 collectives per micro-batch, half-width matmuls). Measured loaded,
   so indicative only: 1 run each (load 14-18): tp2 x dp2 20.3 s vs ddp 11.9 s, 1.71x; 3 runs each (load
-  15-37): 21.0 s [25.8, 15.5, 21.0] vs 10.5 s [10.5, 9.4, 141.8 (a survivor waited out collective_s, see
-  ``BIG_TIMEOUTS``)], 2.01x; median phases tp vs ddp: detect 4.7 vs 2.9 s (the kill to the failure event:
+  15-37): 21.0 s [25.8, 15.5, 21.0] vs 10.5 s [10.5, 9.4, 141.8 (a survivor waited out collective_s, then
+  120 s, see ``BIG_TIMEOUTS``)], 2.01x; 3 runs each with collective_s 60 (load 14-18, the command below
+  in 13 min): 18.7 s [15.2, 25.9, 18.7] vs 8.1 s [6.1, 65.6 (collective_s again), 8.1], 2.31x, tp's
+  steady step 9.9 s vs ddp's 5.4 s at 4 processes, 8.5 vs 3.7 at 2. Median phases tp vs ddp (the 3 runs
+  with collective_s 120): detect 4.7 vs 2.9 s (the kill to the failure event:
   under tp2 x dp2 replica 1's ranks only meet the dead rank in the data-parallel gradient average after
   their last backward, a whole step's compute later), regroup 3.6 vs 1.4 s (a tp re-mesh rebuilds the
   model from its meta copy and loads its shards from the survivors; ddp re-wraps the model it kept),
@@ -319,7 +322,8 @@ TINY_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}  # jobs/t
 # bound of 20 s would be a step or two), so its bounds are wider. A SIGKILL is seen as the actor's death, and
 # the survivors leave the failed step when their collectives fail on the dead peer's sockets; in one ddp run
 # of six (loaded) a survivor instead waited out collective_s (then 120 s: the run's kill -> next step was
-# 142 s against 9-10 s for the other two), so collective_s is what such an outlier costs the command
+# 142 s against 9-10 s for the other two; again in one of three at 60 s: 65.6 s; no tp2 x dp2 run of seven),
+# so collective_s is what such an outlier costs the command (the median of 3 keeps it out of the figure)
 TINY_TIMEOUTS = {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                  "watchdog_floor_s": 10}
 BIG_TIMEOUTS = {"collective_s": 60, "step_watchdog_cap_s": 90, "poll_s": 120, "restart_grace_s": 300,
