@@ -121,6 +121,7 @@ class Controller(WorkerMonitor):
                                f"committed checkpoint: {(self.committer.committed_steps or [None])[-1]})")
         finally:
             self.group.shutdown()
+            self.sources.close()  # the peer tier's keepers (actors of this run, holding its snapshots)
             self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
             self.committer.close()
             if frozen:

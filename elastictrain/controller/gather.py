@@ -127,6 +127,19 @@ class SourceGatherer:
             self.keepers[node] = ShardKeeper.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
 
+    def close(self) -> None:
+        """Kill the keepers this run started (the run is over: its snapshots have no reader left). The
+        controller calls it on every path out of its run. Until then each keeper holds up to
+        ``checkpoint.memory_budget_gib`` of snapshots, and a driver that keeps the Trainer (a notebook, a
+        benchmark running one job after another) would otherwise keep them all alive."""
+        keepers, self.keepers = list(self.keepers.values()), {}
+        self._early_catalogs = (None, {})
+        for keeper in keepers:
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+
     def keepers_for(self, chosen: list[Slot]) -> list[tuple[Any, bool]]:
         """Each member's keeper -- on the next node in the ring, never its own unless it is alone -- and
         whether it is on another node (then the member keeps its own newest snapshots too: they outlive
