@@ -40,9 +40,8 @@ with the same model, data and global batch; printed after the table, each beside
   The issue states its target on a >= 50M-parameter GPT: ``--kill-model big`` (the throughput rows'
   model, ``--layers`` x ``--d-model``: 50.7M by default) runs the kill rows on it, which is the figure
   the target is read on (the verdict is printed only there); the default ``--kill-model tiny`` keeps the
-  tiny job's rows. The command for the target (13 min on this 2-core machine shared with three
-  engineers' test runs, load 14-18, one run of which waited out collective_s; a quiet machine runs it
-  faster, but that is an estimate: not run quiet yet)::
+  tiny job's rows. The command for the target (8.7 min on a quiet 2-core machine; 13 min at load
+  14-18)::
 
       python benchmarks/parallel.py --plans '' --pp 0 --tp 0 --kill-tp --kill-model big \
           --kill-steps 12 --kill-batch 16,4 --kill-repeats 3
@@ -66,7 +65,11 @@ with the same model, data and global batch; printed after the table, each beside
   model from its meta copy and loads its shards from the survivors; ddp re-wraps the model it kept),
   first step 12.7 vs 6.3 s (steady step there 7.3 vs 5.0 s: the rest is the new mesh's first DTensor
   step beside the replacement's start-up), steady step before the kill 7.6 vs 5.2 s. The recovery source
-  is ``peer`` in every tp2 x dp2 run (survivors [0, 3]: rank 3 serves rank 1's shard).
+  is ``peer`` in every tp2 x dp2 run (survivors [0, 3]: rank 3 serves rank 1's shard). Quiet (load
+  0.3 at the start, nothing else running), the command above: tp2 x dp2 11.59 s [11.59, 11.63, 10.77]
+  vs ddp 6.40 s [5.76, 8.43, 6.40] = 1.81x (target <= 2x: met); median phases tp vs ddp: detect 2.86 vs
+  1.37 s, regroup 2.04 vs 0.94 s, first step 6.67 vs 4.07 s; steady step 6.03 vs 4.00 s at 4 processes,
+  4.58 vs 3.48 s at 2; no run waited out collective_s.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
