@@ -158,6 +158,22 @@ def test_the_driver_freezes_what_lives_as_long_as_the_run_and_unfreezes_at_the_e
     assert gc.get_freeze_count() == 0
 
 
+def _sim_run(tmp_path, ranks: int, steps: int, scenario: str):
+    """The real controller over ``ranks`` simulated workers with ``scenario``'s faults, not yet run:
+    (controller, world, event log); a test hooks the world or the log, then calls ``run()``."""
+    from elastictrain.controller.controller import Controller
+    from elastictrain.sim.group import SimGroup
+    from elastictrain.sim.scenarios import _faults
+    from elastictrain.sim.world import SimWorld
+    from elastictrain.task import builtin_task
+
+    config = sim_config(ranks, steps, STEP_S)
+    world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
+    world.faults = _faults(scenario, ranks, world, random.Random(0))
+    events = EventLog(tmp_path, console=None)
+    return Controller(config, builtin_task(config), events, group=SimGroup(world, ranks)), world, events
+
+
 def test_a_recovery_sends_each_member_one_join_and_one_run_nothing_else(tmp_path) -> None:
     """After the decision a recovery pays rounds of calls over every member, each a round trip through the
     cluster (0.1-0.2 s each at 126 Ray actors on this machine). Before: a poll of every member, ``join``,
@@ -165,17 +181,7 @@ def test_a_recovery_sends_each_member_one_join_and_one_run_nothing_else(tmp_path
     hold the state), and nobody is polled again (rank 0's last records were taken before the decision)."""
     from collections import Counter
 
-    from elastictrain.controller.controller import Controller
-    from elastictrain.sim.group import SimGroup
-    from elastictrain.sim.scenarios import _faults
-    from elastictrain.sim.world import SimWorld
-    from elastictrain.task import builtin_task
-
-    ranks = 64
-    config = sim_config(ranks, 120, STEP_S)
-    world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
-    world.faults = _faults("kill", ranks, world, random.Random(0))
-    events = EventLog(tmp_path, console=None)
+    c, world, events = _sim_run(tmp_path, 64, 120, "kill")
     marks: dict[str, Counter] = {}
 
     def on_event(r: dict) -> None:
@@ -185,7 +191,6 @@ def test_a_recovery_sends_each_member_one_join_and_one_run_nothing_else(tmp_path
             marks["formed"], marks["world"] = Counter(world.calls), Counter(n=r["world_size"])
 
     events.listeners.append(on_event)
-    c = Controller(config, builtin_task(config), events, group=SimGroup(world, ranks))
     c.run()
     events.close()
     assert c.sm.state.value == "finished", c.final_error
@@ -234,16 +239,8 @@ def test_a_lost_node_at_1024_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp
     """A failed step ends every member's ``run``; the controller used to take each result with its own
     ``get`` (a round trip each through Ray: 10,000 at 10,000 ranks, ~30 ms of the decision in the
     simulator alone). It takes them in chunks: from the fault to the decision, a few dozen ``get``."""
-    from elastictrain.controller.controller import Controller
-    from elastictrain.sim.group import SimGroup
-    from elastictrain.sim.scenarios import _faults
-    from elastictrain.sim.world import SimWorld
-    from elastictrain.task import builtin_task
-
     ranks = 1024
-    config = sim_config(ranks, 80, STEP_S)
-    world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
-    world.faults = _faults("node", ranks, world, random.Random(0))
+    c, world, events = _sim_run(tmp_path, ranks, 80, "node")
     gets = {"n": 0, "at_fault": None, "at_decision": None}
     get = world.get
 
@@ -252,7 +249,6 @@ def test_a_lost_node_at_1024_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp
         return get(refs, timeout=timeout)
 
     world.get = counted
-    events = EventLog(tmp_path, console=None)
 
     def on_event(r: dict) -> None:
         if r["event"] == "failure" and gets["at_decision"] is None:
@@ -266,7 +262,6 @@ def test_a_lost_node_at_1024_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp
         apply(w, t)
 
     world.faults[0].apply = marked
-    c = Controller(config, builtin_task(config), events, group=SimGroup(world, ranks))
     c.run()
     events.close()
     assert c.sm.state.value == "finished", c.final_error

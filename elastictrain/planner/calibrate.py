@@ -217,9 +217,9 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
                        gpu_index: int | None = None, probes: bool = True) -> dict[str, float]:
     """In each of ``world`` processes: join a group over a TCP store at ``store_addr`` (rank 0 hosts it),
     time all-reduces, and return bus bandwidth, latency and resident bytes (after :func:`runtime_probe`
-    of ``job`` when given, on CPU); with ``probes`` on CPU also ``call_s`` (:func:`contended_call_s`),
-    ``flops`` and ``optimizer_s_per_param`` (:func:`job_compute_figures` of ``job``, else a matmul), all
-    processes at once. ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs; a Ray actor
+    of ``job`` when given, on CPU); with ``probes`` on CPU also ``call_s`` and ``contended_bw``
+    (:func:`contended_figures`), ``flops`` and ``optimizer_s_per_param`` (:func:`job_compute_figures` of
+    ``job``, else a matmul), all processes at once. ``gpu_index``: the GPU to use (default: ``rank``, one machine's GPUs; a Ray actor
     sees its one GPU as 0)."""
     import torch
     import torch.distributed as dist
