@@ -15,6 +15,7 @@ Mechanism only: who joins which generation is the controller's decision.
 from __future__ import annotations
 
 import enum
+import operator
 import os
 import signal
 import time
@@ -137,6 +138,9 @@ class Slot:
                 index[self.__dict__["state"]].discard(self.index)
                 index[value].add(self.index)
         object.__setattr__(self, name, value)
+
+
+_rank = operator.attrgetter("rank")
 
 
 class WorkerGroup:
@@ -373,7 +377,9 @@ class WorkerGroup:
         return len(self._state_index()[state])
 
     def members(self) -> list[Slot]:
-        return sorted(self.by_state(SlotState.MEMBER), key=lambda s: s.rank)
+        """The current generation's members, in rank order: one sort of the indexed members."""
+        slots = self.slots
+        return sorted([slots[i] for i in self._state_index()[SlotState.MEMBER]], key=_rank)
 
     def shutdown(self) -> None:
         self._drop_standby()

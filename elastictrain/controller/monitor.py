@@ -89,6 +89,7 @@ class WorkerMonitor:
     # arriving, a pipeline generation (its step events carry every rank's bubble).
     run_watch: RunWatch | None = None
     runs_ended: set[Any] = frozenset()  # type: ignore[assignment] - replaced per generation
+    run_ref_of: dict[int, Any] = {}  # slot index -> its ``run`` call (replaced per generation)
     reporter: Slot | None = None  # None: every member reports every step (counted by the ledger)
     sweep: Sequence[Slot] = ()
     sweep_next = 0
@@ -102,6 +103,7 @@ class WorkerMonitor:
         """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
         reports its steps (``aggregate``: rank 0 for all; else every rank)."""
         self.run_watch = self.rt.watch(list(self.run_refs))
+        self.run_ref_of = {slot.index: ref for ref, slot in self.run_refs.items()}
         self.runs_ended = set()
         self.reporter = chosen[0] if aggregate else None
         self.sweep, self.sweep_next = chosen[1:], 0
@@ -201,21 +203,32 @@ class WorkerMonitor:
             self._on_memory_report(slot, report)
 
     def _check_runs(self, ended: Sequence[Any]) -> None:
-        """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's."""
+        """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's.
+
+        O(ended): at 10,000 ranks a failed step ends every survivor's call at once, so the loop over them
+        does only what each result needs (its step; a look at its status), and a peer's ``peer_failed``
+        sends the controller looking for the dead process only while no death is known yet."""
         peer_failed = False
-        taken = [(ref, slot) for ref in ended
-                 if (slot := self.run_refs.get(ref)) is not None and slot.state is not SlotState.DEAD]
+        known = self.known_step
+        run_refs, dead = self.run_refs, SlotState.DEAD
+        taken = [(ref, slot) for ref in ended if (slot := run_refs.get(ref)) is not None and slot.state is not dead]
         for (ref, slot), (res, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
             if error is not None:  # the actor died
                 self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(error)}")
                 continue
-            slot.info["step"] = res["step"]
-            self.known_step = max(self.known_step, int(res["step"]))
-            slot.info["result"] = res
-            if res["status"] == "error":
+            step, status = res["step"], res["status"]
+            slot.info["step"] = step
+            if step > known:
+                known = int(step)
+            if status == "peer_failed":
+                peer_failed = True
+            elif status == "error":
                 self.detector.on_run_result(self._view(slot), res, now=time.time(), **self._when())
-            peer_failed = peer_failed or res["status"] == "peer_failed"
-        if peer_failed:  # a peer broke the step: find it without waiting for Ray (once, not per survivor)
+        self.known_step = known
+        if peer_failed and not self.pending_failures:
+            # a peer broke the step and no death is known yet: find it without waiting for Ray (once, not
+            # per survivor); when Ray's notice or this pass already named one, the survivors' failed step
+            # is explained and the scan over every member (a /proc read each on this node) is not made
             for peer in self.run_refs.values():
                 if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
                     self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
@@ -378,9 +391,10 @@ class WorkerMonitor:
             slot.info.update(pid=pid, node_id=node)  # kept for the event
             self.poll_refs.pop(slot.index, None)
             out.append((f, kind, node))
-        if out:  # one pass for all (2% of 10,000 ranks lost at once: not one pass per failure)
-            gone = {f.slot for f, _, _ in out}
-            self.run_refs = {ref: s for ref, s in self.run_refs.items() if s.index not in gone}
+        for f, _, _ in out:  # O(failures): by slot, not a pass over every member's call
+            ref = self.run_ref_of.get(f.slot)
+            if ref is not None and ref in self.run_refs:
+                del self.run_refs[ref]
         return out
 
     def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
@@ -427,12 +441,16 @@ class WorkerMonitor:
         if not self.run_refs:
             return
         # only the calls not seen ending yet are waited for (usually none: a failed step ends them all,
-        # and the run watch told them; at 10,000 ranks a wait on every call was ~7 ms of the decision)
-        pending = [ref for ref in self.run_refs if ref not in self.runs_ended]
+        # and the run watch told them; at 10,000 ranks a wait on every call was ~7 ms of the decision), and
+        # only they are looked at again: set operations, not a Python pass over every member's call
+        missing = self.run_refs.keys() - self.runs_ended
+        pending = [ref for ref in self.run_refs if ref in missing] if missing else []  # (in rank order)
         new, _ = self.rt.wait(pending, num_returns=len(pending), timeout=timeout) if pending else ([], [])
-        self.runs_ended = set(self.runs_ended) | set(new)
+        if new:
+            self.runs_ended = set(self.runs_ended) | set(new)
         self._check_runs(new)
-        for ref, slot in list(self.run_refs.items()):
+        for ref in pending:
+            slot = self.run_refs[ref]
             if ref not in self.runs_ended and slot.state is SlotState.MEMBER:
                 self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
         # the decision waits on this: with rank 0 alive, its records say which steps completed (a

@@ -53,16 +53,19 @@ def _peer(pp: int, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int
           tp: int = 1) -> tuple[Candidate | None, str]:
     d = dp_replicate * dp_shard
     world = pp * d * tp
-    alive = {r: s for r, s in survivors.items() if 0 <= r < world}
+    inside = bool(survivors) and min(survivors) >= 0 and max(survivors) < world  # (the usual case: no copy)
+    alive = survivors if inside else {r: s for r, s in survivors.items() if 0 <= r < world}
     if not alive:
         return None, "no survivor holds state"
     newest = max(alive.values())
-    # (stage, tp coordinate, shard coordinate) -> the lowest survivor holding it (mesh order: pp, dp, tp)
-    holders: dict[tuple[int, int, int], int] = {}
-    for r in sorted(alive):
-        if alive[r] == newest:
-            holders.setdefault((r // (d * tp), r % tp, (r // tp) % dp_shard), r)
     need = [(p, t, j) for p in range(pp) for t in range(tp) for j in range(dp_shard)]
+    # (stage, tp coordinate, shard coordinate) -> the lowest survivor holding it (mesh order: pp, dp, tp);
+    # the scan stops once every coordinate has one (a replicated layout: the first newest survivor)
+    holders: dict[tuple[int, int, int], int] = {}
+    for r in sorted(r for r, s in alive.items() if s == newest):
+        holders.setdefault((r // (d * tp), r % tp, (r // tp) % dp_shard), r)
+        if len(holders) == len(need):
+            break
     missing = [c for c in need if c not in holders]
     mesh = f"dp_replicate={dp_replicate} x dp_shard={dp_shard}"
     mesh = (f"pp={pp} x " if pp > 1 else "") + mesh + (f" x tp={tp}" if tp > 1 else "")
