@@ -267,3 +267,71 @@ def test_a_lost_node_at_1024_ranks_is_decided_on_a_few_gets_not_one_per_rank(tmp
     assert c.sm.state.value == "finished", c.final_error
     taken = gets["at_decision"] - gets["at_fault"]
     assert taken <= 64, f"{taken} gets from the fault to the failure event at {ranks} ranks"
+
+
+class _Gone:
+    """A simulated group that answers ``process_gone`` (the controller's look at a member's process on
+    its node) and counts the looks."""
+
+    def __init__(self, world) -> None:
+        self.world, self.looks = world, 0
+
+    def __call__(self, slot) -> bool:
+        self.looks += 1
+        return self.world.workers[slot.index].dead_at is not None
+
+
+def test_survivors_failed_step_sends_no_look_for_the_dead_once_a_death_is_known(tmp_path) -> None:
+    """A failed step ends every survivor's ``run`` with ``peer_failed``; the controller used to look at
+    every member's process for the dead one (a /proc read each on Ray's node: 256 looks here) even when
+    Ray's notice had named it in the same pass. Now it looks only while no death is known."""
+    c, world, events = _sim_run(tmp_path, 256, 80, "kill")
+    gone = c.group.process_gone = _Gone(world)
+    c.run()
+    events.close()
+    assert c.sm.state.value == "finished", c.final_error
+    failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert [(f["slot"], f["reason"]) for f in failures] == [(131, failures[0]["reason"])], failures
+    assert "worker process died" in failures[0]["reason"]
+    assert gone.looks == 0
+
+
+def test_when_the_peers_tell_before_rays_notice_the_dead_member_is_looked_for(tmp_path) -> None:
+    """The other side: Ray's notice of the death is late (the dead member's call never resolves here), the
+    survivors' ``peer_failed`` comes first: the controller looks at the members' processes and fails the
+    dead one as seen by its peers, without waiting for Ray."""
+    c, world, events = _sim_run(tmp_path, 64, 80, "kill")
+    gone = c.group.process_gone = _Gone(world)
+    end_of = world.end_of
+
+    def late_notice(ref):  # a dead member's run call: Ray has not told yet
+        if ref.kind == "run" and ref.worker.dead_at is not None:
+            return float("inf")
+        return end_of(ref)
+
+    world.end_of = late_notice
+    c.run()
+    events.close()
+    assert c.sm.state.value == "finished", c.final_error
+    failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert [(f["slot"], f["reason"]) for f in failures] == [(35, "worker process died (seen by its peers)")]
+    assert 0 < gone.looks <= 2 * 63, gone.looks  # one pass over the members per batch of peer_failed
+
+
+def test_the_membership_decision_tries_sizes_without_listing_every_valid_size(monkeypatch) -> None:
+    """The decision searches sizes downwards from what is available (10,000 -> 9,999 -> ... 9,900 after a
+    kill: 100 tries). Each invalid try went through ``check_layout``, whose error lists every valid world
+    size up to 10,000 (9,795 listings here, ~4 ms of the decision). The rule is checked first: none."""
+    import elastictrain.data.cursor as cursor
+
+    calls = {"n": 0}
+    listing = cursor.valid_world_sizes
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return listing(*a, **k)
+
+    monkeypatch.setattr(cursor, "valid_world_sizes", counted)
+    config = sim_config(10000, 10, STEP_S)
+    assert promised_worlds(config, [9999]) == [9900]
+    assert calls["n"] == 0
