@@ -25,7 +25,12 @@ the nodes), ``lose2pct`` (2% of the ranks killed at once). Per scenario:
   (minutes for a spot preemption) and the stop is planned two step boundaries ahead -- reported as
   ``fault_to_notice_s``, not hidden. ``fault_to_decision_wall_s``: from the fault itself, wall time;
 - ``growth_s``: from the lost node's return to the generation back at full size;
-- ``peak_mem_mb`` (``--memory``: tracemalloc peak of the whole run; slows the run down).
+- ``peak_mem_mb`` (``--memory``: tracemalloc peak of the whole run; slows the run down);
+- ``decision_window`` (in ``extra``; printed under the scenario's line): what the machine did from the
+  fault to the decision (elastictrain/sim/machine.py): the driver thread's CPU, its minor page faults and
+  involuntary context switches, the CPU time the whole machine and this process were busy, steal, and
+  garbage collections by generation -- to tell a slow run's cause (another process on the other core,
+  fresh pages, the hypervisor) from the controller's work.
 
 Usage::
 
@@ -88,7 +93,7 @@ def main() -> None:
               f"busy={r.extra.get('driver_busy')} bytes/step={r.events_bytes_per_step:.0f} "
               f"detect={r.fault_to_detect_s} notice={r.extra.get('fault_to_notice_s')} "
               f"decide={r.fault_to_decision_s} growth={r.growth_s} mem={r.peak_mem_mb}MB "
-              f"wall={row['wall_s']}s", flush=True)
+              f"wall={row['wall_s']}s{_window(r.extra.get('decision_window'))}", flush=True)
     steady = next((r for r in rows if r["scenario"] == "steady"), rows[0])
     decisions = [r["fault_to_decision_s"] for r in rows
                  if r["scenario"] != "hang" and r["fault_to_decision_s"] is not None]
@@ -99,6 +104,18 @@ def main() -> None:
                                                     if "fault_to_notice_s" in r["extra"]), default=None),
                           "events_bytes_per_step": steady["events_bytes_per_step"],
                           "load_1min": os.getloadavg()[0], "scenarios": rows}))
+
+
+def _window(w: dict | None) -> str:
+    """The machine around the fault -> decision (elastictrain/sim/machine.py), for telling a slow run's
+    cause: the decision's CPU, page faults, involuntary switches, the machine's busy time (both cores),
+    this process's, steal, collections by generation."""
+    if not w:
+        return ""
+    return (f"\n          window: cpu={w['cpu_s'] * 1e3:.1f}ms wall={w['wall_s'] * 1e3:.1f}ms "
+            f"minor_faults={w['minor_faults']} involuntary_switches={w['involuntary_switches']} "
+            f"machine_busy={w['machine_busy_s']}s process_busy={w['process_busy_s']}s steal={w['steal_s']}s "
+            f"gc={w['gc_collections']}")
 
 
 def _ray_actors(args: argparse.Namespace) -> None:

@@ -229,7 +229,7 @@ class SourceGatherer:
             r = ranks.get(s.index)
             if r is not None and s.rank is not None:
                 members.append(s)
-                survivors[r] = slot_step(s)
+                survivors[r] = int(s.info.get("step", 0))  # (slot_step, inlined: 10,000 calls)
         if not survivors and not sharded and any(s.has_state for s in chosen):  # state, no rank: replica 0
             survivors = {0: max(slot_step(s) for s in chosen if s.has_state)}
             rep, shard = max(1, prev.world), 1

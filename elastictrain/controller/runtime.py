@@ -10,6 +10,7 @@ the same protocol over fake workers in one process, so the real controller runs 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Protocol
 
 import ray
@@ -55,17 +56,22 @@ def get_each(rt: Runtime, refs: Sequence[Any]) -> list[tuple[Any, Exception | No
     on its own: failures that come together (a lost node's ranks) cost a few more ``get`` calls, not one
     per ref. ``refs`` must be ready (``wait`` said so): nothing here waits."""
     refs = list(refs)
+    out: list[tuple[Any, Exception | None]] = []
 
-    def take(part: list[Any]) -> list[tuple[Any, Exception | None]]:
+    def take(part: list[Any]) -> None:
         try:
-            return [(v, None) for v in rt.get(part)]
+            out.extend(zip(rt.get(part), repeat(None)))
         except Exception as e:  # noqa: BLE001 - the caller decides what a failed call means
             if len(part) == 1:
-                return [(None, e)]
+                out.append((None, e))
+                return
             mid = len(part) // 2
-            return take(part[:mid]) + take(part[mid:])
+            take(part[:mid])
+            take(part[mid:])
 
-    return [out for i in range(0, len(refs), GET_CHUNK) for out in take(refs[i:i + GET_CHUNK])]
+    for i in range(0, len(refs), GET_CHUNK):
+        take(refs[i:i + GET_CHUNK])
+    return out
 
 
 class RayRuntime:

@@ -62,7 +62,10 @@ def _peer(pp: int, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int
     # (stage, tp coordinate, shard coordinate) -> the lowest survivor holding it (mesh order: pp, dp, tp);
     # the scan stops once every coordinate has one (a replicated layout: the first newest survivor)
     holders: dict[tuple[int, int, int], int] = {}
-    for r in sorted(r for r, s in alive.items() if s == newest):
+    newest_ranks = [r for r, s in alive.items() if s == newest]
+    if len(need) == 1:  # a replicated layout: the lowest newest survivor, no sort
+        holders[need[0]] = min(newest_ranks)
+    for r in sorted(newest_ranks) if len(need) > 1 else ():
         holders.setdefault((r // (d * tp), r % tp, (r // tp) % dp_shard), r)
         if len(holders) == len(need):
             break

@@ -24,6 +24,7 @@ from elastictrain.controller import policy
 from elastictrain.controller.controller import Controller
 from elastictrain.events import EventLog
 from elastictrain.parallel.plan import spec_from_config
+from elastictrain.sim import machine
 from elastictrain.sim.group import SimGroup
 from elastictrain.sim.world import Fault, SimWorld
 from elastictrain.task import builtin_task
@@ -31,6 +32,7 @@ from elastictrain.task import builtin_task
 SCENARIOS = ("steady", "kill", "node", "hang", "preempt", "lose2pct")
 FAULT_STEP = 50
 BACK_STEP = 75  # a lost node comes back (growth back)
+DECISION_MARKS = ("recovery source:", "-> CHECKPOINTING")  # the controller's lines that say it decided
 
 
 def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float = 60, **recovery: Any) -> JobConfig:
@@ -153,7 +155,10 @@ class _Said(logging.Handler):
         self.log = logging.getLogger("elastictrain.controller")
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((time.time(), self.world.own_clock(), record.getMessage()))
+        msg = record.getMessage()
+        # the machine's counters at a decision line: what it did in the fault -> decision window
+        snap = machine.snapshot() if any(m in msg for m in DECISION_MARKS) else None
+        self.lines.append((time.time(), self.world.own_clock(), msg, snap))
 
     def __enter__(self) -> _Said:
         self.level, self.propagate = self.log.level, self.log.propagate
@@ -168,22 +173,22 @@ class _Said(logging.Handler):
         self.log.propagate = self.propagate
 
 
-def _after_fault(lines: list[tuple[float, float, str]], fault: Fault, *marks: str,
-                 start: tuple[float, float] | None = None) -> tuple[float, float] | None:
+def _after_fault(lines: list[tuple[float, float, str, Any]], fault: Fault, *marks: str,
+                 start: tuple[float, float] | None = None) -> tuple[float, float, Any] | None:
     """From ``fault`` (or from ``start``: (wall, own clock)) to the first controller line holding one of
-    ``marks``: (on a core of its own, wall). On a core of its own: the driver's CPU plus its waits for the
-    cluster -- what it takes whatever else this machine runs; wall: as measured here (a loaded machine
-    makes it longer)."""
+    ``marks``: (on a core of its own, wall, the machine's counters at that line or None). On a core of its
+    own: the driver's CPU plus its waits for the cluster -- what it takes whatever else this machine runs;
+    wall: as measured here (a loaded machine makes it longer)."""
     at, clock = (fault.at, fault.apply_clock) if start is None else start
-    for t, own, msg in lines:
+    for t, own, msg, snap in lines:
         if t >= at and any(m in msg for m in marks):
-            return round(own - clock, 4), round(t - at, 4)
+            return round(own - clock, 4), round(t - at, 4), snap
     return None
 
 
 def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], world: SimWorld,
             seen: list[tuple[str, float, dict[str, Any]]], marks: list[Any], peak: float,
-            lines: list[tuple[float, float, str]]) -> Result:
+            lines: list[tuple[float, float, str, Any]]) -> Result:
     if not marks:  # the driver processed no step of the window (it fell that far behind)
         marks = [(0.0, 0.0, 0, 0)]
     (c0, t0, b0, s0), (c1, t1, b1, s1) = marks[0], marks[-1]
@@ -200,8 +205,10 @@ def _result(scenario: str, ranks: int, c: Controller, summary: dict[str, Any], w
         # a drain notice waits for the controller's next check of the watcher (once per poll interval, on
         # purpose: see the module docstring); its decision is timed from the check that read it
         notice = world.notice_read if fault.label == "preempt" else None
-        decide = _after_fault(lines, fault, "recovery source:", "-> CHECKPOINTING", start=notice)
-        whole = _after_fault(lines, fault, "recovery source:", "-> CHECKPOINTING")  # from the fault itself
+        decide = _after_fault(lines, fault, *DECISION_MARKS, start=notice)
+        whole = _after_fault(lines, fault, *DECISION_MARKS)  # from the fault itself
+        if whole is not None and whole[2] is not None and fault.machine is not None:
+            out.extra["decision_window"] = machine.window(fault.machine, whole[2])
         if notice is not None:
             out.extra["fault_to_notice_s"] = round(notice[1] - fault.apply_clock, 4)
         out.fault_to_detect_s = None if detect is None else detect[0]

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray.exceptions
 
+from elastictrain.sim import machine
 from elastictrain.worker.loop import StepRecord
 
 INF = math.inf
@@ -244,6 +245,7 @@ class Fault:
     apply: Callable[[SimWorld, float], None]
     at: float | None = None
     apply_clock: float = 0.0  # :meth:`SimWorld.own_clock` when it was applied (the driver's next call)
+    machine: dict[str, Any] | None = None  # :func:`elastictrain.sim.machine.snapshot` when it was applied
 
 
 class _Drains:
@@ -355,7 +357,7 @@ class SimWorld:
             if f.at is None:
                 t = self._fault_time(f)
                 if t <= now:
-                    f.at, f.apply_clock = t, self.own_clock()
+                    f.at, f.apply_clock, f.machine = t, self.own_clock(), machine.snapshot()
                     f.apply(self, t)
         return now
 
