@@ -36,6 +36,7 @@ Usage::
 
     python benchmarks/scale.py --ranks 1000 [--json] [--scenarios steady,kill] [--step-s 0.02]
     python benchmarks/scale.py --ray-actors 128 [--json] [--steps 400] [--step-s 0.05]
+    python benchmarks/scale.py --ray-get 10000   # what Ray charges the driver for 10,000 results
 
 ``--json`` ends the output with one line: driver_cpu_per_step_s (steady), fault_to_decision_s (the
 slowest scenario but the hang, whose bound is the watchdog's; each scenario's as defined above),
@@ -77,7 +78,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
+    ap.add_argument("--ray-get", type=int, metavar="N",
+                    help="what Ray charges the driver to wait for and take N ready run results (calibrates the "
+                         "simulator's get)")
     args = ap.parse_args()
+    if args.ray_get:
+        return _ray_get_cost(args.ray_get)
     if args.ray_actors:
         return _ray_actors(args)
     if not args.ranks:
@@ -116,6 +122,38 @@ def _window(w: dict | None) -> str:
             f"minor_faults={w['minor_faults']} involuntary_switches={w['involuntary_switches']} "
             f"machine_busy={w['machine_busy_s']}s process_busy={w['process_busy_s']}s steal={w['steal_s']}s "
             f"gc={w['gc_collections']}")
+
+
+def _ray_get_cost(n: int, reps: int = 3) -> None:
+    """The driver thread's CPU for one ``ray.wait`` over ``n`` ready results and for taking them with
+    ``get_each`` (chunks of 1,024), as the controller takes a failed step's survivors' ``run`` results:
+    real Ray, results like a survivor's (a small dict) from 4 actors. The simulator stands in for both
+    calls (``SimWorld.get``, its run watch); this says what they would cost on Ray."""
+    import ray
+
+    from elastictrain.controller.runtime import RAY, get_each
+
+    @ray.remote(num_cpus=0)
+    class Answers:
+        def run(self, slot: int) -> dict:
+            return {"status": "peer_failed", "step": 50, "slot": slot, "error": None}
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [Answers.remote() for _ in range(4)]
+        refs = [actors[i % 4].run.remote(i) for i in range(n)]
+        ray.wait(refs, num_returns=n)
+        for rep in range(reps):
+            t = time.thread_time()
+            ray.wait(refs, num_returns=n, timeout=0)
+            waited = time.thread_time() - t
+            t = time.thread_time()
+            get_each(RAY, refs)
+            taken = time.thread_time() - t
+            print(f"ray: {n} ready results: wait {waited * 1e3:.1f} ms, get_each {taken * 1e3:.1f} ms "
+                  f"({taken / n * 1e6:.1f} us per result) of driver CPU; load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        ray.shutdown()
 
 
 def _ray_actors(args: argparse.Namespace) -> None:
