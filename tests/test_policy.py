@@ -192,6 +192,38 @@ def test_progress_resets_the_crash_loop_count() -> None:
     assert failure_verdict(seq + [_f(5, 1, 0)], 5.0, R) is not None
 
 
+def _verdict_by_lists(records, now, cfg):
+    """The crash-loop budget as first written (a list per slot's streak, rebuilt per record): the
+    reference the counting version must agree with."""
+    recent = [r for r in records if now - r.at <= cfg.failure_window_s]
+    if len(recent) > cfg.max_failures:
+        return ("rate", len(recent), recent[-1].reason)
+    streaks = {}
+    for r in records:
+        streaks[r.slot] = streaks.get(r.slot, []) + [r] if r.progress < cfg.progress_steps else []
+    for slot in sorted(streaks, key=lambda s: -1 if s is None else s):
+        if len(streaks[slot]) > cfg.max_failures_per_rank:
+            return ("loop", slot, len(streaks[slot]), streaks[slot][-1].reason)
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([None, 0, 1, 2, 7]), st.integers(0, 6)), max_size=30))
+def test_the_crash_loop_count_agrees_with_the_streak_lists(seq) -> None:
+    """The budget counts each slot's streak (O(log) per call: a recovery of 200 failures judges each in
+    turn) instead of rebuilding its list per record; the verdict and its words are the same."""
+    cfg = RecoveryConfig(max_failures=10 ** 6, failure_window_s=100.0, max_failures_per_rank=2, progress_steps=3)
+    records = [_f(float(i), slot, progress, reason=f"error {i}") for i, (slot, progress) in enumerate(seq)]
+    want = _verdict_by_lists(records, float(len(records)), cfg)
+    got = failure_verdict(records, float(len(records)), cfg)
+    if want is None:
+        assert got is None
+    else:
+        _, slot, n, reason = want
+        who = "the worker group" if slot is None else f"worker slot {slot}"
+        assert got is not None and got.startswith(f"{who} failed {n} times in a row") and got.endswith(reason)
+
+
 def test_group_failures_count_as_their_own_slot() -> None:
     seq = [_f(t, slot=None, progress=0, kind="group_failed") for t in range(3)]
     why = failure_verdict(seq, 3.0, R)
