@@ -335,3 +335,30 @@ def test_the_membership_decision_tries_sizes_without_listing_every_valid_size(mo
     config = sim_config(10000, 10, STEP_S)
     assert promised_worlds(config, [9999]) == [9900]
     assert calls["n"] == 0
+
+
+def test_survivors_results_after_the_kill_send_no_look_for_the_dead(tmp_path) -> None:
+    """As on Ray: the dead member's call ends first (its actor's death), the controller kills it and drains
+    the survivors, whose ``peer_failed`` results come only then. The failure is known (killed, dropped from
+    the calls): no member's process is looked at (63 looks here before)."""
+    c, world, events = _sim_run(tmp_path, 64, 80, "kill")
+    gone = c.group.process_gone = _Gone(world)
+    watch = world.watch
+
+    class DeathsFirst:  # a batch with a death tells the death alone; the rest come with the next wait
+        def __init__(self, refs) -> None:
+            self.inner, self.held = watch(refs), []
+
+        def wait(self, timeout: float):
+            got, self.held = self.held + self.inner.wait(timeout), []
+            dead = [r for r in got if r.worker.dead_at is not None]
+            self.held = [r for r in got if r.worker.dead_at is None] if dead else []
+            return dead or got
+
+    world.watch = DeathsFirst
+    c.run()
+    events.close()
+    assert c.sm.state.value == "finished", c.final_error
+    failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert [f["slot"] for f in failures] == [35] and "worker process died" in failures[0]["reason"]
+    assert gone.looks == 0

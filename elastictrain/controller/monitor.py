@@ -225,13 +225,18 @@ class WorkerMonitor:
             elif status == "error":
                 self.detector.on_run_result(self._view(slot), res, now=time.time(), **self._when())
         self.known_step = known
-        if peer_failed and not self.pending_failures:
-            # a peer broke the step and no death is known yet: find it without waiting for Ray (once, not
-            # per survivor); when Ray's notice or this pass already named one, the survivors' failed step
+        if peer_failed and not self._failure_known():
+            # a peer broke the step and no failure is known yet: find the dead without waiting for Ray (once,
+            # not per survivor); when Ray's notice or this pass already named one, the survivors' failed step
             # is explained and the scan over every member (a /proc read each on this node) is not made
             for peer in self.run_refs.values():
                 if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
                     self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
+
+    def _failure_known(self) -> bool:
+        """A member of this generation failed (pending, or already killed and dropped from the calls):
+        what breaks the survivors' step. O(1)."""
+        return bool(self.pending_failures) or len(self.run_refs) < len(self.run_ref_of)
 
     def _finished_runs(self) -> list[dict[str, Any]] | None:
         """All members' run results, once every one has returned (else None)."""
