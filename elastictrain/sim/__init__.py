@@ -4,7 +4,8 @@ a wall-clock timeline, and faults (a kill, a lost node, a hang, a drain notice) 
 
 :mod:`elastictrain.sim.world` holds the timeline, the fake workers and the :class:`Runtime` the controller
 waits through; :mod:`elastictrain.sim.group` the worker group; :mod:`elastictrain.sim.scenarios` the
-scenarios of ``benchmarks/scale.py`` and what each measures. The Ray variant: lightweight Ray actors
+scenarios of ``benchmarks/scale.py`` and what each measures; :mod:`elastictrain.sim.machine` what the
+machine did around a scenario's decision (page faults, switches, the other core's use, steal). The Ray variant: lightweight Ray actors
 (:mod:`elastictrain.sim.ray_actors`, no torch import) driven by the real controller over Ray
 (:mod:`elastictrain.sim.ray_run`).
 
