@@ -207,7 +207,8 @@ class WorkerMonitor:
 
         O(ended): at 10,000 ranks a failed step ends every survivor's call at once, so the loop over them
         does only what each result needs (its step; a look at its status), and a peer's ``peer_failed``
-        sends the controller looking for the dead process only while no death is known yet."""
+        sends the controller looking for the dead process only while no failure of the generation is known
+        (:meth:`_failure_known`)."""
         peer_failed = False
         known = self.known_step
         run_refs, dead = self.run_refs, SlotState.DEAD
