@@ -115,3 +115,32 @@ def test_a_survivor_with_a_collective_in_flight_frees_its_blocked_peer_at_once(t
     woke_after = r1["woke_at"] - r0["failed_at"]
     assert woke_after < BOUND_S, f"rank 1 waited {woke_after:.1f} s for rank 0 to let go (collective_s {COLLECTIVE_S})"
     assert r0["release_s"] < BOUND_S, f"rank 0's release took {r0['release_s']:.1f} s (its own collective in flight)"
+
+
+def test_sever_shuts_only_the_connections_opened_since_and_never_a_listener() -> None:
+    """``Connections.opened_since``: a server that listened before (Ray's, the rendezvous store's) keeps
+    its clients' connections, a listener opened since (gloo's) keeps listening; the connections opened
+    since (gloo's pairs, both the accepted and the connecting side) are shut down."""
+    import socket
+
+    from elastictrain.worker.gloo_sever import Connections, Snapshot
+
+    old = socket.create_server(("127.0.0.1", 0))  # e.g. Ray's gRPC server: listening before the join
+    client_of_old = socket.create_connection(old.getsockname())  # (another process's, as far as the join knows)
+    before = Snapshot.take()
+    accepted_by_old, _ = old.accept()  # another server's client, accepted during the join: must stay up
+    new = socket.create_server(("127.0.0.1", 0))  # gloo's listener
+    ours = socket.create_connection(new.getsockname())  # a pair this rank connected
+    theirs, _ = new.accept()  # a pair a peer connected
+    found = Connections.opened_since(before)
+    fds = {fd for fd, _ in found.conns}
+    assert ours.fileno() in fds and theirs.fileno() in fds
+    assert new.fileno() not in fds and accepted_by_old.fileno() not in fds
+    assert found.sever() == len(found)
+    assert theirs.recv(1) == b"" and ours.recv(1) == b""  # both ends see the connection end
+    accepted_by_old.sendall(b"x")
+    assert client_of_old.recv(1) == b"x"  # the other server's connection is untouched...
+    late = socket.create_connection(new.getsockname())
+    assert new.accept()[0] is not None  # ...and so is the listener
+    for s in (old, client_of_old, accepted_by_old, new, ours, theirs, late):
+        s.close()

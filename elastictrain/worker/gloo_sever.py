@@ -104,18 +104,24 @@ class Connections:
 
     def sever(self) -> int:
         """Shut every still-open connection down (both directions) and return how many. A descriptor
-        closed since (the group was destroyed) or reused for another socket is left alone."""
-        now = _sockets()
+        closed since (gloo closes a pair's on its error, the group's on destruction) or reused for another
+        socket is left alone: the duplicate is checked to be the noted socket before anything is done."""
         done = 0
         for fd, inode in self.conns:
-            if now.get(fd) != inode:
+            try:
+                dup = os.dup(fd)
+            except OSError:  # closed
                 continue
             try:
-                with socket.socket(fileno=os.dup(fd)) as s:
+                if os.fstat(dup).st_ino != inode:  # the number now names another file
+                    continue
+                with socket.socket(fileno=os.dup(dup)) as s:
                     s.shutdown(socket.SHUT_RDWR)
                 done += 1
             except OSError:  # already shut down or reset by the peer
                 continue
+            finally:
+                os.close(dup)
         return done
 
     def __len__(self) -> int:
