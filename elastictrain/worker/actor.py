@@ -240,9 +240,9 @@ class Worker:
         instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
         fail gloo's collectives with it, and ``ProcessGroupGloo.abort`` does not wake a blocked collective.
         A live rank blocked on another live rank that left the failed step is woken by that rank severing
-        its connections when it releases its groups (``_release_groups``). Returns what was done. Checked on one GPU (abort, then a new generation
-        trains on: ``tests/test_gpu.py``); a live rank blocked in an NCCL collective on a dead one needs
-        two GPUs and has not run."""
+        its connections when it releases its groups (``_release_groups``). Returns what was done. Checked
+        on one GPU (abort, then a new generation trains on: ``tests/test_gpu.py``); a live rank blocked in
+        an NCCL collective on a dead one needs two GPUs and has not run."""
         if not dist.is_initialized() or not self.config.workers.use_gpu:
             return "noop"
         try:

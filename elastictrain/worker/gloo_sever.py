@@ -18,8 +18,8 @@ every collective of this process on it fails at once (its destructor no longer w
 peer's. Listening sockets are never touched (gloo's accept thread aborts the process on a shut-down
 listener), nor connections accepted by a listener that existed before the join (Ray's, the rendezvous
 store's). What is left to chance: an outgoing connection another thread of the worker opened during the
-join (Ray opens connections to other workers on first use); none of the worker's other threads calls
-another worker while it joins.
+join would be severed too. The worker's other threads answer calls (inbound: kept) and the peer tier's
+sender calls its keeper over the connection Ray opened at its first send, in an earlier generation.
 
 Linux only (``/proc/self/fd``); elsewhere nothing is noted and :meth:`Connections.sever` severs nothing.
 Standard library only.
