@@ -325,8 +325,10 @@ TINY_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}  # jobs/t
 # bound of 20 s would be a step or two), so its bounds are wider. A SIGKILL is seen as the actor's death, and
 # the survivors leave the failed step when their collectives fail on the dead peer's sockets; in one ddp run
 # of six (loaded) a survivor instead waited out collective_s (then 120 s: the run's kill -> next step was
-# 142 s against 9-10 s for the other two; again in one of three at 60 s: 65.6 s; no tp2 x dp2 run of seven),
-# so collective_s is what such an outlier costs the command (the median of 3 keeps it out of the figure)
+# 142 s against 9-10 s for the other two; again in one of three at 60 s: 65.6 s; no tp2 x dp2 run of seven):
+# a bucket's all-reduce still running on one survivor held its group's destructor while a peer waited for
+# it to close (issue #21). Survivors now sever their gloo connections first (worker/gloo_sever.py); the
+# big kill rows have not been re-run since, so collective_s stays what such an outlier would cost
 TINY_TIMEOUTS = {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 240,
                  "watchdog_floor_s": 10}
 BIG_TIMEOUTS = {"collective_s": 60, "step_watchdog_cap_s": 90, "poll_s": 120, "restart_grace_s": 300,

@@ -36,6 +36,7 @@ from elastictrain.task import Task
 from elastictrain.worker import import_priority
 from elastictrain.worker.errors import classify_step_error
 from elastictrain.worker.faults import FaultInjector, InjectedFault
+from elastictrain.worker.gloo_sever import Connections, Snapshot
 from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
 
@@ -107,6 +108,7 @@ class Worker:
         self._log = configure_worker_logging(slot)  # one line each, "[rank r/w slot s gen g]" prefixed
         self._memory_reports: list[dict[str, Any]] = []
         self._held: Any = None  # a survivor's snapshot served to the next generation (sharded layouts)
+        self._connections = Connections()  # the current generation's gloo connections (``_release_groups``)
 
     # ------------------------------------------------------------------ life cycle
     @_on_state_thread
@@ -179,6 +181,7 @@ class Worker:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         self._store = store
         backend = "cpu:gloo,cuda:nccl" if self.config.workers.use_gpu else "gloo"
+        before = Snapshot.take()  # the generation's gloo connections are the ones opened from here on
         dist.init_process_group(
             backend, store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
             world_size=world_size, timeout=timeout,
@@ -187,7 +190,8 @@ class Worker:
         layout = layout or resolve(spec_from_config(self.config), world_size)
         # A rebuilt (sharded) model is the seeded initial state (step 0, identical on every rank) until a
         # restore step (``restore`` below, restore_from) loads the generation's state into it.
-        self.runner.attach(rank, world_size, generation, layout)
+        self.runner.attach(rank, world_size, generation, layout)  # builds the mesh: its groups connect here
+        self._connections = Connections.opened_since(before)
         # a stop asked of an earlier generation that arrived after its run returned ends here (after attach:
         # one arriving from now on names an earlier generation than the runner's and is ignored)
         self._stop.clear()
@@ -234,12 +238,11 @@ class Worker:
         """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
         NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
         instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
-        fail gloo's collectives with it, ``ProcessGroupGloo.abort`` does not wake a blocked collective, and
-        destroying a group while the step thread is inside one is not safe. A live rank blocked on another
-        live rank that left the failed step is woken by that rank releasing its groups
-        (``_release_groups``). Returns what was done. Checked on one GPU (abort, then a new generation
-        trains on: ``tests/test_gpu.py``); a live rank blocked in an NCCL collective on a dead one needs
-        two GPUs and has not run."""
+        fail gloo's collectives with it, and ``ProcessGroupGloo.abort`` does not wake a blocked collective.
+        A live rank blocked on another live rank that left the failed step is woken by that rank severing
+        its connections when it releases its groups (``_release_groups``). Returns what was done. Checked
+        on one GPU (abort, then a new generation trains on: ``tests/test_gpu.py``); a live rank blocked in
+        an NCCL collective on a dead one needs two GPUs and has not run."""
         if not dist.is_initialized() or not self.config.workers.use_gpu:
             return "noop"
         try:
@@ -260,6 +263,7 @@ class Worker:
             except Exception:  # a group broken by a dead peer may not tear down cleanly; it is dropped
                 pass
         self._ckpt_group = None
+        self._connections = Connections()
 
     # ------------------------------------------------------------------ the loop
     @_on_state_thread
@@ -306,21 +310,27 @@ class Worker:
             self._status = "joined"
 
     def _release_groups(self) -> None:
-        """A peer broke this rank's step: let go of the generation's process groups entirely, so that a live peer
-        blocked in a collective with this rank fails now instead of after ``timeouts.collective_s``.
+        """A peer broke this rank's step: let go of the generation's process groups entirely, so that a live
+        peer blocked in a collective with this rank fails now instead of after ``timeouts.collective_s``.
         That happens whenever a collective's peers are not all neighbours of the dead rank: DDP over 4 gloo
         ranks (a ring all-reduce: rank 3 waits for rank 2, which left when rank 1 died), HSDP (rank 2 in a
-        replica all-reduce with rank 0 after rank 1 died). gloo has no working abort
-        (``ProcessGroupGloo.abort`` does not wake a blocked peer, measured in torch 2.13); its connections
-        close when the group object is destroyed, which needs every reference gone: the DDP wrapper, the
+        replica all-reduce with rank 0 after rank 1 died).
+
+        First this rank's gloo connections are severed (``worker/gloo_sever.py``): gloo has no working
+        abort, and destroying a group waits for the collectives still queued or running on its threads,
+        which can be waiting for a live peer that left the same collective (two such ranks then wait for
+        each other until ``collective_s``: seen in 2 of 9 kill runs on the 50.7M GPT under DDP). Severed,
+        every collective of this rank and of its peers on those connections fails at once, so the
+        destruction below returns at once. Then every reference to the groups goes (the DDP wrapper, the
         step's stats handle, the writer's group, the mesh and DTensor's caches and, under a sharded layout,
-        the model and optimizer -- after snapshotting this rank's shards (served by ``hold_snapshot`` /
+        the model and optimizer -- after snapshotting this rank's shards, served by ``hold_snapshot`` /
         ``fetch``: parameters and optimizer state of its last completed step). A replicated model is kept:
-        it is this rank's whole state. If a reference lingers, nothing breaks: the blocked peer waits for
-        its timeout as before."""
+        it is this rank's whole state."""
         from elastictrain.checkpoint.memory_dcp import take_snapshot
         from elastictrain.parallel.mesh import forget_earlier_meshes
 
+        severed = self._connections.sever()
+        self._log.info("severed %d of the generation's %d gloo connections", severed, len(self._connections))
         r = self.runner
         if r.replicated:
             self._leave_group()  # drops the DDP wrapper (runner.detach) and destroys the groups
@@ -328,7 +338,6 @@ class Worker:
             forget_earlier_meshes()
             gc.collect()
             return
-        r = self.runner
         try:
             self._held = take_snapshot(self._dcp_state(), rank=r.rank, step=r.step, generation=r.generation,
                                        **self._stage())
