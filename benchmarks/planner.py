@@ -122,8 +122,8 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "optimizer_s_per_param", "runtime_bytes",
-            "cores_per_node")
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "optimizer_s_per_param",
+            "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")
+    ap.add_argument("--save-calibration", default=None, help="write the calibration measured here to this file")
     args = ap.parse_args()
     args.warmup = min(args.warmup, args.steps - 1)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -159,11 +160,17 @@ def main() -> None:
     probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
     figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
                else calibrate(False, 1, 1, probe, ranks=args.world))
+    if args.save_calibration:
+        Path(args.save_calibration).write_text(json.dumps(figures, indent=1) + "\n")
     print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs; compute and optimizer as one process alone gets them): {figures['flops'] / 1e9:.1f} GFLOP/s, "
           f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
           + (f"call {figures['call_s'] * 1e3:.2f} ms, " if figures.get("call_s") else
-             "call: lost in the load (the default prices), ") +
+             "call: lost in the load (the default prices), ")
+          + (f"tp call {figures['tp_call_s'] * 1e3:.2f} ms, " if figures.get("tp_call_s") else
+             "tp call: lost in the load (the call's price), ")
+          + (f"DTensor op {figures['dtensor_op_s'] * 1e6:.0f} us, " if figures.get("dtensor_op_s") else
+             "DTensor op: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
