@@ -31,8 +31,8 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs, ``--steps 4 --warmup 1``
-~7 min at load 12-60 (the calibration ~1 min of it; not timed quiet). Under such load the calibration's
+(~365 MiB); the defaults took ~4.5 min at load ~4 (the benchmark's own processes; the calibration
+~1 min of it), ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
