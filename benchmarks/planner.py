@@ -2,19 +2,23 @@
 layout that runs here, after calibration (issue 24).
 
 Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-model 384] [--seq-len 128]
-[--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE]``
+[--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE | --save-calibration FILE]``
 
 1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
    clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
-   collective call between stretches of compute, a worker's resident bytes besides the model.
+   collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
+   pairs), the CPU time DTensor's dispatch adds per op, a worker's resident bytes besides the model.
+   ``--save-calibration FILE`` keeps the figures for a later ``--calibration FILE``.
    ``--calibration FILE`` uses a file written before instead.
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
    ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``), ``tp2`` (tensor parallel 2 with
    sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
-   Measured: the median step time on rank 0 after ``--warmup`` steps, and the training peak of
+   Measured: the median step time on rank 0 after ``--warmup`` steps (and the median CPU time of a step,
+   max over ranks: each rank's own work, which other programs' load moves little: on a loaded machine
+   compare layouts by it, not by the wall times), and the training peak of
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
@@ -27,8 +31,8 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); ``--steps 3 --warmup 1`` took ~6 min at load 14-26 on 2 shared CPUs, ``--steps 4 --warmup 1``
-~7 min at load 12-60 (the calibration ~1 min of it; not timed quiet). Under such load the calibration's
+(~365 MiB); the defaults took ~4.5 min at load ~4 (the benchmark's own processes; the calibration
+~1 min of it), ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
@@ -86,19 +90,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
     if runner.uninitialized:
         runner.init_from_seed()
-    times = []
+    times, cpu = [], []
     for s in range(args.steps):
         if s == args.warmup:
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:  # the training peak starts here
                 f.write("5")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         runner.run_step(False)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     dist.barrier()
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
-        {"step_s": statistics.median(times[args.warmup:]), "peak": peak * 1024}))
+        {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
+         "peak": peak * 1024}))
     dist.destroy_process_group()
 
 
@@ -109,7 +115,8 @@ def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict
 
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
-    return {"step_s": ranks[0]["step_s"], "peak": max(r["peak"] for r in ranks)}
+    return {"step_s": ranks[0]["step_s"], "cpu_s": max(r["cpu_s"] for r in ranks),
+            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -122,8 +129,8 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "optimizer_s_per_param", "runtime_bytes",
-            "cores_per_node")
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "optimizer_s_per_param",
+            "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
@@ -149,6 +156,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")
+    ap.add_argument("--save-calibration", default=None, help="write the calibration measured here to this file")
     args = ap.parse_args()
     args.warmup = min(args.warmup, args.steps - 1)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -159,11 +167,17 @@ def main() -> None:
     probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
     figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
                else calibrate(False, 1, 1, probe, ranks=args.world))
+    if args.save_calibration:
+        Path(args.save_calibration).write_text(json.dumps(figures, indent=1) + "\n")
     print(f"calibration ({figures.get('ranks')} processes at once, load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs; compute and optimizer as one process alone gets them): {figures['flops'] / 1e9:.1f} GFLOP/s, "
           f"all-reduce {figures['intra_node_bw'] / 1e9:.2f} GB/s, latency {figures['latency_s'] * 1e6:.0f} us, "
           + (f"call {figures['call_s'] * 1e3:.2f} ms, " if figures.get("call_s") else
-             "call: lost in the load (the default prices), ") +
+             "call: lost in the load (the default prices), ")
+          + (f"tp call {figures['tp_call_s'] * 1e3:.2f} ms, " if figures.get("tp_call_s") else
+             "tp call: lost in the load (the call's price), ")
+          + (f"DTensor op {figures['dtensor_op_s'] * 1e6:.0f} us, " if figures.get("dtensor_op_s") else
+             "DTensor op: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     rows = []
@@ -174,13 +188,14 @@ def main() -> None:
     mib = 2 ** 20
     runtime = figures.get("runtime_bytes") or 0.0
     print(f"{'layout':8} {'mem pred MiB':>12} {'meas':>8} {'ratio':>6} {'-runtime':>10} {'meas':>8} {'ratio':>6} "
-          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6}")
+          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6} {'cpu ms':>7} {'load':>5}")
     for name, e, got in rows:
         model_pred, model_meas = e.memory.total - e.memory.runtime, got["peak"] - runtime
         model_ratio = model_pred / model_meas if model_meas > 0 else float("nan")
         print(f"{name:8} {e.memory.total / mib:12.0f} {got['peak'] / mib:8.0f} {e.memory.total / got['peak']:6.2f} "
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
-              f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f}")
+              f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
+              f"{got['cpu_s'] * 1e3:7.0f} {got['load']:5.1f}")
     predicted = [n for n, e, _ in sorted(rows, key=lambda r: r[1].time.total_s)]
     measured = [n for n, _, g in sorted(rows, key=lambda r: r[2]["step_s"])]
     print(f"ranking by step time: predicted {predicted}, measured {measured}: "

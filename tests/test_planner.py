@@ -273,3 +273,48 @@ def test_a_gpu_cluster_prices_calls_as_before_when_it_has_no_call_cost():
     t = step_time(LLAMA70, train, node, Candidate(dp_shard=8, micro_batch=2))
     assert t.share == 1.0 and t.busy_s == 0.0 and t.total_s == pytest.approx(t.path_s + t.calls_s)
     assert t.dp_exposed_s == 0.0  # hidden behind compute as before
+
+
+def test_tensor_parallel_pays_dtensor_dispatch_per_op_counted_from_the_shape():
+    """TP's host work: each block's DTensor ops per micro-batch (forward 26 and backward 80 under sequence
+    parallel, forward again with checkpointing) plus those around the blocks, at dtensor_op_s each. On CPU
+    all of it is on the critical path and shared with the node's other ranks like compute; a layout
+    without TP pays none; TP's calls are priced at tp_call_s where measured."""
+    from elastictrain.planner.steptime import dtensor_ops
+
+    train = Training(global_batch=16, micro_batch=4)
+    tp = Candidate(dp_replicate=2, tp=2, micro_batch=4)  # 2 micro-batches of 12 blocks
+    assert dtensor_ops(SMALL, train, tp) == 2 * (12 * 106 + 37)  # 2618: counted on 4 gloo processes
+    assert dtensor_ops(SMALL, train, dataclasses.replace(tp, sequence_parallel=False)) == 2 * (12 * 96 + 30)
+    assert dtensor_ops(SMALL, train, dataclasses.replace(tp, activation_checkpointing=True)) == 2 * (12 * 132 + 37)
+    assert dtensor_ops(SMALL, train, Candidate(dp_replicate=2, pp=2, tp=1, micro_batch=4)) == 0
+    assert dtensor_ops(SMALL, train, Candidate(pp=2, tp=2, micro_batch=4)) == 4 * (6 * 106 + 37)  # a stage's blocks
+    for cores in (4, 2):
+        cl = Cluster(**CPU4, cores_per_node=cores)
+        slow = dataclasses.replace(cl, dtensor_op_s=50e-6)
+        t0, t = step_time(SMALL, train, cl, tp), step_time(SMALL, train, slow, tp)
+        assert t.dispatch_s == t.dispatch_exposed_s == pytest.approx(2618 * 50e-6)
+        # own cores: on the critical path once; 2 ranks a core: the node does both ranks' dispatch
+        assert t.total_s - t0.total_s == pytest.approx(t.dispatch_s * cl.share(4))
+        ddp = Candidate(dp_replicate=4, micro_batch=4)
+        assert step_time(SMALL, train, slow, ddp).total_s == step_time(SMALL, train, cl, ddp).total_s
+    # TP's calls at their own measured price, the step loop's at call_s
+    cl = Cluster(**CPU4, cores_per_node=2)
+    dear = dataclasses.replace(cl, tp_call_s=8e-3)
+    assert step_time(SMALL, train, dear, tp).calls_s - step_time(SMALL, train, cl, tp).calls_s == \
+        pytest.approx(204 * 3e-3)
+
+
+def test_a_gpu_hides_dtensor_dispatch_behind_its_compute_up_to_the_compute():
+    """On GPUs the host queues kernels ahead of the device: dispatch shows only beyond the device's compute.
+    A large model (70B, tp 8) hides all of it: the literature's figures are unchanged; a narrow model whose
+    kernels are shorter than their dispatch is host-bound."""
+    node = Cluster(nodes=1, devices_per_node=8, **H100, dtensor_op_s=20e-6, kind="gpu")
+    train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
+    big = Candidate(dp_replicate=1, tp=8, micro_batch=1, activation_checkpointing=True)
+    t = step_time(LLAMA70, train, node, big)
+    assert t.dispatch_s > 0 and t.dispatch_exposed_s == 0.0
+    assert t.total_s == step_time(LLAMA70, train, dataclasses.replace(node, dtensor_op_s=0.0), big).total_s
+    tiny = step_time(SMALL, Training(global_batch=8, micro_batch=1), node, Candidate(tp=8, micro_batch=1))
+    assert tiny.dispatch_s > tiny.compute_s
+    assert tiny.dispatch_exposed_s == pytest.approx(tiny.dispatch_s - tiny.compute_s)

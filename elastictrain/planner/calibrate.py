@@ -22,6 +22,16 @@ figures:
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers
   to be scheduled;
+* ``tp_call_s``: the same for a tensor-parallel collective as DTensor issues it, over pairs of processes
+  (a tp group of 2): a redistribution ``Shard -> Replicate`` (an all-gather) and one ``Partial -> Shard`` (a
+  reduce-scatter) of a tiny DTensor after each round of matmuls, against the matmuls alone (less the ring
+  steps' latency): its Python work, the functional collective and its wait;
+* ``dtensor_op_s``: on CPU with a built-in job, the host time DTensor's dispatch adds per op: the job's
+  model cut to one block (full width: at the job's width an op under DTensor also pays for copies a plain
+  one does not make, measured ~2x the per-op cost of a narrow block), forward and backward
+  tensor-parallel on a mesh of this process alone (no peer to wait for)
+  against the same model plain, in CPU time (the process's own work, which other programs on the machine
+  leave alone), the difference over the DTensor ops counted in it: a process alone's figure;
 * ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null
@@ -104,10 +114,11 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     return _peak_rss_bytes()
 
 
-def _timed_rounds(base: Any, *others: Any, rounds: int = 7) -> list[float]:
+def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[float]:
     """For each of ``others``: the median over rounds of its time less ``base()``'s in the same round (each
     round runs them all in turn, barriers between: every process runs the same thing at once, and a burst
-    of other work on the machine moves one round, not the figure)."""
+    of other work on the machine moves one round, not the figure). ``clock``: wall time by default;
+    ``time.process_time`` counts this process's own CPU work only (what other programs take is left out)."""
     import statistics
 
     import torch.distributed as dist
@@ -117,9 +128,9 @@ def _timed_rounds(base: Any, *others: Any, rounds: int = 7) -> list[float]:
         times = []
         for fn in (base, *others):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         for d, t in zip(diffs, times[1:]):
             d.append(t - times[0])
     return [statistics.median(d) for d in diffs]
@@ -155,6 +166,92 @@ def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float |
     moved = 2 * (world - 1) / world * CONTENDED_BYTES
     # the bytes' share of a large call (at least half of it: two noisy differences must not leave ~0)
     return call, moved / max(big_s - call, big_s / 2)
+
+
+def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
+    """Seconds per tensor-parallel collective as DTensor issues it over pairs of processes (module docstring:
+    ``tp_call_s``, before the latency is taken off); None when it drowns in the noise of other work."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    # every process creates every group, in the same order (new_group is collective over the world)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    solo = dist.new_group([world - 1]) if world % 2 else None
+    group = pairs[rank // 2] if rank // 2 < len(pairs) else solo
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    sharded = DTensor.from_local(torch.ones(1, 2, 4), mesh, [Shard(1)], run_check=False)
+    partial = DTensor.from_local(torch.ones(1, 4, 4), mesh, [Partial()], run_check=False)
+
+    def loop(tp: bool) -> Any:
+        def run() -> None:
+            for _ in range(reps):
+                for _ in range(16):
+                    a @ b
+                if tp:
+                    sharded.redistribute(mesh, [Replicate()]).to_local()
+                    partial.redistribute(mesh, [Shard(1)]).to_local()
+        return run
+
+    loop(True)()  # warm-up: DTensor's sharding caches
+    (diff,) = _timed_rounds(loop(False), loop(True))
+    return diff / (2 * reps) if diff > 0 else None
+
+
+def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2) -> float | None:
+    """Seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in this process while
+    the others measure the same; None when the difference drowns in the noise of other work."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from elastictrain import build_config
+    from elastictrain.parallel.tensor import local_loss, parallelize_tp
+    from elastictrain.task import builtin_task
+
+    solos = [dist.new_group([r]) for r in range(world)]  # collective: every process creates all of them
+    mesh = DeviceMesh.from_group(solos[rank], "cpu", mesh_dim_names=("tp",))
+    data = json.loads(json.dumps(job))
+    data["task"]["model"].update(n_layer=1)
+    data["parallel"] = {"plan": "ddp"}
+    data["faults"], data["checkpoint"]["uri"] = [], None
+    cfg = build_config(data, source="calibration probe")
+    task = builtin_task(cfg)
+    plain = task.model_fn()
+    sharded = parallelize_tp(task.model_fn(), mesh, cfg.parallel)
+    mb, seq = cfg.train.micro_batch, cfg.task.model.seq_len
+    tokens = torch.randint(0, 256, (mb, seq + 1))
+    batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(mb)
+
+    def plain_step() -> None:
+        for _ in range(reps):
+            task.loss_fn(plain, batch, seeds).sum().backward()
+
+    def tp_step() -> None:
+        for _ in range(reps):
+            with loss_parallel():
+                local_loss(task.loss_fn(sharded, batch, seeds)).sum().backward()
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if any(issubclass(t, DTensor) for t in types):
+                _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    plain_step()
+    tp_step()  # warm-up: DTensor's sharding caches, the gradients exist from here (accumulated after)
+    with _Count():
+        tp_step()
+    # CPU time: the dispatch is this process's own work, which other programs on the machine do not change
+    (diff,) = _timed_rounds(plain_step, tp_step, clock=time.process_time)
+    return diff / _Count.ops if diff > 0 and _Count.ops else None
 
 
 def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
@@ -258,6 +355,10 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         if probes and not gpu:
             call, figures["contended_bw"] = contended_figures(world)
             figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
+            tp_call = tp_call_figure(rank, world)  # tp 2: an all-gather (1 ring step), gloo's reduce-scatter (2)
+            figures["tp_call_s"] = None if tp_call is None else max(0.0, tp_call - 1.5 * latency)
+            if job is not None:
+                figures["dtensor_op_s"] = dtensor_op_figure(job, rank, world)
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
@@ -368,6 +469,8 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
         "call_s": _positive(local.get("call_s")),
+        "tp_call_s": _positive(local.get("tp_call_s")),
+        "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: a process alone's already
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,

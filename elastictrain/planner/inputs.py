@@ -131,6 +131,10 @@ class Cluster:
     collective of ``n`` ranks pays ``n-1`` or ``2 (n-1)``); ``call_s`` the fixed cost of one collective call
     as a job makes it (the framework's dispatch, the backend's start, and where ranks share cores the wait
     for the peers to be scheduled: ms with gloo on an oversubscribed CPU, ~0 on GPUs);
+    ``tp_call_s`` the same for a tensor-parallel collective as DTensor issues it (a redistribution: its
+    Python work, a functional collective, its wait; None: ``call_s``); ``dtensor_op_s`` the host time
+    DTensor's dispatch adds to each op on a sharded tensor (sharding propagation, wrapping and unwrapping:
+    CPU work on the host, which a GPU's kernels hide only up to their own time, :mod:`.steptime`);
     ``optimizer_s_per_param`` the optimizer step's (and gradient clipping's) time per local parameter;
     ``cores_per_node`` what a node's ranks compute on, in ranks' worth (CPU cores over the threads of one
     worker; None: each device computes on its own, as GPUs do): when a node runs more ranks than that, they
@@ -147,6 +151,8 @@ class Cluster:
     latency_s: float = 20e-6
     overlap: float = 0.8
     call_s: float = 0.0
+    tp_call_s: float | None = None
+    dtensor_op_s: float = 0.0
     optimizer_s_per_param: float = 0.0
     cores_per_node: float | None = None
     kind: str = "gpu"
@@ -158,8 +164,10 @@ class Cluster:
                   inter_node_bw=self.inter_node_bw)
         if self.cores_per_node is not None:
             _positive("cluster", cores_per_node=self.cores_per_node)
-        for name in ("latency_s", "call_s", "optimizer_s_per_param"):
+        for name in ("latency_s", "call_s", "tp_call_s", "dtensor_op_s", "optimizer_s_per_param"):
             value = getattr(self, name)
+            if value is None and name == "tp_call_s":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise PlannerInputError(f"cluster.{name} must be a number >= 0, got {value!r}")
         if not 0 <= self.overlap <= 1:

@@ -21,6 +21,15 @@
   gloo (``cluster.kind == "cpu"``) a reduce-scatter is an all-reduce (gloo has none of its own), and
   FSDP's copies of each unsharded buffer out of a gather and into a reduction run at about the rate gloo
   moves bytes (on GPUs they are HBM copies: left out);
+* **DTensor dispatch** (TP): every op on a sharded parameter or activation goes through DTensor's
+  dispatcher (sharding propagation, unwrapping to the local tensor and wrapping the result), host work that
+  a plain layout does not do: :func:`dtensor_ops` per step (counted per block and micro-batch on a GPT
+  block, :data:`TP_BLOCK_OPS`) at :attr:`Cluster.dtensor_op_s`. On CPU it runs on the cores that compute: all
+  of it is on the critical path (and shared with the node's other ranks like compute). On GPUs the host
+  queues kernels ahead of the device, so it shows only where it exceeds the device's compute
+  (``max(0, dispatch - compute)``: the host becomes the bottleneck of small or narrow models, not of large
+  ones); TP's collectives are priced at :attr:`Cluster.tp_call_s` per call (a redistribution as DTensor
+  issues it) where calibrated, else :attr:`Cluster.call_s`;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
@@ -29,8 +38,9 @@
   them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
   others instead of stretching the step.
 
-``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp) / (1 - bubble) + pp
-+ exposed data-parallel + optimizer`` and ``busy = s x (compute + optimizer) + tp + pp + data-parallel``
+``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp + exposed dispatch) /
+(1 - bubble) + pp + exposed data-parallel + optimizer`` and ``busy = s x (compute + dispatch + optimizer) + tp
++ pp + data-parallel``
 only where ``s > 1`` (GPUs: the critical path).
 """
 
@@ -60,6 +70,8 @@ class StepTime:
     calls_s: float = 0.0  # the fixed and per-ring-step costs of TP's, PP's and the step loop's calls (the
     # data-parallel ones are in dp_s, hidden like its bytes)
     share: float = 1.0   # ranks per core on a node (Cluster.share)
+    dispatch_s: float = 0.0          # DTensor's host work per step (TP)
+    dispatch_exposed_s: float = 0.0  # the part on the critical path (CPU: all; GPU: beyond compute)
 
     @property
     def comm_s(self) -> float:
@@ -73,7 +85,8 @@ class StepTime:
     @property
     def path_s(self) -> float:
         """The critical path of a rank computing on its own core or device."""
-        return (self.compute_s + self.tp_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.optimizer_s
+        return ((self.compute_s + self.tp_s + self.dispatch_exposed_s) / (1 - self.bubble) + self.pp_s
+                + self.dp_exposed_s + self.optimizer_s)
 
     @property
     def busy_s(self) -> float:
@@ -82,7 +95,7 @@ class StepTime:
         needs when ranks share its cores (0 when they do not)."""
         if self.share <= 1:
             return 0.0
-        return self.share * (self.compute_s + self.optimizer_s) + self.tp_s + self.pp_s + self.dp_s
+        return self.share * (self.compute_s + self.dispatch_s + self.optimizer_s) + self.tp_s + self.pp_s + self.dp_s
 
     @property
     def total_s(self) -> float:
@@ -104,6 +117,26 @@ def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
     return tokens * (weight * n + attention * attn)
 
 
+# DTensor ops (forward, backward) per block and micro-batch, by sequence parallel: a GPT block (q, k, v and
+# attention out, MLP in and out, two norms) under torch's ColwiseParallel/RowwiseParallel/SequenceParallel,
+# counted with a dispatch mode on the built-in GPT without dropout (torch 2.13; the backward's include gradient
+# accumulation; dropout adds 4 and 4, left out: a few percent). They do not depend on the width: the cost
+# per op is what the calibration measures (tests/test_planner_tp.py counts them again on the real model).
+TP_BLOCK_OPS = {True: (26, 80), False: (24, 72)}
+TP_EDGE_OPS = {True: 37, False: 30}  # per micro-batch around the blocks: embeddings, final norm, head, loss
+
+
+def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
+    """DTensor ops of one step on the worst rank (0 without TP): per micro-batch, each block's forward (twice
+    with activation checkpointing) and backward, plus those around the blocks (:data:`TP_BLOCK_OPS`)."""
+    if c.tp == 1:
+        return 0.0
+    forward, backward = TP_BLOCK_OPS[c.sequence_parallel]
+    per_block = forward * (2 if c.activation_checkpointing else 1) + backward
+    blocks = math.ceil(model.layers / c.pp)
+    return microbatches(train, c) * (blocks * per_block + TP_EDGE_OPS[c.sequence_parallel])
+
+
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: one all-reduce per bucket
 TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embeddings out, final norm, head)
 
@@ -121,9 +154,11 @@ class Calls:
         return int(round(sum(n for _, n, size, _ in self.groups if size > 1)))
 
     def cost_s(self, cluster: Cluster, *what: str) -> float:
-        """The calls' cost (of the kinds ``what``; all without)."""
-        return sum(n * (cluster.call_s + steps * cluster.latency_s) for w, n, size, steps in self.groups
-                   if size > 1 and (not what or w in what))
+        """The calls' cost (of the kinds ``what``; all without): TP's at :attr:`Cluster.tp_call_s` where
+        measured, the rest at :attr:`Cluster.call_s`."""
+        tp_call = cluster.call_s if cluster.tp_call_s is None else cluster.tp_call_s
+        return sum(n * ((tp_call if w == "tp" else cluster.call_s) + steps * cluster.latency_s)
+                   for w, n, size, steps in self.groups if size > 1 and (not what or w in what))
 
 
 def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> Calls:
@@ -200,7 +235,10 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     final += calls.cost_s(cluster, "replicate")
     hide = cluster.overlap
     exposed = max(0.0, fsdp - hide * compute) + max(0.0, final - hide * compute / m * 2 / 3)
+    dispatch = dtensor_ops(model, train, c) * cluster.dtensor_op_s
+    # CPU: the same cores run the dispatch and the kernels; GPU: the host runs ahead of the device
+    dispatch_exposed = dispatch if cluster.kind == "cpu" else max(0.0, dispatch - compute)
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
                     fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
                     calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
-                    share=cluster.share(c.world_size))
+                    share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed)
