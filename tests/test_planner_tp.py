@@ -1,72 +1,67 @@
 """The planner's DTensor op counts (:data:`elastictrain.planner.steptime.TP_BLOCK_OPS`) are the built-in GPT's:
-counted here with a dispatch mode on the real model under its real tensor-parallel plan (gloo, one process),
-so a change in torch's DTensor or in the plan that moves them fails this test instead of the estimates."""
+counted here with a dispatch mode on the real model under its real tensor-parallel plan (a one-rank gloo
+group in the test's own process, as ``tests/parallel_fixtures.InProcessRun`` makes one), so a change in
+torch's DTensor or in the plan that moves them fails this test instead of the estimates."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from elastictrain.planner.steptime import TP_BLOCK_OPS, TP_EDGE_OPS
 
-ROOT = Path(__file__).resolve().parents[1]
 
-COUNT = r"""
-import json, socket, torch, torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from elastictrain import build_config
-from elastictrain.parallel.tensor import local_loss, parallelize_tp
-from elastictrain.task import builtin_task
+def _count_ops() -> dict[str, tuple[int, int]]:
+    """(forward, backward) DTensor ops of the second micro-batch, by sequence parallel and block count."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-class Count(TorchDispatchMode):
-    ops = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            Count.ops += 1
-        return func(*args, **(kwargs or {}))
+    from elastictrain import build_config
+    from elastictrain.parallel.tensor import local_loss, parallelize_tp
+    from elastictrain.task import builtin_task
 
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
-out = {}
-for sp in (True, False):
-    for layers in (1, 2):
-        cfg = build_config({"task": {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}},
-                            "train": {"global_batch": 2, "micro_batch": 2}, "workers": {"min": 1, "max": 1},
-                            "parallel": {"plan": "ddp"}})
-        task = builtin_task(cfg)
-        plan = type("Plan", (), {"sequence_parallel": sp})  # parallel.tp is 1 here: the config refuses sp
-        model = parallelize_tp(task.model_fn(), mesh, plan)
-        tokens = torch.randint(0, 256, (2, 17))
-        batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(2)
-        counts = []
-        for _ in range(2):  # the second micro-batch accumulates into the first one's gradients
-            with loss_parallel():
-                Count.ops = 0
-                with Count():
-                    loss = local_loss(task.loss_fn(model, batch, seeds)).sum()
-                forward, Count.ops = Count.ops, 0
-                with Count():
-                    loss.backward()
-                counts.append((forward, Count.ops))
-        out[f"{sp}-{layers}"] = counts[1]
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        out = {}
+        for sp in (True, False):
+            for layers in (1, 2):
+                cfg = build_config({
+                    "task": {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}},
+                    "train": {"global_batch": 2, "micro_batch": 2}, "workers": {"min": 1, "max": 1},
+                    "parallel": {"plan": "ddp"}})
+                task = builtin_task(cfg)
+                plan = type("Plan", (), {"sequence_parallel": sp})  # parallel.tp is 1 here: the config refuses sp
+                model = parallelize_tp(task.model_fn(), mesh, plan)
+                tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+                batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(2)
+                counts = []
+                for _ in range(2):  # the second micro-batch accumulates into the first one's gradients
+                    with loss_parallel():
+                        Count.ops = 0
+                        with Count():
+                            loss = local_loss(task.loss_fn(model, batch, seeds)).sum()
+                        forward, Count.ops = Count.ops, 0
+                        with Count():
+                            loss.backward()
+                        counts.append((forward, Count.ops))
+                out[f"{sp}-{layers}"] = counts[1]
+        return out
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_dtensor_op_counts_are_the_builtin_gpts():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", COUNT], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _count_ops()
     for sp in (True, False):
         (f1, b1), (f2, b2) = counts[f"{sp}-1"], counts[f"{sp}-2"]
         assert (f2 - f1, b2 - b1) == TP_BLOCK_OPS[sp]  # one more block
