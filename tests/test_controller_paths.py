@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from elastictrain import build_config
+from elastictrain import build_config, run_result
 from elastictrain.controller.controller import Controller
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.state import State
@@ -59,13 +59,13 @@ class ScriptedWorker:
     def sync(self, src: int) -> int:
         return self.step
 
-    def run(self, target: int) -> dict[str, Any]:
+    def run(self, target: int) -> bytes:
         status = self.script.get("run", "done")
         if status == "exit":  # the process dies mid-step
             os._exit(1)
         time.sleep(self.script.get("run_s", 0.0))
-        return {"status": status, "step": self.step, "slot": self.slot,
-                "error": self.script.get("error") if status != "done" else None}
+        return run_result.pack(status, self.step, self.script.get("error") if status != "done" else None,
+                               self.slot)
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",

@@ -4,10 +4,14 @@ Worker in this process, a real world-1 gloo group per generation (issue #21 item
 
 from __future__ import annotations
 
-from elastictrain import build_config
+from elastictrain import build_config, run_result
 from elastictrain.task import builtin_task
 from elastictrain.worker.actor import Worker
 from tests.conftest import job
+
+
+def _run(w: Worker, target_step: int) -> dict:
+    return run_result.unpack(w.run(target_step))  # the bytes the controller takes (elastictrain/run_result.py)
 
 
 def _join(w: Worker, generation: int) -> None:
@@ -21,15 +25,15 @@ def test_a_late_stop_request_does_not_stop_the_next_generation(ray_local) -> Non
     try:
         w.setup()
         _join(w, 0)
-        assert w.run(2) == {"status": "done", "step": 2, "error": None, "slot": 0}
+        assert _run(w, 2) == {"status": "done", "step": 2, "error": None, "slot": 0}
         w.request_stop()    # meant for generation 0, arrives after its run returned
         _join(w, 1)
-        got = w.run(4)
+        got = _run(w, 4)
         assert (got["status"], got["step"]) == ("done", 4), got
         w.request_stop(0)   # names generation 0, arrives once generation 1 is joined
-        assert w.run(5)["status"] == "done"
+        assert _run(w, 5)["status"] == "done"
         w.request_stop(1)   # a stop of the current generation still stops it at the next step boundary
-        got = w.run(8)
+        got = _run(w, 8)
         assert (got["status"], got["step"]) == ("stopped", 6), got
     finally:
         w.shutdown()

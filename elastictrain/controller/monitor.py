@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from elastictrain import run_result
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
@@ -213,10 +214,11 @@ class WorkerMonitor:
         known = self.known_step
         run_refs, dead = self.run_refs, SlotState.DEAD
         taken = [(ref, slot) for ref in ended if (slot := run_refs.get(ref)) is not None and slot.state is not dead]
-        for (ref, slot), (res, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
+        for (ref, slot), (packed, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
             if error is not None:  # the actor died
                 self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(error)}")
                 continue
+            res = run_result.unpack(packed)
             step, status = res["step"], res["status"]
             slot.info["step"] = step
             if step > known:
@@ -246,10 +248,10 @@ class WorkerMonitor:
         if not all(ref in self.runs_ended for ref in self.run_refs):
             return None
         results = []
-        for res, error in get_each(self.rt, list(self.run_refs)):
+        for packed, error in get_each(self.rt, list(self.run_refs)):
             if error is not None:
                 return None
-            results.append(res)
+            results.append(run_result.unpack(packed))
         self._poll_members_blocking()
         self.run_refs = {}
         return results

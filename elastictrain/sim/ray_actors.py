@@ -1,8 +1,8 @@
 """Lightweight Ray actors that speak the worker protocol the controller speaks (``setup``, ``open_store``,
 ``join``, ``sync``, ``run``, ``poll``, ``request_stop``, ...) and "train" by completing a step every
 ``step_s`` seconds: the Ray variant of the simulation (:mod:`elastictrain.sim.ray_run` drives them with the
-real controller). No torch: this module imports the standard library and Ray only, and an actor process
-imports nothing else (:meth:`SimActor.imported` lets a test check ``sys.modules``).
+real controller). No torch: this module imports the standard library, Ray and the result's wire format
+(:mod:`elastictrain.run_result`) only, and an actor process imports nothing else (:meth:`SimActor.imported` lets a test check ``sys.modules``).
 
 A generation's "collective" is a star of plain TCP connections to a hub in its rank 0's process (opened by
 ``open_store``, as the real rank 0 hosts the TCPStore): ``join`` is a rendezvous (every member says hello
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+
+from elastictrain import run_result
 
 
 @dataclass
@@ -254,9 +256,9 @@ class SimActor:
                 return self._result("stopped")
         return self._result("done")
 
-    def _result(self, status: str) -> dict[str, Any]:
+    def _result(self, status: str) -> bytes:
         self.status = "joined"
-        return {"status": status, "step": self.step, "error": None, "slot": self.slot}
+        return run_result.pack(status, self.step, None, self.slot)  # as a worker answers
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
         records = []
