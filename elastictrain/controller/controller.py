@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import time
 from typing import Any
 
@@ -35,7 +36,7 @@ from elastictrain.events import EventLog
 from elastictrain.task import Task
 
 log = logging.getLogger("elastictrain.controller")
-
+_RANK, _INDEX = operator.attrgetter("rank"), operator.attrgetter("index")  # sort keys without tuples
 
 
 class Controller(WorkerMonitor):
@@ -237,12 +238,14 @@ class Controller(WorkerMonitor):
     def _abort_survivors(self) -> None:
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
         under a sharded layout their shards no longer make a whole state (restored from a reader)."""
+        sharded = bool(self.world_size) and not (self.generation_layout or self.layout(self.world_size)).replicated
+        if not (self.config.workers.use_gpu or sharded):
+            return  # gloo and a replicated layout: nothing to send, nothing to mark (no pass over the members)
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
         for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
             s.actor.abort_group.remote()
-        if self.world_size and not (self.generation_layout or self.layout(self.world_size)).replicated:
-            for s in survivors:
-                s.has_state = False
+        for s in survivors if sharded else ():
+            s.has_state = False
 
     def _checkpointing(self) -> None:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
@@ -421,8 +424,10 @@ class Controller(WorkerMonitor):
             by_rank = {s.rank: s for s in survivors}
             joiners = iter(sorted(ready, key=lambda s: s.index))
             return [by_rank[r] if r in by_rank else next(joiners) for r in range(world)]
-        keep = sorted(survivors, key=lambda s: (s.rank if s.rank is not None else 1 << 30, s.index))
-        extra = sorted(ready, key=lambda s: s.index)
+        # survivors are members and have ranks (distinct: one per member); a key without tuples (10,000 ranks)
+        keep = sorted(survivors, key=_RANK) if all(s.rank is not None for s in survivors) else sorted(
+            survivors, key=lambda s: (s.rank if s.rank is not None else 1 << 30, s.index))
+        extra = sorted(ready, key=_INDEX)
         return (keep + extra)[:world]
 
     def _form_generation(self, chosen: list[Slot], reason: str, resume: Any = None, start: bool = True) -> bool:
