@@ -240,8 +240,8 @@ def test_ranks_that_share_cores_take_turns_and_a_gpus_figures_keep_their_meaning
 
 def test_collective_calls_are_counted_per_block_and_micro_batch():
     """What benchmarks/planner.py's layouts call per step (counted with torch.profiler on 4 gloo processes:
-    tp2 204 all-gathers and reduce-scatters, fsdp 24 gathers and 13 reductions, ddp 4 buckets), each call
-    priced at call_s plus its ring steps' latency."""
+    tp2 204 all-gathers and reduce-scatters, fsdp 24 gathers and 13 reductions, ddp 4 buckets; and tp2's one
+    flat all-reduce of the norms' partial gradients), each call priced at call_s plus its ring steps' latency."""
     from elastictrain.planner.steptime import collective_calls
 
     train = Training(global_batch=16, micro_batch=4)
@@ -251,7 +251,7 @@ def test_collective_calls_are_counted_per_block_and_micro_batch():
         return sum(n for w, n, size, _ in collective_calls(SMALL, train, cl, c).groups if w == what and size > 1)
 
     tp = Candidate(dp_replicate=2, tp=2, micro_batch=4)  # 2 micro-batches of 12 blocks, sequence parallel
-    assert count(tp, "tp") == 2 * (12 * 8 + 6) and count(tp, "step") == 2
+    assert count(tp, "tp") == 2 * (12 * 8 + 6) + 1 and count(tp, "step") == 2
     fsdp = Candidate(dp_shard=4, micro_batch=4)
     assert count(fsdp, "fsdp") == 24 + 13
     assert count(Candidate(dp_replicate=4, micro_batch=4), "replicate") == 4  # 85 MB of fp32 gradients in 25 MiB
@@ -261,8 +261,8 @@ def test_collective_calls_are_counted_per_block_and_micro_batch():
     cheap = dataclasses.replace(cl, call_s=0.0)
     t, t0 = step_time(SMALL, train, cl, tp), step_time(SMALL, train, cheap, tp)
     ring = collective_calls(SMALL, train, cl, tp).cost_s(cheap, "tp", "pp", "step")
-    assert t.calls == 204 + 2 + 2 and t.calls_s == pytest.approx(206 * 5e-3 + ring)  # + ddp's 2 buckets
-    assert t.total_s - t0.total_s == pytest.approx(208 * 5e-3, rel=1e-6)
+    assert t.calls == 205 + 2 + 2 and t.calls_s == pytest.approx(207 * 5e-3 + ring)  # + ddp's 2 buckets
+    assert t.total_s - t0.total_s == pytest.approx(209 * 5e-3, rel=1e-6)
 
 
 def test_a_gpu_cluster_prices_calls_as_before_when_it_has_no_call_cost():
@@ -302,7 +302,34 @@ def test_tensor_parallel_pays_dtensor_dispatch_per_op_counted_from_the_shape():
     cl = Cluster(**CPU4, cores_per_node=2)
     dear = dataclasses.replace(cl, tp_call_s=8e-3)
     assert step_time(SMALL, train, dear, tp).calls_s - step_time(SMALL, train, cl, tp).calls_s == \
-        pytest.approx(204 * 3e-3)
+        pytest.approx(205 * 3e-3)
+
+
+def test_fsdp_over_tensor_parallel_all_reduces_each_partial_gradient_per_micro_batch():
+    """FSDP2 over a TP model redistributes every gradient that backward leaves Partial over tp (under sequence
+    parallel the norms' weight and bias: 4 per GPT block, 2 around the blocks) to its parameter's placement
+    before its reduce-scatter: one all-reduce over tp each, per micro-batch, priced like TP's other calls at
+    tp_call_s (plus its ring steps); without FSDP the step sums them in one flat all-reduce, and without
+    sequence parallel there are none. The old model priced neither (tp2 x dp2 24% too fast)."""
+    from elastictrain.planner.steptime import collective_calls
+
+    train = Training(global_batch=16, micro_batch=4)
+    cl = Cluster(**CPU4, cores_per_node=2, tp_call_s=2e-3)
+    two_d = Candidate(dp_shard=2, tp=2, micro_batch=4)  # 2 micro-batches of 12 blocks
+    one_d = Candidate(dp_replicate=2, tp=2, micro_batch=4)
+
+    def tp_calls(c: Candidate) -> float:
+        return sum(n for w, n, size, _ in collective_calls(SMALL, train, cl, c).groups if w == "tp" and size > 1)
+
+    blocks_calls = 2 * (12 * 8 + 6)  # TP's own all-gathers and reduce-scatters
+    assert tp_calls(two_d) == blocks_calls + 2 * (12 * 4 + 2)
+    assert tp_calls(one_d) == blocks_calls + 1
+    no_sp = dataclasses.replace(two_d, sequence_parallel=False)
+    assert tp_calls(no_sp) == 2 * (12 * 4 + 3)  # TP's all-reduces alone
+    # each at tp_call_s plus an all-reduce's 2 ring steps (tp 2), on the critical path like TP's calls
+    dear = dataclasses.replace(cl, tp_call_s=4e-3)
+    assert step_time(SMALL, train, dear, two_d).total_s - step_time(SMALL, train, cl, two_d).total_s == \
+        pytest.approx((blocks_calls + 100) * 2e-3)
 
 
 def test_a_gpu_hides_dtensor_dispatch_behind_its_compute_up_to_the_compute():

@@ -1,11 +1,12 @@
 """The planner's DTensor op counts (:data:`elastictrain.planner.steptime.TP_BLOCK_OPS`) are the built-in GPT's:
 counted here with a dispatch mode on the real model under its real tensor-parallel plan (a one-rank gloo
 group in the test's own process, as ``tests/parallel_fixtures.InProcessRun`` makes one), so a change in
-torch's DTensor or in the plan that moves them fails this test instead of the estimates."""
+torch's DTensor or in the plan that moves them fails this test instead of the estimates. So are the
+Partial gradients' counts (:data:`~elastictrain.planner.steptime.TP_PARTIAL_GRADS`)."""
 
 from __future__ import annotations
 
-from elastictrain.planner.steptime import TP_BLOCK_OPS, TP_EDGE_OPS
+from elastictrain.planner.steptime import TP_BLOCK_OPS, TP_EDGE_OPS, TP_PARTIAL_GRADS
 
 
 def _count_ops() -> dict[str, tuple[int, int]]:
@@ -66,3 +67,51 @@ def test_the_dtensor_op_counts_are_the_builtin_gpts():
         (f1, b1), (f2, b2) = counts[f"{sp}-1"], counts[f"{sp}-2"]
         assert (f2 - f1, b2 - b1) == TP_BLOCK_OPS[sp]  # one more block
         assert f1 + b1 - sum(TP_BLOCK_OPS[sp]) == TP_EDGE_OPS[sp]  # around the blocks
+
+
+def _count_partial_grads() -> dict[str, int]:
+    """Parameters whose gradient comes out of backward Partial over tp (an all-reduce to settle), by
+    sequence parallel and block count, on the built-in GPT under its tensor-parallel plan."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from elastictrain import build_config
+    from elastictrain.parallel.tensor import local_loss, parallelize_tp
+    from elastictrain.task import builtin_task
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        out = {}
+        for sp in (True, False):
+            for layers in (1, 2):
+                cfg = build_config({
+                    "task": {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}},
+                    "train": {"global_batch": 2, "micro_batch": 2}, "workers": {"min": 1, "max": 1},
+                    "parallel": {"plan": "ddp"}})
+                task = builtin_task(cfg)
+                plan = type("Plan", (), {"sequence_parallel": sp})
+                model = parallelize_tp(task.model_fn(), mesh, plan)
+                tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+                batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(2)
+                with loss_parallel():
+                    local_loss(task.loss_fn(model, batch, seeds)).sum().backward()
+                out[f"{sp}-{layers}"] = sum(
+                    1 for p in model.parameters() if isinstance(p.grad, DTensor)
+                    and any(q.is_partial() for q in p.grad.placements) and not any(q.is_partial() for q in p.placements))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_partial_gradient_counts_are_the_builtin_gpts():
+    """Under sequence parallel the norms' gradients are partial sums over tp (FSDP2 over the TP model
+    all-reduces each, per micro-batch); without it none are."""
+    counts = _count_partial_grads()
+    for sp in (True, False):
+        per_block, edge = TP_PARTIAL_GRADS[sp]
+        assert counts[f"{sp}-2"] - counts[f"{sp}-1"] == per_block
+        assert counts[f"{sp}-1"] - per_block == edge

@@ -16,7 +16,9 @@
   (FSDP's behind all of a step's compute, the final all-reduce behind the last backward only). Priced
   by their bytes here; each call also costs :attr:`Cluster.call_s` plus :attr:`Cluster.latency_s` per ring
   step, counted by :func:`collective_calls` (per block and micro-batch: TP's all-gathers and
-  reduce-scatters, FSDP's per-block gathers and reductions, PP's sends; per step: DDP's gradient
+  reduce-scatters, FSDP's per-block gathers and reductions, PP's sends, and under FSDP over TP an
+  all-reduce over tp of each Partial gradient (:data:`TP_PARTIAL_GRADS`; without FSDP one flat one per
+  step); per step: DDP's gradient
   buckets, HSDP's per-block all-reduces, the step loop's stop word and gradient-norm reduction). With
   gloo (``cluster.kind == "cpu"``) a reduce-scatter is an all-reduce (gloo has none of its own), and
   FSDP's copies of each unsharded buffer out of a gather and into a reduction run at about the rate gloo
@@ -139,6 +141,15 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: one all-reduce per bucket
 TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embeddings out, final norm, head)
+# Parameters replicated over tp whose gradient autograd leaves Partial (each rank's positions give a partial
+# sum), (per block, around the blocks), by sequence parallel: under it the two norms' weight and bias per GPT
+# block and the final norm's; without it none (tests/test_planner_tp.py counts them on the built-in GPT).
+# FSDP2 over the TP model (dp_shard > 1) redistributes each to its parameter's placement before its
+# reduce-scatter, per micro-batch: an all-reduce over tp per parameter, as DTensor issues it
+# (torch's FSDPParam._get_grad_inner_tensor); without FSDP the step sums them in one flat all-reduce
+# (elastictrain.parallel.tensor.settle_grads). Priced like TP's other calls, on the critical path (CPU: the
+# calibrated tp_call_s, ~2 ms of a process's CPU each; GPUs: by default the ring steps' latency only).
+TP_PARTIAL_GRADS = {True: (4, 2), False: (0, 0)}
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,9 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
             groups += [("tp", m * per / 2, c.tp, c.tp - 1), ("tp", m * per / 2, c.tp, rs(c.tp))]
         else:
             groups.append(("tp", m * (passes * 2 * blocks + TP_EDGE_CALLS / 2), c.tp, ar(c.tp)))
+        per_block, edge = TP_PARTIAL_GRADS[c.sequence_parallel]
+        if per_block or edge:  # the Partial gradients' sums (TP_PARTIAL_GRADS)
+            groups.append(("tp", m * (blocks * per_block + edge) if c.dp_shard > 1 else 1.0, c.tp, ar(c.tp)))
     if c.pp > 1:
         groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
     if c.dp_shard > 1:
