@@ -203,30 +203,19 @@ def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
 def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2) -> float | None:
     """Seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in this process while
     the others measure the same; None when the difference drowns in the noise of other work."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from elastictrain import build_config
     from elastictrain.parallel.tensor import local_loss, parallelize_tp
-    from elastictrain.task import builtin_task
 
     solos = [dist.new_group([r]) for r in range(world)]  # collective: every process creates all of them
     mesh = DeviceMesh.from_group(solos[rank], "cpu", mesh_dim_names=("tp",))
-    data = json.loads(json.dumps(job))
-    data["task"]["model"].update(n_layer=1)
-    data["parallel"] = {"plan": "ddp"}
-    data["faults"], data["checkpoint"]["uri"] = [], None
-    cfg = build_config(data, source="calibration probe")
-    task = builtin_task(cfg)
+    cfg, task, batch, seeds = _one_block_probe(job)
     plain = task.model_fn()
     sharded = parallelize_tp(task.model_fn(), mesh, cfg.parallel)
-    mb, seq = cfg.train.micro_batch, cfg.task.model.seq_len
-    tokens = torch.randint(0, 256, (mb, seq + 1))
-    batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(mb)
 
     def plain_step() -> None:
         for _ in range(reps):
@@ -254,15 +243,13 @@ def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2)
     return diff / _Count.ops if diff > 0 and _Count.ops else None
 
 
-def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
-    """``(FLOP/s, optimizer seconds per parameter)`` of the job's model cut to one block, forward and backward
-    of one micro-batch, then clipping and the optimizer step, in this process (no collective)."""
+
+def _one_block_probe(job: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], Any]:
+    """``(config, task, batch, sample ids)`` for a probe of the job's model cut to one block: its config
+    as a one-worker ddp job without faults or checkpoints, its task, and one random micro-batch."""
     import torch
 
     from elastictrain import build_config
-    from elastictrain.planner.inputs import Candidate, Training
-    from elastictrain.planner.job import model_shape
-    from elastictrain.planner.steptime import step_flops
     from elastictrain.task import builtin_task
 
     data = json.loads(json.dumps(job))
@@ -270,13 +257,24 @@ def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[floa
     data["parallel"] = {"plan": "ddp"}
     data["faults"], data["checkpoint"]["uri"] = [], None
     cfg = build_config(data, source="calibration probe")
-    task = builtin_task(cfg)
-    model = task.model_fn()
-    opt = task.optimizer_fn(model.parameters())
     mb, seq = cfg.train.micro_batch, cfg.task.model.seq_len
     tokens = torch.randint(0, 256, (mb, seq + 1))
-    batch = {"input": tokens[:, :-1], "target": tokens[:, 1:]}
-    seeds = torch.arange(mb)
+    return cfg, builtin_task(cfg), {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(mb)
+
+
+def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
+    """``(FLOP/s, optimizer seconds per parameter)`` of the job's model cut to one block, forward and backward
+    of one micro-batch, then clipping and the optimizer step, in this process (no collective)."""
+    import torch
+
+    from elastictrain.planner.inputs import Candidate, Training
+    from elastictrain.planner.job import model_shape
+    from elastictrain.planner.steptime import step_flops
+
+    cfg, task, batch, seeds = _one_block_probe(job)
+    mb = cfg.train.micro_batch
+    model = task.model_fn()
+    opt = task.optimizer_fn(model.parameters())
     flops = step_flops(model_shape(cfg), Training(global_batch=mb, micro_batch=mb), Candidate(micro_batch=mb))
     params = sum(p.numel() for p in model.parameters())
 
