@@ -1,8 +1,11 @@
 """Shared by the tests that act on a running job: ``SLOW`` (every step of both ranks 30 ms longer, so a test
 can act between steps) and ``cluster``, a multi-node local Ray on one machine.
 
-Import into a test module with ``from tests.cluster_fixtures import SLOW, _module_cluster, cluster  # noqa: F401``;
-``cluster_2x2`` (two nodes of 2 CPU slots) is the placement tests'.
+The fixtures are registered once, for the whole session, by tests/conftest.py (``pytest_plugins``): a test asks
+for ``cluster`` by name and imports only ``SLOW`` / ``node_of``. (Imported into each module instead, a fixture
+is defined once per module, and a session-scoped one would start a cluster per module and keep them all.)
+``cluster_2x2`` (two nodes of 2 CPU slots) is the placement tests'. tests/conftest.py runs every test on a
+cluster after the others, the ``cluster_2x2`` ones first, so each multi-node Ray is started once.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ WORKER_NODES = 2
 _DRAINING = 3  # ray.rpc.NodeSnapshot.DRAINING (as elastictrain/controller/drain.py reads it)
 
 
-@pytest.fixture(scope="module")
-def _module_cluster() -> Iterator[Cluster]:
-    """One local multi-node Ray per test module (starting one costs seconds; a test gets it topped up)."""
+@pytest.fixture(scope="session")
+def _session_cluster() -> Iterator[Cluster]:
+    """One local multi-node Ray for every module's ``cluster`` tests (its head, and each node, start a
+    raylet, agents and a log monitor: seconds of CPU each; a test gets it topped up)."""
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={
@@ -68,14 +72,14 @@ def _top_up(c: Cluster, timeout: float = 90.0) -> None:
 
 
 @pytest.fixture
-def cluster(_module_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
+def cluster(_session_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
     """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node. The session's
     local Ray is shut down first (``ray_local`` brings it back for the next test that asks).
 
-    The Ray processes are shared by a module's tests, each its own Ray job (the driver reconnects, so what a
+    The Ray processes are shared by the session's cluster tests, each its own Ray job (the driver reconnects, so what a
     test's job left -- actors, placement groups -- goes with it) on a cluster topped back up to two fresh,
     free worker nodes: nodes a test removed or drained are replaced."""
-    c = _module_cluster
+    c = _session_cluster
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address=c.address, log_to_driver=False)

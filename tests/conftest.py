@@ -15,6 +15,9 @@ from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.trainer import local_ray_system_config
 
+# The multi-node fixtures (``cluster``, ``cluster_2x2``), registered once for the session (see the module).
+pytest_plugins = ("tests.cluster_fixtures",)
+
 # A small but real job: the byte-level GPT on Python's docs, 2 workers, seconds per run on 2 CPU cores.
 BASE_JOB: dict[str, Any] = {
     "name": "t",
@@ -66,7 +69,8 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     """Tests that shut the session's local Ray down run last, in their files' order: those on their own
     local Ray (``OWN_RAY_FIXTURES``), then those on a multi-node ``cluster`` (tests/cluster_fixtures.py).
     Run among the others, each would make the next test on ``ray_local`` start the session's Ray again
-    (its raylet, and its prestarted workers importing torch)."""
+    (its raylet, and its prestarted workers importing torch). Among the cluster tests, those on the
+    module-scoped ``cluster_2x2`` come first, so the session's ``cluster`` is started once, after them."""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
         names = ("cluster", "cluster_2x2")
@@ -76,7 +80,10 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     def own_ray(item: Any) -> bool:
         return any(n in getattr(item, "fixturenames", ()) for n in OWN_RAY_FIXTURES)
 
-    items.sort(key=lambda item: (on_cluster(item), own_ray(item)))
+    def shared_cluster(item: Any) -> bool:  # the session's ``cluster`` (after the module-scoped 2x2 ones)
+        return "cluster" in getattr(item, "fixturenames", ())
+
+    items.sort(key=lambda item: (on_cluster(item), own_ray(item), shared_cluster(item)))
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001

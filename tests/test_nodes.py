@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from tests.cluster_fixtures import SLOW, _module_cluster, cluster, node_of  # noqa: F401 - fixtures
+from tests.cluster_fixtures import SLOW, node_of
 from tests.conftest import BackgroundRun, job
 
 def test_node_loss_shrinks_and_grows_back_when_capacity_returns(tmp_path, cluster):

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.cluster_fixtures import SLOW, _module_cluster, cluster, node_of  # noqa: F401 - fixtures
+from tests.cluster_fixtures import SLOW, node_of
 from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
 
 

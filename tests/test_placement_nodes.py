@@ -8,7 +8,6 @@ import copy
 
 import pytest
 
-from tests.cluster_fixtures import cluster_2x2  # noqa: F401 - fixture
 from tests.conftest import BASE_JOB, job, run_job
 
 MODEL = {**BASE_JOB["task"]["model"], "n_layer": 2}  # one block per stage of pp2

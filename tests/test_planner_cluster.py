@@ -8,11 +8,10 @@ from elastictrain.planner import cluster as clusters
 from elastictrain.planner.calibrate import cross_node_all_reduce
 from elastictrain.planner.job import plan_for_run
 
-from tests.cluster_fixtures import _module_cluster, cluster  # noqa: F401
 from tests.conftest import job
 
 
-def test_two_nodes_are_described_measured_and_planned_for(cluster):  # noqa: F811
+def test_two_nodes_are_described_measured_and_planned_for(cluster):
     seen = clusters.from_ray(use_gpu=False)
     assert (seen.nodes, seen.devices_per_node, seen.kind) == (2, 1, "cpu") and seen.source.startswith("Ray")
     bw = cross_node_all_reduce(use_gpu=False)

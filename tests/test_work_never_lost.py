@@ -9,7 +9,7 @@ import pytest
 
 from elastictrain import Trainer, build_config
 from elastictrain.checkpoint import CheckpointStore
-from tests.cluster_fixtures import _module_cluster, cluster, node_of  # noqa: F401 - fixtures
+from tests.cluster_fixtures import node_of
 from tests.conftest import job, run_job
 
 
