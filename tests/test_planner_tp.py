@@ -6,29 +6,24 @@ Partial gradients' counts (:data:`~elastictrain.planner.steptime.TP_PARTIAL_GRAD
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from elastictrain.planner.steptime import TP_BLOCK_OPS, TP_EDGE_OPS, TP_PARTIAL_GRADS
 
 
-def _count_ops() -> dict[str, tuple[int, int]]:
-    """(forward, backward) DTensor ops of the second micro-batch, by sequence parallel and block count."""
+def _each_tp_gpt(measure: Callable[..., Any]) -> dict[str, Any]:
+    """``measure(model, forward)`` for the built-in GPT of 1 and 2 blocks under its tensor-parallel plan, with
+    and without sequence parallel, keyed ``"{sp}-{blocks}"``: ``forward()`` returns one micro-batch's loss
+    (under ``loss_parallel``), whose ``backward()`` the measure calls."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from elastictrain import build_config
     from elastictrain.parallel.tensor import local_loss, parallelize_tp
     from elastictrain.task import builtin_task
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(t, DTensor) for t in types):
-                Count.ops += 1
-            return func(*args, **(kwargs or {}))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -45,20 +40,43 @@ def _count_ops() -> dict[str, tuple[int, int]]:
                 model = parallelize_tp(task.model_fn(), mesh, plan)
                 tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
                 batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(2)
-                counts = []
-                for _ in range(2):  # the second micro-batch accumulates into the first one's gradients
-                    with loss_parallel():
-                        Count.ops = 0
-                        with Count():
-                            loss = local_loss(task.loss_fn(model, batch, seeds)).sum()
-                        forward, Count.ops = Count.ops, 0
-                        with Count():
-                            loss.backward()
-                        counts.append((forward, Count.ops))
-                out[f"{sp}-{layers}"] = counts[1]
+
+                def forward(model=model, task=task, batch=batch, seeds=seeds) -> Any:
+                    return local_loss(task.loss_fn(model, batch, seeds)).sum()
+
+                with loss_parallel():
+                    out[f"{sp}-{layers}"] = measure(model, forward)
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _count_ops() -> dict[str, tuple[int, int]]:
+    """(forward, backward) DTensor ops of the second micro-batch, by sequence parallel and block count."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def measure(model: Any, forward: Callable[[], Any]) -> tuple[int, int]:
+        counts = []
+        for _ in range(2):  # the second micro-batch accumulates into the first one's gradients
+            Count.ops = 0
+            with Count():
+                loss = forward()
+            fwd, Count.ops = Count.ops, 0
+            with Count():
+                loss.backward()
+            counts.append((fwd, Count.ops))
+        return counts[1]
+
+    return _each_tp_gpt(measure)
 
 
 def test_the_dtensor_op_counts_are_the_builtin_gpts():
@@ -72,39 +90,15 @@ def test_the_dtensor_op_counts_are_the_builtin_gpts():
 def _count_partial_grads() -> dict[str, int]:
     """Parameters whose gradient comes out of backward Partial over tp (an all-reduce to settle), by
     sequence parallel and block count, on the built-in GPT under its tensor-parallel plan."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
-    from elastictrain import build_config
-    from elastictrain.parallel.tensor import local_loss, parallelize_tp
-    from elastictrain.task import builtin_task
+    def measure(model: Any, forward: Callable[[], Any]) -> int:
+        forward().backward()
+        return sum(1 for p in model.parameters() if isinstance(p.grad, DTensor)
+                   and any(q.is_partial() for q in p.grad.placements)
+                   and not any(q.is_partial() for q in p.placements))
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
-        out = {}
-        for sp in (True, False):
-            for layers in (1, 2):
-                cfg = build_config({
-                    "task": {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}},
-                    "train": {"global_batch": 2, "micro_batch": 2}, "workers": {"min": 1, "max": 1},
-                    "parallel": {"plan": "ddp"}})
-                task = builtin_task(cfg)
-                plan = type("Plan", (), {"sequence_parallel": sp})
-                model = parallelize_tp(task.model_fn(), mesh, plan)
-                tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
-                batch, seeds = {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(2)
-                with loss_parallel():
-                    local_loss(task.loss_fn(model, batch, seeds)).sum().backward()
-                out[f"{sp}-{layers}"] = sum(
-                    1 for p in model.parameters() if isinstance(p.grad, DTensor)
-                    and any(q.is_partial() for q in p.grad.placements) and not any(q.is_partial() for q in p.placements))
-        return out
-    finally:
-        dist.destroy_process_group()
+    return _each_tp_gpt(measure)
 
 
 def test_the_partial_gradient_counts_are_the_builtin_gpts():
