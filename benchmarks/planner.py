@@ -104,19 +104,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
         {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
-         "peak": peak * 1024}))
+         "steps": times[args.warmup:], "peak": peak * 1024}))
     dist.destroy_process_group()
 
 
 def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict:
     import torch.multiprocessing as mp
 
+    from elastictrain.planner.accuracy import step_noise
     from elastictrain.planner.calibrate import _free_port
 
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
-    return {"step_s": ranks[0]["step_s"], "cpu_s": max(r["cpu_s"] for r in ranks),
-            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
+    return {"step_s": ranks[0]["step_s"], "noise": step_noise(ranks[0]["steps"]),
+            "cpu_s": max(r["cpu_s"] for r in ranks), "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -160,9 +161,9 @@ def main() -> None:
     args = ap.parse_args()
     args.warmup = min(args.warmup, args.steps - 1)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    from elastictrain.planner.calibrate import calibrate
-
     from elastictrain import build_config
+    from elastictrain.planner.accuracy import compare_rankings
+    from elastictrain.planner.calibrate import calibrate
 
     probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
     figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
@@ -196,10 +197,14 @@ def main() -> None:
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
               f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
               f"{got['cpu_s'] * 1e3:7.0f} {got['load']:5.1f}")
-    predicted = [n for n, e, _ in sorted(rows, key=lambda r: r[1].time.total_s)]
-    measured = [n for n, _, g in sorted(rows, key=lambda r: r[2]["step_s"])]
-    print(f"ranking by step time: predicted {predicted}, measured {measured}: "
-          f"{'matches' if predicted == measured else 'differs'}")
+    verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
+                               {n: g["noise"] for n, _, g in rows})
+    print("step-to-step noise (half the range of the measured steps over their median): "
+          + ", ".join(f"{n} {g['noise']:.1%}" for n, _, g in rows))
+    print(f"ranking by step time: predicted {list(verdict.predicted)}, measured {list(verdict.measured)}: "
+          f"{'matches' if verdict.matches else 'differs'} ({verdict.reason})")
+    for tie in verdict.ties:
+        print(f"  tied: {tie.describe()}")
     print(f"load at the end: {os.getloadavg()[0]:.1f} (figures under load measure the load)")
 
 

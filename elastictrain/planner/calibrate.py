@@ -54,6 +54,8 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +116,11 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     return _peak_rss_bytes()
 
 
-def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[float]:
-    """For each of ``others``: the median over rounds of its time less ``base()``'s in the same round (each
-    round runs them all in turn, barriers between: every process runs the same thing at once, and a burst
-    of other work on the machine moves one round, not the figure). ``clock``: wall time by default;
+def _round_diffs(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[list[float]]:
+    """For each of ``others``: its time less ``base()``'s in the same round, one sample per round (each round
+    runs them all in turn, barriers between: every process runs the same thing at once, and a burst of other
+    work on the machine moves one round, not the figure). ``clock``: wall time by default;
     ``time.process_time`` counts this process's own CPU work only (what other programs take is left out)."""
-    import statistics
-
     import torch.distributed as dist
 
     diffs: list[list[float]] = [[] for _ in others]
@@ -133,7 +133,65 @@ def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.pe
             times.append(clock() - t0)
         for d, t in zip(diffs, times[1:]):
             d.append(t - times[0])
-    return [statistics.median(d) for d in diffs]
+    return diffs
+
+
+def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[float]:
+    """The median over rounds of each of :func:`_round_diffs`."""
+    import statistics
+
+    return [statistics.median(d) for d in _round_diffs(base, *others, rounds=rounds, clock=clock)]
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A figure aggregated from per-round samples (:func:`steady_figure`): ``value`` (None: not measured),
+    the samples kept and dropped, and why."""
+
+    value: float | None
+    kept: int
+    dropped: int
+    reason: str
+
+
+def steady_figure(samples: Sequence[float], k: float = 3.0) -> Steady:
+    """The mean of the samples within ``k`` scaled median absolute deviations of their median: a burst of
+    other work, a garbage collection or a page fault inflates a round or two and is dropped, and the mean of
+    the rest (a trimmed mean) varies less than one rank's median of a few rounds. ``value`` is None when
+    there are no samples or the mean is not positive (the difference drowned in the noise)."""
+    import statistics
+
+    if not samples:
+        return Steady(None, 0, 0, "no samples")
+    mid = statistics.median(samples)
+    mad = 1.4826 * statistics.median(abs(x - mid) for x in samples)  # ~ the standard deviation, robustly
+    kept = [x for x in samples if abs(x - mid) <= k * mad] or [mid]
+    value = statistics.fmean(kept)
+    dropped = len(samples) - len(kept)
+    why = f"mean of {len(kept)} of {len(samples)} samples within {k:g} MADs of the median {mid:.3g}"
+    if value <= 0:
+        return Steady(None, len(kept), dropped, f"{why}: {value:.3g} <= 0, lost in the noise")
+    return Steady(value, len(kept), dropped, why)
+
+
+def _pooled(samples: list[float]) -> list[float]:
+    """Every process's samples (collective: every process calls it): they all measure the same thing at
+    once, so one figure from all of them rather than rank 0's few."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return [x for got in every for x in got]
+
+
+def tp_call_price(cpu_per_call: float | None, latency_s: float, share: float) -> float | None:
+    """``tp_call_s`` from the CPU seconds a rank spends per TP call (:func:`tp_call_figure`): times ``share``
+    (ranks per core: they take turns on the cores, so each call holds the node that much longer), less
+    the ring steps' latency the model adds per call (tp 2: an all-gather's 1 ring step, gloo's
+    reduce-scatter's 2). None when it was not measured."""
+    if cpu_per_call is None:
+        return None
+    return max(0.0, cpu_per_call * max(1.0, share) - 1.5 * latency_s)
 
 
 CONTENDED_BYTES = 4 << 20
@@ -168,9 +226,17 @@ def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float |
     return call, moved / max(big_s - call, big_s / 2)
 
 
-def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
-    """Seconds per tensor-parallel collective as DTensor issues it over pairs of processes (module docstring:
-    ``tp_call_s``, before the latency is taken off); None when it drowns in the noise of other work."""
+TP_ROUNDS = 12  # per process, pooled over the processes (steady_figure)
+
+
+def _settled(t: Any) -> Any:
+    """``t`` once its collective has finished (DTensor may return an async result: a step's next op waits)."""
+    return t.wait() if hasattr(t, "wait") else t
+
+
+def tp_call_figure(rank: int, world: int, reps: int = 10, rounds: int = TP_ROUNDS) -> Steady:
+    """CPU seconds per tensor-parallel collective as DTensor issues it over pairs of processes (module
+    docstring: ``tp_call_s``, before :func:`tp_call_price`), pooled over the pairs' processes."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,21 +254,26 @@ def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
     def loop(tp: bool) -> Any:
         def run() -> None:
             for _ in range(reps):
-                for _ in range(16):
+                for _ in range(8):  # a few ms of compute between calls, as a step's blocks leave them
                     a @ b
                 if tp:
-                    sharded.redistribute(mesh, [Replicate()]).to_local()
-                    partial.redistribute(mesh, [Shard(1)]).to_local()
+                    _settled(sharded.redistribute(mesh, [Replicate()]).to_local())
+                    _settled(partial.redistribute(mesh, [Shard(1)]).to_local())
         return run
 
-    loop(True)()  # warm-up: DTensor's sharding caches
-    (diff,) = _timed_rounds(loop(False), loop(True))
-    return diff / (2 * reps) if diff > 0 else None
+    # warm-up, both loops: DTensor's sharding caches, the allocator, the code paths in the caches
+    _round_diffs(loop(False), loop(True), rounds=2, clock=time.process_time)
+    # CPU time: the call's own work (Python, functional collective, gloo's thread), which does not depend
+    # on how busy the machine's other cores are; the waits for the peer cost no CPU
+    (diffs,) = _round_diffs(loop(False), loop(True), rounds=rounds, clock=time.process_time)
+    in_pair = world % 2 == 0 or rank < world - 1  # a lone last process has no peer to measure with
+    return steady_figure(_pooled([d / (2 * reps) for d in diffs] if in_pair else []))
 
 
-def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2) -> float | None:
-    """Seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in this process while
-    the others measure the same; None when the difference drowns in the noise of other work."""
+def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2,
+                      rounds: int = TP_ROUNDS) -> Steady:
+    """CPU seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in each process while
+    the others measure the same, pooled over them (:func:`steady_figure`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -238,9 +309,11 @@ def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2)
     tp_step()  # warm-up: DTensor's sharding caches, the gradients exist from here (accumulated after)
     with _Count():
         tp_step()
+    # warm-up after the counting mode, both steps, as timed: the allocator's blocks, the code paths in caches
+    _round_diffs(plain_step, tp_step, rounds=1, clock=time.process_time)
     # CPU time: the dispatch is this process's own work, which other programs on the machine do not change
-    (diff,) = _timed_rounds(plain_step, tp_step, clock=time.process_time)
-    return diff / _Count.ops if diff > 0 and _Count.ops else None
+    (diffs,) = _round_diffs(plain_step, tp_step, rounds=rounds, clock=time.process_time)
+    return steady_figure(_pooled([d / _Count.ops for d in diffs] if _Count.ops else []))
 
 
 
@@ -353,10 +426,11 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         if probes and not gpu:
             call, figures["contended_bw"] = contended_figures(world)
             figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
-            tp_call = tp_call_figure(rank, world)  # tp 2: an all-gather (1 ring step), gloo's reduce-scatter (2)
-            figures["tp_call_s"] = None if tp_call is None else max(0.0, tp_call - 1.5 * latency)
+            tp_call = tp_call_figure(rank, world)
+            figures["tp_call_cpu_s"], figures["tp_call_how"] = tp_call.value, tp_call.reason
             if job is not None:
-                figures["dtensor_op_s"] = dtensor_op_figure(job, rank, world)
+                op = dtensor_op_figure(job, rank, world)
+                figures["dtensor_op_s"], figures["dtensor_op_how"] = op.value, op.reason
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
@@ -467,8 +541,10 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
         "call_s": _positive(local.get("call_s")),
-        "tp_call_s": _positive(local.get("tp_call_s")),
-        "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: a process alone's already
+        "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), local.get("latency_s") or 0.0, share)),
+        "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
+        "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
+        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op") if f"{k}_how" in local},
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,
