@@ -8,7 +8,9 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
    clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
-   pairs), the CPU time DTensor's dispatch adds per op, a worker's resident bytes besides the model.
+   pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op (both from
+   12 rounds in every process, pooled, the mean within 3 MADs of the median), a worker's resident bytes
+   besides the model.
    ``--save-calibration FILE`` keeps the figures for a later ``--calibration FILE``.
    ``--calibration FILE`` uses a file written before instead.
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
@@ -25,7 +27,10 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    candidate on the calibrated one-node cluster of ``--world`` processes over this machine's cores, which
    they share when more: ``Cluster.cores_per_node``): each ratio predicted / measured, and whether the ranking
    by predicted step time is the measured one (targets of the issue: memory within 10%, step time within
-   20% on a CPU machine, the same ranking).
+   20% on a CPU machine, the same ranking). Tie rule (:mod:`elastictrain.planner.accuracy`): a layout's
+   noise is half the range of its measured steps (rank 0) over their median; two layouts measured closer
+   than the larger of their noises are tied, and a predicted order between them is not a mismatch; the
+   benchmark prints each layout's noise and every tied pair with its gap and tolerance.
 
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
@@ -181,6 +186,8 @@ def main() -> None:
              "DTensor op: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
+    for name, how in (figures.get("how") or {}).items():  # the samples each TP figure kept (calibrate.steady_figure)
+        print(f"  {name}: {how}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:
         for layout in [x for x in args.layouts.split(",") if x]:

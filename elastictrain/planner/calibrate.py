@@ -4,8 +4,8 @@ Measured in ``ranks`` processes at once (default: as many as a node runs workers
 job's ranks will run: where they share a node's cores (``Cluster.share`` ``s = ranks / cores > 1``: CPU
 processes), each measured rate is what one rank gets while the others run; the compute and optimizer
 figures are written as a rank on its own gets them (rates times ``s``, times divided by it), which the cost
-model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured. The
-figures:
+model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured
+(``tp_call_s``: its CPU time times ``s``). The figures:
 
 * ``flops``: on CPU with a built-in job, the job's own model cut to one block (full width, its micro-batch)
   running forward and backward, its FLOPs (:func:`.steptime.step_flops`) over the time: what the model's
@@ -22,16 +22,25 @@ figures:
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers
   to be scheduled;
-* ``tp_call_s``: the same for a tensor-parallel collective as DTensor issues it, over pairs of processes
-  (a tp group of 2): a redistribution ``Shard -> Replicate`` (an all-gather) and one ``Partial -> Shard`` (a
-  reduce-scatter) of a tiny DTensor after each round of matmuls, against the matmuls alone (less the ring
-  steps' latency): its Python work, the functional collective and its wait;
+* ``tp_call_s``: what a tensor-parallel collective as DTensor issues it costs, over pairs of processes (a
+  tp group of 2): a redistribution ``Shard -> Replicate`` (an all-gather) and one ``Partial -> Shard`` (a
+  reduce-scatter) of a tiny DTensor, each waited for, after each stretch of a few ms of matmuls, against the
+  matmuls alone, in CPU time (its Python work, the functional collective, gloo's thread: the process's own
+  work, which the load on the machine's other cores leaves alone; waiting for the peer costs no CPU), times
+  the ranks per core ``s`` (:func:`tp_call_price`: ranks that share cores take turns, so a call holds the
+  node ``s`` times its CPU);
 * ``dtensor_op_s``: on CPU with a built-in job, the host time DTensor's dispatch adds per op: the job's
   model cut to one block (full width: at the job's width an op under DTensor also pays for copies a plain
   one does not make, measured ~2x the per-op cost of a narrow block), forward and backward
   tensor-parallel on a mesh of this process alone (no peer to wait for)
-  against the same model plain, in CPU time (the process's own work, which other programs on the machine
-  leave alone), the difference over the DTensor ops counted in it: a process alone's figure;
+  against the same model plain, in CPU time, the difference over the DTensor ops counted in it: a
+  process's own figure, which the model shares out with the node's cores like compute;
+
+  both after warm-up rounds (DTensor's sharding caches, the allocator, the code paths in the CPU's caches),
+  from :data:`TP_ROUNDS` rounds in every process at once, pooled over the processes (they all measure the
+  same thing), the mean of those within 3 median absolute deviations of their median
+  (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped); one
+  process's median of 7 wall-clock rounds before moved 1.7x between two quiet runs;
 * ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null
@@ -43,7 +52,8 @@ figures:
 * ``device_memory``: on GPUs, GPU 0's memory (null on CPU: a worker's share of a node depends on how many
   run there).
 
-The figures go to a JSON file that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
+The figures go to a JSON file (with ``tp_call_cpu_s``, the CPU per TP call before ``s``, and ``how``: the
+samples each TP figure kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
 """
 
@@ -184,14 +194,13 @@ def _pooled(samples: list[float]) -> list[float]:
     return [x for got in every for x in got]
 
 
-def tp_call_price(cpu_per_call: float | None, latency_s: float, share: float) -> float | None:
+def tp_call_price(cpu_per_call: float | None, share: float) -> float | None:
     """``tp_call_s`` from the CPU seconds a rank spends per TP call (:func:`tp_call_figure`): times ``share``
-    (ranks per core: they take turns on the cores, so each call holds the node that much longer), less
-    the ring steps' latency the model adds per call (tp 2: an all-gather's 1 ring step, gloo's
-    reduce-scatter's 2). None when it was not measured."""
-    if cpu_per_call is None:
-        return None
-    return max(0.0, cpu_per_call * max(1.0, share) - 1.5 * latency_s)
+    (ranks per core, at least 1: they take turns on the cores, so each call holds the node that much
+    longer). Nothing is taken off for the ring steps' latency that the model adds per call: the CPU time
+    holds no wait for a peer (the wall-clock figure before it did, and took 1.5 latencies off). None when
+    it was not measured."""
+    return None if cpu_per_call is None else cpu_per_call * max(1.0, share)
 
 
 CONTENDED_BYTES = 4 << 20
@@ -541,7 +550,7 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
         "call_s": _positive(local.get("call_s")),
-        "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), local.get("latency_s") or 0.0, share)),
+        "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), share)),
         "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
         "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
         "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op") if f"{k}_how" in local},
