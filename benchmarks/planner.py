@@ -8,7 +8,9 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
    clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
-   pairs), the CPU time DTensor's dispatch adds per op, a worker's resident bytes besides the model.
+   pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op (both from
+   12 rounds in every process, pooled, the mean within 3 MADs of the median), a worker's resident bytes
+   besides the model.
    ``--save-calibration FILE`` keeps the figures for a later ``--calibration FILE``.
    ``--calibration FILE`` uses a file written before instead.
 2. For each layout, ``--world`` spawned processes over gloo run the framework's own step loop
@@ -25,7 +27,10 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    candidate on the calibrated one-node cluster of ``--world`` processes over this machine's cores, which
    they share when more: ``Cluster.cores_per_node``): each ratio predicted / measured, and whether the ranking
    by predicted step time is the measured one (targets of the issue: memory within 10%, step time within
-   20% on a CPU machine, the same ranking).
+   20% on a CPU machine, the same ranking). Tie rule (:mod:`elastictrain.planner.accuracy`): a layout's
+   noise is half the range of its measured steps (rank 0) over their median; two layouts measured closer
+   than the larger of their noises are tied, and a predicted order between them is not a mismatch; the
+   benchmark prints each layout's noise and every tied pair with its gap and tolerance.
 
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
@@ -104,19 +109,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
         {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
-         "peak": peak * 1024}))
+         "steps": times[args.warmup:], "peak": peak * 1024}))
     dist.destroy_process_group()
 
 
 def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict:
     import torch.multiprocessing as mp
 
+    from elastictrain.planner.accuracy import step_noise
     from elastictrain.planner.calibrate import _free_port
 
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
-    return {"step_s": ranks[0]["step_s"], "cpu_s": max(r["cpu_s"] for r in ranks),
-            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
+    return {"step_s": ranks[0]["step_s"], "noise": step_noise(ranks[0]["steps"]),
+            "cpu_s": max(r["cpu_s"] for r in ranks), "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -160,9 +166,9 @@ def main() -> None:
     args = ap.parse_args()
     args.warmup = min(args.warmup, args.steps - 1)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    from elastictrain.planner.calibrate import calibrate
-
     from elastictrain import build_config
+    from elastictrain.planner.accuracy import compare_rankings
+    from elastictrain.planner.calibrate import calibrate
 
     probe = build_config(_job(args, args.world, "ddp")).model_dump(mode="json")
     figures = (json.loads(Path(args.calibration).read_text()) if args.calibration
@@ -180,6 +186,8 @@ def main() -> None:
              "DTensor op: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
+    for name, how in (figures.get("how") or {}).items():  # the samples each TP figure kept (calibrate.steady_figure)
+        print(f"  {name}: {how}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:
         for layout in [x for x in args.layouts.split(",") if x]:
@@ -196,10 +204,14 @@ def main() -> None:
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
               f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
               f"{got['cpu_s'] * 1e3:7.0f} {got['load']:5.1f}")
-    predicted = [n for n, e, _ in sorted(rows, key=lambda r: r[1].time.total_s)]
-    measured = [n for n, _, g in sorted(rows, key=lambda r: r[2]["step_s"])]
-    print(f"ranking by step time: predicted {predicted}, measured {measured}: "
-          f"{'matches' if predicted == measured else 'differs'}")
+    verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
+                               {n: g["noise"] for n, _, g in rows})
+    print("step-to-step noise (half the range of the measured steps over their median): "
+          + ", ".join(f"{n} {g['noise']:.1%}" for n, _, g in rows))
+    print(f"ranking by step time: predicted {list(verdict.predicted)}, measured {list(verdict.measured)}: "
+          f"{'matches' if verdict.matches else 'differs'} ({verdict.reason})")
+    for tie in verdict.ties:
+        print(f"  tied: {tie.describe()}")
     print(f"load at the end: {os.getloadavg()[0]:.1f} (figures under load measure the load)")
 
 

@@ -345,3 +345,64 @@ def test_a_gpu_hides_dtensor_dispatch_behind_its_compute_up_to_the_compute():
     tiny = step_time(SMALL, Training(global_batch=8, micro_batch=1), node, Candidate(tp=8, micro_batch=1))
     assert tiny.dispatch_s > tiny.compute_s
     assert tiny.dispatch_exposed_s == pytest.approx(tiny.dispatch_s - tiny.compute_s)
+
+
+def test_calibration_keeps_the_mean_of_the_rounds_within_3_mads_of_their_median():
+    """The TP figures of ``--calibrate`` come from every process's rounds pooled: a round that a burst of
+    other work, a collection or a page fault inflated is dropped (beyond 3 scaled MADs of the median) and
+    the rest averaged, instead of rank 0's median of 7 rounds (which moved 1.7x between two quiet runs)."""
+    from elastictrain.planner.calibrate import steady_figure
+
+    rounds = [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 50.0]  # one burst; the median alone would say 2.0
+    got = steady_figure(rounds)
+    assert got.value == pytest.approx(11 / 7) and (got.kept, got.dropped) == (7, 1)  # 50 dropped
+    assert "7 of 8" in got.reason
+    symmetric = [0.9, 1.1, 1.0, 0.95, 1.05, -3.0, 9.0]  # a negative round (the base loop caught the burst) too
+    assert steady_figure(symmetric).value == pytest.approx(1.0) and steady_figure(symmetric).dropped == 2
+    assert steady_figure([5.0] * 4).value == 5.0  # no spread: nothing dropped
+    # a difference that drowned in the noise is not a figure (the planner keeps its default)
+    lost = steady_figure([-1.0, 0.5, -0.5, 0.2])
+    assert lost.value is None and "lost in the noise" in lost.reason
+    assert steady_figure([]).value is None
+
+
+def test_tp_call_price_shares_a_calls_cpu_among_the_ranks_on_a_core():
+    """A TP call's CPU work (measured in CPU time: the other cores' load does not move it) holds the node
+    ``share`` times as long when ranks take turns on its cores (4 ranks on 2 cores: twice); nothing comes
+    off for the ring steps' latency (the model adds it per call: CPU time holds no wait for the peer)."""
+    from elastictrain.planner.calibrate import tp_call_price
+
+    assert tp_call_price(1e-3, 2.0) == pytest.approx(2e-3)
+    assert tp_call_price(1e-3, 1.0) == pytest.approx(1e-3)
+    assert tp_call_price(1e-3, 0.5) == pytest.approx(1e-3)  # a core each at most
+    assert tp_call_price(None, 2.0) is None
+
+
+def test_ranking_ties_are_layouts_measured_within_their_step_to_step_noise():
+    """benchmarks/planner.py's verdict: two layouts measured closer than the larger of their noises (half
+    the range of their measured steps over the median) are tied and may be predicted in either order;
+    every other pair must be in the predicted order. The strict comparison called fsdp and hsdp measured
+    0.6% apart and predicted 1% apart the other way a mismatch."""
+    from elastictrain.planner.accuracy import compare_rankings, step_noise
+
+    assert step_noise([2.0, 2.2, 1.8, 2.0]) == pytest.approx(0.1)
+    assert step_noise([3.0]) == 0.0
+    predicted = {"ddp": 2.5, "fsdp": 2.99, "hsdp": 2.95, "tp2": 3.4}
+    measured = {"ddp": 2.6, "fsdp": 3.00, "hsdp": 3.018, "tp2": 3.6}  # fsdp and hsdp 0.6% apart
+    noise = {"ddp": 0.01, "fsdp": 0.02, "hsdp": 0.004, "tp2": 0.01}
+    v = compare_rankings(predicted, measured, noise)
+    assert v.matches and v.mismatches == () and "1 tied pair" in v.reason
+    assert v.predicted == ("ddp", "hsdp", "fsdp", "tp2") and v.measured == ("ddp", "fsdp", "hsdp", "tp2")
+    (tie,) = v.ties
+    assert (tie.a, tie.b, tie.swapped) == ("fsdp", "hsdp", True) and tie.tolerance == 0.02
+    assert "0.6% apart" in tie.describe() and "2.0%" in tie.describe()
+    # the same pair beyond its noise is a mismatch, named
+    quiet = dict(noise, fsdp=0.004)
+    v = compare_rankings(predicted, measured, quiet)
+    assert not v.matches and v.mismatches == (("fsdp", "hsdp"),) and "fsdp < hsdp" in v.reason
+    # a tie is not a licence for a pair far apart: tp2 predicted first is a mismatch whatever fsdp's noise
+    v = compare_rankings(dict(predicted, tp2=1.0), measured, noise)
+    assert not v.matches and ("ddp", "tp2") in v.mismatches
+    # in order: matches with no excuse needed
+    v = compare_rankings(measured, measured, {})
+    assert v.matches and v.reason == "the same order" and v.ties == ()

@@ -1,8 +1,9 @@
 """The planner: a cost model of memory and step time for every parallel layout, and the search that ranks
 them (issue 24). Pure modules: :mod:`.inputs` (what it takes), :mod:`.memory`, :mod:`.comm`, :mod:`.pipeline`
 and :mod:`.steptime` (the model), :mod:`.search` (candidates, ranking, what may run), :mod:`.explain` (the
-answer in words). :mod:`.cluster` (what Ray or this machine offers), :mod:`.calibrate` (measured figures)
-and :mod:`.job` (a job config in, a layout out) are the edges."""
+answer in words), :mod:`.accuracy` (the benchmark's ranking verdict and its tie rule). :mod:`.cluster` (what
+Ray or this machine offers), :mod:`.calibrate` (measured figures) and :mod:`.job` (a job config in, a layout
+out) are the edges."""
 
 from elastictrain.planner.inputs import GB, GIB, Candidate, Cluster, ModelShape, PlannerInputError, Training
 from elastictrain.planner.memory import Memory, memory

@@ -4,8 +4,8 @@ Measured in ``ranks`` processes at once (default: as many as a node runs workers
 job's ranks will run: where they share a node's cores (``Cluster.share`` ``s = ranks / cores > 1``: CPU
 processes), each measured rate is what one rank gets while the others run; the compute and optimizer
 figures are written as a rank on its own gets them (rates times ``s``, times divided by it), which the cost
-model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured. The
-figures:
+model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured
+(``tp_call_s``: its CPU time times ``s``). The figures:
 
 * ``flops``: on CPU with a built-in job, the job's own model cut to one block (full width, its micro-batch)
   running forward and backward, its FLOPs (:func:`.steptime.step_flops`) over the time: what the model's
@@ -22,16 +22,25 @@ figures:
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers
   to be scheduled;
-* ``tp_call_s``: the same for a tensor-parallel collective as DTensor issues it, over pairs of processes
-  (a tp group of 2): a redistribution ``Shard -> Replicate`` (an all-gather) and one ``Partial -> Shard`` (a
-  reduce-scatter) of a tiny DTensor after each round of matmuls, against the matmuls alone (less the ring
-  steps' latency): its Python work, the functional collective and its wait;
+* ``tp_call_s``: what a tensor-parallel collective as DTensor issues it costs, over pairs of processes (a
+  tp group of 2): a redistribution ``Shard -> Replicate`` (an all-gather) and one ``Partial -> Shard`` (a
+  reduce-scatter) of a tiny DTensor, each waited for, after each stretch of a few ms of matmuls, against the
+  matmuls alone, in CPU time (its Python work, the functional collective, gloo's thread: the process's own
+  work, which the load on the machine's other cores leaves alone; waiting for the peer costs no CPU), times
+  the ranks per core ``s`` (:func:`tp_call_price`: ranks that share cores take turns, so a call holds the
+  node ``s`` times its CPU);
 * ``dtensor_op_s``: on CPU with a built-in job, the host time DTensor's dispatch adds per op: the job's
   model cut to one block (full width: at the job's width an op under DTensor also pays for copies a plain
   one does not make, measured ~2x the per-op cost of a narrow block), forward and backward
   tensor-parallel on a mesh of this process alone (no peer to wait for)
-  against the same model plain, in CPU time (the process's own work, which other programs on the machine
-  leave alone), the difference over the DTensor ops counted in it: a process alone's figure;
+  against the same model plain, in CPU time, the difference over the DTensor ops counted in it: a
+  process's own figure, which the model shares out with the node's cores like compute;
+
+  both after warm-up rounds (DTensor's sharding caches, the allocator, the code paths in the CPU's caches),
+  from :data:`TP_ROUNDS` rounds in every process at once, pooled over the processes (they all measure the
+  same thing), the mean of those within 3 median absolute deviations of their median
+  (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped); one
+  process's median of 7 wall-clock rounds before moved 1.7x between two quiet runs;
 * ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null
@@ -43,7 +52,8 @@ figures:
 * ``device_memory``: on GPUs, GPU 0's memory (null on CPU: a worker's share of a node depends on how many
   run there).
 
-The figures go to a JSON file that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
+The figures go to a JSON file (with ``tp_call_cpu_s``, the CPU per TP call before ``s``, and ``how``: the
+samples each TP figure kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
 """
 
@@ -54,6 +64,8 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +126,11 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     return _peak_rss_bytes()
 
 
-def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[float]:
-    """For each of ``others``: the median over rounds of its time less ``base()``'s in the same round (each
-    round runs them all in turn, barriers between: every process runs the same thing at once, and a burst
-    of other work on the machine moves one round, not the figure). ``clock``: wall time by default;
+def _round_diffs(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[list[float]]:
+    """For each of ``others``: its time less ``base()``'s in the same round, one sample per round (each round
+    runs them all in turn, barriers between: every process runs the same thing at once, and a burst of other
+    work on the machine moves one round, not the figure). ``clock``: wall time by default;
     ``time.process_time`` counts this process's own CPU work only (what other programs take is left out)."""
-    import statistics
-
     import torch.distributed as dist
 
     diffs: list[list[float]] = [[] for _ in others]
@@ -133,7 +143,64 @@ def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.pe
             times.append(clock() - t0)
         for d, t in zip(diffs, times[1:]):
             d.append(t - times[0])
-    return [statistics.median(d) for d in diffs]
+    return diffs
+
+
+def _timed_rounds(base: Any, *others: Any, rounds: int = 7, clock: Any = time.perf_counter) -> list[float]:
+    """The median over rounds of each of :func:`_round_diffs`."""
+    import statistics
+
+    return [statistics.median(d) for d in _round_diffs(base, *others, rounds=rounds, clock=clock)]
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A figure aggregated from per-round samples (:func:`steady_figure`): ``value`` (None: not measured),
+    the samples kept and dropped, and why."""
+
+    value: float | None
+    kept: int
+    dropped: int
+    reason: str
+
+
+def steady_figure(samples: Sequence[float], k: float = 3.0) -> Steady:
+    """The mean of the samples within ``k`` scaled median absolute deviations of their median: a burst of
+    other work, a garbage collection or a page fault inflates a round or two and is dropped, and the mean of
+    the rest (a trimmed mean) varies less than one rank's median of a few rounds. ``value`` is None when
+    there are no samples or the mean is not positive (the difference drowned in the noise)."""
+    import statistics
+
+    if not samples:
+        return Steady(None, 0, 0, "no samples")
+    mid = statistics.median(samples)
+    mad = 1.4826 * statistics.median(abs(x - mid) for x in samples)  # ~ the standard deviation, robustly
+    kept = [x for x in samples if abs(x - mid) <= k * mad] or [mid]
+    value = statistics.fmean(kept)
+    dropped = len(samples) - len(kept)
+    why = f"mean of {len(kept)} of {len(samples)} samples within {k:g} MADs of the median {mid:.3g}"
+    if value <= 0:
+        return Steady(None, len(kept), dropped, f"{why}: {value:.3g} <= 0, lost in the noise")
+    return Steady(value, len(kept), dropped, why)
+
+
+def _pooled(samples: list[float]) -> list[float]:
+    """Every process's samples (collective: every process calls it): they all measure the same thing at
+    once, so one figure from all of them rather than rank 0's few."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return [x for got in every for x in got]
+
+
+def tp_call_price(cpu_per_call: float | None, share: float) -> float | None:
+    """``tp_call_s`` from the CPU seconds a rank spends per TP call (:func:`tp_call_figure`): times ``share``
+    (ranks per core, at least 1: they take turns on the cores, so each call holds the node that much
+    longer). Nothing is taken off for the ring steps' latency that the model adds per call: the CPU time
+    holds no wait for a peer (the wall-clock figure before it did, and took 1.5 latencies off). None when
+    it was not measured."""
+    return None if cpu_per_call is None else cpu_per_call * max(1.0, share)
 
 
 CONTENDED_BYTES = 4 << 20
@@ -168,9 +235,17 @@ def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float |
     return call, moved / max(big_s - call, big_s / 2)
 
 
-def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
-    """Seconds per tensor-parallel collective as DTensor issues it over pairs of processes (module docstring:
-    ``tp_call_s``, before the latency is taken off); None when it drowns in the noise of other work."""
+TP_ROUNDS = 12  # per process, pooled over the processes (steady_figure)
+
+
+def _settled(t: Any) -> Any:
+    """``t`` once its collective has finished (DTensor may return an async result: a step's next op waits)."""
+    return t.wait() if hasattr(t, "wait") else t
+
+
+def tp_call_figure(rank: int, world: int, reps: int = 10, rounds: int = TP_ROUNDS) -> Steady:
+    """CPU seconds per tensor-parallel collective as DTensor issues it over pairs of processes (module
+    docstring: ``tp_call_s``, before :func:`tp_call_price`), pooled over the pairs' processes."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,21 +263,26 @@ def tp_call_figure(rank: int, world: int, reps: int = 10) -> float | None:
     def loop(tp: bool) -> Any:
         def run() -> None:
             for _ in range(reps):
-                for _ in range(16):
+                for _ in range(8):  # a few ms of compute between calls, as a step's blocks leave them
                     a @ b
                 if tp:
-                    sharded.redistribute(mesh, [Replicate()]).to_local()
-                    partial.redistribute(mesh, [Shard(1)]).to_local()
+                    _settled(sharded.redistribute(mesh, [Replicate()]).to_local())
+                    _settled(partial.redistribute(mesh, [Shard(1)]).to_local())
         return run
 
-    loop(True)()  # warm-up: DTensor's sharding caches
-    (diff,) = _timed_rounds(loop(False), loop(True))
-    return diff / (2 * reps) if diff > 0 else None
+    # warm-up, both loops: DTensor's sharding caches, the allocator, the code paths in the caches
+    _round_diffs(loop(False), loop(True), rounds=2, clock=time.process_time)
+    # CPU time: the call's own work (Python, functional collective, gloo's thread), which does not depend
+    # on how busy the machine's other cores are; the waits for the peer cost no CPU
+    (diffs,) = _round_diffs(loop(False), loop(True), rounds=rounds, clock=time.process_time)
+    in_pair = world % 2 == 0 or rank < world - 1  # a lone last process has no peer to measure with
+    return steady_figure(_pooled([d / (2 * reps) for d in diffs] if in_pair else []))
 
 
-def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2) -> float | None:
-    """Seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in this process while
-    the others measure the same; None when the difference drowns in the noise of other work."""
+def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2,
+                      rounds: int = TP_ROUNDS) -> Steady:
+    """CPU seconds DTensor's dispatch adds per op (module docstring: ``dtensor_op_s``), in each process while
+    the others measure the same, pooled over them (:func:`steady_figure`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -238,9 +318,11 @@ def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2)
     tp_step()  # warm-up: DTensor's sharding caches, the gradients exist from here (accumulated after)
     with _Count():
         tp_step()
+    # warm-up after the counting mode, both steps, as timed: the allocator's blocks, the code paths in caches
+    _round_diffs(plain_step, tp_step, rounds=1, clock=time.process_time)
     # CPU time: the dispatch is this process's own work, which other programs on the machine do not change
-    (diff,) = _timed_rounds(plain_step, tp_step, clock=time.process_time)
-    return diff / _Count.ops if diff > 0 and _Count.ops else None
+    (diffs,) = _round_diffs(plain_step, tp_step, rounds=rounds, clock=time.process_time)
+    return steady_figure(_pooled([d / _Count.ops for d in diffs] if _Count.ops else []))
 
 
 
@@ -353,10 +435,11 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         if probes and not gpu:
             call, figures["contended_bw"] = contended_figures(world)
             figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
-            tp_call = tp_call_figure(rank, world)  # tp 2: an all-gather (1 ring step), gloo's reduce-scatter (2)
-            figures["tp_call_s"] = None if tp_call is None else max(0.0, tp_call - 1.5 * latency)
+            tp_call = tp_call_figure(rank, world)
+            figures["tp_call_cpu_s"], figures["tp_call_how"] = tp_call.value, tp_call.reason
             if job is not None:
-                figures["dtensor_op_s"] = dtensor_op_figure(job, rank, world)
+                op = dtensor_op_figure(job, rank, world)
+                figures["dtensor_op_s"], figures["dtensor_op_how"] = op.value, op.reason
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
@@ -467,8 +550,10 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
         "call_s": _positive(local.get("call_s")),
-        "tp_call_s": _positive(local.get("tp_call_s")),
-        "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: a process alone's already
+        "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), share)),
+        "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
+        "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
+        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op") if f"{k}_how" in local},
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,

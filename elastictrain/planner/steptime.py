@@ -148,7 +148,8 @@ TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embed
 # reduce-scatter, per micro-batch: an all-reduce over tp per parameter, as DTensor issues it
 # (torch's FSDPParam._get_grad_inner_tensor); without FSDP the step sums them in one flat all-reduce
 # (elastictrain.parallel.tensor.settle_grads). Priced like TP's other calls, on the critical path (CPU: the
-# calibrated tp_call_s, ~2 ms of a process's CPU each; GPUs: by default the ring steps' latency only).
+# calibrated tp_call_s, a call's CPU times the ranks per core; GPUs: by
+# default the ring steps' latency only).
 TP_PARTIAL_GRADS = {True: (4, 2), False: (0, 0)}
 
 

@@ -1,0 +1,82 @@
+"""Whether the planner's ranking of layouts is the measured one (``benchmarks/planner.py``'s verdict, issue 24).
+
+Tie rule: a layout's step time is measured over a few steps, and those steps spread; its **noise** is half
+the range of its measured step times over their median (:func:`step_noise`). Two layouts whose measured step
+times differ by no more than the larger of their two noises are **tied**: this run cannot tell which is
+faster, so a predicted order between them is not a mismatch. Every other pair must be in the predicted order.
+Pure functions: the benchmark hands in the figures and prints the verdict's reason and ties.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+def step_noise(times: Sequence[float]) -> float:
+    """Half the range of ``times`` (one layout's measured steps) over their median; 0 for fewer than two."""
+    if len(times) < 2:
+        return 0.0
+    return (max(times) - min(times)) / 2 / statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Two layouts measured within their noise: ``gap`` their relative difference (over the faster),
+    ``tolerance`` the larger noise, ``swapped`` whether the prediction orders them the other way."""
+
+    a: str
+    b: str
+    gap: float
+    tolerance: float
+    swapped: bool
+
+    def describe(self) -> str:
+        order = "predicted in the other order" if self.swapped else "predicted in this order"
+        return (f"{self.a} ~ {self.b}: measured {self.gap:.1%} apart, within the larger step-to-step noise "
+                f"{self.tolerance:.1%} ({order})")
+
+
+@dataclass(frozen=True)
+class RankingVerdict:
+    """The predicted ranking against the measured one (module docstring): ``matches`` when no pair outside
+    the ties is ordered otherwise; ``mismatches`` the pairs (faster measured first) that are; ``reason``."""
+
+    predicted: tuple[str, ...]
+    measured: tuple[str, ...]
+    ties: tuple[Tie, ...]
+    mismatches: tuple[tuple[str, str], ...]
+
+    @property
+    def matches(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def reason(self) -> str:
+        excused = sum(t.swapped for t in self.ties)
+        if self.predicted == self.measured:
+            return "the same order"
+        if self.matches:
+            return f"the same order but for {excused} tied pair(s), measured within their noise"
+        pairs = ", ".join(f"{a} < {b}" for a, b in self.mismatches)
+        return f"measured {pairs} beyond their noise, predicted the other way"
+
+
+def compare_rankings(predicted: Mapping[str, float], measured: Mapping[str, float],
+                     noise: Mapping[str, float]) -> RankingVerdict:
+    """The verdict on ``predicted`` and ``measured`` step times by layout, with each layout's ``noise``
+    (:func:`step_noise`; a layout missing from it counts as 0: no tie on its account)."""
+    names = sorted(measured, key=measured.__getitem__)
+    ties, mismatches = [], []
+    for a, b in itertools.combinations(names, 2):  # a measured no slower than b
+        gap = (measured[b] - measured[a]) / measured[a] if measured[a] > 0 else float("inf")
+        tolerance = max(noise.get(a, 0.0), noise.get(b, 0.0))
+        swapped = predicted[a] > predicted[b]
+        if gap <= tolerance:
+            ties.append(Tie(a, b, gap, tolerance, swapped))
+        elif swapped:
+            mismatches.append((a, b))
+    return RankingVerdict(tuple(sorted(predicted, key=predicted.__getitem__)), tuple(names), tuple(ties),
+                          tuple(mismatches))
