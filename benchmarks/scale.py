@@ -175,6 +175,7 @@ def _ray_actors(args: argparse.Namespace) -> None:
           f"kill->generation={r.kill_to_generation_s}s "
           f"kill->next step={r.kill_to_next_step_s}s (seen by the driver "
           f"{r.extra.get('kill_to_next_step_seen_s')}s) wall={wall}s", flush=True)
+    print("  phases (s after the kill): " + " ".join(f"{k}={v}" for k, v in r.extra["phases"].items()), flush=True)
     if args.json:
         print(json.dumps({**dataclasses.asdict(r), "wall_s": wall, "load_1min": os.getloadavg()[0]}))
 

@@ -24,6 +24,7 @@ from elastictrain.config import JobConfig
 from elastictrain.controller.controller import Controller
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.events import EventLog
+from elastictrain.sim.phases import Phases
 from elastictrain.sim.ray_actors import sim_actor_class
 from elastictrain.sim.scenarios import sim_config
 from elastictrain.task import builtin_task
@@ -132,6 +133,7 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
         group = ActorGroup(config, step_s)
         marks: dict[str, float] = {}
         checked: dict[str, bool] = {}
+        phases = Phases()
 
         def on_event(r: dict[str, Any]) -> None:
             now = time.time()
@@ -142,25 +144,33 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
                 slot = group.slots[victim]
                 marks["kill"] = time.time()
                 os.kill(slot.info["pid"], signal.SIGKILL)
+                phases.killed(slot.info["pid"], c.run_ref_of.get(victim), marks["kill"])
             elif r["event"] == "failure" and "kill" in marks and "failure" not in marks:
                 marks["failure"] = now
+                phases.mark("failure_event", now)
             elif r["event"] == "generation_started" and "kill" in marks and "formed" not in marks:
                 marks["formed"] = now
+                phases.mark("generation_started", now)
             elif r["event"] == "step" and "formed" in marks and "next" not in marks:
                 marks["next"], marks["next_seen"] = r["finished_at"], now
+                phases.mark("next_step_end", r["finished_at"])
+                phases.mark("next_step_seen", now)
 
         events.listeners.append(on_event)
         c = Controller(config, builtin_task(config), events, group=group)
+        phases.instrument(c)
         try:
             c.run()
             summary = c.summary()
         finally:
+            phases.close()
             group.shutdown()
             events.close()
     out = RayRunResult(actors, summary["state"], summary["final_step"], summary["lost_steps"],
                        [h["world_size"] for h in summary["world_size_history"]], checked.get("torch", True))
     out.extra["reason"] = summary.get("reason")
     out.extra["calls"] = dict(group.calls)
+    out.extra["phases"] = phases.relative()
     if "next" in marks:
         out.kill_to_next_step_s = round(marks["next"] - marks["kill"], 4)
         out.extra["kill_to_next_step_seen_s"] = round(marks["next_seen"] - marks["kill"], 4)
