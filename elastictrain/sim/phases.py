@@ -2,9 +2,12 @@
 to the SIGKILL: when the victim's process ended (its pidfd, read by a thread that sleeps in ``select``: no
 polling), when Ray's own notice of the death failed its ``run`` call (a thread in ``ray.wait`` on that one
 call), when the controller's run watch first returned ended calls and what they were, and the
-controller's own steps (its state changes and decision lines, and a timer around its recovery methods).
+controller's own steps (its state changes and decision lines, a timer around its recovery methods with
+the driver thread's CPU in each, and when each round of calls -- ``open_store``, ``join`` -- was answered).
 
-Measurement only: the controller runs unchanged; the timer wraps a few of its methods on the instance.
+Measurement only: the controller runs unchanged; the timer wraps a few of its methods on the instance and
+the controller module's ``call_members`` until :meth:`Phases.close`. Marks stop at the first step the
+driver saw after the kill (the recovery traced is over).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class Phases(logging.Handler):
         self.marks: list[tuple[str, float]] = []
         self.kill_at: float | None = None
         self.done = False
+        self.watching = False
+        self.cpu_ms: dict[str, float] = {}  # the driver thread's CPU in each timed method (nested ones count twice)
         self._marks_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
 
@@ -112,18 +117,32 @@ class Phases(logging.Handler):
         logger.addHandler(self)
         watch = controller.rt.watch
         controller.rt = _Rt(controller.rt, lambda refs: _Watch(watch(refs), self))
+        from elastictrain.controller import controller as module
+
+        self._module, self._call_members = module, module.call_members
+        module.call_members = self._answered
 
     def close(self) -> None:
         logging.getLogger("elastictrain.controller").removeHandler(self)
+        self._module.call_members = self._call_members
+
+    def _answered(self, calls: Any, timeout: float, what: str, *args: Any) -> Any:
+        """The controller's rounds of calls (``open_store``, ``join``): when every answer was in."""
+        out = self._call_members(calls, timeout, what, *args)
+        if self.kill_at is not None:
+            self.mark(f"{what.replace(' ', '_')}:answered")
+        return out
 
     def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.kill_at is None:
+            if self.kill_at is None or self.done:
                 return fn(*args, **kwargs)
             self.mark(f"{name}>")
+            cpu = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.cpu_ms[name] = self.cpu_ms.get(name, 0.0) + (time.thread_time() - cpu) * 1e3
                 self.mark(f"{name}<")
         return timed
 
@@ -143,6 +162,9 @@ class _Watch:
         self.watch, self.phases = watch, phases
 
     def wait(self, timeout: float) -> Sequence[Any]:
+        if self.phases.kill_at is not None and not self.phases.watching:
+            self.phases.watching = True
+            self.phases.mark("watch_waiting")  # the driver's first wait for ended calls after the kill
         ended = self.watch.wait(timeout)
         if ended and self.phases.kill_at is not None:
             self.phases.mark(f"watch_ended_{len(ended)}")
