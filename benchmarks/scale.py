@@ -53,7 +53,17 @@ the next generation's first step, on the actors' clock; target < 1 s at 128 acto
 and ``join`` of every member, which also syncs the state), ``calls`` (the controller's calls on the
 actors, by method), the driver's view of that step
 (``kill_to_next_step_seen_s``: it learns of steps by polling rank 0), the world-size history and whether
-torch was imported in an actor.
+torch was imported in an actor. Under it (elastictrain/sim/phases.py): the actors' CPU while they trained
+(all 128 processes, CPU-s per s); each phase of the recovery in seconds after the SIGKILL (the victim's
+process gone, Ray's notice of its death, the driver's first wait and first ended calls, its state change,
+the drain of the survivors' failed steps, the failure, the decision, ``open_store`` and ``join``
+answered, the generation started, the end of its first step), the driver thread's CPU in each of the
+controller's recovery methods, and the growth back (the replacement started, set up, the resize). The
+replacement is a new Ray worker process started once the survivors train again: ``--steps`` defaults to
+400 here so that it is in before the run ends (the policy grows back once it is ready, not within a time).
+
+``--ray-death N``: Ray's own part, with N idle plain actors (no elastictrain): per SIGKILL, the process
+gone and Ray's notice failing a call in flight; and what N idle actors cost (CPU, threads, niceness).
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from typing import Any
 import ray
 
 # the controller's recovery methods timed (their start and end), in the order they run
-TIMED = ("_kill_failed", "_drain_runs", "_poll_members_blocking", "_account_failures", "_regroup",
-         "_form_generation", "_take_last_polls")
+TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "_check_drains", "_kill_failed",
+         "_drain_runs", "_poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
+         "_take_last_polls")
 LINES = {"-> RECOVERING": "state_recovering", "recovery source:": "decision", "-> RUNNING": "state_running"}
 
 
@@ -35,6 +36,7 @@ class Phases(logging.Handler):
         super().__init__(logging.INFO)
         self.marks: list[tuple[str, float]] = []
         self.kill_at: float | None = None
+        self.kill_cpu = 0.0
         self.done = False
         self.watching = False
         self.cpu_ms: dict[str, float] = {}  # the driver thread's CPU in each timed method (nested ones count twice)
@@ -74,7 +76,7 @@ class Phases(logging.Handler):
     def killed(self, pid: int, run_ref: Any, at: float) -> None:
         """Called right after the SIGKILL (sent at ``at``): watch the process end and Ray's notice, each on
         its own thread."""
-        self.kill_at = at
+        self.kill_at, self.kill_cpu = at, time.thread_time()  # (called on the driver's thread)
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # already gone (or no pidfd here)
@@ -165,6 +167,7 @@ class _Watch:
         if self.phases.kill_at is not None and not self.phases.watching:
             self.phases.watching = True
             self.phases.mark("watch_waiting")  # the driver's first wait for ended calls after the kill
+            self.phases.cpu_ms["kill->watch_waiting"] = (time.thread_time() - self.phases.kill_cpu) * 1e3
         ended = self.watch.wait(timeout)
         if ended and self.phases.kill_at is not None:
             self.phases.mark(f"watch_ended_{len(ended)}")
