@@ -249,7 +249,8 @@ def _ray_actors(args: argparse.Namespace) -> None:
           f"kill->generation={r.kill_to_generation_s}s "
           f"kill->next step={r.kill_to_next_step_s}s (seen by the driver "
           f"{r.extra.get('kill_to_next_step_seen_s')}s) wall={wall}s", flush=True)
-    print(f"  the actors' CPU while training (before the kill): {r.extra.get('actors_cpu_per_s')} CPU-s per s", flush=True)
+    busy = r.extra.get("actors_cpu_per_s")
+    print(f"  the actors' CPU while training (before the kill): {busy} CPU-s per s", flush=True)
     print("  phases (s after the kill): " + " ".join(f"{k}={v}" for k, v in r.extra["phases"].items()), flush=True)
     print("  driver CPU (ms) in: " + " ".join(f"{k}={v}" for k, v in r.extra["driver_cpu_ms"].items()), flush=True)
     print("  growth back (s after the kill): " + " ".join(f"{k}={v}" for k, v in r.extra["growth"].items()), flush=True)
