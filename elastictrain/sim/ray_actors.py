@@ -154,7 +154,6 @@ class SimActor:
         self.records: collections.deque = collections.deque()
         self.status = "created"
         self.phase_since = time.time()
-        self.clock: tuple[float, int, int] | None = None  # a running ``run``'s (t0, s0, target_step)
 
     def imported(self, name: str) -> bool:
         """Whether module ``name`` is imported in this process."""
@@ -237,61 +236,31 @@ class SimActor:
         return self.step
 
     def run(self, target_step: int) -> dict[str, Any]:
-        """Complete steps on the generation's clock until ``target_step``, an agreed stop, or a broken peer.
-        The thread sleeps until the last step it may reach or a message from the hub, not once per step:
-        128 actors waking every step took a share of this 2-core machine that 128 real workers, each on
-        its own GPU and host, do not take from each other. A step whose end passed is completed (with its
-        record) when anything looks: this loop, a poll, the hub breaking -- as before, a step is lost to a
-        failure only if its end had not come when the peers' failure reached this member."""
         self.status = "running"
         self._say({"run": self.step})
         try:
             t0, s0 = self._await("go"), self.view["s0"]
         except ConnectionError:
             return self._result("peer_failed")
-        with self.cond:
-            self.clock = (t0, s0, target_step)
-            try:
-                while True:
-                    limit = self._limit()
-                    self._advance(time.time())
-                    if self.step >= target_step:
-                        return self._result("done")
-                    if self.step >= limit:  # (limit < target: an agreed stop)
-                        return self._result("stopped")
-                    if "broken" in self.view:
-                        return self._result("peer_failed")
-                    self.cond.wait(max(0.0, t0 + (limit - s0) * self.step_s - time.time()))
-            finally:
-                self.clock = None
-
-    def _limit(self) -> int:
-        """The last step this ``run`` may complete: its target, or the agreed stop (at least one step on)."""
-        _, _, target = self.clock
-        stop_at = self.view.get("stopat")
-        return target if stop_at is None else min(target, max(stop_at, self.step + 1))
-
-    def _advance(self, now: float) -> None:
-        """Complete every step whose end came by ``now`` (under ``self.cond``, while ``run`` runs)."""
-        if self.clock is None:
-            return
-        t0, s0, _ = self.clock
-        limit = self._limit()
-        while self.step < limit:
+        while self.step < target_step:
             end = t0 + (self.step + 1 - s0) * self.step_s
-            if end > now:
-                return
+            with self.cond:
+                self.cond.wait_for(lambda: "broken" in self.view or time.time() >= end, max(0.0, end - time.time()))
+                if "broken" in self.view and time.time() < end:
+                    return self._result("peer_failed")
+                stop_at = self.view.get("stopat")
             self.step += 1
             self.phase_since = end
             self.records.append(Record(self.step, 1.0, self.world, self.accum, self.step_s, self.step_s / 2, end))
+            if stop_at is not None and self.step >= stop_at and self.step < target_step:
+                return self._result("stopped")
+        return self._result("done")
 
     def _result(self, status: str) -> bytes:
         self.status = "joined"
         return run_result.pack(status, self.step, None, self.slot)  # as a worker answers
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
-        with self.cond:
-            self._advance(time.time())  # the steps whose end came since ``run`` last looked
         records = []
         while self.records:
             r = self.records.popleft()
