@@ -37,6 +37,7 @@ Usage::
     python benchmarks/scale.py --ranks 1000 [--json] [--scenarios steady,kill] [--step-s 0.02]
     python benchmarks/scale.py --ray-actors 128 [--json] [--steps 400] [--step-s 0.05]
     python benchmarks/scale.py --ray-get 10000   # what Ray charges the driver for 10,000 results
+    python benchmarks/scale.py --ray-death 128   # Ray's part of learning of a death (plain actors)
 
 ``--json`` ends the output with one line: driver_cpu_per_step_s (steady), fault_to_decision_s (the
 slowest scenario but the hang, whose bound is the watchdog's; each scenario's as defined above),
@@ -52,7 +53,17 @@ the next generation's first step, on the actors' clock; target < 1 s at 128 acto
 and ``join`` of every member, which also syncs the state), ``calls`` (the controller's calls on the
 actors, by method), the driver's view of that step
 (``kill_to_next_step_seen_s``: it learns of steps by polling rank 0), the world-size history and whether
-torch was imported in an actor.
+torch was imported in an actor. Under it (elastictrain/sim/phases.py): the actors' CPU while they trained
+(all 128 processes, CPU-s per s); each phase of the recovery in seconds after the SIGKILL (the victim's
+process gone, Ray's notice of its death, the driver's first wait and first ended calls, its state change,
+the drain of the survivors' failed steps, the failure, the decision, ``open_store`` and ``join``
+answered, the generation started, the end of its first step), the driver thread's CPU in each of the
+controller's recovery methods, and the growth back (the replacement started, set up, the resize). The
+replacement is a new Ray worker process started once the survivors train again: ``--steps`` defaults to
+400 here so that it is in before the run ends (the policy grows back once it is ready, not within a time).
+
+``--ray-death N``: Ray's own part, with N idle plain actors (no elastictrain): per SIGKILL, the process
+gone and Ray's notice failing a call in flight; and what N idle actors cost (CPU, threads, niceness).
 """
 
 from __future__ import annotations
@@ -68,6 +79,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from elastictrain.sim.scenarios import SCENARIOS, run_scenario  # noqa: E402
 
+SIM_STEPS = 100
+# The Ray variant's replacement for the killed actor is a new Ray worker process (Python, Ray's import,
+# its registration), started once the survivors train again: 2-6 s on this machine beside 127 running
+# actors. The policy grows back once it is ready; 100 steps of 50 ms ended 4 s after the kill, before
+# it was in 3 of 8 runs (world history [128, 126]). 400 steps leave ~19 s.
+RAY_STEPS = 400
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -75,17 +93,23 @@ def main() -> None:
     ap.add_argument("--ray-actors", type=int, help="the Ray variant with this many actors (instead of --ranks)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, help=f"steps per run (default {SIM_STEPS}; {RAY_STEPS} with --ray-actors)")
     ap.add_argument("--step-s", type=float, default=0.05)
     ap.add_argument("--memory", action="store_true", help="tracemalloc peak (slows every run down)")
+    ap.add_argument("--ray-death", type=int, metavar="N",
+                    help="Ray's own part of a death's notice, with N idle plain actors (no elastictrain)")
     ap.add_argument("--ray-get", type=int, metavar="N",
                     help="what Ray charges the driver to wait for and take N ready run results (calibrates the "
                          "simulator's get)")
     args = ap.parse_args()
     if args.ray_get:
         return _ray_get_cost(args.ray_get)
+    if args.ray_death:
+        return _ray_death(args.ray_death)
     if args.ray_actors:
+        args.steps = args.steps or RAY_STEPS
         return _ray_actors(args)
+    args.steps = args.steps or SIM_STEPS
     if not args.ranks:
         ap.error("give --ranks N (the simulation) or --ray-actors N (the Ray variant)")
     rows = []
@@ -158,6 +182,56 @@ def _ray_get_cost(n: int, reps: int = 3) -> None:
         ray.shutdown()
 
 
+def _ray_death(n: int, kills: int = 5) -> None:
+    """Ray's own part of learning of a death, with plain actors (no elastictrain): ``n`` idle actors
+    (``num_cpus=0``), then ``kills`` of them SIGKILLed one at a time while a call on each is in flight.
+    Per kill: the SIGKILL to the process gone (its pidfd turns readable: the kernel's exit) and to Ray's
+    notice (the call fails: the raylet sees the worker's socket close, the GCS publishes the death, the
+    owner fails the call). Before the kills: what the idle actors cost (CPU over 10 s, threads each,
+    their niceness: the raylet starts workers at ``RAY_worker_niceness``, 15 unless set)."""
+    import select
+    import signal
+    import threading
+
+    import ray
+
+    from elastictrain.sim.ray_run import _cpu_s
+
+    @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0, max_concurrency=2)
+    class Idle:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def block(self) -> None:
+            threading.Event().wait()
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        actors = [Idle.remote() for _ in range(n)]
+        pids = ray.get([a.pid.remote() for a in actors], timeout=600)
+        threading.Event().wait(5)  # the start's own work settles
+        cpu = _cpu_s(pids)
+        threading.Event().wait(10)
+        threads = sum(len(os.listdir(f"/proc/{p}/task")) for p in pids) / n
+        print(f"ray-death: {n} idle actors take {(_cpu_s(pids) - cpu) / 10:.2f} CPU-s per s, {threads:.0f} threads "
+              f"each, nice {os.getpriority(os.PRIO_PROCESS, pids[0])}; load {os.getloadavg()[0]:.1f}", flush=True)
+        for actor, pid in list(zip(actors, pids))[:kills]:
+            ref = actor.block.remote()
+            ray.wait([ref], timeout=0.5)  # (in flight)
+            fd = os.pidfd_open(pid)
+            t = time.time()
+            os.kill(pid, signal.SIGKILL)
+            select.select([fd], [], [], 60)
+            gone = time.time() - t
+            os.close(fd)
+            ray.wait([ref], timeout=60)
+            notice = time.time() - t
+            print(f"ray-death: SIGKILL -> process gone {gone * 1e3:.1f} ms, -> Ray's notice {notice * 1e3:.1f} ms; "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        ray.shutdown()
+
+
 def _ray_actors(args: argparse.Namespace) -> None:
     import ray
 
@@ -175,6 +249,11 @@ def _ray_actors(args: argparse.Namespace) -> None:
           f"kill->generation={r.kill_to_generation_s}s "
           f"kill->next step={r.kill_to_next_step_s}s (seen by the driver "
           f"{r.extra.get('kill_to_next_step_seen_s')}s) wall={wall}s", flush=True)
+    busy = r.extra.get("actors_cpu_per_s")
+    print(f"  the actors' CPU while training (before the kill): {busy} CPU-s per s", flush=True)
+    print("  phases (s after the kill): " + " ".join(f"{k}={v}" for k, v in r.extra["phases"].items()), flush=True)
+    print("  driver CPU (ms) in: " + " ".join(f"{k}={v}" for k, v in r.extra["driver_cpu_ms"].items()), flush=True)
+    print("  growth back (s after the kill): " + " ".join(f"{k}={v}" for k, v in r.extra["growth"].items()), flush=True)
     if args.json:
         print(json.dumps({**dataclasses.asdict(r), "wall_s": wall, "load_1min": os.getloadavg()[0]}))
 

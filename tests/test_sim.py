@@ -362,3 +362,39 @@ def test_survivors_results_after_the_kill_send_no_look_for_the_dead(tmp_path) ->
     failures = [e for e in read_events(tmp_path) if e["event"] == "failure"]
     assert [f["slot"] for f in failures] == [35] and "worker process died" in failures[0]["reason"]
     assert gone.looks == 0
+
+
+def test_a_death_the_run_watch_tells_sends_no_round_of_polls_before_the_decision(tmp_path) -> None:
+    """The interval that learns of a death used to send its usual polls (rank 0 and a sweep of 64) before
+    looking at the ended calls; the recovery then waited for every one of them (a round trip each to a
+    member on its way out of the failed step: on 128 Ray actors sharing two cores, part of the 0.1-0.3 s
+    from the first ended call to the failure). Now the ended calls are taken first and, once they tell a
+    failure, the interval ends there: between the watch's news and the decision the only poll is rank
+    0's own (its last records say which steps completed)."""
+    from collections import Counter
+
+    c, world, events = _sim_run(tmp_path, 128, 80, "kill")
+    marks: dict[str, Counter] = {}
+    watch = world.watch
+
+    class Told:  # the calls made up to the first wait that returned an ended call after the fault
+        def __init__(self, refs) -> None:
+            self.inner = watch(refs)
+
+        def wait(self, timeout: float):
+            got = self.inner.wait(timeout)
+            if got and world.faults[0].at is not None and "told" not in marks:
+                marks["told"] = Counter(world.calls)
+            return got
+
+    def on_event(r: dict) -> None:
+        if r["event"] == "failure" and "failure" not in marks:  # accounted, just before the decision
+            marks["failure"] = Counter(world.calls)
+
+    world.watch = Told
+    events.listeners.append(on_event)
+    c.run()
+    events.close()
+    assert c.sm.state.value == "finished", c.final_error
+    during = marks["failure"] - marks["told"]
+    assert during["poll"] == 1, during

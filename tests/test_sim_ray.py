@@ -37,3 +37,10 @@ def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(ba
     # one round of calls per generation for the rendezvous and the state: `join` syncs (no `sync` round)
     calls = r.extra["calls"]
     assert calls["join"] == sum(r.worlds) and "sync" not in calls and calls["open_store"] == len(r.worlds), calls
+    # the recovery's phases were traced, in the protocol's order (benchmarks/scale.py prints them)
+    p = r.extra["phases"]
+    order = ["state_recovering", "_drain_runs<", "failure_event", "decision", "opening_the_rendezvous_store:answered",
+             "join:answered", "generation_started", "next_step_end"]
+    assert [p[k] for k in order] == sorted(p[k] for k in order), p
+    assert "process_gone" in p and "ray_death_notice" in p and p["watch_waiting"] < p["state_recovering"], p
+    assert r.extra["growth"].keys() >= {"growth_spawned", "growth_ready", "growth_resized"}, r.extra["growth"]

@@ -112,7 +112,8 @@ class WorkerMonitor:
         self.reporter_now = self.generation_started_at
 
     def _pump(self, timeout: float) -> None:
-        """Wait a little for run results, poll members, turn records into events, watch for hangs."""
+        """Wait a little for run results and take them; unless they tell a failure, poll members, turn
+        records into events, watch for hangs, stragglers and drain notices."""
         new: list[Any] = []
         if self.run_watch is not None and len(self.runs_ended) < len(self.run_refs):
             # wake at the first run that ends (a death, a failed step) or at `timeout`; once some ranks
@@ -120,11 +121,16 @@ class WorkerMonitor:
             wait = timeout if not self.runs_ended else min(timeout, 0.05)
             new = [ref for ref in self.run_watch.wait(wait) if ref in self.run_refs]
             self.runs_ended.update(new)
+        # ended calls first: a death they tell ends the generation, and then nothing else here is needed
+        # (the recovery takes the polls still out and asks rank 0 itself); a round of polls sent now would
+        # only be waited for before the decision, each a round trip to a member on its way out of the step
+        self._check_runs(new)
+        if self.pending_failures:
+            return
         self._poll_members()
         if self.group.count(SlotState.STARTING):
             for slot in self.group.collect_ready(timeout=0):
                 self._on_setup_done(slot)
-        self._check_runs(new)
         self._watchdog()
         self._check_stragglers()
         self._check_drains()

@@ -7,7 +7,7 @@ waits through; :mod:`elastictrain.sim.group` the worker group; :mod:`elastictrai
 scenarios of ``benchmarks/scale.py`` and what each measures; :mod:`elastictrain.sim.machine` what the
 machine did around a scenario's decision (page faults, switches, the other core's use, steal). The Ray variant: lightweight Ray actors
 (:mod:`elastictrain.sim.ray_actors`, no torch import) driven by the real controller over Ray
-(:mod:`elastictrain.sim.ray_run`).
+(:mod:`elastictrain.sim.ray_run`), its recovery timed phase by phase (:mod:`elastictrain.sim.phases`).
 
 The names below are imported on first use: an actor process imports :mod:`elastictrain.sim.ray_actors`
 through this package, and must not import torch with the controller's modules.

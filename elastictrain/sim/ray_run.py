@@ -24,6 +24,7 @@ from elastictrain.config import JobConfig
 from elastictrain.controller.controller import Controller
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup
 from elastictrain.events import EventLog
+from elastictrain.sim.phases import Phases
 from elastictrain.sim.ray_actors import sim_actor_class
 from elastictrain.sim.scenarios import sim_config
 from elastictrain.task import builtin_task
@@ -106,6 +107,23 @@ class ActorGroup(WorkerGroup):
         return False
 
 
+def _pids(group: ActorGroup) -> list[int]:
+    return [s.info["pid"] for s in group.slots if s.state is SlotState.MEMBER and "pid" in s.info]
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` used so far, from /proc (on this node)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class RayRunResult:
     actors: int
@@ -131,36 +149,68 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
         events = EventLog(Path(tmp), console=None)
         group = ActorGroup(config, step_s)
         marks: dict[str, float] = {}
-        checked: dict[str, bool] = {}
+        checked: dict[str, Any] = {}
+        phases = Phases()
 
         def on_event(r: dict[str, Any]) -> None:
             now = time.time()
             if r["event"] == "step" and "torch" not in checked:  # once every actor runs this module's code
                 live = [s.actor.actor for s in group.slots if isinstance(s.actor, _Handle)]
                 checked["torch"] = any(ray.get([a.imported.remote("torch") for a in live], timeout=60))
+            if r["event"] == "step" and "steady" not in marks and r["step"] >= 5:
+                marks["steady"], marks["steady_cpu"] = now, _cpu_s(_pids(group))
             if r["event"] == "step" and kill_at is not None and r["step"] >= kill_at and "kill" not in marks:
+                if "steady" in marks:  # what the actors took while they trained, before the fault
+                    busy = (_cpu_s(_pids(group)) - marks["steady_cpu"]) / max(1e-9, now - marks["steady"])
+                    checked["actors_busy"] = round(busy, 3)
                 slot = group.slots[victim]
                 marks["kill"] = time.time()
                 os.kill(slot.info["pid"], signal.SIGKILL)
+                phases.killed(slot.info["pid"], c.run_ref_of.get(victim), marks["kill"])
             elif r["event"] == "failure" and "kill" in marks and "failure" not in marks:
                 marks["failure"] = now
+                phases.mark("failure_event", now)
             elif r["event"] == "generation_started" and "kill" in marks and "formed" not in marks:
                 marks["formed"] = now
+                phases.mark("generation_started", now)
+            elif r["event"] == "resized" and "kill" in marks and r["new_world_size"] == actors:
+                marks.setdefault("growth_resized", now)
             elif r["event"] == "step" and "formed" in marks and "next" not in marks:
                 marks["next"], marks["next_seen"] = r["finished_at"], now
+                phases.mark("next_step_end", r["finished_at"])
+                phases.mark("next_step_seen", now)
 
         events.listeners.append(on_event)
         c = Controller(config, builtin_task(config), events, group=group)
+        phases.instrument(c)
+        spawn, setup_done = group.spawn, c._on_setup_done
+
+        def spawned(index: int) -> Slot:  # the replacement's start and set-up, for the growth back
+            if "kill" in marks and index == victim:
+                marks.setdefault("growth_spawned", time.time())
+            return spawn(index)
+
+        def set_up(slot: Slot) -> None:
+            if "growth_spawned" in marks and slot.index == victim:
+                marks.setdefault("growth_ready", time.time())
+            setup_done(slot)
+
+        group.spawn, c._on_setup_done = spawned, set_up
         try:
             c.run()
             summary = c.summary()
         finally:
+            phases.close()
             group.shutdown()
             events.close()
     out = RayRunResult(actors, summary["state"], summary["final_step"], summary["lost_steps"],
                        [h["world_size"] for h in summary["world_size_history"]], checked.get("torch", True))
     out.extra["reason"] = summary.get("reason")
     out.extra["calls"] = dict(group.calls)
+    out.extra["actors_cpu_per_s"] = checked.get("actors_busy")  # CPU-s per s of all actors, steady state
+    out.extra["phases"] = phases.relative()
+    out.extra["driver_cpu_ms"] = {k: round(v, 2) for k, v in phases.cpu_ms.items()}
+    out.extra["growth"] = {k: round(v - marks["kill"], 3) for k, v in marks.items() if k.startswith("growth_")}
     if "next" in marks:
         out.kill_to_next_step_s = round(marks["next"] - marks["kill"], 4)
         out.extra["kill_to_next_step_seen_s"] = round(marks["next_seen"] - marks["kill"], 4)
