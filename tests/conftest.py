@@ -65,12 +65,31 @@ def ray_local():
 OWN_RAY_FIXTURES = ("bare_ray",)
 
 
+def pytest_configure(config):
+    """``pytest -n N`` distributes the units :func:`pytest_collection_modifyitems` marks, in its order
+    (pytest-xdist's ``loadgroup``, without its reordering of units by their number of tests)."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":  # the controller
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+    if hasattr(config, "workerinput"):  # an xdist process: its options are parsed anew from the command line
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups marked here
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
-    """Tests that shut the session's local Ray down run last, in their files' order: those on their own
-    local Ray (``OWN_RAY_FIXTURES``), then those on a multi-node ``cluster`` (tests/cluster_fixtures.py).
-    Run among the others, each would make the next test on ``ray_local`` start the session's Ray again
-    (its raylet, and its prestarted workers importing torch). Among the cluster tests, those on the
-    module-scoped ``cluster_2x2`` come first, so the session's ``cluster`` is started once, after them."""
+    """Order the tests, and group them for ``pytest -n 2`` (pytest-xdist, ``--dist loadgroup``).
+
+    Tests that shut the session's local Ray down run together: those on a multi-node ``cluster``
+    (tests/cluster_fixtures.py), the ``cluster_2x2`` ones first, so each multi-node Ray is started once,
+    then those on their own local Ray (``OWN_RAY_FIXTURES``). Run among the others, each would make the next
+    test on ``ray_local`` start the session's Ray again (its raylet, and its prestarted workers importing
+    torch). Run alone (no ``-n``) they come last.
+
+    Under xdist every module is one unit of work, sent whole to one process (its module-scoped runs are
+    made once), and the tests above are one unit (their Ray is started once). A process takes the next
+    unit when it runs out; the order of the units is: that one unit first (the longest: minutes), then the
+    modules whose tests run on a Ray or start one (``slow``; tens of seconds each), then the rest (seconds), so
+    the last units to start are short ones and both processes finish together."""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
         names = ("cluster", "cluster_2x2")
@@ -83,7 +102,16 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     def shared_cluster(item: Any) -> bool:  # the session's ``cluster`` (after the module-scoped 2x2 ones)
         return "cluster" in getattr(item, "fixturenames", ())
 
-    items.sort(key=lambda item: (on_cluster(item), own_ray(item), shared_cluster(item)))
+    alone = {id(item) for item in items if on_cluster(item) or own_ray(item)}
+    if not getattr(config.option, "loadgroup", False):  # set in each xdist process (see pytest_configure)
+        items.sort(key=lambda item: (on_cluster(item), own_ray(item), shared_cluster(item)))
+        return
+    heavy = {item.path for item in items
+             if "ray_local" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (id(item) not in alone, item.path not in heavy,
+                                 not on_cluster(item), own_ray(item), shared_cluster(item)))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("own-ray" if id(item) in alone else item.nodeid.split("::")[0]))
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001

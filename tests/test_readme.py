@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
+@pytest.mark.slow  # each `elastictrain run` starts a private local Ray
 def test_readme_commands_are_true(tmp_path):
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
