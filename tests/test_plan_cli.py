@@ -127,11 +127,16 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     assert out.exit_code == 2 and "not positive numbers" in out.stderr
 
 
+# A described cluster: what fits then does not depend on this machine's free memory, nor on whether this
+# process has a Ray up (the session's, or none: the CLI describes the cluster Ray sees when one is)
+CLUSTER_2X40 = ("--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "40")
+
+
 def test_a_python_task_is_planned_from_parallel_model_shape(monkeypatch):
     monkeypatch.chdir(ROOT)
     out = plan("--json", "--set", "task.kind=python", "--set", "task.entry=examples.hf_causal_lm:make_task",
                "--set", "parallel.model_shape=layers=12,hidden=768,heads=12,seq_len=1024,vocab=50257",
-               "--world", "2")
+               "--world", "2", *CLUSTER_2X40)
     assert out.exit_code == 0, out.output
     rows = json.loads(out.stdout)
     assert rows[0]["fits"] and rows[0]["memory"]["params"] > 124e6 * 4 / 2 * 0.9  # GPT-2 small, fp32

@@ -158,7 +158,7 @@ def test_the_driver_freezes_what_lives_as_long_as_the_run_and_unfreezes_at_the_e
     assert gc.get_freeze_count() == 0
 
 
-def _sim_run(tmp_path, ranks: int, steps: int, scenario: str):
+def _sim_run(tmp_path, ranks: int, steps: int, scenario: str, step_s: float = STEP_S):
     """The real controller over ``ranks`` simulated workers with ``scenario``'s faults, not yet run:
     (controller, world, event log); a test hooks the world or the log, then calls ``run()``."""
     from elastictrain.controller.controller import Controller
@@ -167,8 +167,8 @@ def _sim_run(tmp_path, ranks: int, steps: int, scenario: str):
     from elastictrain.sim.world import SimWorld
     from elastictrain.task import builtin_task
 
-    config = sim_config(ranks, steps, STEP_S)
-    world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
+    config = sim_config(ranks, steps, step_s)
+    world = SimWorld(step_s=step_s, setup_s=5 * step_s)
     world.faults = _faults(scenario, ranks, world, random.Random(0))
     events = EventLog(tmp_path, console=None)
     return Controller(config, builtin_task(config), events, group=SimGroup(world, ranks)), world, events
@@ -398,3 +398,49 @@ def test_a_death_the_run_watch_tells_sends_no_round_of_polls_before_the_decision
     assert c.sm.state.value == "finished", c.final_error
     during = marks["failure"] - marks["told"]
     assert during["poll"] == 1, during
+
+
+def test_a_poll_answered_before_a_members_run_ended_does_not_describe_it_after(tmp_path, monkeypatch) -> None:
+    """A member's poll answered before its ``run`` ended can be taken after the run's result: the interval
+    that learns of a death takes the ended calls first and stops there, and the recovery takes the polls
+    still out. The poll's step is then older than the result's, and it used to overwrite it: a survivor
+    described at an older step than it holds (under tp2 x dp2 on 4 loaded ranks, a survivor at step 4
+    among survivors at 5 left a tp coordinate uncovered, and the run restarted from scratch). Here one
+    survivor's polls are answered at the moment of the kill with the step it had when asked; the decision
+    must see it at the step its ``run`` ended at, like every other survivor."""
+    from elastictrain.controller import sources
+    from elastictrain.sim import world as sim_world
+
+    ranks = 16
+    # steps of 20 ms: the kill (mid-step 51) comes ~1 s in, after a poll interval or two (0.5 s) in which
+    # every member was asked (a sweep), so the late survivor's poll carries a step well before the kill's
+    c, world, events = _sim_run(tmp_path, ranks, 80, "kill", step_s=0.02)
+    late = 1  # a survivor (the kill takes slot ranks // 2 + 3), swept by the polls each interval
+    answered_late = []
+    poll = sim_world.SimWorker._poll
+
+    def late_poll(self, after=None):  # noqa: ANN001, ANN202
+        ref = poll(self, after)
+        fault = world.faults[0]
+        if self.slot == late and ref.kind == "value" and fault.at is None:
+            due = world._fault_time(fault)
+            if due != float("inf"):
+                ref.created = max(ref.created, due)  # the answer (its step when asked) arrives with the kill
+                answered_late.append(ref.value["step"])
+        return ref
+
+    seen: list[dict[int, int]] = []
+    rank_sources = sources.rank_sources
+
+    def spy(**kw):  # noqa: ANN003, ANN202
+        seen.append(dict(kw["survivors"]))
+        return rank_sources(**kw)
+
+    monkeypatch.setattr(sim_world.SimWorker, "_poll", late_poll)
+    monkeypatch.setattr(sources, "rank_sources", spy)
+    c.run()
+    events.close()
+    assert c.sm.state.value == "finished", c.final_error
+    assert answered_late and min(answered_late) < 45, f"no poll of the survivor well before the kill: {answered_late}"
+    survivors = seen[0]  # the recovery's decision (generation 0: rank = slot)
+    assert late in survivors and survivors[late] == max(survivors.values()), (survivors, answered_late)

@@ -195,7 +195,13 @@ class WorkerMonitor:
         return self.reporter is None or slot is self.reporter
 
     def _take_poll(self, slot: Slot, result: dict[str, Any]) -> None:
-        slot.info["step"] = result["step"]
+        # a poll answered before the member's ``run`` ended can be taken after its result (the interval that
+        # learns of a death takes the ended calls first; the recovery takes the polls still out): the
+        # result's step is then the newer, and a survivor described by the poll's older one no longer
+        # covers the state it holds (a tp/sharded recovery from scratch instead of the survivors)
+        ref = self.run_ref_of.get(slot.index)
+        if ref is None or ref not in self.runs_ended:
+            slot.info["step"] = result["step"]
         self.known_step = max(self.known_step, int(result["step"]))
         slot.info["phase"], slot.info["phase_since"] = result["phase"], result["phase_since"]
         complete = None if self.reporter is None else slot is self.reporter
