@@ -1,9 +1,12 @@
 """Fresh processes, one per rank, for the tests that build gloo groups themselves (outside Ray).
 
-They fork from one ``forkserver`` process that imported torch and the distributed packages once for the
-session, instead of ``spawn`` re-importing them in every process (~3-7 s of CPU each on the 2-core CI
-machine, where the ranks of a 4-process test start one after another). The fork server is a clean
-process started by multiprocessing (no Ray, no threads), so forking it is safe; each rank still gets
+They fork from one ``forkserver`` process that imported torch, the distributed packages, torch._dynamo
+(DDP's constructor imports it) and the worker's modules once for the session (each pytest process: one
+per ``-n``), instead of ``spawn`` re-importing them in every process (~3-7 s of CPU each on the 2-core CI
+machine, where the ranks of a 4-process test start one after another; with torch._dynamo and the
+worker's modules preloaded, the ranks of the gloo test files took 62 s of CPU against 99 s). The fork
+server is a clean process started by multiprocessing (no Ray initialized, one thread), so forking it
+is safe; each rank still gets
 its own interpreter state and its own process group. A rank sees the environment the server was started
 with: set what it needs (``MASTER_PORT``, ...) inside the rank, as these tests do."""
 
@@ -16,7 +19,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "elastictrain.worker.loop"]
+            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.pipelining",
+            # DDP's constructor imports torch._dynamo (sympy, ...): ~0.5 s of CPU in every rank that builds one
+            "torch._dynamo", "torch.distributed.checkpoint.state_dict", "elastictrain.worker.actor"]
 multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
