@@ -22,6 +22,11 @@ SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": No
 
 WORKER_NODES = 2
 _DRAINING = 3  # ray.rpc.NodeSnapshot.DRAINING (as elastictrain/controller/drain.py reads it)
+# No test on these clusters reads Ray's metrics (tests/test_metrics.py reads ours on the session's local Ray).
+# Collected, they cost the head's dashboard agent a third of a core: Ray 2.60's agent rebuilds every
+# histogram observation of the GCS and the driver one Python call at a time (``record_histogram_aggregated_
+# batch``), 77 s of CPU over the cluster tests of one suite run.
+NO_METRICS = {"enable_metrics_collection": False}
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +36,8 @@ def _session_cluster() -> Iterator[Cluster]:
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3, **NO_METRICS},
     })
     try:
         yield c
@@ -100,7 +105,8 @@ def cluster_2x2() -> Iterator[Cluster]:
     back for the next test that asks)."""
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                      "_system_config": NO_METRICS})
     try:
         for _ in range(2):
             c.add_node(num_cpus=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,12 @@ import ray
 from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.trainer import local_ray_system_config
+
+# Ray's log monitor globs its session's log directory every 0.1 s while it watches fewer files than this, and
+# every 0.5 s past it (ray/_private/log_monitor.py). A session's Ray gathers hundreds of worker logs, which no
+# test reads as they come (log_to_driver is off): the slower scan halves the monitor's CPU (1.5 s -> 0.8 s a
+# minute with 150 logs). Every Ray a test starts inherits it, those of `elastictrain run` subprocesses too.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 # The multi-node fixtures (``cluster``, ``cluster_2x2``), registered once for the session (see the module).
 pytest_plugins = ("tests.cluster_fixtures",)
