@@ -8,7 +8,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
    clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
-   pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op (both from
+   pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op, and the CPU
+   time FSDP2 adds per parameter tensor and micro-batch (a narrow cut of the model over pairs; the three from
    12 rounds in every process, pooled, the mean within 3 MADs of the median), a worker's resident bytes
    besides the model.
    ``--save-calibration FILE`` keeps the figures for a later ``--calibration FILE``.
@@ -135,8 +136,8 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "optimizer_s_per_param",
-            "runtime_bytes", "cores_per_node")
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s",
+            "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
@@ -183,10 +184,12 @@ def main() -> None:
           + (f"tp call {figures['tp_call_s'] * 1e3:.2f} ms, " if figures.get("tp_call_s") else
              "tp call: lost in the load (the call's price), ")
           + (f"DTensor op {figures['dtensor_op_s'] * 1e6:.0f} us, " if figures.get("dtensor_op_s") else
-             "DTensor op: not measured (the default), ") +
+             "DTensor op: not measured (the default), ")
+          + (f"FSDP per tensor {figures['fsdp_param_s'] * 1e6:.0f} us, " if figures.get("fsdp_param_s") else
+             "FSDP per tensor: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
-    for name, how in (figures.get("how") or {}).items():  # the samples each TP figure kept (calibrate.steady_figure)
+    for name, how in (figures.get("how") or {}).items():  # the samples each figure kept (calibrate.steady_figure)
         print(f"  {name}: {how}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:

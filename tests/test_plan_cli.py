@@ -112,8 +112,9 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     assert figures["ranks"] == max(2, os.cpu_count()) and figures["cores_per_node"] == os.cpu_count()
     assert figures["optimizer_s_per_param"] > 0 and figures["latency_s"] > 0
     assert "call_s" in figures and (figures["call_s"] is None or figures["call_s"] > 0)  # None: lost in the load
-    # tensor parallel's prices: a DTensor redistribution between computes, DTensor's dispatch per op (CPU time)
-    for key in ("tp_call_s", "dtensor_op_s"):
+    # tensor parallel's prices: a DTensor redistribution between computes, DTensor's dispatch per op (CPU time);
+    # FSDP2's host work per parameter tensor and micro-batch (CPU time)
+    for key in ("tp_call_s", "dtensor_op_s", "fsdp_param_s"):
         assert key in figures and (figures[key] is None or figures[key] > 0), (key, figures.get(key))
     # a job naming the file prices with it: halving the measured matmul rate doubles the compute time
     (tmp_path / "slow.json").write_text(json.dumps(dict(figures, flops=figures["flops"] / 2)))

@@ -332,6 +332,60 @@ def test_fsdp_over_tensor_parallel_all_reduces_each_partial_gradient_per_micro_b
         pytest.approx((blocks_calls + 100) * 2e-3)
 
 
+def test_fsdp_pays_its_host_work_per_parameter_tensor_and_micro_batch():
+    """FSDP2's hooks visit every parameter tensor of the rank's units each micro-batch (plain or DTensor
+    parameters: fsdp, hsdp, and FSDP over TP alike): 16 per GPT block plus 5 around the blocks, neither
+    dp_shard nor tp dividing them, a pipeline stage's own; at fsdp_param_s each, host work that on CPU is on
+    the critical path and shared with the node's other ranks like compute. Layouts without FSDP pay none.
+    The old model priced none of it (tp2 x dp2 measured 0.75-0.81 of its step)."""
+    from elastictrain.planner.steptime import fsdp_param_visits
+
+    train = Training(global_batch=16, micro_batch=4)
+    per_mb = 12 * 16 + 5  # 197: the built-in GPT's tensors (tests/test_planner_tp.py counts them)
+    two_d = Candidate(dp_shard=2, tp=2, micro_batch=4)  # 2 micro-batches
+    assert fsdp_param_visits(SMALL, train, two_d) == 2 * per_mb
+    assert fsdp_param_visits(SMALL, train, Candidate(dp_shard=4, micro_batch=4)) == per_mb  # 1 micro-batch
+    assert fsdp_param_visits(SMALL, train, Candidate(dp_replicate=2, dp_shard=2, micro_batch=2)) == 2 * per_mb
+    assert fsdp_param_visits(SMALL, train, Candidate(dp_shard=4, micro_batch=1)) == 4 * per_mb
+    assert fsdp_param_visits(dataclasses.replace(SMALL, layers=24), train, two_d) == 2 * (24 * 16 + 5)
+    assert fsdp_param_visits(dataclasses.replace(SMALL, tied_embeddings=True), train, two_d) == 2 * (per_mb - 1)
+    # a stage's blocks and the larger of its edges (the first stage's 2 embeddings, the last's norm and head)
+    assert fsdp_param_visits(SMALL, train, Candidate(dp_shard=2, pp=2, micro_batch=4)) == 2 * (6 * 16 + 3)
+    for no_fsdp in (Candidate(dp_replicate=4, micro_batch=4), Candidate(dp_replicate=2, tp=2, micro_batch=4),
+                    Candidate(dp_replicate=2, pp=2, micro_batch=4)):
+        assert fsdp_param_visits(SMALL, train, no_fsdp) == 0
+    for cores in (4, 2):
+        cl = Cluster(**CPU4, cores_per_node=cores)
+        dear = dataclasses.replace(cl, fsdp_param_s=200e-6)
+        t0, t = step_time(SMALL, train, cl, two_d), step_time(SMALL, train, dear, two_d)
+        assert t0.fsdp_host_s == 0.0
+        assert t.fsdp_host_s == t.fsdp_host_exposed_s == pytest.approx(2 * per_mb * 200e-6)
+        # own cores: on the critical path once; 2 ranks a core: the node does both ranks' host work
+        assert t.total_s - t0.total_s == pytest.approx(t.fsdp_host_s * cl.share(4))
+        # twice the micro-batches, twice the host work
+        more = dataclasses.replace(two_d, micro_batch=2)
+        assert step_time(SMALL, train, dear, more).fsdp_host_s == pytest.approx(2 * t.fsdp_host_s)
+        ddp = Candidate(dp_replicate=4, micro_batch=4)
+        assert step_time(SMALL, train, dear, ddp).total_s == step_time(SMALL, train, cl, ddp).total_s
+
+
+def test_a_gpu_hides_fsdps_host_work_behind_its_compute_with_the_dispatch():
+    """On GPUs FSDP's per-tensor host work runs ahead of the device like DTensor's dispatch: a 70B model
+    hides it (the literature's figures unchanged); a narrow model shows what host work exceeds compute by."""
+    node = Cluster(nodes=1, devices_per_node=8, **H100, fsdp_param_s=20e-6, kind="gpu")
+    train = Training(global_batch=64, micro_batch=2, precision="mixed", activation_bytes=2)
+    big = Candidate(dp_shard=8, micro_batch=2)
+    t = step_time(LLAMA70, train, node, big)
+    assert t.fsdp_host_s > 0 and t.fsdp_host_exposed_s == 0.0
+    assert t.total_s == step_time(LLAMA70, train, dataclasses.replace(node, fsdp_param_s=0.0), big).total_s
+    tiny = step_time(SMALL, Training(global_batch=8, micro_batch=1), dataclasses.replace(node, dtensor_op_s=20e-6),
+                     Candidate(dp_shard=4, tp=2, micro_batch=1))
+    assert tiny.dispatch_s > tiny.compute_s  # the dispatch alone exceeds the compute: all FSDP's work shows
+    assert tiny.dispatch_exposed_s + tiny.fsdp_host_exposed_s == \
+        pytest.approx(tiny.dispatch_s + tiny.fsdp_host_s - tiny.compute_s)
+    assert tiny.fsdp_host_exposed_s == pytest.approx(tiny.fsdp_host_s)
+
+
 def test_a_gpu_hides_dtensor_dispatch_behind_its_compute_up_to_the_compute():
     """On GPUs the host queues kernels ahead of the device: dispatch shows only beyond the device's compute.
     A large model (70B, tp 8) hides all of it: the literature's figures are unchanged; a narrow model whose

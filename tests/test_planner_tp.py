@@ -2,7 +2,8 @@
 counted here with a dispatch mode on the real model under its real tensor-parallel plan (a one-rank gloo
 group in the test's own process, as ``tests/parallel_fixtures.InProcessRun`` makes one), so a change in
 torch's DTensor or in the plan that moves them fails this test instead of the estimates. So are the
-Partial gradients' counts (:data:`~elastictrain.planner.steptime.TP_PARTIAL_GRADS`)."""
+Partial gradients' counts (:data:`~elastictrain.planner.steptime.TP_PARTIAL_GRADS`), and the parameter
+tensors FSDP2's hooks visit (:data:`~elastictrain.planner.steptime.PARAM_TENSORS_PER_BLOCK`)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,24 @@ def test_the_partial_gradient_counts_are_the_builtin_gpts():
         per_block, edge = TP_PARTIAL_GRADS[sp]
         assert counts[f"{sp}-2"] - counts[f"{sp}-1"] == per_block
         assert counts[f"{sp}-1"] - per_block == edge
+
+
+def test_the_parameter_tensor_counts_are_the_builtin_gpts():
+    """FSDP2 visits each parameter tensor per micro-batch (:func:`~elastictrain.planner.steptime.fsdp_param_visits`):
+    16 per block, 2 on the first stage (the embeddings), 3 on the last (the final norm and the head)."""
+    from elastictrain import build_config
+    from elastictrain.planner.steptime import PARAM_TENSORS_FIRST, PARAM_TENSORS_LAST, PARAM_TENSORS_PER_BLOCK
+    from elastictrain.task import builtin_task
+
+    def tensors(layers: int) -> dict[str, int]:
+        cfg = build_config({"task": {"model": {"seq_len": 8, "n_layer": layers, "n_head": 1, "d_model": 8}},
+                            "train": {"steps": 1, "global_batch": 1, "micro_batch": 1},
+                            "workers": {"min": 1, "max": 1}})
+        names = [n for n, _ in builtin_task(cfg).model_fn().named_parameters()]
+        return {"blocks": sum(n.startswith("blocks.") for n in names), "edge": sum(not n.startswith("blocks.")
+                                                                                  for n in names),
+                "first": sum(n.startswith(("tok_emb", "pos_emb")) for n in names)}
+
+    one, two = tensors(1), tensors(2)
+    assert two["blocks"] - one["blocks"] == one["blocks"] == PARAM_TENSORS_PER_BLOCK
+    assert one["first"] == PARAM_TENSORS_FIRST and one["edge"] == PARAM_TENSORS_FIRST + PARAM_TENSORS_LAST

@@ -35,8 +35,16 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   tensor-parallel on a mesh of this process alone (no peer to wait for)
   against the same model plain, in CPU time, the difference over the DTensor ops counted in it: a
   process's own figure, which the model shares out with the node's cores like compute;
+* ``fsdp_param_s``: on CPU with a built-in job, the host time FSDP2 adds per parameter tensor and
+  micro-batch: the job's model cut to :data:`FSDP_PROBE_BLOCKS` blocks and narrowed to
+  :data:`FSDP_PROBE_WIDTH` (its hooks' work per tensor and unit stays, the copies of the gathered and reduced
+  bytes, which the model prices apart by their bytes, drop out), ``fully_shard`` per block and root as
+  the job's fsdp layout applies it over pairs of processes (as ``tp_call_s``), forward and backward of one
+  micro-batch against the same model plain, in the process's CPU time (gloo's threads included: the
+  collectives' own work; the waits for the peer cost none), the difference over the parameter tensors: a
+  process's own figure, which the model shares out with the node's cores like compute;
 
-  both after warm-up rounds (DTensor's sharding caches, the allocator, the code paths in the CPU's caches),
+  all three after warm-up rounds (DTensor's sharding caches, the allocator, the code paths in the CPU's caches),
   from :data:`TP_ROUNDS` rounds in every process at once, pooled over the processes (they all measure the
   same thing), the mean of those within 3 median absolute deviations of their median
   (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped); one
@@ -53,7 +61,7 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   run there).
 
 The figures go to a JSON file (with ``tp_call_cpu_s``, the CPU per TP call before ``s``, and ``how``: the
-samples each TP figure kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
+samples each of those three figures kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
 """
 
@@ -326,8 +334,47 @@ def dtensor_op_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2,
 
 
 
-def _one_block_probe(job: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], Any]:
-    """``(config, task, batch, sample ids)`` for a probe of the job's model cut to one block: its config
+FSDP_PROBE_BLOCKS = 4  # blocks of the fsdp_param_s probe (at most the job's): 69 parameter tensors of the GPT
+FSDP_PROBE_WIDTH = 8   # its width: the copies of the gathered and reduced bytes, priced apart, drop out
+
+
+def fsdp_param_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2,
+                      rounds: int = TP_ROUNDS) -> Steady:
+    """CPU seconds FSDP2 adds per parameter tensor and micro-batch (module docstring: ``fsdp_param_s``), over
+    pairs of processes, in each process while the others measure the same, pooled (:func:`steady_figure`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from elastictrain.parallel.parallelize import parallelize_fsdp
+
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # collective: every process, in order
+    solo = dist.new_group([world - 1]) if world % 2 else None
+    group = pairs[rank // 2] if rank // 2 < len(pairs) else solo
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("fsdp",))
+    narrow = json.loads(json.dumps(job))
+    layers = min(FSDP_PROBE_BLOCKS, int(narrow["task"]["model"].get("n_layer", FSDP_PROBE_BLOCKS)))
+    narrow["task"]["model"].update(d_model=FSDP_PROBE_WIDTH, n_head=1)
+    cfg, task, batch, seeds = _one_block_probe(narrow, layers=layers)
+    plain = task.model_fn()
+    sharded = parallelize_fsdp(task.model_fn(), mesh, cfg.parallel)
+    tensors = sum(1 for _ in sharded.parameters())
+
+    def step(model: Any) -> Any:
+        def run() -> None:
+            for _ in range(reps):
+                task.loss_fn(model, batch, seeds).sum().backward()
+        return run
+
+    # warm-up, both: FSDP's lazy init, the allocator, the code paths in the caches
+    _round_diffs(step(plain), step(sharded), rounds=2, clock=time.process_time)
+    # CPU time of the process (its gloo threads too): the hooks' own work, not the waits for the peer
+    (diffs,) = _round_diffs(step(plain), step(sharded), rounds=rounds, clock=time.process_time)
+    in_pair = world % 2 == 0 or rank < world - 1
+    return steady_figure(_pooled([d / (reps * tensors) for d in diffs] if in_pair else []))
+
+
+def _one_block_probe(job: dict[str, Any], layers: int = 1) -> tuple[Any, Any, dict[str, Any], Any]:
+    """``(config, task, batch, sample ids)`` for a probe of the job's model cut to ``layers`` blocks: its config
     as a one-worker ddp job without faults or checkpoints, its task, and one random micro-batch."""
     import torch
 
@@ -335,7 +382,7 @@ def _one_block_probe(job: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], Any
     from elastictrain.task import builtin_task
 
     data = json.loads(json.dumps(job))
-    data["task"]["model"].update(n_layer=1)
+    data["task"]["model"].update(n_layer=layers)
     data["parallel"] = {"plan": "ddp"}
     data["faults"], data["checkpoint"]["uri"] = [], None
     cfg = build_config(data, source="calibration probe")
@@ -440,6 +487,8 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
             if job is not None:
                 op = dtensor_op_figure(job, rank, world)
                 figures["dtensor_op_s"], figures["dtensor_op_how"] = op.value, op.reason
+                visit = fsdp_param_figure(job, rank, world)
+                figures["fsdp_param_s"], figures["fsdp_param_how"] = visit.value, visit.reason
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
                 figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
@@ -552,8 +601,9 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "call_s": _positive(local.get("call_s")),
         "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), share)),
         "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
+        "fsdp_param_s": _positive(local.get("fsdp_param_s")),  # CPU time, likewise
         "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
-        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op") if f"{k}_how" in local},
+        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param") if f"{k}_how" in local},
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,

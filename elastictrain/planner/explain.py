@@ -32,10 +32,12 @@ def table(estimates: list[Estimate], cluster: Cluster, limit: int = 10) -> str:
 
 def _costs(e: Estimate) -> dict[str, float]:
     t = e.time
-    stretched = (t.compute_s + t.tp_s + t.dispatch_exposed_s) / (1 - t.bubble)
-    return {"compute": t.compute_s, "the pipeline bubble": stretched - t.compute_s - t.tp_s - t.dispatch_exposed_s,
+    host = t.dispatch_exposed_s + t.fsdp_host_exposed_s
+    stretched = (t.compute_s + t.tp_s + host) / (1 - t.bubble)
+    return {"compute": t.compute_s, "the pipeline bubble": stretched - t.compute_s - t.tp_s - host,
             "tensor-parallel traffic": t.tp_s / (1 - t.bubble), "pipeline sends": t.pp_s,
             "DTensor's dispatch of sharded ops": t.dispatch_exposed_s / (1 - t.bubble),
+            "FSDP's per-parameter host work": t.fsdp_host_exposed_s / (1 - t.bubble),
             "exposed data-parallel traffic": t.dp_exposed_s, "the optimizer step": t.optimizer_s,
             "collective calls": t.calls_s, "ranks sharing cores": max(0.0, t.busy_s - t.path_s)}
 

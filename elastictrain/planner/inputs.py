@@ -135,6 +135,8 @@ class Cluster:
     Python work, a functional collective, its wait; None: ``call_s``); ``dtensor_op_s`` the host time
     DTensor's dispatch adds to each op on a sharded tensor (sharding propagation, wrapping and unwrapping:
     CPU work on the host, which a GPU's kernels hide only up to their own time, :mod:`.steptime`);
+    ``fsdp_param_s`` the host time FSDP2 adds per parameter tensor and micro-batch (its hooks' bookkeeping and
+    its collectives' issue, apart from the bytes: :mod:`.steptime`), hidden on GPUs like the dispatch;
     ``optimizer_s_per_param`` the optimizer step's (and gradient clipping's) time per local parameter;
     ``cores_per_node`` what a node's ranks compute on, in ranks' worth (CPU cores over the threads of one
     worker; None: each device computes on its own, as GPUs do): when a node runs more ranks than that, they
@@ -153,6 +155,7 @@ class Cluster:
     call_s: float = 0.0
     tp_call_s: float | None = None
     dtensor_op_s: float = 0.0
+    fsdp_param_s: float = 0.0
     optimizer_s_per_param: float = 0.0
     cores_per_node: float | None = None
     kind: str = "gpu"
@@ -164,7 +167,7 @@ class Cluster:
                   inter_node_bw=self.inter_node_bw)
         if self.cores_per_node is not None:
             _positive("cluster", cores_per_node=self.cores_per_node)
-        for name in ("latency_s", "call_s", "tp_call_s", "dtensor_op_s", "optimizer_s_per_param"):
+        for name in ("latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s", "optimizer_s_per_param"):
             value = getattr(self, name)
             if value is None and name == "tp_call_s":
                 continue

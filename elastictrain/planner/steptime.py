@@ -32,6 +32,14 @@
   (``max(0, dispatch - compute)``: the host becomes the bottleneck of small or narrow models, not of large
   ones); TP's collectives are priced at :attr:`Cluster.tp_call_s` per call (a redistribution as DTensor
   issues it) where calibrated, else :attr:`Cluster.call_s`;
+* **FSDP's host work per parameter** (``dp_shard > 1``, plain or DTensor parameters alike): per micro-batch
+  FSDP2's hooks visit every parameter tensor of the rank's units (the gather's and reduction's bookkeeping,
+  the swap between sharded and unsharded parameter, each reduced gradient's sharded DTensor, the views
+  into the flat buffers) and issue and wait for each unit's collectives: :func:`fsdp_param_visits` per step
+  (the worst stage's parameter tensors per micro-batch, :data:`PARAM_TENSORS_PER_BLOCK`) at
+  :attr:`Cluster.fsdp_param_s` (host work apart from the bytes, which the copies and collectives above
+  price). Host work like DTensor's dispatch: on CPU on the critical path and shared with the node's other
+  ranks like compute; on GPUs only what the two together exceed the device's compute by;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
@@ -40,9 +48,9 @@
   them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
   others instead of stretching the step.
 
-``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp + exposed dispatch) /
-(1 - bubble) + pp + exposed data-parallel + optimizer`` and ``busy = s x (compute + dispatch + optimizer) + tp
-+ pp + data-parallel``
+``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp + exposed dispatch + exposed
+FSDP host work) / (1 - bubble) + pp + exposed data-parallel + optimizer`` and ``busy = s x (compute + dispatch +
+FSDP host work + optimizer) + tp + pp + data-parallel``
 only where ``s > 1`` (GPUs: the critical path).
 """
 
@@ -74,6 +82,9 @@ class StepTime:
     share: float = 1.0   # ranks per core on a node (Cluster.share)
     dispatch_s: float = 0.0          # DTensor's host work per step (TP)
     dispatch_exposed_s: float = 0.0  # the part on the critical path (CPU: all; GPU: beyond compute)
+    fsdp_host_s: float = 0.0          # FSDP2's host work per parameter tensor and micro-batch, per step
+    fsdp_host_exposed_s: float = 0.0  # the part on the critical path (CPU: all; GPU: with the dispatch, beyond
+    # compute)
 
     @property
     def comm_s(self) -> float:
@@ -87,8 +98,9 @@ class StepTime:
     @property
     def path_s(self) -> float:
         """The critical path of a rank computing on its own core or device."""
-        return ((self.compute_s + self.tp_s + self.dispatch_exposed_s) / (1 - self.bubble) + self.pp_s
-                + self.dp_exposed_s + self.optimizer_s)
+        host = self.dispatch_exposed_s + self.fsdp_host_exposed_s
+        return ((self.compute_s + self.tp_s + host) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
+                + self.optimizer_s)
 
     @property
     def busy_s(self) -> float:
@@ -97,7 +109,8 @@ class StepTime:
         needs when ranks share its cores (0 when they do not)."""
         if self.share <= 1:
             return 0.0
-        return self.share * (self.compute_s + self.dispatch_s + self.optimizer_s) + self.tp_s + self.pp_s + self.dp_s
+        work = self.compute_s + self.dispatch_s + self.fsdp_host_s + self.optimizer_s
+        return self.share * work + self.tp_s + self.pp_s + self.dp_s
 
     @property
     def total_s(self) -> float:
@@ -137,6 +150,26 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
     per_block = forward * (2 if c.activation_checkpointing else 1) + backward
     blocks = math.ceil(model.layers / c.pp)
     return microbatches(train, c) * (blocks * per_block + TP_EDGE_OPS[c.sequence_parallel])
+
+
+# Parameter tensors of a GPT block (q, k, v and attention out, MLP in and out: weight and bias each; two norms'
+# weight and bias: the shape ModelShape.block_params counts) and around the blocks (token and position
+# embeddings on the first stage; the final norm's weight and bias and the output head, unless tied, on the
+# last). tests/test_planner_tp.py counts them on the built-in GPT.
+PARAM_TENSORS_PER_BLOCK = 16
+PARAM_TENSORS_FIRST, PARAM_TENSORS_LAST = 2, 3
+
+
+def fsdp_param_visits(model: ModelShape, train: Training, c: Candidate) -> float:
+    """Parameter tensors FSDP2's hooks visit in one step on the worst rank (0 without ``dp_shard > 1``): per
+    micro-batch, every tensor of the worst pipeline stage (module docstring). Neither ``dp_shard`` nor
+    ``tp`` divides it: every rank holds a shard of every tensor of its stage."""
+    if c.dp_shard == 1:
+        return 0.0
+    last = PARAM_TENSORS_LAST - (1 if model.tied_embeddings else 0)
+    edge = PARAM_TENSORS_FIRST + last if c.pp == 1 else max(PARAM_TENSORS_FIRST, last)
+    tensors = math.ceil(model.layers / c.pp) * PARAM_TENSORS_PER_BLOCK  # a rank's blocks (all its stages)
+    return microbatches(train, c) * (tensors + edge)
 
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb default: one all-reduce per bucket
@@ -251,9 +284,12 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     hide = cluster.overlap
     exposed = max(0.0, fsdp - hide * compute) + max(0.0, final - hide * compute / m * 2 / 3)
     dispatch = dtensor_ops(model, train, c) * cluster.dtensor_op_s
-    # CPU: the same cores run the dispatch and the kernels; GPU: the host runs ahead of the device
+    fsdp_host = fsdp_param_visits(model, train, c) * cluster.fsdp_param_s
+    # CPU: the same cores run the host work and the kernels; GPU: the host runs ahead of the device
     dispatch_exposed = dispatch if cluster.kind == "cpu" else max(0.0, dispatch - compute)
+    fsdp_exposed = fsdp_host if cluster.kind == "cpu" else max(0.0, dispatch + fsdp_host - compute) - dispatch_exposed
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
                     fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
                     calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
-                    share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed)
+                    share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed,
+                    fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed)
