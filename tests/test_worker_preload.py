@@ -22,7 +22,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_config_names_the_worker_actor_module() -> None:
-    assert local_ray_system_config() == {"preload_python_modules": ["elastictrain.worker.actor"]}
+    assert local_ray_system_config() == {"preload_python_modules": ["elastictrain.worker.actor"],
+                                         "enable_worker_prestart": False}
 
 
 def test_trainer_starts_its_private_local_ray_with_that_config(tmp_path: Path,
