@@ -461,6 +461,10 @@ class Controller(WorkerMonitor):
             src = None if resume is not None else self._sync_source(chosen)
             joins = [(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
                      for r, s in enumerate(chosen)]
+            # the state source known and no peer tier to attach in between: each member's `run` goes right
+            # behind its `join` (one round of calls, not two), the join's answer its argument (_run_after)
+            pipelined = src is not None and start and not self.config.checkpoint.memory_every_steps
+            runs = self._run_after(joins) if pipelined else None
             asked = self._take_last_polls(asked)
             got = call_members(joins, t.restart_grace_s, "join", self.rt)
             if src is not None:  # joined and synced in one round
@@ -528,9 +532,22 @@ class Controller(WorkerMonitor):
             except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
                                  f"generation {gen} failed: {describe_remote_error(e)}")
-        self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
+        if runs is None:
+            runs = [(s, s.actor.run.remote(self.config.train.steps)) for s in chosen]
+        self.run_refs = {ref: s for s, ref in runs}
         self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
         return True
+
+    def _run_after(self, joins: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
+        """Each member's ``run``, sent before its ``join`` answered, with that join's ref as argument: Ray
+        runs a call only once its arguments are there, so a run never starts before its own join returned,
+        and a failed join fails its run with the join's error without running it (nothing hangs). Not an
+        ordering inside the worker: Ray does not order a threaded actor's calls (a join whose arguments go
+        through the object store was overtaken by the run sent after it, 14 times in 20), and both share the
+        worker's one state thread, so a run waiting there for its join would hold the thread the join
+        needs. A formation that fails drops these calls: a member whose join did return runs into the
+        broken group (a dead peer's closed sockets), and its next join waits on its state thread for it."""
+        return [(s, s.actor.run.remote(self.config.train.steps, ref)) for s, ref in joins]
 
     def _take_last_polls(self, asked: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
         """Take the previous members' last polls (:meth:`_ask_members`) and keep the steps only some
