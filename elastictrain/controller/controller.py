@@ -438,10 +438,12 @@ class Controller(WorkerMonitor):
 
         Rounds of calls on the members, after the decision: ``open_store`` on rank 0, then ``join`` -- which
         also syncs the state from its source when that is known before the rendezvous (the survivors hold
-        it, or step 0) -- then ``run``; the last polls of the previous members that need one
+        it, or step 0) -- with each member's ``run`` sent right behind its ``join``, before any answer
+        (:meth:`_run_after`): one round, not two; the last polls of the previous members that need one
         (:meth:`_last_poll_targets`, usually none) are sent first and taken while the members join. A
         restore (the peer tier, a checkpoint) runs between ``join`` and ``sync``: the source is known once
-        it is loaded, so ``sync`` is a round of its own."""
+        it is loaded, so ``sync`` is a round of its own and ``run`` follows it; with the peer memory tier
+        on, ``run`` follows the keepers' attachment (``attach_keeper`` reads the joined rank)."""
         chosen = self._place(chosen)
         asked = self._ask_members(self._last_poll_targets())  # taken while the members join
         self.generation += 1
