@@ -463,11 +463,11 @@ class Controller(WorkerMonitor):
             src = None if resume is not None else self._sync_source(chosen)
             joins = [(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
                      for r, s in enumerate(chosen)]
+            asked = self._take_last_polls(asked)  # (before any run goes out: their records are the old generation's)
             # the state source known and no peer tier to attach in between: each member's `run` goes right
             # behind its `join` (one round of calls, not two), the join's answer its argument (_run_after)
             pipelined = src is not None and start and not self.config.checkpoint.memory_every_steps
             runs = self._run_after(joins) if pipelined else None
-            asked = self._take_last_polls(asked)
             got = call_members(joins, t.restart_grace_s, "join", self.rt)
             if src is not None:  # joined and synced in one round
                 steps = got
