@@ -2,7 +2,8 @@
 Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); a real SIGKILL of one
 actor's process is recovered and the run finishes its steps with the world sizes the policy promises,
 with one ``join`` per member and generation and no ``sync`` round (counted; each member's ``run`` goes
-right behind its ``join``: tests/test_sim.py counts that). Correctness only: no timing is asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
+right behind its ``join``: tests/test_sim.py counts that). Correctness only: no timing is asserted
+(``benchmarks/scale.py --ray-actors N`` has the figures).
 
 Its own local Ray, not the session's: the session's workers preload the worker actor's module (torch),
 and the point here is an actor process without it. It shuts its Ray down after; the next test on
