@@ -454,6 +454,7 @@ class Controller(WorkerMonitor):
             if s.index not in taken:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
         t = self.config.timeouts
+        runs: list[tuple[Slot, Any]] | None = None
         try:
             host, port = call_members([(chosen[0], chosen[0].actor.open_store.remote(gen))], t.poll_s,
                                       "opening the rendezvous store", self.rt)[0]
@@ -495,6 +496,7 @@ class Controller(WorkerMonitor):
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
+            self.stray_runs = [ref for _, ref in runs or ()]  # drained by the recovery (_drain_runs), not judged
             self._take_last_polls(asked)  # before _detect_dead polls again: a slot's records stay in order
             # charged to the member whose part failed (its own error quoted), not to whoever comes first
             if isinstance(e, MemberCallFailed):
