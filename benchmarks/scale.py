@@ -50,7 +50,8 @@ one actor's process is SIGKILLed by its pid. Prints ``kill_to_next_step_s`` (the
 the next generation's first step, on the actors' clock; target < 1 s at 128 actors),
 ``kill_to_detect_s`` (to the controller's failure event: Ray's notice of the death),
 ``kill_to_generation_s`` (to the next generation's start: after the decision, ``open_store`` on rank 0
-and ``join`` of every member, which also syncs the state), ``calls`` (the controller's calls on the
+and ``join`` of every member, which also syncs the state; each member's ``run`` goes right behind its
+``join``), ``calls`` (the controller's calls on the
 actors, by method), the driver's view of that step
 (``kill_to_next_step_seen_s``: it learns of steps by polling rank 0), the world-size history and whether
 torch was imported in an actor. Under it (elastictrain/sim/phases.py): the actors' CPU while they trained

@@ -59,7 +59,7 @@ class ScriptedWorker:
     def sync(self, src: int) -> int:
         return self.step
 
-    def run(self, target: int) -> bytes:
+    def run(self, target: int, joined: Any = None) -> bytes:
         status = self.script.get("run", "done")
         if status == "exit":  # the process dies mid-step
             os._exit(1)

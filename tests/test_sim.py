@@ -174,15 +174,40 @@ def _sim_run(tmp_path, ranks: int, steps: int, scenario: str, step_s: float = ST
     return Controller(config, builtin_task(config), events, group=SimGroup(world, ranks)), world, events
 
 
-def test_a_recovery_sends_each_member_one_join_and_one_run_nothing_else(tmp_path) -> None:
+def test_a_recovery_sends_each_member_one_join_and_its_run_in_one_round_nothing_else(tmp_path) -> None:
     """After the decision a recovery pays rounds of calls over every member, each a round trip through the
     cluster (0.1-0.2 s each at 126 Ray actors on this machine). Before: a poll of every member, ``join``,
-    ``sync``, ``run``. Now ``join`` also syncs from the source known before the rendezvous (the survivors
-    hold the state), and nobody is polled again (rank 0's last records were taken before the decision)."""
+    ``sync``, ``run``; then ``join`` (which syncs from the source known before the rendezvous: the
+    survivors hold the state) and, once every join answered, ``run``. Now each member's ``run`` goes right
+    behind its ``join``, before any join answered, its own join's call as argument (Ray starts it after
+    that join): one round. Nobody is polled again (rank 0's last records were taken before the decision)."""
     from collections import Counter
 
     c, world, events = _sim_run(tmp_path, 64, 120, "kill")
     marks: dict[str, Counter] = {}
+    behind: list[bool] = []  # per run: sent with its own member's join as argument, that join not taken yet
+    taken: dict[int, object] = {}  # (the refs kept: an id is not reused)
+    result = world._result
+
+    def take(ref):
+        if ref.kind == "synced":
+            taken[id(ref)] = ref
+        return result(ref)
+
+    def run_of(worker, orig):
+        def run(target, joined=None):
+            behind.append(joined is not None and joined.worker is worker and id(joined) not in taken)
+            return orig(target, joined)
+        return run
+
+    spawn = world.spawn
+
+    def spawned(slot):
+        w = spawn(slot)
+        w._run = run_of(w, w._run)
+        return w
+
+    world.spawn, world._result = spawned, take
 
     def on_event(r: dict) -> None:
         if r["event"] == "failure" and "failure" not in marks:  # accounted, just before the decision
@@ -195,7 +220,9 @@ def test_a_recovery_sends_each_member_one_join_and_one_run_nothing_else(tmp_path
     events.close()
     assert c.sm.state.value == "finished", c.final_error
     during = marks["formed"] - marks["failure"]
-    assert dict(during) == {"open_store": 1, "join": marks["world"]["n"]}, during
+    n = marks["world"]["n"]
+    assert dict(during) == {"open_store": 1, "join": n, "run": n}, during  # the runs went before the start
+    assert behind and all(behind), behind  # every generation's: behind its own join, before its answer
 
 
 class _Ref:

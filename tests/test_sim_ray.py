@@ -1,8 +1,9 @@
 """The Ray variant of the simulation (elastictrain/sim/ray_actors.py, ray_run.py): the real controller over
 Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); a real SIGKILL of one
 actor's process is recovered and the run finishes its steps with the world sizes the policy promises,
-with one ``join`` per member and generation and no ``sync`` round (counted). Correctness only: no timing is
-asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
+with one ``join`` per member and generation and no ``sync`` round (counted; each member's ``run`` goes
+right behind its ``join``: tests/test_sim.py counts that). Correctness only: no timing is asserted
+(``benchmarks/scale.py --ray-actors N`` has the figures).
 
 Its own local Ray, not the session's: the session's workers preload the worker actor's module (torch),
 and the point here is an actor process without it. It shuts its Ray down after; the next test on
@@ -37,10 +38,12 @@ def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(ba
     # one round of calls per generation for the rendezvous and the state: `join` syncs (no `sync` round)
     calls = r.extra["calls"]
     assert calls["join"] == sum(r.worlds) and "sync" not in calls and calls["open_store"] == len(r.worlds), calls
-    # the recovery's phases were traced, in the protocol's order (benchmarks/scale.py prints them)
+    # the recovery's phases were traced, in the protocol's order (benchmarks/scale.py prints them); the
+    # first step may end before the driver has taken every join's answer (the runs were already out)
     p = r.extra["phases"]
     order = ["state_recovering", "_drain_runs<", "failure_event", "decision", "opening_the_rendezvous_store:answered",
-             "join:answered", "generation_started", "next_step_end"]
+             "join:answered", "generation_started"]
     assert [p[k] for k in order] == sorted(p[k] for k in order), p
+    assert p["opening_the_rendezvous_store:answered"] < p["next_step_end"], p
     assert "process_gone" in p and "ray_death_notice" in p and p["watch_waiting"] < p["state_recovering"], p
     assert r.extra["growth"].keys() >= {"growth_spawned", "growth_ready", "growth_resized"}, r.extra["growth"]

@@ -438,10 +438,12 @@ class Controller(WorkerMonitor):
 
         Rounds of calls on the members, after the decision: ``open_store`` on rank 0, then ``join`` -- which
         also syncs the state from its source when that is known before the rendezvous (the survivors hold
-        it, or step 0) -- then ``run``; the last polls of the previous members that need one
+        it, or step 0) -- with each member's ``run`` sent right behind its ``join``, before any answer
+        (:meth:`_run_after`): one round, not two; the last polls of the previous members that need one
         (:meth:`_last_poll_targets`, usually none) are sent first and taken while the members join. A
         restore (the peer tier, a checkpoint) runs between ``join`` and ``sync``: the source is known once
-        it is loaded, so ``sync`` is a round of its own."""
+        it is loaded, so ``sync`` is a round of its own and ``run`` follows it; with the peer memory tier
+        on, ``run`` follows the keepers' attachment (``attach_keeper`` reads the joined rank)."""
         chosen = self._place(chosen)
         asked = self._ask_members(self._last_poll_targets())  # taken while the members join
         self.generation += 1
@@ -452,6 +454,7 @@ class Controller(WorkerMonitor):
             if s.index not in taken:  # a member dropped by the decision goes back to READY
                 s.state = SlotState.READY
         t = self.config.timeouts
+        runs: list[tuple[Slot, Any]] | None = None
         try:
             host, port = call_members([(chosen[0], chosen[0].actor.open_store.remote(gen))], t.poll_s,
                                       "opening the rendezvous store", self.rt)[0]
@@ -461,7 +464,11 @@ class Controller(WorkerMonitor):
             src = None if resume is not None else self._sync_source(chosen)
             joins = [(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
                      for r, s in enumerate(chosen)]
-            asked = self._take_last_polls(asked)
+            asked = self._take_last_polls(asked)  # (before any run goes out: their records are the old generation's)
+            # the state source known and no peer tier to attach in between: each member's `run` goes right
+            # behind its `join` (one round of calls, not two), the join's answer its argument (_run_after)
+            pipelined = src is not None and start and not self.config.checkpoint.memory_every_steps
+            runs = self._run_after(joins) if pipelined else None
             got = call_members(joins, t.restart_grace_s, "join", self.rt)
             if src is not None:  # joined and synced in one round
                 steps = got
@@ -489,6 +496,7 @@ class Controller(WorkerMonitor):
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
+            self.stray_runs = [ref for _, ref in runs or ()]  # drained by the recovery (_drain_runs), not judged
             self._take_last_polls(asked)  # before _detect_dead polls again: a slot's records stay in order
             # charged to the member whose part failed (its own error quoted), not to whoever comes first
             if isinstance(e, MemberCallFailed):
@@ -528,9 +536,22 @@ class Controller(WorkerMonitor):
             except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "
                                  f"generation {gen} failed: {describe_remote_error(e)}")
-        self.run_refs = {s.actor.run.remote(self.config.train.steps): s for s in chosen}
+        if runs is None:
+            runs = [(s, s.actor.run.remote(self.config.train.steps)) for s in chosen]
+        self.run_refs = {ref: s for s, ref in runs}
         self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
         return True
+
+    def _run_after(self, joins: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
+        """Each member's ``run``, sent before its ``join`` answered, with that join's ref as argument: Ray
+        runs a call only once its arguments are there, so a run never starts before its own join returned,
+        and a failed join fails its run with the join's error without running it (nothing hangs). Not an
+        ordering inside the worker: Ray does not order a threaded actor's calls (a join whose arguments go
+        through the object store was overtaken by the run sent after it, 14 times in 20), and both share the
+        worker's one state thread, so a run waiting there for its join would hold the thread the join
+        needs. A formation that fails drops these calls: a member whose join did return runs into the
+        broken group (a dead peer's closed sockets), and its next join waits on its state thread for it."""
+        return [(s, s.actor.run.remote(self.config.train.steps, ref)) for s, ref in joins]
 
     def _take_last_polls(self, asked: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
         """Take the previous members' last polls (:meth:`_ask_members`) and keep the steps only some

@@ -94,6 +94,7 @@ class WorkerMonitor:
     reporter: Slot | None = None  # None: every member reports every step (counted by the ledger)
     sweep: Sequence[Slot] = ()
     sweep_next = 0
+    stray_runs: Sequence[Any] = ()  # the ``run`` calls of a formation that failed (drained, never judged)
     known_step = 0  # the newest step a member of this generation reported (polls, run results)
     stragglers_due = False
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
@@ -457,7 +458,12 @@ class WorkerMonitor:
 
     def _drain_runs(self, timeout: float) -> None:
         """Wait for every member's ``run`` to return and take their last records; a member that does not
-        return is recorded as hung (handled by the next recovery iteration)."""
+        return is recorded as hung (handled by the next recovery iteration). The runs of a formation that
+        failed (``stray_runs``: sent behind their joins) are waited for as long and taken, not judged: the
+        joins' outcomes named the failure, and Ray logs a failed call never taken as an unhandled error."""
+        if self.stray_runs:
+            stray, self.stray_runs = list(self.stray_runs), ()
+            get_each(self.rt, self.rt.wait(stray, num_returns=len(stray), timeout=timeout)[0])
         if not self.run_refs:
             return
         # only the calls not seen ending yet are waited for (usually none: a failed step ends them all,

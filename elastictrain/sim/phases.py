@@ -3,7 +3,8 @@ to the SIGKILL: when the victim's process ended (its pidfd, read by a thread tha
 polling), when Ray's own notice of the death failed its ``run`` call (a thread in ``ray.wait`` on that one
 call), when the controller's run watch first returned ended calls and what they were, and the
 controller's own steps (its state changes and decision lines, a timer around its recovery methods with
-the driver thread's CPU in each, and when each round of calls -- ``open_store``, ``join`` -- was answered).
+the driver thread's CPU in each, and when each round of calls -- ``open_store``, ``join`` -- was answered;
+``_run_after``: the runs sent right behind the joins).
 
 Measurement only: the controller runs unchanged; the timer wraps a few of its methods on the instance and
 the controller module's ``call_members`` until :meth:`Phases.close`. Marks stop at the first step the
@@ -25,7 +26,7 @@ import ray
 # the controller's recovery methods timed (their start and end), in the order they run
 TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "_check_drains", "_kill_failed",
          "_drain_runs", "_poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
-         "_take_last_polls")
+         "_take_last_polls", "_run_after")
 LINES = {"-> RECOVERING": "state_recovering", "recovery source:": "decision", "-> RUNNING": "state_running"}
 
 

@@ -149,6 +149,9 @@ class SimActor:
         self.hub: Hub | None = None
         self.conn: socket.socket | None = None
         self.send_lock = threading.Lock()
+        # join, sync and run take turns, as on the real worker's one state thread (its STATE_GROUP): a run
+        # of a generation whose formation failed ends before the next join starts
+        self.state_lock = threading.RLock()
         self.cond = threading.Condition()
         self.view: dict[str, Any] = {}
         self.records: collections.deque = collections.deque()
@@ -181,6 +184,11 @@ class SimActor:
         """The worker's ``join`` with the layout's accumulation for the layout, and whether it was asked to
         restore (then it returns the step it holds, as ``load_peer`` would); with ``sync_src``, then
         :meth:`sync` (the worker's ``join`` does the same)."""
+        with self.state_lock:
+            return self._join(generation, rank, world_size, host, port, accum, restore, sync_src)
+
+    def _join(self, generation: int, rank: int, world_size: int, host: str, port: int, accum: int,
+              restore: bool, sync_src: int | None) -> int | None:
         self._leave()
         self.accum = accum
         self.gen, self.rank, self.world = generation, rank, world_size
@@ -232,10 +240,18 @@ class SimActor:
             return self.view[key]
 
     def sync(self, src: int) -> int:
-        self.step = self._await("held")[src]
-        return self.step
+        with self.state_lock:
+            self.step = self._await("held")[src]
+            return self.step
 
-    def run(self, target_step: int) -> dict[str, Any]:
+    def run(self, target_step: int, joined: Any = None) -> bytes:
+        """The worker's ``run``: ``joined`` is the answer of this generation's ``join`` when the controller
+        sent the run right behind it (its ref as argument: Ray starts this call only after that join
+        returned, and fails it with the join's error when the join failed)."""
+        with self.state_lock:
+            return self._run(target_step)
+
+    def _run(self, target_step: int) -> bytes:
         self.status = "running"
         self._say({"run": self.step})
         try:

@@ -171,7 +171,9 @@ class SimWorker:
         self.held = self.polled = tl.s0
         return tl.s0
 
-    def _run(self, target: int) -> SimRef:
+    def _run(self, target: int, joined: SimRef | None = None) -> SimRef:
+        if joined is not None:  # sent right behind the join, that join's call as argument: taken first, as Ray does
+            self.world._result(joined)
         tl = self.tl
         tl.running += 1
         if tl.running == len(tl.members):  # the first step's collective needs every member in the loop

@@ -268,8 +268,15 @@ class Worker:
 
     # ------------------------------------------------------------------ the loop
     @_on_state_thread
-    def run(self, target_step: int) -> bytes:
+    def run(self, target_step: int, joined: Any = None) -> bytes:
         """Run steps until ``target_step`` completed steps, a stop request, or a failure.
+
+        ``joined``: the controller passes this generation's ``join`` call (its ref) here when it sends
+        ``run`` before the join answered (``Controller._run_after``): Ray starts this call only once that
+        join returned (its value, unused, arrives here), and a failed join fails this call with the join's
+        error before it starts. The order is Ray's, not a wait in here: Ray does not order a threaded
+        actor's calls, and a run waiting on the one state thread for its join would hold the thread the
+        join needs.
 
         Returns ``{"status": done|stopped|peer_failed|error, "step": completed steps, "error": text,
         "slot": slot}`` packed (:mod:`elastictrain.run_result`: at a failed step the controller takes every
