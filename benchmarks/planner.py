@@ -96,20 +96,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
     if runner.uninitialized:
         runner.init_from_seed()
-    times, cpu = [], []
+    times, cpu, main = [], [], []
     for s in range(args.steps):
         if s == args.warmup:
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:  # the training peak starts here
                 f.write("5")
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         runner.run_step(False)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        main.append(time.thread_time() - m0)  # the step loop's thread; the rest is gloo's (and torch's) threads
     dist.barrier()
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
         {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
+         "other_cpu_s": statistics.median(c - m for c, m in zip(cpu[args.warmup:], main[args.warmup:])),
          "steps": times[args.warmup:], "peak": peak * 1024}))
     dist.destroy_process_group()
 
@@ -123,7 +125,8 @@ def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
     return {"step_s": ranks[0]["step_s"], "noise": step_noise(ranks[0]["steps"]),
-            "cpu_s": max(r["cpu_s"] for r in ranks), "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
+            "cpu_s": max(r["cpu_s"] for r in ranks), "other_cpu_s": max(r["other_cpu_s"] for r in ranks),
+            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -136,7 +139,7 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s",
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s", "gloo_byte_s",
             "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
@@ -199,14 +202,14 @@ def main() -> None:
     mib = 2 ** 20
     runtime = figures.get("runtime_bytes") or 0.0
     print(f"{'layout':8} {'mem pred MiB':>12} {'meas':>8} {'ratio':>6} {'-runtime':>10} {'meas':>8} {'ratio':>6} "
-          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6} {'cpu ms':>7} {'load':>5}")
+          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6} {'cpu ms':>7} {'gloo':>5} {'load':>5}")
     for name, e, got in rows:
         model_pred, model_meas = e.memory.total - e.memory.runtime, got["peak"] - runtime
         model_ratio = model_pred / model_meas if model_meas > 0 else float("nan")
         print(f"{name:8} {e.memory.total / mib:12.0f} {got['peak'] / mib:8.0f} {e.memory.total / got['peak']:6.2f} "
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
               f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
-              f"{got['cpu_s'] * 1e3:7.0f} {got['load']:5.1f}")
+              f"{got['cpu_s'] * 1e3:7.0f} {got['other_cpu_s'] * 1e3:5.0f} {got['load']:5.1f}")
     verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
                                {n: g["noise"] for n, _, g in rows})
     print("step-to-step noise (half the range of the measured steps over their median): "

@@ -462,9 +462,11 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         tiny = torch.ones(1, device=device)
         for _ in range(2):
             dist.all_reduce(big)
-        reps, t0 = 6, time.perf_counter()
+        reps, t0, cpu = 6, time.perf_counter(), []
         for _ in range(reps):
+            c0 = time.process_time()  # this process's CPU, gloo's threads included
             dist.all_reduce(big)
+            cpu.append(time.process_time() - c0)
         if gpu:
             torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / reps
@@ -477,6 +479,10 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         bw = 2 * (world - 1) / world * ALL_REDUCE_BYTES / per
         del big, tiny
         figures = {"bus_bw": bw, "latency_s": latency}
+        if not gpu:  # gloo's CPU per byte a rank moves (the ring's bus bytes), pooled over the processes
+            moved = 2 * (world - 1) / world * ALL_REDUCE_BYTES
+            byte = steady_figure(_pooled([c / moved for c in cpu]))
+            figures["gloo_byte_s"], figures["gloo_byte_how"] = byte.value, byte.reason
         # the resident peak first: the probes below build a model of the job's width
         figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
         if probes and not gpu:
@@ -602,8 +608,10 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), share)),
         "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
         "fsdp_param_s": _positive(local.get("fsdp_param_s")),  # CPU time, likewise
+        "gloo_byte_s": _positive(local.get("gloo_byte_s")),  # CPU time per byte moved, likewise
         "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
-        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param") if f"{k}_how" in local},
+        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param", "gloo_byte")
+                if f"{k}_how" in local},
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,
