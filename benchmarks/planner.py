@@ -6,7 +6,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
 
 1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
-   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
+   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth, its CPU time per byte and
+   latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
    pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op, and the CPU
    time FSDP2 adds per parameter tensor and micro-batch (a narrow cut of the model over pairs; the three from
@@ -21,7 +22,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
    Measured: the median step time on rank 0 after ``--warmup`` steps (and the median CPU time of a step,
    max over ranks: each rank's own work, which other programs' load moves little: on a loaded machine
-   compare layouts by it, not by the wall times), and the training peak of
+   compare layouts by it, not by the wall times; ``gloo``: the part of it outside the step loop's thread,
+   gloo's threads moving the bytes), and the training peak of
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
@@ -189,7 +191,9 @@ def main() -> None:
           + (f"DTensor op {figures['dtensor_op_s'] * 1e6:.0f} us, " if figures.get("dtensor_op_s") else
              "DTensor op: not measured (the default), ")
           + (f"FSDP per tensor {figures['fsdp_param_s'] * 1e6:.0f} us, " if figures.get("fsdp_param_s") else
-             "FSDP per tensor: not measured (the default), ") +
+             "FSDP per tensor: not measured (the default), ")
+          + (f"gloo CPU {figures['gloo_byte_s'] * 1e9:.2f} ns/byte, " if figures.get("gloo_byte_s") else
+             "gloo CPU per byte: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     for name, how in (figures.get("how") or {}).items():  # the samples each figure kept (calibrate.steady_figure)

@@ -18,6 +18,10 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by), the latency the one-element all-reduce's time
   per ring step; where the processes share cores, the bandwidth of 4 MiB all-reduces made between
   stretches of compute instead (a peer off its core holds up every hop of a large message's ring);
+* ``gloo_byte_s``: on CPU, the CPU time (``time.process_time``: gloo's threads included, the waits for a
+  peer not) each of those 16 MiB all-reduces costs a process, per bus byte, from every process's rounds
+  pooled (:func:`steady_figure`); no extra collective is timed for it. A wall-clock bandwidth follows the
+  load on the machine's other cores; this does not;
 * ``call_s``: what a collective call costs between stretches of compute, as a job makes them: rounds of a
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers

@@ -42,15 +42,22 @@
   ranks like compute; on GPUs only what the two together exceed the device's compute by;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
+* **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
+  rank moves (:func:`moved_bytes`, FSDP's copies in and out of its buffers with them) on the cores the
+  ranks compute on, at :attr:`Cluster.gloo_byte_s` of the process's CPU per byte (:func:`comm_cpu_s`);
+  on GPUs NCCL's work is the device's and the network's (none);
 * **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
-  processes), the step takes at least ``s`` times a rank's compute and optimizer step plus all its
-  communication (priced at what collectives get among ranks that share cores: the calibration measures
-  them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
-  others instead of stretching the step.
+  processes), the step takes at least ``s`` times a rank's host work (compute, dispatch, FSDP's hooks,
+  optimizer step) plus its data-parallel calls plus its bytes, these for the longer of their time at the
+  bandwidth collectives get among ranks that share cores (the calibration measures it so: the other
+  ranks' turns are in it, so it is counted once) and ``s`` times gloo's CPU on them (every rank's
+  gloo works on the same cores; a floor that, unlike the wall-clock bandwidth, other programs' load does
+  not move): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to
+  the others instead of stretching the step.
 
 ``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp + exposed dispatch + exposed
 FSDP host work) / (1 - bubble) + pp + exposed data-parallel + optimizer`` and ``busy = s x (compute + dispatch +
-FSDP host work + optimizer) + tp + pp + data-parallel``
+FSDP host work + optimizer) + data-parallel calls + max(tp + pp + data-parallel bytes, s x gloo's CPU)``
 only where ``s > 1`` (GPUs: the critical path).
 """
 
