@@ -26,8 +26,8 @@ from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
 # time; an assumption until `--calibrate` measures it on CPU). fsdp_param_s: FSDP2's host work per parameter
 # tensor and micro-batch (on GPUs an assumption, tens of us of Python per tensor; on CPU what `--calibrate`
 # measured over pairs of gloo processes here: 0.2 ms, 4 processes on 2 cores). gloo_byte_s: the CPU a gloo
-# process spends per byte it moves (what `--calibrate` measured here, 16 MiB all-reduces, 4 processes on 2
-# cores: 0.55 ns); GPUs: none (NCCL's work is not the host's).
+# process spends per byte it moves (what `--calibrate` measured here, 4 MiB all-reduces between computes,
+# 4 processes on 2 cores: 0.75 ns); GPUs: none (NCCL's work is not the host's).
 GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                     runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, call_s=0.0,
                     dtensor_op_s=20e-6, fsdp_param_s=20e-6, gloo_byte_s=None, optimizer_s_per_param=1e-11,
@@ -35,7 +35,7 @@ GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB
                     kind="gpu")
 CPU_DEFAULTS = dict(flops=30e9, intra_node_bw=2 * GB, inter_node_bw=1 * GB, runtime_bytes=0.45 * GIB,
                     fragmentation=0.05, overlap=0.1, latency_s=100e-6, call_s=1e-3, dtensor_op_s=30e-6,
-                    fsdp_param_s=200e-6, gloo_byte_s=5.5e-10, optimizer_s_per_param=1e-8, kind="cpu")
+                    fsdp_param_s=200e-6, gloo_byte_s=7.5e-10, optimizer_s_per_param=1e-8, kind="cpu")
 
 
 class ClusterError(ValueError):
