@@ -141,8 +141,8 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     cfg = build_config(_job(args, world, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
-    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s", "gloo_byte_s",
-            "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
+    keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s",
+            "gloo_byte_s", "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,

@@ -65,7 +65,7 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   run there).
 
 The figures go to a JSON file (with ``tp_call_cpu_s``, the CPU per TP call before ``s``, and ``how``: the
-samples each of those three figures kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
+samples each of the pooled figures kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
 """
 
