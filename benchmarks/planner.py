@@ -6,7 +6,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
 
 1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
-   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth and latency, the cost of a
+   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth, its CPU time per byte and
+   latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
    pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op, and the CPU
    time FSDP2 adds per parameter tensor and micro-batch (a narrow cut of the model over pairs; the three from
@@ -21,7 +22,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
    Measured: the median step time on rank 0 after ``--warmup`` steps (and the median CPU time of a step,
    max over ranks: each rank's own work, which other programs' load moves little: on a loaded machine
-   compare layouts by it, not by the wall times), and the training peak of
+   compare layouts by it, not by the wall times; ``gloo``: the part of it outside the step loop's thread,
+   gloo's threads moving the bytes), and the training peak of
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
@@ -96,20 +98,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
     if runner.uninitialized:
         runner.init_from_seed()
-    times, cpu = [], []
+    times, cpu, main = [], [], []
     for s in range(args.steps):
         if s == args.warmup:
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:  # the training peak starts here
                 f.write("5")
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         runner.run_step(False)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        main.append(time.thread_time() - m0)  # the step loop's thread; the rest is gloo's (and torch's) threads
     dist.barrier()
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
         {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
+         "other_cpu_s": statistics.median(c - m for c, m in zip(cpu[args.warmup:], main[args.warmup:])),
          "steps": times[args.warmup:], "peak": peak * 1024}))
     dist.destroy_process_group()
 
@@ -123,7 +127,8 @@ def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
     return {"step_s": ranks[0]["step_s"], "noise": step_noise(ranks[0]["steps"]),
-            "cpu_s": max(r["cpu_s"] for r in ranks), "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
+            "cpu_s": max(r["cpu_s"] for r in ranks), "other_cpu_s": max(r["other_cpu_s"] for r in ranks),
+            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -137,7 +142,7 @@ def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
     keys = ("flops", "intra_node_bw", "latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s",
-            "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
+            "gloo_byte_s", "optimizer_s_per_param", "runtime_bytes", "cores_per_node")
     measured = {k: figures[k] for k in keys if figures.get(k)}
     # the world's processes on this one node (more of them than cores: the model shares the cores out)
     cluster = Cluster(nodes=1, devices_per_node=world, device_memory=_memory_bytes() / world,
@@ -186,7 +191,9 @@ def main() -> None:
           + (f"DTensor op {figures['dtensor_op_s'] * 1e6:.0f} us, " if figures.get("dtensor_op_s") else
              "DTensor op: not measured (the default), ")
           + (f"FSDP per tensor {figures['fsdp_param_s'] * 1e6:.0f} us, " if figures.get("fsdp_param_s") else
-             "FSDP per tensor: not measured (the default), ") +
+             "FSDP per tensor: not measured (the default), ")
+          + (f"gloo CPU {figures['gloo_byte_s'] * 1e9:.2f} ns/byte, " if figures.get("gloo_byte_s") else
+             "gloo CPU per byte: not measured (the default), ") +
           f"optimizer {figures['optimizer_s_per_param'] * 1e9:.1f} ns/param, "
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     for name, how in (figures.get("how") or {}).items():  # the samples each figure kept (calibrate.steady_figure)
@@ -199,14 +206,14 @@ def main() -> None:
     mib = 2 ** 20
     runtime = figures.get("runtime_bytes") or 0.0
     print(f"{'layout':8} {'mem pred MiB':>12} {'meas':>8} {'ratio':>6} {'-runtime':>10} {'meas':>8} {'ratio':>6} "
-          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6} {'cpu ms':>7} {'load':>5}")
+          f"{'step pred ms':>12} {'meas':>8} {'ratio':>6} {'cpu ms':>7} {'gloo':>5} {'load':>5}")
     for name, e, got in rows:
         model_pred, model_meas = e.memory.total - e.memory.runtime, got["peak"] - runtime
         model_ratio = model_pred / model_meas if model_meas > 0 else float("nan")
         print(f"{name:8} {e.memory.total / mib:12.0f} {got['peak'] / mib:8.0f} {e.memory.total / got['peak']:6.2f} "
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
               f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
-              f"{got['cpu_s'] * 1e3:7.0f} {got['load']:5.1f}")
+              f"{got['cpu_s'] * 1e3:7.0f} {got['other_cpu_s'] * 1e3:5.0f} {got['load']:5.1f}")
     verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
                                {n: g["noise"] for n, _, g in rows})
     print("step-to-step noise (half the range of the measured steps over their median): "

@@ -74,6 +74,7 @@ def test_json_is_ranked_best_first_with_the_documented_keys(monkeypatch):
     fitting = [r["step_time_s"] for r in rows if r["fits"]]
     assert fitting == sorted(fitting) and len(fitting) == len(rows)
     assert {r["pp"] for r in rows} >= {1, 2, 4}  # pipelines are priced
+    assert all(r["comm_cpu_s"] == 0.0 for r in rows)  # GPUs: NCCL's bytes are no host work
 
 
 def test_a_model_that_does_not_fit_anywhere_is_refused_with_its_shortfall(monkeypatch):
@@ -113,8 +114,8 @@ def test_calibrated_figures_are_what_the_plan_prices_with(readme_run, monkeypatc
     assert figures["optimizer_s_per_param"] > 0 and figures["latency_s"] > 0
     assert "call_s" in figures and (figures["call_s"] is None or figures["call_s"] > 0)  # None: lost in the load
     # tensor parallel's prices: a DTensor redistribution between computes, DTensor's dispatch per op (CPU time);
-    # FSDP2's host work per parameter tensor and micro-batch (CPU time)
-    for key in ("tp_call_s", "dtensor_op_s", "fsdp_param_s"):
+    # FSDP2's host work per parameter tensor and micro-batch (CPU time); gloo's CPU per byte moved
+    for key in ("tp_call_s", "dtensor_op_s", "fsdp_param_s", "gloo_byte_s"):
         assert key in figures and (figures[key] is None or figures[key] > 0), (key, figures.get(key))
     # a job naming the file prices with it: halving the measured matmul rate doubles the compute time
     (tmp_path / "slow.json").write_text(json.dumps(dict(figures, flops=figures["flops"] / 2)))

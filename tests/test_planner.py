@@ -460,3 +460,58 @@ def test_ranking_ties_are_layouts_measured_within_their_step_to_step_noise():
     # in order: matches with no excuse needed
     v = compare_rankings(measured, measured, {})
     assert v.matches and v.reason == "the same order" and v.ties == ()
+
+
+def test_gloos_cpu_per_byte_is_every_ranks_host_work_on_shared_cores():
+    """On CPU gloo's threads copy, send, receive and reduce a collective's bytes on the cores the ranks
+    compute on: with 4 ranks on 2 cores the node does every rank's share of that work (gloo_byte_s per byte a
+    rank moves, :func:`moved_bytes`), and the bytes hold it for the longer of that and the contended wall
+    price they had before (which already holds the other ranks' turns: never both). With cores of their
+    own, on GPUs (NCCL), or without the figure: priced as before. The old model priced the bytes once at the
+    contended bandwidth whatever the CPU their processes spend on them."""
+    from elastictrain.planner.memory import stage_params
+    from elastictrain.planner.steptime import comm_cpu_s, moved_bytes
+
+    train = Training(global_batch=16, micro_batch=4)
+    two_d, ddp = Candidate(dp_shard=2, tp=2, micro_batch=4), Candidate(dp_replicate=4, micro_batch=4)
+    fast = Cluster(**{**CPU4, "intra_node_bw": 1e12}, cores_per_node=2)  # the wire alone: nearly free
+    moved = moved_bytes(SMALL, train, fast, two_d)
+    assert set(moved) == {"tp", "pp", "dp_shard", "dp_replicate"} and moved["tp"] > 0 and moved["dp_shard"] > 0
+    t0 = step_time(SMALL, train, fast, two_d)
+    assert t0.tp_s == pytest.approx(moved["tp"] / 1e12)  # seconds on a link: its bytes over its bandwidth
+    # DDP: one ring all-reduce of the rank's gradients, 2 (N-1)/N of their bytes
+    grads = stage_params(SMALL, ddp) * 4
+    assert sum(moved_bytes(SMALL, train, fast, ddp).values()) == pytest.approx(2 * 3 / 4 * grads)
+    cpu = dataclasses.replace(fast, gloo_byte_s=1e-9)
+    t = step_time(SMALL, train, cpu, two_d)
+    assert t.comm_cpu_s == pytest.approx(sum(moved.values()) * 1e-9) == pytest.approx(comm_cpu_s(moved, cpu))
+    work = t.compute_s + t.dispatch_s + t.fsdp_host_s + t.optimizer_s
+    assert t.busy_s == pytest.approx(2 * (work + t.comm_cpu_s) + t.dp_calls_s)
+    assert t.total_s - t0.total_s == pytest.approx(2 * t.comm_cpu_s - (t0.busy_s - 2 * work - t0.dp_calls_s))
+    # a quarter of the cores: each core's ranks double, and so does the bytes' CPU on it
+    quarter = dataclasses.replace(cpu, cores_per_node=1)
+    assert step_time(SMALL, train, quarter, two_d).busy_s - 4 * work == pytest.approx(
+        4 * t.comm_cpu_s + t.dp_calls_s)
+    # where the contended wall price is the longer, it stands alone: the CPU is in it, not added to it
+    slow = Cluster(**{**CPU4, "intra_node_bw": 1e8}, cores_per_node=2)
+    assert step_time(SMALL, train, dataclasses.replace(slow, gloo_byte_s=1e-9), two_d).total_s == \
+        pytest.approx(step_time(SMALL, train, slow, two_d).total_s)
+    # a core each: the critical path as before
+    own = Cluster(**CPU4, cores_per_node=4)
+    assert step_time(SMALL, train, dataclasses.replace(own, gloo_byte_s=1e-9), two_d).total_s == \
+        step_time(SMALL, train, own, two_d).total_s
+    # GPUs: NCCL's work is the device's and the network's, not the host's
+    gpu = Cluster(nodes=1, devices_per_node=4, **H100)
+    priced = step_time(SMALL, train, dataclasses.replace(gpu, gloo_byte_s=1e-9), two_d)
+    assert priced.comm_cpu_s == 0.0 and priced.total_s == step_time(SMALL, train, gpu, two_d).total_s
+
+
+def test_a_calibration_files_gloo_cpu_per_byte_is_what_the_cluster_prices_with(tmp_path):
+    from elastictrain.planner.cluster import CPU_DEFAULTS, GPU_DEFAULTS, with_calibration
+
+    base = Cluster(nodes=1, devices_per_node=4, device_memory=8 * GIB, **CPU_DEFAULTS, cores_per_node=2)
+    assert base.gloo_byte_s and GPU_DEFAULTS["gloo_byte_s"] is None
+    (tmp_path / "cal.json").write_text('{"gloo_byte_s": 7e-10}')
+    assert with_calibration(base, tmp_path / "cal.json").gloo_byte_s == 7e-10
+    with pytest.raises(Exception, match="gloo_byte_s must be a number >= 0"):
+        dataclasses.replace(base, gloo_byte_s=-1.0)

@@ -18,6 +18,10 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by), the latency the one-element all-reduce's time
   per ring step; where the processes share cores, the bandwidth of 4 MiB all-reduces made between
   stretches of compute instead (a peer off its core holds up every hop of a large message's ring);
+* ``gloo_byte_s``: on CPU, the CPU time (``time.process_time``: gloo's threads included, the waits for a
+  peer not) those 4 MiB all-reduces between stretches of compute cost a process beyond the compute, per
+  bus byte, from every process's rounds pooled (:func:`steady_figure`); the same rounds, nothing extra is
+  timed for it. A wall-clock bandwidth follows the load on the machine's other cores; this does not;
 * ``call_s``: what a collective call costs between stretches of compute, as a job makes them: rounds of a
   few milliseconds of matmuls per process with and without a one-element all-reduce after each (the
   median difference, less the ring steps' latency): where processes share cores, the wait for the peers
@@ -61,7 +65,7 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   run there).
 
 The figures go to a JSON file (with ``tp_call_cpu_s``, the CPU per TP call before ``s``, and ``how``: the
-samples each of those three figures kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
+samples each of the pooled figures kept) that ``parallel.calibration: PATH`` names (``elastictrain plan`` and
 ``parallel.plan: auto`` read it: :func:`.cluster.with_calibration`).
 """
 
@@ -214,33 +218,41 @@ def tp_call_price(cpu_per_call: float | None, share: float) -> float | None:
 CONTENDED_BYTES = 4 << 20
 
 
-def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float | None]:
-    """``(seconds per call, bus bandwidth)`` of all-reduces made between stretches of compute (a few ms of
-    matmuls; module docstring: ``call_s``): one element, then :data:`CONTENDED_BYTES`, each against the
-    compute alone. Where processes share cores this is what a job's collectives get: a peer may be off
-    its core, and a large message waits on every hop of its ring. ``(None, None)`` when the differences
-    drown in the noise of other work on the machine."""
+def contended_figures(world: int, reps: int = 10) -> tuple[float | None, float | None, Steady]:
+    """``(seconds per call, bus bandwidth, CPU per bus byte)`` of all-reduces made between stretches of
+    compute (a few ms of matmuls; module docstring: ``call_s``): one element, then :data:`CONTENDED_BYTES`,
+    each against the compute alone. Where processes share cores this is what a job's collectives get: a
+    peer may be off its core, and a large message waits on every hop of its ring. The first two ``None``
+    when the differences drown in the noise of other work on the machine. The CPU per byte
+    (``gloo_byte_s``): the same rounds in the process's CPU time (gloo's threads included), the large
+    all-reduces' less the compute's, per byte, pooled over the processes (:func:`steady_figure`; every
+    process calls this at once)."""
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     tiny, big = torch.ones(1), torch.ones(CONTENDED_BYTES // 4)
+    cpu: dict[int, list[float]] = {0: [], CONTENDED_BYTES: []}
 
     def loop(t: torch.Tensor | None) -> Any:
         def run() -> None:
+            c0 = time.process_time()
             for _ in range(reps):
                 for _ in range(16):
                     a @ b
                 if t is not None:
                     dist.all_reduce(t)
+            if t is None or t is big:
+                cpu[0 if t is None else CONTENDED_BYTES].append(time.process_time() - c0)
         return run
 
     call, big_s = (d / reps for d in _timed_rounds(loop(None), loop(tiny), loop(big)))
-    if big_s <= 0 or call <= 0:  # lost in the noise of other work on the machine: not measured
-        return None, None
     moved = 2 * (world - 1) / world * CONTENDED_BYTES
+    byte = steady_figure(_pooled([(c - c_base) / (reps * moved) for c_base, c in zip(cpu[0], cpu[CONTENDED_BYTES])]))
+    if big_s <= 0 or call <= 0:  # lost in the noise of other work on the machine: not measured
+        return None, None, byte
     # the bytes' share of a large call (at least half of it: two noisy differences must not leave ~0)
-    return call, moved / max(big_s - call, big_s / 2)
+    return call, moved / max(big_s - call, big_s / 2), byte
 
 
 TP_ROUNDS = 12  # per process, pooled over the processes (steady_figure)
@@ -480,7 +492,8 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
         # the resident peak first: the probes below build a model of the job's width
         figures["rss_bytes"] = runtime_probe(job, rank, world) if job is not None and not gpu else _rss_bytes()
         if probes and not gpu:
-            call, figures["contended_bw"] = contended_figures(world)
+            call, figures["contended_bw"], byte = contended_figures(world)
+            figures["gloo_byte_s"], figures["gloo_byte_how"] = byte.value, byte.reason
             figures["call_s"] = None if call is None else max(0.0, call - 2 * (world - 1) * latency)
             tp_call = tp_call_figure(rank, world)
             figures["tp_call_cpu_s"], figures["tp_call_how"] = tp_call.value, tp_call.reason
@@ -602,8 +615,11 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "tp_call_s": _positive(tp_call_price(local.get("tp_call_cpu_s"), share)),
         "dtensor_op_s": _positive(local.get("dtensor_op_s")),  # CPU time: the model shares it out itself
         "fsdp_param_s": _positive(local.get("fsdp_param_s")),  # CPU time, likewise
+        # CPU time per byte moved, likewise (a fraction of a ns: not floored at _positive's 1 ns)
+        "gloo_byte_s": local.get("gloo_byte_s") if (local.get("gloo_byte_s") or 0) > 0 else None,
         "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
-        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param") if f"{k}_how" in local},
+        "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param", "gloo_byte")
+                if f"{k}_how" in local},
         "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,

@@ -25,14 +25,17 @@ from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
 # dtensor_op_s: DTensor's dispatch of one op (its C++ fast path with a cached sharding, tens of us of host
 # time; an assumption until `--calibrate` measures it on CPU). fsdp_param_s: FSDP2's host work per parameter
 # tensor and micro-batch (on GPUs an assumption, tens of us of Python per tensor; on CPU what `--calibrate`
-# measured over pairs of gloo processes here: 0.2 ms, 4 processes on 2 cores).
+# measured over pairs of gloo processes here: 0.2 ms, 4 processes on 2 cores). gloo_byte_s: the CPU a gloo
+# process spends per byte it moves (what `--calibrate` measured here, 4 MiB all-reduces between computes,
+# 4 processes on 2 cores: 0.75 ns); GPUs: none (NCCL's work is not the host's).
 GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                     runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, call_s=0.0,
-                    dtensor_op_s=20e-6, fsdp_param_s=20e-6, optimizer_s_per_param=1e-11, cores_per_node=None,
+                    dtensor_op_s=20e-6, fsdp_param_s=20e-6, gloo_byte_s=None, optimizer_s_per_param=1e-11,
+                    cores_per_node=None,
                     kind="gpu")
 CPU_DEFAULTS = dict(flops=30e9, intra_node_bw=2 * GB, inter_node_bw=1 * GB, runtime_bytes=0.45 * GIB,
                     fragmentation=0.05, overlap=0.1, latency_s=100e-6, call_s=1e-3, dtensor_op_s=30e-6,
-                    fsdp_param_s=200e-6, optimizer_s_per_param=1e-8, kind="cpu")
+                    fsdp_param_s=200e-6, gloo_byte_s=7.5e-10, optimizer_s_per_param=1e-8, kind="cpu")
 
 
 class ClusterError(ValueError):
@@ -120,7 +123,7 @@ def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | 
 
 
 CALIBRATED = ("flops", "intra_node_bw", "inter_node_bw", "runtime_bytes", "latency_s", "device_memory", "call_s",
-              "tp_call_s", "dtensor_op_s", "fsdp_param_s", "optimizer_s_per_param", "cores_per_node")
+              "tp_call_s", "dtensor_op_s", "fsdp_param_s", "gloo_byte_s", "optimizer_s_per_param", "cores_per_node")
 
 
 def with_calibration(base: Cluster, path: str | Path) -> Cluster:

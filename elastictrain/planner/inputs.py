@@ -137,6 +137,9 @@ class Cluster:
     CPU work on the host, which a GPU's kernels hide only up to their own time, :mod:`.steptime`);
     ``fsdp_param_s`` the host time FSDP2 adds per parameter tensor and micro-batch (its hooks' bookkeeping and
     its collectives' issue, apart from the bytes: :mod:`.steptime`), hidden on GPUs like the dispatch;
+    ``gloo_byte_s`` on CPU the CPU time a rank's process (gloo's threads included) spends per byte it moves
+    in a collective, host work that ranks sharing cores share out like compute (None: the bytes are priced
+    at the bandwidths only; ignored on GPUs);
     ``optimizer_s_per_param`` the optimizer step's (and gradient clipping's) time per local parameter;
     ``cores_per_node`` what a node's ranks compute on, in ranks' worth (CPU cores over the threads of one
     worker; None: each device computes on its own, as GPUs do): when a node runs more ranks than that, they
@@ -156,6 +159,7 @@ class Cluster:
     tp_call_s: float | None = None
     dtensor_op_s: float = 0.0
     fsdp_param_s: float = 0.0
+    gloo_byte_s: float | None = None
     optimizer_s_per_param: float = 0.0
     cores_per_node: float | None = None
     kind: str = "gpu"
@@ -167,9 +171,10 @@ class Cluster:
                   inter_node_bw=self.inter_node_bw)
         if self.cores_per_node is not None:
             _positive("cluster", cores_per_node=self.cores_per_node)
-        for name in ("latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s", "optimizer_s_per_param"):
+        for name in ("latency_s", "call_s", "tp_call_s", "dtensor_op_s", "fsdp_param_s", "gloo_byte_s",
+                     "optimizer_s_per_param"):
             value = getattr(self, name)
-            if value is None and name == "tp_call_s":
+            if value is None and name in ("tp_call_s", "gloo_byte_s"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise PlannerInputError(f"cluster.{name} must be a number >= 0, got {value!r}")

@@ -72,7 +72,8 @@ class Estimate:
             "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s, "optimizer_s": t.optimizer_s,
             "collective_calls": t.calls, "calls_s": t.calls_s, "dispatch_s": t.dispatch_s,
             "dispatch_exposed_s": t.dispatch_exposed_s, "fsdp_host_s": t.fsdp_host_s,
-            "fsdp_host_exposed_s": t.fsdp_host_exposed_s, "core_share": t.share, "runnable": self.runnable,
+            "fsdp_host_exposed_s": t.fsdp_host_exposed_s, "comm_cpu_s": t.comm_cpu_s, "core_share": t.share,
+            "runnable": self.runnable,
         }
 
 

@@ -42,15 +42,22 @@
   ranks like compute; on GPUs only what the two together exceed the device's compute by;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
+* **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
+  rank moves (:func:`moved_bytes`, FSDP's copies in and out of its buffers with them) on the cores the
+  ranks compute on, at :attr:`Cluster.gloo_byte_s` of the process's CPU per byte (:func:`comm_cpu_s`);
+  on GPUs NCCL's work is the device's and the network's (none);
 * **shared cores**: where a node runs more ranks than it has cores (:meth:`Cluster.share` ``s > 1``: CPU
-  processes), the step takes at least ``s`` times a rank's compute and optimizer step plus all its
-  communication (priced at what collectives get among ranks that share cores: the calibration measures
-  them so): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to the
-  others instead of stretching the step.
+  processes), the step takes at least ``s`` times a rank's host work (compute, dispatch, FSDP's hooks,
+  optimizer step) plus its data-parallel calls plus its bytes, these for the longer of their time at the
+  bandwidth collectives get among ranks that share cores (the calibration measures it so: the other
+  ranks' turns are in it, so it is counted once) and ``s`` times gloo's CPU on them (every rank's
+  gloo works on the same cores; a floor that, unlike the wall-clock bandwidth, other programs' load does
+  not move): the cores are the bottleneck, and a rank idle in the pipeline's bubble lends its core to
+  the others instead of stretching the step.
 
 ``total = max(critical path, busy) + calls`` with ``critical path = (compute + tp + exposed dispatch + exposed
 FSDP host work) / (1 - bubble) + pp + exposed data-parallel + optimizer`` and ``busy = s x (compute + dispatch +
-FSDP host work + optimizer) + tp + pp + data-parallel``
+FSDP host work + optimizer) + data-parallel calls + max(tp + pp + data-parallel bytes, s x gloo's CPU)``
 only where ``s > 1`` (GPUs: the critical path).
 """
 
@@ -85,6 +92,8 @@ class StepTime:
     fsdp_host_s: float = 0.0          # FSDP2's host work per parameter tensor and micro-batch, per step
     fsdp_host_exposed_s: float = 0.0  # the part on the critical path (CPU: all; GPU: with the dispatch, beyond
     # compute)
+    comm_cpu_s: float = 0.0  # CPU: gloo's host work moving the rank's bytes (Cluster.gloo_byte_s; 0: not priced)
+    dp_calls_s: float = 0.0  # the data-parallel calls' fixed costs (in dp_s)
 
     @property
     def comm_s(self) -> float:
@@ -104,13 +113,17 @@ class StepTime:
 
     @property
     def busy_s(self) -> float:
-        """``share x`` a rank's compute and optimizer step, plus all its communication (priced at what a
-        collective gets among ranks that share the cores: the calibration measures it so): what the node
-        needs when ranks share its cores (0 when they do not)."""
+        """What the node needs when ranks share its cores (0 when they do not): ``share x`` a rank's host
+        work (compute, dispatch, FSDP's hooks, the optimizer step), plus its data-parallel calls' fixed costs,
+        plus its bytes for the longer of what they take at the bandwidth a collective gets among ranks that
+        share the cores (the calibration measures it so: once, the other ranks' turns are in it) and
+        ``share x`` the CPU its process spends on them (:attr:`comm_cpu_s`: every rank's gloo works on the
+        same cores; 0 where not priced)."""
         if self.share <= 1:
             return 0.0
         work = self.compute_s + self.dispatch_s + self.fsdp_host_s + self.optimizer_s
-        return self.share * work + self.tp_s + self.pp_s + self.dp_s
+        wire = self.tp_s + self.pp_s + self.dp_s - self.dp_calls_s
+        return self.share * work + self.dp_calls_s + max(wire, self.share * self.comm_cpu_s)
 
     @property
     def total_s(self) -> float:
@@ -252,33 +265,54 @@ def _grad_bytes(train: Training) -> int:
     return 4 if train.precision == "fsdp_bf16" else PRECISIONS[train.precision][1]
 
 
+def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> dict[str, float]:
+    """Bytes one step moves on the worst rank, per group (``tp``, ``pp``, ``dp_shard``, ``dp_replicate``),
+    as :mod:`.comm` prices them (a ring's bus bytes: ``2 (N-1)/N`` of an all-reduce's, ``(N-1)/N`` of a
+    gather's; a send's once; on CPU FSDP's copies into and out of its unsharded buffers too: module
+    docstring). Seconds on a link are these over its bandwidth."""
+    m, blocks = microbatches(train, c), math.ceil(model.layers / c.pp)
+    act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
+    moved = dict(tp=(6 if c.activation_checkpointing else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m,
+                 pp=0.0, dp_shard=0.0)
+    if c.pp > 1:
+        send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
+        moved["pp"] = 2 * m * c.stages_per_rank * comm.p2p_s(send, 1.0)
+    n = stage_params(model, c) / c.tp
+    grad_bytes = n * _grad_bytes(train)
+    reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
+    if c.dp_shard > 1:
+        gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
+        moved["dp_shard"] = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, 1.0)
+                                 + reduce_scatter(grad_bytes, c.dp_shard, 1.0))
+        if cluster.kind == "cpu":  # copy-out of each gathered block, copy-in of each reduction's input:
+            # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
+            moved["dp_shard"] += m * (gathers * n * train.compute_param_bytes + grad_bytes)
+    moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, 1.0)
+    return moved
+
+
+def comm_cpu_s(moved: dict[str, float], cluster: Cluster) -> float:
+    """gloo's host work for ``moved`` bytes (:func:`moved_bytes`) on a CPU cluster: every byte a rank moves
+    costs its process :attr:`Cluster.gloo_byte_s` of CPU (gloo's threads copy, send, receive and reduce it on
+    the cores the ranks compute on). 0 on GPUs (NCCL's work is the device's and the network's) and where the
+    figure is not known (the bandwidths price the bytes alone)."""
+    if cluster.kind != "cpu" or not cluster.gloo_byte_s:
+        return 0.0
+    return sum(moved.values()) * cluster.gloo_byte_s
+
+
 def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> StepTime:
     """The step time of candidate ``c`` (module docstring)."""
     m = microbatches(train, c)
     compute = step_flops(model, train, c) / cluster.flops
     links = comm.group_links(cluster, c)
-    blocks = math.ceil(model.layers / c.pp)
-    act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
-    per_block = (6 if c.activation_checkpointing else 4) * comm.all_reduce_s(act, c.tp, links["tp"])
-    tp_s = per_block * blocks * m
-    pp_s = 0.0
-    if c.pp > 1:
-        send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
-        pp_s = 2 * m * c.stages_per_rank * comm.p2p_s(send, links["pp"])
+    moved = moved_bytes(model, train, cluster, c)
+    tp_s, pp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"]
+    fsdp, final = moved["dp_shard"] / links["dp_shard"], moved["dp_replicate"] / links["dp_replicate"]
     n = stage_params(model, c) / c.tp
-    grad_bytes = n * _grad_bytes(train)
-    reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
-    fsdp = 0.0
-    if c.dp_shard > 1:
-        gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
-        fsdp = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, links["dp_shard"])
-                    + reduce_scatter(grad_bytes, c.dp_shard, links["dp_shard"]))
-        if cluster.kind == "cpu":  # copy-out of each gathered block, copy-in of each reduction's input:
-            # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
-            fsdp += m * (gathers * n * train.compute_param_bytes + grad_bytes) / links["dp_shard"]
-    final = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, links["dp_replicate"])
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
+    dp_calls = calls.cost_s(cluster, "fsdp", "replicate")
     fsdp += calls.cost_s(cluster, "fsdp")
     final += calls.cost_s(cluster, "replicate")
     hide = cluster.overlap
@@ -292,4 +326,5 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
                     fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
                     calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
                     share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed,
-                    fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed)
+                    fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed,
+                    comm_cpu_s=comm_cpu_s(moved, cluster), dp_calls_s=dp_calls)
