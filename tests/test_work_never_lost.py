@@ -300,16 +300,24 @@ def test_a_snapshot_replaced_before_it_was_sent_is_reported(ray_local):
 
 def test_budget_evictions_are_events_that_say_the_bound_breaks(tmp_path, ray_local):
     """One worker, a keeper budget that holds one snapshot but not two: every snapshot after the first
-    evicts the one before. Each eviction is a ``memory_snapshot_dropped`` event with ``bound_holds: false``."""
+    evicts the one before. Each eviction is a ``memory_snapshot_dropped`` event with ``bound_holds: false``.
+
+    Steps are half a second longer (no number changes) so that each snapshot is sent before the next is
+    taken; on a machine too loaded for that, the one not sent in time is a ``replaced_unsent`` drop (its
+    own event, tested above) and the eviction falls on the next: every snapshot but the last is dropped
+    either way, at least one by eviction."""
     from elastictrain.task import builtin_task
 
-    spec = job(train={"steps": 6}, workers={"min": 1, "max": 1}, checkpoint={"memory_every_steps": 2})
+    slow = [{"rank": 0, "step": 1, "kind": "slow", "seconds": 0.5, "generation": None}]
+    spec = job(train={"steps": 6}, workers={"min": 1, "max": 1}, checkpoint={"memory_every_steps": 2},
+               faults=slow)
     params = sum(p.numel() * p.element_size() for p in builtin_task(build_config(spec)).model_fn().parameters())
     # a snapshot holds the parameters and Adam's two moments: ~3x; the budget fits one, not two
     spec["checkpoint"]["memory_budget_gib"] = 4 * params / 2**30
     run = run_job(tmp_path, spec)
     assert run.result.exit_code == 0 and not run.of("memory_snapshot_rejected"), run.of("memory_snapshot_rejected")
     dropped = run.of("memory_snapshot_dropped")
-    assert [(e["step"], e["cause"], e["bound_holds"]) for e in dropped] == [(2, "evicted", False),
-                                                                              (4, "evicted", False)], dropped
-    assert "memory_budget_gib" in dropped[0]["reason"]
+    assert sorted(e["step"] for e in dropped) == [2, 4], dropped
+    assert all(e["cause"] in ("evicted", "replaced_unsent") and e["bound_holds"] is False for e in dropped), dropped
+    evicted = [e for e in dropped if e["cause"] == "evicted"]
+    assert evicted and all("memory_budget_gib" in e["reason"] for e in evicted), dropped
