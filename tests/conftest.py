@@ -15,6 +15,7 @@ import ray
 from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.trainer import local_ray_system_config
+from tests import durations
 
 # Ray's log monitor globs its session's log directory every 0.1 s while it watches fewer files than this, and
 # every 0.5 s past it (ray/_private/log_monitor.py). A session's Ray gathers hundreds of worker logs, which no
@@ -94,9 +95,10 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
 
     Under xdist every module is one unit of work, sent whole to one process (its module-scoped runs are
     made once), and the tests above are one unit (their Ray is started once). A process takes the next
-    unit when it runs out; the order of the units is: that one unit first (the longest: minutes), then the
-    modules whose tests run on a Ray or start one (``slow``; tens of seconds each), then the rest (seconds), so
-    the last units to start are short ones and both processes finish together."""
+    unit when it runs out; the units go out longest first (the seconds tests/durations.json recorded; one
+    not recorded counts as 30 s when its tests run on a Ray or start one, ``slow``, else 1 s): that one unit
+    first (minutes), then the modules by their time, so the last units to start are short ones and both
+    processes finish together. (In file order a 100 s module came last and ran alone for half a minute.)"""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
         names = ("cluster", "cluster_2x2")
@@ -115,10 +117,18 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
         return
     heavy = {item.path for item in items
              if "ray_local" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (id(item) not in alone, item.path not in heavy,
+    recorded = durations.load()
+
+    def unit(item: Any) -> str:
+        return "own-ray" if id(item) in alone else item.nodeid.split("::")[0]
+
+    def seconds(item: Any) -> float:  # a unit not recorded yet: a guess by its kind
+        return recorded.get(unit(item), 30.0 if item.path in heavy else 1.0)
+
+    items.sort(key=lambda item: (id(item) not in alone, -seconds(item), unit(item),
                                  not on_cluster(item), own_ray(item), shared_cluster(item)))
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("own-ray" if id(item) in alone else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
