@@ -2,7 +2,8 @@
 layout that runs here, after calibration (issue 24).
 
 Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-model 384] [--seq-len 128]
-[--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--calibration FILE | --save-calibration FILE]``
+[--world 4] [--layouts ddp,fsdp,hsdp,pp2,tp2,tp2xdp2] [--rounds 3] [--calibration FILE | --save-calibration
+FILE]``
 
 1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
    with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
@@ -20,20 +21,26 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
    ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``), ``tp2`` (tensor parallel 2 with
    sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
-   Measured: the median step time on rank 0 after ``--warmup`` steps (and the median CPU time of a step,
+   The layouts are measured in turns, ``--rounds`` times (A, B, ..., then A, B, ... again, each round
+   starting one layout later): the same work costs this VM up to ~12% more CPU in one run than in the next,
+   more than one run's steps spread, so one pass would rank the machine's drift.
+   Measured per round: the median step time on rank 0 after ``--warmup`` steps (and the median CPU time of a step,
    max over ranks: each rank's own work, which other programs' load moves little: on a loaded machine
    compare layouts by it, not by the wall times; ``gloo``: the part of it outside the step loop's thread,
    gloo's threads moving the bytes), and the training peak of
    resident memory (``VmHWM`` after the warm-up, max over ranks), and both less the calibrated runtime
    bytes (what a worker of the job holds besides the model: the part the planner does not model itself).
+   Over the rounds (:func:`elastictrain.planner.accuracy.over_rounds`): the median of the rounds' medians,
+   the CPU's median, the largest peak.
 3. Printed side by side with the planner's prediction (:func:`elastictrain.planner.evaluate` of the same
    candidate on the calibrated one-node cluster of ``--world`` processes over this machine's cores, which
    they share when more: ``Cluster.cores_per_node``): each ratio predicted / measured, and whether the ranking
    by predicted step time is the measured one (targets of the issue: memory within 10%, step time within
    20% on a CPU machine, the same ranking). Tie rule (:mod:`elastictrain.planner.accuracy`): a layout's
-   noise is half the range of its measured steps (rank 0) over their median; two layouts measured closer
+   noise is the larger of half the range of its measured steps (rank 0) over their median (the median over
+   rounds) and half the range of its rounds' medians over their median; two layouts measured closer
    than the larger of their noises are tied, and a predicted order between them is not a mismatch; the
-   benchmark prints each layout's noise and every tied pair with its gap and tolerance.
+   benchmark prints each layout's noise, its rounds' medians and every tied pair with its gap and tolerance.
 
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
@@ -119,16 +126,39 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
 
 
 def measure(layout: str, world: int, args: argparse.Namespace, out: str) -> dict:
+    """One round of ``layout``: ``world`` spawned processes, the figures of rank 0's steps and every rank's."""
     import torch.multiprocessing as mp
 
-    from elastictrain.planner.accuracy import step_noise
     from elastictrain.planner.calibrate import _free_port
 
     mp.start_processes(_worker, args=(world, _free_port(), args, layout, out), nprocs=world, start_method="spawn")
     ranks = [json.loads(Path(out, f"{layout}.{r}").read_text()) for r in range(world)]
-    return {"step_s": ranks[0]["step_s"], "noise": step_noise(ranks[0]["steps"]),
-            "cpu_s": max(r["cpu_s"] for r in ranks), "other_cpu_s": max(r["other_cpu_s"] for r in ranks),
-            "peak": max(r["peak"] for r in ranks), "load": os.getloadavg()[0]}
+    return {"steps": ranks[0]["steps"], "cpu_s": max(r["cpu_s"] for r in ranks),
+            "other_cpu_s": max(r["other_cpu_s"] for r in ranks), "peak": max(r["peak"] for r in ranks),
+            "load": os.getloadavg()[0]}
+
+
+def measure_in_rounds(layouts: list[str], world: int, args: argparse.Namespace, out: str) -> dict[str, dict]:
+    """Every layout measured ``args.rounds`` times in turns (round r starts at the r-th layout, so none is
+    always the first after the calibration or the last), folded per layout by
+    :func:`elastictrain.planner.accuracy.over_rounds`: the step the median of the rounds' medians, its noise
+    with the drift between rounds in it; CPU the median over rounds, the peak the largest."""
+    from elastictrain.planner.accuracy import over_rounds
+
+    got: dict[str, list[dict]] = {name: [] for name in layouts}
+    for r in range(args.rounds):
+        for name in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
+            got[name].append(measure(name, world, args, out))
+            print(f"  round {r + 1}/{args.rounds} {name}: step {statistics.median(got[name][-1]['steps']):.3f} s "
+                  f"(load {got[name][-1]['load']:.1f})", flush=True)
+    folded = {}
+    for name, rounds in got.items():
+        fold = over_rounds([g["steps"] for g in rounds])
+        folded[name] = {"step_s": fold.step_s, "noise": fold.noise, "fold": fold,
+                        "cpu_s": statistics.median(g["cpu_s"] for g in rounds),
+                        "other_cpu_s": statistics.median(g["other_cpu_s"] for g in rounds),
+                        "peak": max(g["peak"] for g in rounds), "load": max(g["load"] for g in rounds)}
+    return folded
 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
@@ -167,6 +197,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    # measured in turns: the VM's drift from one run to the next (up to ~12% here) is larger than a run's noise
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")
     ap.add_argument("--save-calibration", default=None, help="write the calibration measured here to this file")
     args = ap.parse_args()
@@ -198,11 +230,10 @@ def main() -> None:
           f"runtime {figures['runtime_bytes'] / 2**20:.0f} MiB")
     for name, how in (figures.get("how") or {}).items():  # the samples each figure kept (calibrate.steady_figure)
         print(f"  {name}: {how}")
-    rows = []
+    layouts = [x for x in args.layouts.split(",") if x]
     with tempfile.TemporaryDirectory(prefix="planner-bench-") as out:
-        for layout in [x for x in args.layouts.split(",") if x]:
-            got = measure(layout, args.world, args, out)
-            rows.append((layout, predict(layout, args.world, args, figures), got))
+        measured = measure_in_rounds(layouts, args.world, args, out)
+    rows = [(layout, predict(layout, args.world, args, figures), measured[layout]) for layout in layouts]
     mib = 2 ** 20
     runtime = figures.get("runtime_bytes") or 0.0
     print(f"{'layout':8} {'mem pred MiB':>12} {'meas':>8} {'ratio':>6} {'-runtime':>10} {'meas':>8} {'ratio':>6} "
@@ -216,8 +247,12 @@ def main() -> None:
               f"{got['cpu_s'] * 1e3:7.0f} {got['other_cpu_s'] * 1e3:5.0f} {got['load']:5.1f}")
     verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
                                {n: g["noise"] for n, _, g in rows})
-    print("step-to-step noise (half the range of the measured steps over their median): "
-          + ", ".join(f"{n} {g['noise']:.1%}" for n, _, g in rows))
+    print(f"noise ({args.rounds} rounds; the larger of the step-to-step noise, half the range of a round's steps "
+          "over their median, and the rounds' spread, half the range of their medians over their median): "
+          + ", ".join(f"{n} {g['noise']:.1%} (steps {g['fold'].step_noise:.1%}, rounds {g['fold'].round_noise:.1%})"
+                      for n, _, g in rows))
+    print("rounds' median steps (s): " + "; ".join(
+        f"{n} " + " ".join(f"{m:.2f}" for m in g["fold"].medians) for n, _, g in rows))
     print(f"ranking by step time: predicted {list(verdict.predicted)}, measured {list(verdict.measured)}: "
           f"{'matches' if verdict.matches else 'differs'} ({verdict.reason})")
     for tie in verdict.ties:

@@ -462,6 +462,33 @@ def test_ranking_ties_are_layouts_measured_within_their_step_to_step_noise():
     assert v.matches and v.reason == "the same order" and v.ties == ()
 
 
+def test_rounds_fold_into_the_median_and_count_the_drift_between_rounds_as_noise():
+    """benchmarks/planner.py measures the layouts in turns over several rounds: a layout's figure is the
+    median of its rounds' medians, its noise the larger of the typical step-to-step noise and the spread
+    between rounds. Stop 33's two quiet runs measured fsdp at 2.82 s, then 3.18 s, each with steps within
+    ~2%: one run's noise called the drift a difference between layouts."""
+    from elastictrain.planner.accuracy import compare_rankings, over_rounds
+
+    fsdp = over_rounds([[2.80, 2.82, 2.84], [3.16, 3.18, 3.20], [2.95, 3.00, 3.05]])
+    assert fsdp.step_s == pytest.approx(3.00) and fsdp.medians == (2.82, 3.18, 3.00)
+    assert fsdp.round_noise == pytest.approx(0.06)  # (3.18 - 2.82) / 2 / 3.00
+    assert fsdp.step_noise == pytest.approx(0.02 / 2.82)  # the median of 0.0071, 0.0063, 0.0167
+    assert fsdp.noise == fsdp.round_noise
+    # one round: the rounds add nothing, the step-to-step noise stays
+    one = over_rounds([[2.0, 2.2, 1.8, 2.0]])
+    assert one.step_s == pytest.approx(2.0) and one.round_noise == 0.0 and one.noise == pytest.approx(0.1)
+    # a steady machine: the steps' noise is the larger
+    steady = over_rounds([[2.0, 2.4], [2.2, 2.2], [2.1, 2.3]])
+    assert steady.noise == steady.step_noise == pytest.approx(0.1 / 2.2, rel=1e-6)
+    # with the rounds' noise, hsdp measured 5% under fsdp is a tie; with one round's noise a mismatch
+    hsdp = over_rounds([[2.80, 2.81], [2.90, 2.91], [2.85, 2.86]])
+    predicted, measured = {"fsdp": 2.90, "hsdp": 2.95}, {"fsdp": fsdp.step_s, "hsdp": hsdp.step_s}
+    assert compare_rankings(predicted, measured, {"fsdp": fsdp.noise, "hsdp": hsdp.noise}).matches
+    assert not compare_rankings(predicted, measured, {"fsdp": 0.007, "hsdp": 0.002}).matches
+    with pytest.raises(ValueError, match="no measured steps"):
+        over_rounds([[], []])
+
+
 def test_gloos_cpu_per_byte_is_every_ranks_host_work_on_shared_cores():
     """On CPU gloo's threads copy, send, receive and reduce a collective's bytes on the cores the ranks
     compute on: with 4 ranks on 2 cores the node does every rank's share of that work (gloo_byte_s per byte a

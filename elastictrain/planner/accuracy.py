@@ -4,6 +4,13 @@ Tie rule: a layout's step time is measured over a few steps, and those steps spr
 the range of its measured step times over their median (:func:`step_noise`). Two layouts whose measured step
 times differ by no more than the larger of their two noises are **tied**: this run cannot tell which is
 faster, so a predicted order between them is not a mismatch. Every other pair must be in the predicted order.
+
+Rounds: on a shared VM the same work costs up to ~12% more CPU time in one run than in the next, more than
+the steps of one run spread. The benchmark therefore measures the layouts in turns, several rounds (layout A,
+B, ..., then A, B, ... again), and :func:`over_rounds` folds a layout's rounds into one figure (the median of
+the rounds' medians) and one noise: the larger of its typical step-to-step noise (the median over rounds)
+and the spread between rounds (half their range over their median), so a drift of the machine between
+rounds counts as noise instead of as a difference between layouts.
 Pure functions: the benchmark hands in the figures and prints the verdict's reason and ties.
 """
 
@@ -20,6 +27,31 @@ def step_noise(times: Sequence[float]) -> float:
     if len(times) < 2:
         return 0.0
     return (max(times) - min(times)) / 2 / statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """One layout measured over several rounds (module docstring): ``step_s`` the median of the rounds'
+    median steps, ``noise`` the larger of ``step_noise`` (the median of the rounds' step-to-step noises) and
+    ``round_noise`` (half the range of the rounds' medians over their median)."""
+
+    step_s: float
+    noise: float
+    step_noise: float
+    round_noise: float
+    medians: tuple[float, ...]
+
+
+def over_rounds(rounds: Sequence[Sequence[float]]) -> Rounds:
+    """Fold one layout's rounds (each a list of its measured step times) into a :class:`Rounds`. Raises
+    ``ValueError`` when no round has a step."""
+    rounds = [r for r in rounds if r]
+    if not rounds:
+        raise ValueError("no measured steps in any round")
+    medians = tuple(statistics.median(r) for r in rounds)
+    within = statistics.median(step_noise(r) for r in rounds)
+    between = step_noise(medians)
+    return Rounds(statistics.median(medians), max(within, between), within, between, medians)
 
 
 @dataclass(frozen=True)
