@@ -6,8 +6,8 @@ Run: ``python benchmarks/planner.py [--steps 6] [--warmup 2] [--layers 12] [--d-
 FILE]``
 
 1. Calibrate (``elastictrain plan --calibrate --world N``'s measurement, :mod:`elastictrain.planner.calibrate`)
-   with ``--world`` processes at once: the job's own model cut to one block (forward and backward: FLOP/s;
-   clipping and AdamW: seconds per parameter), the all-reduce bus bandwidth, its CPU time per byte and
+   with ``--world`` processes at once: the job's own model, 12 blocks at most (forward and backward: FLOP/s;
+   clipping and AdamW: seconds per parameter; both in CPU time), the all-reduce bus bandwidth, its CPU time per byte and
    latency, the cost of a
    collective call between stretches of compute (and of a tensor-parallel one as DTensor issues it over
    pairs: its CPU time times the processes per core), the CPU time DTensor's dispatch adds per op, and the CPU
@@ -20,7 +20,8 @@ FILE]``
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
    ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``), ``tp2`` (tensor parallel 2 with
-   sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``).
+   sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``); by name,
+   ``pp2xtp2`` (pp 2 x tp 2 x ddp over ``world/4``: 3D from ``--world 8``, with ``--global-batch 32``).
    The layouts are measured in turns, ``--rounds`` times (A, B, ..., then A, B, ... again, each round
    starting one layout later): the same work costs this VM up to ~12% more CPU in one run than in the next,
    more than one run's steps spread, so one pass would rank the machine's drift.
@@ -46,8 +47,8 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); the defaults took ~4.5 min at load ~4 (the benchmark's own processes; the calibration
-~1 min of it), ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
+(~365 MiB); the defaults (3 rounds) take 9-10 min at load ~4 (the benchmark's own processes; the
+calibration ~1.5 min of it); one round took ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
@@ -72,7 +73,10 @@ LAYOUTS = {  # name -> the job's parallel section (the data-parallel ranks are w
     "pp2": {"plan": "ddp", "pp": 2, "pp_schedule": "1f1b"},
     "tp2": {"plan": "ddp", "tp": 2},  # tp 2 x dp world/2 (sequence parallel on)
     "tp2xdp2": {"plan": "fsdp", "tp": 2},  # tp 2 x FSDP over world/2
+    # pp 2 x tp 2 x ddp over world/4 (3D from --world 8; not in the default list: run it by name)
+    "pp2xtp2": {"plan": "ddp", "pp": 2, "pp_schedule": "1f1b", "tp": 2},
 }
+DEFAULT_LAYOUTS = ("ddp", "fsdp", "hsdp", "pp2", "tp2", "tp2xdp2")
 
 
 def _job(args: argparse.Namespace, world: int, layout: str) -> dict:
@@ -145,10 +149,17 @@ def measure_in_rounds(layouts: list[str], world: int, args: argparse.Namespace, 
     with the drift between rounds in it; CPU the median over rounds, the peak the largest."""
     from elastictrain.planner.accuracy import over_rounds
 
+    from torch.multiprocessing import ProcessExitedException
+
     got: dict[str, list[dict]] = {name: [] for name in layouts}
     for r in range(args.rounds):
         for name in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
-            got[name].append(measure(name, world, args, out))
+            try:
+                got[name].append(measure(name, world, args, out))
+            except ProcessExitedException as e:  # a native crash in a rank (seen once: glibc's "unaligned
+                # tcache chunk" in a tp2 rank, 1 of ~40 measurements): said, and that measurement made again
+                print(f"  round {r + 1}/{args.rounds} {name}: a rank crashed ({e}); measuring it again", flush=True)
+                got[name].append(measure(name, world, args, out))
             print(f"  round {r + 1}/{args.rounds} {name}: step {statistics.median(got[name][-1]['steps']):.3f} s "
                   f"(load {got[name][-1]['load']:.1f})", flush=True)
     folded = {}
@@ -196,7 +207,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     # measured in turns: the VM's drift from one run to the next (up to ~12% here) is larger than a run's noise
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")

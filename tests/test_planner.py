@@ -542,3 +542,32 @@ def test_a_calibration_files_gloo_cpu_per_byte_is_what_the_cluster_prices_with(t
     assert with_calibration(base, tmp_path / "cal.json").gloo_byte_s == 7e-10
     with pytest.raises(Exception, match="gloo_byte_s must be a number >= 0"):
         dataclasses.replace(base, gloo_byte_s=-1.0)
+
+
+def test_the_compute_probe_is_the_jobs_whole_model_up_to_12_blocks_timed_by_the_clock_given():
+    """``--calibrate``'s FLOP/s and optimizer figures come from the job's own model, not one block of it (a
+    model's rate falls with its depth on CPU: the benchmark's 12-block GPT ran at 76-79 GFLOP/s where one
+    block ran at 89-95), timed by the clock the caller names (CPU time with one thread per worker: four
+    processes on two cores gave rank 0 59.5 GFLOP/s by the wall clock times two, 89 by CPU time). A clock that
+    ticks one second per reading makes each timed stretch one second: the figures are then the probe's FLOPs
+    and one over its parameters."""
+    from elastictrain import build_config
+    from elastictrain.planner.calibrate import COMPUTE_PROBE_BLOCKS, job_compute_figures
+    from elastictrain.planner.job import model_shape
+    from elastictrain.planner.steptime import step_flops
+    from elastictrain.task import builtin_task
+    from tests.conftest import job
+
+    def ticks():
+        t = iter(range(10**6))
+        return lambda: float(next(t))
+
+    for layers, probed in ((3, 3), (COMPUTE_PROBE_BLOCKS + 2, COMPUTE_PROBE_BLOCKS)):
+        spec = job(task={**job()["task"], "model": {**job()["task"]["model"], "n_layer": layers}})
+        cfg = build_config(spec)
+        cut = build_config(job(task={**job()["task"], "model": {**job()["task"]["model"], "n_layer": probed}}))
+        mb = cfg.train.micro_batch
+        flops = step_flops(model_shape(cut), Training(global_batch=mb, micro_batch=mb), Candidate(micro_batch=mb))
+        params = sum(t.numel() for t in builtin_task(cut).model_fn().parameters())
+        rate, per_param = job_compute_figures(cfg.model_dump(mode="json"), seconds=0.0, clock=ticks())
+        assert rate == pytest.approx(flops) and per_param == pytest.approx(1.0 / params)

@@ -3,16 +3,19 @@
 Measured in ``ranks`` processes at once (default: as many as a node runs workers, at least 2), as the
 job's ranks will run: where they share a node's cores (``Cluster.share`` ``s = ranks / cores > 1``: CPU
 processes), each measured rate is what one rank gets while the others run; the compute and optimizer
-figures are written as a rank on its own gets them (rates times ``s``, times divided by it), which the cost
+figures are written as a rank on its own gets them (measured in each process's CPU time with one thread per
+worker; with more, wall-clock rates times ``s``, times divided by it: ``compute_clock`` says which), which the cost
 model shares out again for the world it plans (:mod:`.steptime`), the collective figures as measured
 (``tp_call_s``: its CPU time times ``s``). The figures:
 
-* ``flops``: on CPU with a built-in job, the job's own model cut to one block (full width, its micro-batch)
-  running forward and backward, its FLOPs (:func:`.steptime.step_flops`) over the time: what the model's
-  matmuls and everything around them achieve; else a square matmul's rate (CPU: fp32,
-  ``workers.cpus_per_worker`` threads; GPU 0: bf16);
+* ``flops``: on CPU with a built-in job, the job's own model (full width, its micro-batch; cut to
+  :data:`COMPUTE_PROBE_BLOCKS` blocks at most) running forward and backward, its FLOPs
+  (:func:`.steptime.step_flops`) over the time: what the model's matmuls and everything around them achieve;
+  with one thread per worker in the process's CPU time (what a rank gets of a core of its own, however the
+  ranks share the cores), with more in wall-clock time times the ranks per core; else a square matmul's rate
+  (CPU: fp32, ``workers.cpus_per_worker`` threads; GPU 0: bf16);
 * ``optimizer_s_per_param``: on CPU with a built-in job, that model's optimizer step and gradient clipping,
-  per parameter;
+  per parameter, timed the same way;
 * ``intra_node_bw`` / ``latency_s``: the processes all-reduce 16 MiB and one element (gloo on CPU, NCCL on
   GPUs; null with ``workers.use_gpu`` on a machine of one GPU); the bandwidth is the ring's bus bandwidth
   ``2 (n-1)/n * bytes / time`` (what :mod:`.comm` divides by), the latency the one-element all-reduce's time
@@ -76,7 +79,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -403,16 +406,27 @@ def _one_block_probe(job: dict[str, Any], layers: int = 1) -> tuple[Any, Any, di
     return cfg, builtin_task(cfg), {"input": tokens[:, :-1], "target": tokens[:, 1:]}, torch.arange(mb)
 
 
-def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[float, float]:
-    """``(FLOP/s, optimizer seconds per parameter)`` of the job's model cut to one block, forward and backward
-    of one micro-batch, then clipping and the optimizer step, in this process (no collective)."""
+# The blocks of the compute probe (the whole model up to this many): a model's rate falls with its depth on CPU
+# (more activations than the caches hold), so one block priced the job's compute fast: on a 2-core machine, the
+# benchmark's d=384 GPT in CPU time, 4 processes at once: 1 block 89-95 GFLOP/s, 4 blocks 85-91, all 12 76-79.
+COMPUTE_PROBE_BLOCKS = 12
+
+
+def job_compute_figures(job: dict[str, Any], seconds: float = 1.0,
+                        clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """``(FLOP/s, optimizer seconds per parameter)`` of the job's model (cut to :data:`COMPUTE_PROBE_BLOCKS`
+    blocks at most), forward and backward of one micro-batch, then clipping and the optimizer step, in this
+    process (no collective), timed by
+    ``clock`` (``time.process_time``: the process's own CPU work, what it would take on a core of its own,
+    whatever else shares the cores)."""
     import torch
 
     from elastictrain.planner.inputs import Candidate, Training
     from elastictrain.planner.job import model_shape
     from elastictrain.planner.steptime import step_flops
 
-    cfg, task, batch, seeds = _one_block_probe(job)
+    blocks = min(int(job["task"]["model"]["n_layer"]), COMPUTE_PROBE_BLOCKS)
+    cfg, task, batch, seeds = _one_block_probe(job, layers=blocks)
     mb = cfg.train.micro_batch
     model = task.model_fn()
     opt = task.optimizer_fn(model.parameters())
@@ -432,12 +446,12 @@ def job_compute_figures(job: dict[str, Any], seconds: float = 1.0) -> tuple[floa
     update()  # warm-up: the optimizer's state exists from here
     compute_s, optimizer_s, t_end = [], [], time.perf_counter() + seconds
     while len(compute_s) < 3 or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+        t0 = clock()
         fwd_bwd()
-        t1 = time.perf_counter()
+        t1 = clock()
         update()
         compute_s.append(t1 - t0)
-        optimizer_s.append(time.perf_counter() - t1)
+        optimizer_s.append(clock() - t1)
         opt.zero_grad(set_to_none=False)
     # medians: a burst of other work on the machine moves one iteration, not the figure
     return flops / statistics.median(compute_s), statistics.median(optimizer_s) / params
@@ -504,7 +518,10 @@ def all_reduce_figures(rank: int, world: int, store_addr: tuple[str, int], use_g
                 figures["fsdp_param_s"], figures["fsdp_param_how"] = visit.value, visit.reason
             if job is not None:
                 dist.barrier()  # every process computes at once, as the job's ranks do
-                figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job)
+                # one thread: in CPU time, a rank's own work (the module docstring); more: wall-clock
+                clock = time.process_time if threads <= 1 else time.perf_counter
+                figures["flops"], figures["optimizer_s_per_param"] = job_compute_figures(job, clock=clock)
+                figures["compute_clock"] = "cpu" if threads <= 1 else "wall"
             else:
                 dist.barrier()
                 figures["flops"] = matmul_flops(False, threads)
@@ -601,13 +618,15 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
     local = local_all_reduce(use_gpu, threads, world=min(n, gpus) if use_gpu else n, job=job) \
         if not use_gpu or gpus >= 2 else {}
     share = 1.0 if use_gpu else max(1.0, n / cores)  # the rates of a rank alone (module docstring)
+    # compute timed in CPU time is already a rank's own (a wall-clock rate is what a rank got of its share)
+    alone = 1.0 if local.get("compute_clock") == "cpu" else share
     # ranks sharing cores: their collectives move bytes at the contended rate (kept as measured)
     # (not measured: the bus bandwidth shared out)
     bw = local.get("bus_bw") and (local.get("contended_bw") or local["bus_bw"] / share if share > 1
                                   else local["bus_bw"])
     optimizer = local.get("optimizer_s_per_param")
     figures: dict[str, Any] = {
-        "flops": local["flops"] * share if "flops" in local else matmul_flops(use_gpu, threads),
+        "flops": local["flops"] * alone if "flops" in local else matmul_flops(use_gpu, threads),
         "intra_node_bw": bw,
         "inter_node_bw": cross_node_all_reduce(use_gpu, threads) if nodes > 1 else None,
         "latency_s": _positive(local.get("latency_s")),
@@ -620,7 +639,8 @@ def calibrate(use_gpu: bool, nodes: int = 1, threads: int = 1, job: dict[str, An
         "tp_call_cpu_s": local.get("tp_call_cpu_s"),  # CPU per call, before the share
         "how": {k: local[f"{k}_how"] for k in ("tp_call", "dtensor_op", "fsdp_param", "gloo_byte")
                 if f"{k}_how" in local},
-        "optimizer_s_per_param": _positive(optimizer / share if optimizer else None),
+        "optimizer_s_per_param": _positive(optimizer / alone if optimizer else None),
+        "compute_clock": local.get("compute_clock"),
         "cores_per_node": None if use_gpu else cores,
         "ranks": n,
         "runtime_bytes": None if use_gpu else local.get("rss_bytes"),
