@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     dist.barrier()
     peak = _status_kb("VmHWM:")
     Path(out, f"{layout}.{rank}").write_text(json.dumps(
-        {"step_s": statistics.median(times[args.warmup:]), "cpu_s": statistics.median(cpu[args.warmup:]),
+        {"cpu_s": statistics.median(cpu[args.warmup:]),
          "other_cpu_s": statistics.median(c - m for c, m in zip(cpu[args.warmup:], main[args.warmup:])),
          "steps": times[args.warmup:], "peak": peak * 1024}))
     dist.destroy_process_group()
@@ -147,9 +147,9 @@ def measure_in_rounds(layouts: list[str], world: int, args: argparse.Namespace, 
     always the first after the calibration or the last), folded per layout by
     :func:`elastictrain.planner.accuracy.over_rounds`: the step the median of the rounds' medians, its noise
     with the drift between rounds in it; CPU the median over rounds, the peak the largest."""
-    from elastictrain.planner.accuracy import over_rounds
-
     from torch.multiprocessing import ProcessExitedException
+
+    from elastictrain.planner.accuracy import over_rounds
 
     got: dict[str, list[dict]] = {name: [] for name in layouts}
     for r in range(args.rounds):
@@ -164,8 +164,7 @@ def measure_in_rounds(layouts: list[str], world: int, args: argparse.Namespace, 
                   f"(load {got[name][-1]['load']:.1f})", flush=True)
     folded = {}
     for name, rounds in got.items():
-        fold = over_rounds([g["steps"] for g in rounds])
-        folded[name] = {"step_s": fold.step_s, "noise": fold.noise, "fold": fold,
+        folded[name] = {"fold": over_rounds([g["steps"] for g in rounds]),
                         "cpu_s": statistics.median(g["cpu_s"] for g in rounds),
                         "other_cpu_s": statistics.median(g["other_cpu_s"] for g in rounds),
                         "peak": max(g["peak"] for g in rounds), "load": max(g["load"] for g in rounds)}
@@ -254,13 +253,13 @@ def main() -> None:
         model_ratio = model_pred / model_meas if model_meas > 0 else float("nan")
         print(f"{name:8} {e.memory.total / mib:12.0f} {got['peak'] / mib:8.0f} {e.memory.total / got['peak']:6.2f} "
               f"{model_pred / mib:10.0f} {model_meas / mib:8.0f} {model_ratio:6.2f} "
-              f"{e.time.total_s * 1e3:12.1f} {got['step_s'] * 1e3:8.1f} {e.time.total_s / got['step_s']:6.2f} "
+              f"{e.time.total_s * 1e3:12.1f} {got['fold'].step_s * 1e3:8.1f} {e.time.total_s / got['fold'].step_s:6.2f} "
               f"{got['cpu_s'] * 1e3:7.0f} {got['other_cpu_s'] * 1e3:5.0f} {got['load']:5.1f}")
-    verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["step_s"] for n, _, g in rows},
-                               {n: g["noise"] for n, _, g in rows})
+    verdict = compare_rankings({n: e.time.total_s for n, e, _ in rows}, {n: g["fold"].step_s for n, _, g in rows},
+                               {n: g["fold"].noise for n, _, g in rows})
     print(f"noise ({args.rounds} rounds; the larger of the step-to-step noise, half the range of a round's steps "
           "over their median, and the rounds' spread, half the range of their medians over their median): "
-          + ", ".join(f"{n} {g['noise']:.1%} (steps {g['fold'].step_noise:.1%}, rounds {g['fold'].round_noise:.1%})"
+          + ", ".join(f"{n} {g['fold'].noise:.1%} (steps {g['fold'].step_noise:.1%}, rounds {g['fold'].round_noise:.1%})"
                       for n, _, g in rows))
     print("rounds' median steps (s): " + "; ".join(
         f"{n} " + " ".join(f"{m:.2f}" for m in g["fold"].medians) for n, _, g in rows))

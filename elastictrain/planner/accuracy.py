@@ -31,15 +31,26 @@ def step_noise(times: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Rounds:
-    """One layout measured over several rounds (module docstring): ``step_s`` the median of the rounds'
-    median steps, ``noise`` the larger of ``step_noise`` (the median of the rounds' step-to-step noises) and
-    ``round_noise`` (half the range of the rounds' medians over their median)."""
+    """One layout measured over several rounds (module docstring): ``medians`` the rounds' median steps,
+    ``step_noise`` the median of the rounds' step-to-step noises."""
 
-    step_s: float
-    noise: float
-    step_noise: float
-    round_noise: float
     medians: tuple[float, ...]
+    step_noise: float
+
+    @property
+    def step_s(self) -> float:
+        """The median of the rounds' medians."""
+        return statistics.median(self.medians)
+
+    @property
+    def round_noise(self) -> float:
+        """Half the range of the rounds' medians over their median: the machine's drift between rounds."""
+        return step_noise(self.medians)
+
+    @property
+    def noise(self) -> float:
+        """The larger of :attr:`step_noise` and :attr:`round_noise`."""
+        return max(self.step_noise, self.round_noise)
 
 
 def over_rounds(rounds: Sequence[Sequence[float]]) -> Rounds:
@@ -48,10 +59,7 @@ def over_rounds(rounds: Sequence[Sequence[float]]) -> Rounds:
     rounds = [r for r in rounds if r]
     if not rounds:
         raise ValueError("no measured steps in any round")
-    medians = tuple(statistics.median(r) for r in rounds)
-    within = statistics.median(step_noise(r) for r in rounds)
-    between = step_noise(medians)
-    return Rounds(statistics.median(medians), max(within, between), within, between, medians)
+    return Rounds(tuple(statistics.median(r) for r in rounds), statistics.median(step_noise(r) for r in rounds))
 
 
 @dataclass(frozen=True)
