@@ -179,7 +179,25 @@ def test_memory_follows_how_elastictrain_lays_out_the_state():
     assert memory(model, train, node, thick).gathered == pytest.approx((2 * block + root) * 4)
     staged = memory(model, train, node, Candidate(dp_shard=2, pp=2, micro_batch=4))
     stage_n = 4 * block + model.vocab * model.hidden + model.seq_len * model.hidden
-    assert staged.gathered == pytest.approx(stage_n * 4 + 2 * block * 4 - freed)
+    assert staged.gathered == pytest.approx(stage_n * 4)  # its gradients are priced whole (next test)
+
+
+def test_a_pipeline_ranks_fsdp_gradients_are_whole_until_the_last_backward():
+    """torch's PipelineStage turns FSDP's gradient sync off for every backward but the step's last, so a
+    pp x fsdp rank accumulates its stage's whole fp32 gradient: priced unsharded (the old model divided it by
+    dp_shard, 8x short on the 70B layouts of issue 36), while pp x ddp and fsdp alone are unchanged."""
+    model = ModelShape(layers=8, hidden=256, heads=8, seq_len=64, vocab=256)
+    node = Cluster(nodes=1, devices_per_node=8, **H100)
+    many = Training(global_batch=64, micro_batch=4)  # 8 micro-batches per dp rank: more than pp in flight
+    stage_n = 4 * model.block_params + model.vocab * model.hidden + model.seq_len * model.hidden
+    for shard in (2, 4):
+        staged = memory(model, many, node, Candidate(dp_shard=shard, pp=2, micro_batch=4))
+        assert staged.grads == pytest.approx(stage_n * 4)
+        assert staged.params == pytest.approx(stage_n * 4 / shard)  # the fp32 shards stay sharded
+    assert memory(model, many, node, Candidate(dp_replicate=2, pp=2, micro_batch=4)).grads == pytest.approx(
+        stage_n * 4)
+    assert memory(model, many, node, Candidate(dp_shard=4, micro_batch=4)).grads == pytest.approx(
+        model.total_params * 4 / 4)
 
 
 def test_gradients_count_at_the_peak_only_where_they_exist_then():
