@@ -569,8 +569,8 @@ class Controller(WorkerMonitor):
 
     def _place(self, chosen: list[Slot]) -> list[Slot]:
         """``chosen`` reordered by rank so that a TP group (an hsdp shard group) stays on one node and
-        pipeline stages spread across nodes first (parallel/placement.py; members keep their ranks where that allows). A TP group
-        no order keeps on one node is a ``warning`` event, each generation it happens."""
+        pipeline stages spread across nodes first (parallel/placement.py; members keep their ranks where
+        that allows). A group no order keeps on one node is a ``warning`` event, each generation it happens."""
         order, placed = arrange([s.info.get("node_id") for s in chosen], self.layout(len(chosen)).dims)
         if placed is not None:
             log.info("placement: %s", placed.reason)
