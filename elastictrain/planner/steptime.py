@@ -167,7 +167,8 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
     forward, backward = (LLAMA_TP_BLOCK_OPS if llama else TP_BLOCK_OPS)[c.sequence_parallel]
     per_block = forward * (2 if c.activation_checkpointing else 1) + backward
     blocks = math.ceil(model.layers / c.pp)
-    return microbatches(train, c) * (blocks * per_block + (LLAMA_TP_EDGE_OPS if llama else TP_EDGE_OPS)[c.sequence_parallel])
+    edge = (LLAMA_TP_EDGE_OPS if llama else TP_EDGE_OPS)[c.sequence_parallel]
+    return microbatches(train, c) * (blocks * per_block + edge)
 
 
 # Parameter tensors of a GPT block (q, k, v and attention out, MLP in and out: weight and bias each; two norms'
