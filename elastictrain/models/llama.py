@@ -5,7 +5,8 @@ Names and math are a contract with the Hugging Face weight mapping (its one name
 named as torchtitan names them (``tok_embeddings``, ``layers.{i}.attention.wq`` ...); the rotary embedding
 uses Hugging Face's convention (non-interleaved halves, ``x * cos + rotate_half(x) * sin``), so Hugging
 Face's ``q_proj``/``k_proj`` load without a permutation; RMSNorm normalises in fp32, casts back, then
-multiplies by its weight (Hugging Face's order). No dropout: ``sample_seeds`` is accepted (the task interface passes it) and unused.
+multiplies by its weight (Hugging Face's order). No dropout: ``sample_seeds`` is accepted (the task
+interface passes it) and unused.
 
 Initialisation: :meth:`Llama.init_weights` (called by the constructor) draws every Linear and Embedding weight
 from ``normal(0, 0.02)`` on torch's default generator and sets the norms to 1, then recomputes the rotary
