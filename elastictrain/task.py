@@ -52,6 +52,11 @@ class Task:
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
       (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
       (:data:`GPT_PIPELINE`) is the documented example.
+    - ``init_weights(model)`` (optional) gives the step-0 values in place of the seeded build (e.g.
+      ``task.init_from``'s pretrained weights): ``model`` is this rank's parallelized, materialized model
+      (whole, DTensor shards, or a pipeline stage set holding a subset of the names); fill what it holds,
+      reading only that, with no collective. Called at a fresh start (step 0), never at a resume or a
+      recovery past step 0 (that state comes from a checkpoint or a peer).
     """
 
     model_fn: Callable[[], torch.nn.Module]
@@ -64,6 +69,7 @@ class Task:
     name: str = "task"
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     pipeline: PipelineHooks | None = None
+    init_weights: Callable[[torch.nn.Module], None] | None = None
 
 
 @dataclass(frozen=True)
