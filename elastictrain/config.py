@@ -72,6 +72,18 @@ class TaskConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    init_from: str | None = Field(None, description="task.kind=llama: a Hugging Face model directory (local, "
+                                  "Lustre or s3://...: config.json + safetensors) whose weights start the run; "
+                                  "the model's shape comes from its config.json")
+    init_from_storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for "
+                                                      "task.init_from (e.g. an S3 endpoint)")
+
+    @model_validator(mode="after")
+    def _init_from_needs_llama(self) -> TaskConfig:
+        if self.init_from is not None and self.kind != "llama":
+            raise ValueError(f"task.init_from={self.init_from!r} loads Hugging Face Llama weights: it needs "
+                             f"task.kind=llama (task.kind={self.kind!r}); set task.kind: llama or remove init_from")
+        return self
 
     @model_validator(mode="after")
     def _entry_matches_kind(self) -> TaskConfig:
