@@ -163,6 +163,18 @@ def test_load_from_s3_by_ranges(tmp_path, s3_server, s3_bucket):
     assert torch.equal(got, full[10:30, 64:96])
 
 
+def test_export_refuses_a_checkpoint_of_another_model():
+    from elastictrain.checkpoint.errors import CheckpointError
+    from elastictrain.checkpoint.export_hf import llama_of
+    from elastictrain.checkpoint.manifest import Manifest
+
+    for task in ({"kind": "tiny_gpt"}, None):
+        m = Manifest(step=1, world_size=1, files={}, meta={"fingerprint": {"task": task}}, created_at=0.0,
+                     location="/c/step_000000001")
+        with pytest.raises(CheckpointError, match="not a checkpoint of the built-in Llama"):
+            llama_of(m)
+
+
 # ------------------------------------------------------------------------------- layouts on gloo processes
 def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
     return job(task={"kind": "llama", "init_from": source, "model": {"seq_len": SEQ},
@@ -266,3 +278,45 @@ def test_bad_weights_are_config_errors_naming_the_tensor(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "model.layers.1.mlp.up_proj.weight" in lines[0] and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------ a run on Ray, exported back
+@pytest.mark.slow  # a local Ray run (one worker) and the CLI
+def test_run_from_hf_weights_then_export_back(tmp_path, ray_local):
+    """ddp with one worker through Trainer: step 1's loss is transformers' loss on step 1's samples (the
+    replicated start-up sync loaded the source); the final checkpoint exported with the CLI loads in
+    transformers and gives the trained model's logits; bad exports are one line, exit 2."""
+    from click.testing import CliRunner
+
+    from elastictrain.checkpoint.cli import ckpt
+    from elastictrain.models.hf_llama import ours_from_hf
+    from tests.conftest import run_job
+
+    hf = save_hf(tmp_path / "src", tied=True, scaling=LLAMA3_ROPE)
+    spec = _spec(1, str(tmp_path / "src"))
+    spec["train"]["steps"] = 2
+    spec["checkpoint"] = {**spec["checkpoint"], "uri": str(tmp_path / "ckpt"), "every_steps": 2}
+    run = run_job(tmp_path, spec)
+    assert run.result.ok, run.summary
+    first = run.of("step")[0]
+    want = hf_loss(hf, _batch(spec, sorted(first["sample_ids"])))
+    assert abs(first["loss"] - want) <= LOSS_RTOL * abs(want), (first["loss"], want)
+
+    step_dir = tmp_path / "ckpt" / "t" / "step_000000002"
+    cli = CliRunner()
+    res = cli.invoke(ckpt, ["export", str(step_dir), "--format", "hf", "--out", str(tmp_path / "hf_out")])
+    assert res.exit_code == 0, res.output
+    trained = run.final_params()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_out")).eval()
+    for name, t in back.state_dict().items():  # the trained weights, under Hugging Face's names
+        assert torch.equal(t, trained[ours_from_hf(name)]), name
+    x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    ours = ours_from(tmp_path / "hf_out")
+    with torch.no_grad():
+        assert (back(input_ids=x).logits - ours(x)).abs().max().item() <= LOGIT_ATOL
+
+    for args, words in (
+            ([str(tmp_path / "ckpt" / "t" / "step_000000009"), "--out", str(tmp_path / "x")], "no manifest"),
+            ([str(step_dir), "--out", str(tmp_path / "hf_out")], "not an empty directory")):
+        res = cli.invoke(ckpt, ["export", *args, "--format", "hf"])
+        assert res.exit_code == 2 and words in res.output and len(res.output.strip().splitlines()) == 1, res.output
