@@ -244,10 +244,11 @@ class _Schedule:
 
 def builtin_task(config: JobConfig) -> Task:
     """The task named by ``config.task``: ``tiny_gpt`` (a small byte-level GPT) or ``llama`` (Llama 3 of
-    ``task.llama``), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
+    ``task.llama``, or of ``task.init_from``'s config.json and weights: ConfigError here, on the driver, for
+    a source that does not fit), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
     t = config.task
     llama = t.kind == "llama"
-    return Task(
+    task = Task(
         model_fn=_LlamaModel.of(t) if llama else _GPTModel(t.model),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
@@ -257,3 +258,8 @@ def builtin_task(config: JobConfig) -> Task:
         name=t.kind,
         pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
     )
+    if llama and t.init_from is not None:  # shape and step-0 weights of a Hugging Face model (read here, once)
+        from elastictrain.models.hf_init import from_source
+
+        task = from_source(task, config)
+    return task

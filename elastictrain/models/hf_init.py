@@ -5,6 +5,7 @@ load_hf_weights`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,3 +64,18 @@ class HFInit:
         from elastictrain.models.hf_weights import load_hf_weights
 
         load_hf_weights(model, self.uri, self.storage_options, self.tied)
+
+
+def from_source(task: Any, config: Any) -> Any:
+    """The built-in Llama ``task`` (a Task) of ``config`` with ``task.init_from``: its model the shape of the
+    source's config.json, its ``init_weights`` the source's weights. Raises ConfigError (see
+    :func:`llama_shape_from_source`), also when that shape does not fit the job's pipeline or tensor-parallel
+    split."""
+    shape = llama_shape_from_source(config.task)
+    try:
+        config._builtin_model_splits(shape, shape["vocab_size"])
+    except ValueError as e:
+        raise ConfigError(f"task.init_from={config.task.init_from} (the shape of its config.json): {e}") from None
+    model_fn = type(task.model_fn)(tuple(sorted(shape.items())))
+    init = HFInit(config.task.init_from, bool(shape["tie_embeddings"]), dict(config.task.init_from_storage_options))
+    return dataclasses.replace(task, model_fn=model_fn, init_weights=init)
