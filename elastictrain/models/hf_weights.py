@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from elastictrain.config import ConfigError
-from elastictrain.models.hf_llama import hf_from_ours, is_ignored_hf
+from elastictrain.models.hf_llama import hf_from_ours
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -168,7 +168,7 @@ def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int])
     (dimension 0), the other dimensions cut after reading."""
     es = _element_bytes(e.dtype)
     if not e.shape:
-        rows, row_elems, o0, l0 = 1, 1, 0, 1
+        row_elems, o0, l0 = 1, 0, 1
     else:
         row_elems = 1
         for d in e.shape[1:]:
@@ -219,4 +219,4 @@ def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str,
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=False))
 
 
-__all__ = ["HFSource", "TensorEntry", "read_source", "load_hf_weights", "make_reader", "is_ignored_hf"]
+__all__ = ["HFSource", "TensorEntry", "read_source", "load_hf_weights", "make_reader"]
