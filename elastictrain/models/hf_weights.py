@@ -66,17 +66,16 @@ def is_local(uri: str) -> bool:
 
 
 def _header(fs: Any, path: str, uri: str) -> dict[str, TensorEntry]:
-    with fs.open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header of {n} bytes)")
-        try:
-            head = json.loads(f.read(n))
-        except ValueError:
-            raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header not JSON)") from None
+    raw = fs.cat_file(path, start=0, end=8)  # two exact ranges: the length, then the JSON header
+    if len(raw) != 8:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header of {n} bytes)")
+    try:
+        head = json.loads(fs.cat_file(path, start=8, end=8 + n))
+    except ValueError:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header not JSON)") from None
     out = {}
     for name, info in head.items():
         if name == "__metadata__":
@@ -98,6 +97,9 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None) -> HFSo
                           "directory (save_pretrained's output)") from None
     except ValueError as e:
         raise ConfigError(f"task.init_from={uri}: config.json is not JSON ({e})") from None
+    except OSError as e:  # permissions, an unreachable endpoint: the driver reads it too
+        raise ConfigError(f"task.init_from={uri}: cannot read config.json ({e}); the driver and the workers "
+                          "need read access (task.init_from_storage_options)") from None
     if fs.exists(f"{root}/{INDEX_FILE}"):
         weight_map = json.loads(fs.cat_file(f"{root}/{INDEX_FILE}")).get("weight_map", {})
         files = sorted({f"{root}/{name}" for name in weight_map.values()})
