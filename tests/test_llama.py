@@ -196,3 +196,54 @@ def test_llama_under_ddp_fsdp_tp2_and_pp2_matches_one_process(tmp_path, referenc
             } <= tp and not any("norm" in n for n in tp)
     for got in (references["tied"], fsdp_tied, tp_tied):  # still one weight: two copies would have drifted apart
         assert torch.equal(got["params"]["output.weight"], got["params"]["tok_embeddings.weight"])
+
+
+# ------------------------------------------------------------------------------------ the planner's shape
+@pytest.mark.parametrize("llama", [{}, {"tie_embeddings": True}, {"n_layers": 3, "n_kv_heads": 4, "ffn_hidden": 100}])
+def test_the_planner_counts_the_built_models_parameters(llama):
+    """``elastictrain plan`` prices the Llama the job builds: its whole parameter count and its worst pipeline
+    stage's (the larger of pp=2's two) equal the built model's."""
+    from elastictrain import build_config
+    from elastictrain.planner.inputs import Candidate
+    from elastictrain.planner.job import model_shape
+    from elastictrain.planner.memory import stage_params
+    from elastictrain.task import builtin_task
+
+    cfg = build_config({"task": {"kind": "llama", "llama": {"size": "debug", **llama},
+                                 "model": {"seq_len": 32, "vocab_size": 300}}})
+    shape, model = model_shape(cfg), builtin_task(cfg).model_fn()
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    if not llama.get("tie_embeddings") and shape.layers % 2 == 0:  # (else the planner's bound: the most blocks
+        # of a stage with the larger of the two ends, each on a stage of its own)
+        stages = [builtin_task(cfg).pipeline.stage_fn(model, s, 2) for s in (0, 1)]
+        assert stage_params(shape, Candidate(pp=2)) == max(sum(p.numel() for p in s.parameters()) for s in stages)
+
+
+def test_the_presets_have_the_published_parameter_counts():
+    from elastictrain.planner.inputs import ModelShape
+
+    def count(size: str) -> float:
+        s = LLAMA_PRESETS[size]
+        return ModelShape(layers=s["n_layers"], hidden=s["dim"], heads=s["n_heads"], seq_len=8192, vocab=s["vocab_size"],
+                          tied_embeddings=s.get("tie_embeddings", False), arch="llama", kv_heads=s["n_kv_heads"],
+                          ffn_hidden=s["ffn_hidden"]).total_params
+
+    assert count("1b") == 1_235_814_400 and count("8b") == 8_030_261_248  # Hugging Face's model cards
+    assert count("70b") == 70_553_706_496
+
+
+@pytest.mark.slow  # a run on the session's local Ray: ~20 s on the 2-core machine under load
+def test_the_llama_job_file_runs_on_local_ray(tmp_path, ray_local):
+    """jobs/llama_debug.yaml (the README's Llama line) trains on 2 CPU workers: a few of its steps here."""
+    from pathlib import Path
+
+    from elastictrain.config import load_config
+    from tests.conftest import run_job
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "jobs" / "llama_debug.yaml",
+                      ["train.steps=3", "checkpoint.uri=null", "workers.standby=false",
+                       "checkpoint.memory_every_steps=0"])  # as tests/conftest.py's BASE_JOB: no extra processes
+    run = run_job(tmp_path, cfg.model_dump(mode="json"))
+    assert run.summary["state"] == "finished", run.summary.get("error")
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3] and abs(losses[1] - math.log(256)) < 0.1

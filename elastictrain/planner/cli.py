@@ -67,7 +67,7 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
         if calibrate:
             from elastictrain.planner.calibrate import calibrate as measure, write
 
-            probe = config.model_dump(mode="json") if config.task.kind == "tiny_gpt" else None
+            probe = config.model_dump(mode="json") if config.task.kind != "python" else None
             figures = measure(config.workers.use_gpu, base.nodes, max(1, int(config.workers.cpus_per_worker)),
                               probe, ranks=world)
             target = out or Path("calibration.json")

@@ -69,9 +69,7 @@ def stage_params(model: ModelShape, c: Candidate) -> float:
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
-    emb = model.vocab * model.hidden + model.seq_len * model.hidden
-    head = (0 if model.tied_embeddings else model.vocab * model.hidden) + 2 * model.hidden
-    return (blocks * model.block_params + max(emb, head)) * model.scale
+    return (blocks * model.block_params + max(model.first_stage_params, model.last_stage_params)) * model.scale
 
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
