@@ -322,3 +322,13 @@ def test_run_from_hf_weights_then_export_back(tmp_path, ray_local):
             ([str(step_dir), "--out", str(tmp_path / "hf_out")], "not an empty directory")):
         res = cli.invoke(ckpt, ["export", *args, "--format", "hf"])
         assert res.exit_code == 2 and words in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_planner_reads_the_sources_shape(tmp_path):
+    from elastictrain.config import build_config
+    from elastictrain.planner.job import model_shape
+
+    save_hf(tmp_path / "src")
+    shape = model_shape(build_config(_spec(1, str(tmp_path / "src"))))
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn_hidden, shape.vocab) == (
+        2, 64, 4, 2, 128, 256)  # the debug preset's ffn_hidden is 192
