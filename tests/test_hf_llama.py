@@ -7,9 +7,10 @@ with ``save_pretrained`` (nothing downloaded).
 * on real gloo processes through the worker's own step path (StepRunner.attach + init_from_seed + run_step,
   as tests/test_tensor_parallel.py does) under fsdp2, tp2, pp2 and ddp2: step 1's loss equals transformers'
   own mean next-token loss over the very samples step 1 took (the sample audit);
-* one run on local Ray, ddp with one worker, through ``Trainer`` (the driver's checks, the replicated sync
-  that loads the source): the same, then its checkpoint exported with the CLI and loaded by transformers:
-  the same logits as the trained weights give in our model;
+* runs on local Ray, ddp with one worker, through ``Trainer`` (the driver's checks, the replicated sync
+  that loads the source): the same; a run branched from its checkpoint after the source was zeroed repeats
+  its step (a resume never rereads the source); its checkpoint exported with the CLI and loaded by
+  transformers: the trained weights and the same logits as our model gives;
 * errors: a wrong-shaped and a missing tensor, an explicit dimension that disagrees with config.json, each a
   config error naming it (exit 2 from ``elastictrain run``, before Ray).
 
@@ -283,11 +284,13 @@ def test_bad_weights_are_config_errors_naming_the_tensor(tmp_path):
 
 
 # ------------------------------------------------------------------------ a run on Ray, exported back
-@pytest.mark.slow  # a local Ray run (one worker) and the CLI
-def test_run_from_hf_weights_then_export_back(tmp_path, ray_local):
+@pytest.mark.slow  # two local Ray runs (one worker each) and the CLI
+def test_run_from_hf_weights_resume_and_export_back(tmp_path, ray_local):
     """ddp with one worker through Trainer: step 1's loss is transformers' loss on step 1's samples (the
-    replicated start-up sync loaded the source); the final checkpoint exported with the CLI loads in
-    transformers and gives the trained model's logits; bad exports are one line, exit 2."""
+    replicated start-up sync loaded the source). A run branched from its step-2 checkpoint after the source's
+    weights were zeroed repeats steps 3 and 4 exactly: a resume never rereads the source. The final checkpoint
+    exported with the CLI loads in transformers with the trained weights and our logits; bad exports are one
+    line, exit 2."""
     from click.testing import CliRunner
 
     from elastictrain.checkpoint.cli import ckpt
@@ -296,15 +299,22 @@ def test_run_from_hf_weights_then_export_back(tmp_path, ray_local):
 
     hf = save_hf(tmp_path / "src", tied=True, scaling=LLAMA3_ROPE)
     spec = _spec(1, str(tmp_path / "src"))
-    spec["train"]["steps"] = 2
-    spec["checkpoint"] = {**spec["checkpoint"], "uri": str(tmp_path / "ckpt"), "every_steps": 2}
+    spec["train"]["steps"] = 4
+    spec["checkpoint"] = {**spec["checkpoint"], "uri": str(tmp_path / "ckpt"), "every_steps": 2, "when_busy": "wait"}
     run = run_job(tmp_path, spec)
     assert run.result.ok, run.summary.get("error")
     first = run.of("step")[0]
     want = hf_loss(hf, _batch(spec, sorted(first["sample_ids"])))
     assert abs(first["loss"] - want) <= LOSS_RTOL * abs(want), (first["loss"], want)
 
-    step_dir = tmp_path / "ckpt" / "t" / "step_000000002"
+    _rewrite(tmp_path / "src", lambda t: t.update({k: torch.zeros_like(v) for k, v in t.items()}))
+    branch = {**spec, "run_id": "t2",
+              "checkpoint": {**spec["checkpoint"], "resume": str(tmp_path / "ckpt" / "t" / "step_000000002")}}
+    again = run_job(tmp_path, branch, name="branch")
+    assert again.result.ok, again.summary.get("error")
+    assert again.losses() == {s: run.losses()[s] for s in (3, 4)}
+
+    step_dir = tmp_path / "ckpt" / "t" / "step_000000004"
     cli = CliRunner()
     res = cli.invoke(ckpt, ["export", str(step_dir), "--format", "hf", "--out", str(tmp_path / "hf_out")])
     assert res.exit_code == 0, res.output
