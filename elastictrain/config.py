@@ -425,11 +425,11 @@ class JobConfig(_Section):
         if p.tp > 1:
             from elastictrain.parallel.plan import tp_rule
 
-            vocab_key = f"the vocabulary (task.model.vocab_size, {'set' if m.vocab_size else 'the data'})"
+            vocab_key = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
             if llama:
                 sizes = {"task.llama.n_heads": llama["n_heads"], "task.llama.n_kv_heads": llama["n_kv_heads"],
                          "task.llama.ffn_hidden": llama["ffn_hidden"], vocab_key: vocab or t.vocab_size}
-                fix = "change parallel.tp or the Llama's head counts"
+                fix = "change parallel.tp, the sizes in task.llama or task.model.vocab_size"
             else:
                 sizes = {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model": 4 * m.d_model,
                          vocab_key: t.vocab_size}

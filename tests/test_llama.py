@@ -179,17 +179,17 @@ def references(tmp_path_factory) -> dict[str, dict]:
 
 def test_llama_under_ddp_fsdp_tp2_and_pp2_matches_one_process(tmp_path, references):
     """ddp on 2, fsdp on 2, tp2 with and without sequence parallel (and from a meta build), pp2; the tied head
-    under fsdp2 and tp2 (pp refuses it): every step's loss, clipping norm and audited samples and the final
-    parameters equal one process's."""
+    under fsdp2 (also from a meta build) and tp2 (pp refuses it): every step's loss, clipping norm and audited
+    samples and the final parameters equal one process's."""
     from tests.test_tensor_parallel import _matches, _run
 
     runs = _run(tmp_path, 2, _layouts(LLAMA, {"plan": "ddp"}, {"plan": "fsdp"}, {"tp": 2},
                                       {"tp": 2, "sequence_parallel": False}, {"tp": 2, "_meta": True}, {"pp": 2})
-                + _layouts(TIED, {"plan": "fsdp"}, {"tp": 2}))
-    *untied, fsdp_tied, tp_tied = runs
+                + _layouts(TIED, {"plan": "fsdp"}, {"tp": 2}, {"plan": "fsdp", "_meta": True}))
+    *untied, fsdp_tied, tp_tied, fsdp_tied_meta = runs
     for got in untied:
         _matches(got, references["untied"])
-    for got in (fsdp_tied, tp_tied):
+    for got in (fsdp_tied, tp_tied, fsdp_tied_meta):
         _matches(got, references["tied"])
     tp = set(untied[2]["tp_sharded"])
     assert {"tok_embeddings.weight", "output.weight", "layers.0.attention.wk.weight", "layers.1.feed_forward.w2.weight",
@@ -247,3 +247,45 @@ def test_the_llama_job_file_runs_on_local_ray(tmp_path, ray_local):
     assert run.summary["state"] == "finished", run.summary.get("error")
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3] and abs(losses[1] - math.log(256)) < 0.1
+
+
+# ------------------------------------------------------------------------------------------- the job config
+@pytest.mark.parametrize("sections, needle", [
+    ({"task": {"kind": "llama", "llama": {"n_kv_heads": 3}}},
+     "task.llama.n_heads=4 (from size debug) is not divisible by task.llama.n_kv_heads=3 (set)"),
+    ({"task": {"kind": "llama", "llama": {"dim": 66}}}, "task.llama.dim=66 (set) is not divisible by task.llama.n_heads=4"),
+    ({"task": {"kind": "llama", "llama": {"dim": 12, "n_heads": 4}}}, "head size dim / n_heads = 3"),
+    ({"task": {"kind": "llama", "llama": {"size": "7b"}}}, "task.llama.size='7b' is not a Llama size; set it to one of"),
+    ({"task": {"kind": "llama", "model": {"vocab_size": 100}}},
+     "task.model.vocab_size=100 is smaller than the data's vocabulary (256"),
+    ({"task": {"kind": "tiny_gpt", "model": {"vocab_size": 255}}}, "task.model.vocab_size=255 is smaller"),
+    ({"task": {"kind": "llama"}, "parallel": {"tp": 4}, "workers": {"min": 4, "max": 4}},
+     "parallel.tp=4 does not divide task.llama.n_kv_heads=2; valid parallel.tp values for this model: [1, 2]"),
+    ({"task": {"kind": "llama", "llama": {"tie_embeddings": True}}, "parallel": {"pp": 2},
+      "workers": {"min": 2, "max": 2}}, "task.llama.tie_embeddings=true (size debug) cannot run under parallel.pp=2"),
+    ({"task": {"kind": "llama"}, "parallel": {"pp": 4}, "workers": {"min": 4, "max": 4}},
+     "task.llama.n_layers=2 blocks cannot fill 4 pipeline stages"),
+    ({"task": {"kind": "llama", "llama": {"heads": 4}}}, "unknown key 'task.llama.heads'"),
+])
+def test_bad_llama_config_names_the_rule_and_the_fix(sections, needle):
+    from elastictrain.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(sections)
+    assert needle in str(e.value)
+
+
+def test_the_builtin_task_builds_the_configured_llama():
+    from elastictrain import build_config
+    from elastictrain.task import LLAMA_PIPELINE, builtin_task
+
+    cfg = build_config({"task": {"kind": "llama", "llama": {"size": "debug", "n_layers": 3, "tie_embeddings": True},
+                                 "model": {"seq_len": 48, "vocab_size": 320}}})
+    task = builtin_task(cfg)
+    model = task.model_fn()
+    assert isinstance(model, Llama) and task.pipeline is LLAMA_PIPELINE and task.name == "llama"
+    c = model.cfg
+    assert (c.n_layers, c.vocab_size, c.max_seq_len, c.tie_embeddings, c.dim) == (3, 320, 48, True, 64)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(task.model_fn)) == task.model_fn  # shipped to every worker
