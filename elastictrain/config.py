@@ -126,6 +126,18 @@ class TaskConfig(_Section):
     llama: LlamaTaskConfig = LlamaTaskConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    init_from: str | None = Field(None, description="task.kind=llama: a Hugging Face model directory (local, "
+                                  "Lustre or s3://...: config.json + safetensors) whose weights start the run; "
+                                  "the model's shape comes from its config.json")
+    init_from_storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for "
+                                                      "task.init_from (e.g. an S3 endpoint)")
+
+    @model_validator(mode="after")
+    def _init_from_needs_llama(self) -> TaskConfig:
+        if self.init_from is not None and self.kind != "llama":
+            raise ValueError(f"task.init_from={self.init_from!r} loads Hugging Face Llama weights: it needs "
+                             f"task.kind=llama (task.kind={self.kind!r}); set task.kind: llama or remove init_from")
+        return self
 
     @property
     def data_vocab(self) -> int:
@@ -387,10 +399,15 @@ class JobConfig(_Section):
         self._faults_exist()
         return self
 
-    def _builtin_model_splits(self) -> None:
-        """The built-in model fills the pipeline stages and divides over the tensor-parallel ranks."""
+    def _builtin_model_splits(self, llama: dict[str, Any] | None = None, vocab: int | None = None) -> None:
+        """The built-in model fills the pipeline stages and divides over the tensor-parallel ranks. ``llama``
+        and ``vocab``: the Llama's shape where only the driver knows it (``task.init_from``: its config.json,
+        read by ``models/hf_init.py``, which calls this again with it)."""
         p, m, t = self.parallel, self.task.model, self.task
-        llama = t.llama.shape() if t.kind == "llama" else None
+        if t.kind == "llama" and llama is None:
+            if t.init_from is not None:  # the shape is the source's: checked once it is read
+                return
+            llama = t.llama.shape()
         layers, layers_key = (llama["n_layers"], "task.llama.n_layers") if llama else (m.n_layer, "task.model.n_layer")
         if p.pp > 1:
             from elastictrain.parallel.plan import default_stages_per_rank
@@ -408,14 +425,14 @@ class JobConfig(_Section):
         if p.tp > 1:
             from elastictrain.parallel.plan import tp_rule
 
-            vocab = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
+            vocab_key = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
             if llama:
                 sizes = {"task.llama.n_heads": llama["n_heads"], "task.llama.n_kv_heads": llama["n_kv_heads"],
-                         "task.llama.ffn_hidden": llama["ffn_hidden"], vocab: t.vocab_size}
+                         "task.llama.ffn_hidden": llama["ffn_hidden"], vocab_key: vocab or t.vocab_size}
                 fix = "change parallel.tp, the sizes in task.llama or task.model.vocab_size"
             else:
                 sizes = {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model": 4 * m.d_model,
-                         vocab: t.vocab_size}
+                         vocab_key: t.vocab_size}
                 fix = "change parallel.tp or task.model.n_head"
             why = tp_rule(p.tp, sizes)
             if why:

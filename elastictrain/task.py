@@ -52,6 +52,11 @@ class Task:
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
       (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
       (:data:`GPT_PIPELINE`) is the documented example.
+    - ``init_weights(model)`` (optional) gives the step-0 values in place of the seeded build (e.g.
+      ``task.init_from``'s pretrained weights): ``model`` is this rank's parallelized, materialized model
+      (whole, DTensor shards, or a pipeline stage set holding a subset of the names); fill what it holds,
+      reading only that, with no collective. Called at a fresh start (step 0), never at a resume or a
+      recovery past step 0 (that state comes from a checkpoint or a peer).
     """
 
     model_fn: Callable[[], torch.nn.Module]
@@ -64,6 +69,7 @@ class Task:
     name: str = "task"
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     pipeline: PipelineHooks | None = None
+    init_weights: Callable[[torch.nn.Module], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -239,10 +245,11 @@ class _Schedule:
 
 def builtin_task(config: JobConfig) -> Task:
     """The task named by ``config.task``: ``tiny_gpt`` (a small byte-level GPT) or ``llama`` (Llama 3 of
-    ``task.llama``), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
+    ``task.llama``, or of ``task.init_from``'s config.json and weights: ConfigError here, on the driver, for
+    a source that does not fit), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
     t = config.task
     llama = t.kind == "llama"
-    return Task(
+    task = Task(
         model_fn=_LlamaModel.of(t) if llama else _GPTModel(t.model),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
@@ -252,3 +259,8 @@ def builtin_task(config: JobConfig) -> Task:
         name=t.kind,
         pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
     )
+    if llama and t.init_from is not None:  # shape and step-0 weights of a Hugging Face model (read here, once)
+        from elastictrain.models.hf_init import from_source
+
+        task = from_source(task, config)
+    return task

@@ -61,9 +61,14 @@ def model_shape(config: Any, shape: str | None = None) -> ModelShape:
                                 "parallel.model_shape, e.g. layers=12,hidden=768,heads=12,seq_len=1024,vocab=50257")
     m = t.model
     if t.kind == "llama":
-        s = t.llama.shape()
+        if t.init_from is not None:  # the shape of the source's config.json (read from it, with its checks)
+            from elastictrain.models.hf_init import llama_shape_from_source
+
+            s = llama_shape_from_source(t)
+        else:
+            s = {**t.llama.shape(), "vocab_size": t.vocab_size}
         return ModelShape(layers=s["n_layers"], hidden=s["dim"], heads=s["n_heads"], seq_len=m.seq_len,
-                          vocab=t.vocab_size, tied_embeddings=bool(s.get("tie_embeddings")), arch="llama",
+                          vocab=s["vocab_size"], tied_embeddings=bool(s.get("tie_embeddings")), arch="llama",
                           kv_heads=s["n_kv_heads"], ffn_hidden=s["ffn_hidden"])
     return ModelShape(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq_len=m.seq_len, vocab=t.vocab_size)
 
