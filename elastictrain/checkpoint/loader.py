@@ -104,15 +104,23 @@ def load_full(step_uri: str, expected: dict[str, FileInfo], key: str | None = "m
 
     state: dict[str, Any] = {}
     planner = SafeFullLoadPlanner(keys={key} if key else None)
+    reader = SafeReader(step_uri, storage_options, expected=expected)
     try:
-        _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options, expected=expected),
-                         planner=planner, no_dist=True)
+        if key:
+            entries = top_level_entries(reader.read_metadata())
+            if key not in entries:  # asked before loading: the key filter would otherwise load nothing
+                raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; its entries are "
+                                      f"{', '.join(entries) or 'none'}: pass one of them")
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(_describe(e, step_uri, "reading")) from None
-    if key:
-        if key not in state:
-            raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; top-level keys: {sorted(state)}")
-        return state[key]
-    return state
+    return state[key] if key else state
+
+
+def top_level_entries(metadata: Any) -> list[str]:
+    """The sorted top-level keys (``model``, ``optim``, ``progress``...) of a checkpoint's DCP metadata."""
+    paths = (getattr(metadata, "planner_data", None) or {}).values()
+    tops = {p[0] for p in paths if isinstance(p, tuple) and p}
+    return sorted(tops or {str(fqn).split(".", 1)[0] for fqn in metadata.state_dict_metadata})
