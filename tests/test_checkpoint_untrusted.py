@@ -98,3 +98,48 @@ def test_listed_files_must_be_regular_and_are_read_up_to_their_size(tmp_path: Pa
     with pytest.raises(CheckpointError, match="is a symbolic link, not a regular file; refusing"):
         load_checkpoint(store.read_manifest(1), store.root_uri, app_state(model, opt))
     assert any("is a symbolic link" in p for p in store.verify(store.read_manifest(1)))
+
+
+def test_resume_refuses_a_forged_metadata_and_uses_the_previous_checkpoint(tmp_path: Path, ray_local) -> None:
+    """A real run commits steps 5 and 10; step 10's ``.metadata`` is forged to ask for 50 MB out of nothing
+    (the manifest rewritten to match). ``elastictrain run`` with resume=auto (a CLI process, its console
+    captured): the ranks refuse step 10 with one line naming what it asked for, the run resumes from step 5,
+    retraces steps 6-10 with the first run's losses, finishes, and keeps step 10's files for the operator.
+    Its console shows neither a traceback nor DCP's single-process notice (which every load printed, once
+    per worker)."""
+    import subprocess
+    import sys
+
+    import ray
+    import yaml
+
+    from elastictrain.events import read_events
+    from tests.conftest import job, run_job
+    from tests.test_checkpoint_security import _ckpt
+
+    ck = _ckpt(tmp_path)
+    # every step in the warm-up: the learning rate of a step does not depend on train.steps (10, then 15)
+    task = {**job()["task"], "optimizer": {"lr": 3e-3, "warmup_steps": 20}}
+    first = run_job(tmp_path, job(name="forged", task=task, train={"steps": 10}, checkpoint=ck), name="first")
+    step10 = _step_dir(tmp_path / "ckpt" / "forged", 10)
+    forge_metadata(step10, lambda md: setattr(md, "storage_meta", dataclasses.replace(md.storage_meta,
+                                                                                      save_id=Alloc(MB50))))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job(name="forged", task=task, train={"steps": 15},
+                                       checkpoint={**ck, "accept_changes": ["schedule"]})))
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "run", str(path), "--run-dir", str(tmp_path / "again"),
+                           "--ray-address", ray.get_runtime_context().gcs_address],
+                          capture_output=True, text=True, timeout=300)
+    console = proc.stdout + proc.stderr
+    (tmp_path / "console.txt").write_text(console)  # for a reader of a failure
+    assert proc.returncode == 0, console[-3000:]
+    events = read_events(tmp_path / "again")
+    (bad,) = [e for e in events if e["event"] == "checkpoint_failed" and "could not load" in e["reason"]]
+    assert bad["step"] == 10 and "zero bytes out of nothing" in bad["reason"] and "trying step 5" in bad["reason"]
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [5]
+    said = [line for line in console.splitlines() if "zero bytes out of nothing" in line]
+    assert len(said) == 1, said
+    again = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    assert [again[s] for s in range(6, 11)] == [first.losses()[s] for s in range(6, 11)]
+    assert max(again) == 15 and (step10 / "manifest.json").exists()
+    assert "Traceback" not in console and "torch.distributed is disabled" not in console, console[-3000:]

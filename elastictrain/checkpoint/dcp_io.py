@@ -283,15 +283,22 @@ class SafeReader(FsspecReader):
         super().__init__(uri, **(storage_options or {}))
         self._uri = uri
         self._expected = dict(expected)
+        self._checked: dict[str, Metadata] = {}
         self.fs = _VerifyingFileSystem(self.fs, os.fspath(self.path), uri, self._expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked ``.metadata``, read and judged once per reader: a caller that asks first (to refuse
+        a bad checkpoint with its own one-line error, before DCP would log a traceback and try a rank-local
+        fallback) costs DCP's own ask nothing."""
         name = os.path.basename(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
-        data = self.fs.read_listed(name)
-        metadata = loads_metadata(data, storage.join(self._uri, name))
-        self._check_storage_paths(metadata, storage.join(self._uri, name))
-        check_tensor_sizes(metadata, sum(info.size for info in self._expected.values()),
-                           storage.join(self._uri, name))
+        metadata = self._checked.get(name)
+        if metadata is None:
+            data = self.fs.read_listed(name)
+            metadata = loads_metadata(data, storage.join(self._uri, name))
+            self._check_storage_paths(metadata, storage.join(self._uri, name))
+            check_tensor_sizes(metadata, sum(info.size for info in self._expected.values()),
+                               storage.join(self._uri, name))
+            self._checked[name] = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

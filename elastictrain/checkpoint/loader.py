@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import SafeReader
+from elastictrain.checkpoint.dcp_quiet import quiet_single_process_notice
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import FileInfo, Manifest, step_dir_name
 from elastictrain.checkpoint.safe_bytes import SafeFullLoadPlanner, SafeLoadPlanner
@@ -85,7 +86,11 @@ def load_checkpoint(
     uri = checkpoint_dir(manifest, root_uri)
     reader = SafeReader(uri, storage_options, expected=manifest.data_files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
+    if no_dist:
+        quiet_single_process_notice()  # one process on purpose: DCP's notice saying so is noise
     try:
+        if no_dist:  # a refusal here is one line (inside dcp.load DCP logs a traceback); with a group DCP
+            reader.read_metadata()  # gathers every rank's failure, so no rank is left waiting in a collective
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
                  no_dist=no_dist)
     except CheckpointError:
