@@ -57,8 +57,8 @@ class AllowListUnpickler(pickle.Unpickler):
                            "it (the checkpoint may have been tampered with)")
 
     def _sized(self, kind: type, spelled: str, *args: Any) -> Any:
-        # bytes(N) / bytearray(N) would make N zero bytes from a few bytes of pickle (a 163-byte item asked
-        # for 50 MB); a pickler never writes them with a count, only with the data itself
+        # bytes(N) / bytearray(N) would make N zero bytes from a few bytes of pickle, N unbounded; a pickler
+        # never writes them with a count, only with the data itself
         if args and not isinstance(args[0], (bytes, bytearray, str)):
             raise self.refusal(f"{self.where} asks {spelled} for {args[0]!r} zero bytes out of nothing (a pickler "
                                "passes the bytes themselves); refusing to load it (the checkpoint may have been "
