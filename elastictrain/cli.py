@@ -22,11 +22,14 @@ def main() -> None:
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config key, e.g. --set train.steps=100 (repeatable)")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="where events.jsonl and summary.json go (default: runs/<name>-<timestamp>)")
 @click.option("--ray-address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local Ray)")
 def run(job: Path, overrides: tuple[str, ...], run_dir: Path | None, ray_address: str | None) -> None:
     """Run the training job described by JOB (a YAML file)."""
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        _die(f"--run-dir {run_dir} is a file, not a directory; name a directory (it is created when missing)",
+             EXIT_CONFIG)
     try:
         config = load_config(job, list(overrides))
         config = _prepare(config)
@@ -68,12 +71,16 @@ def _prepare(config):  # noqa: ANN001, ANN202 - JobConfig in, JobConfig out
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="the HTML file to write (default: RUN_DIR/report.html; the PNG goes beside it)")
 @click.option("--no-png", is_flag=True, help="skip the PNG (it needs a headless Chromium)")
 def report(run_dir: Path, out: Path | None, no_png: bool) -> None:
     """Write RUN_DIR/report.html (self-contained) and report.png: loss, throughput, workers, checkpoints."""
+    if not (run_dir / "events.jsonl").is_file():  # checked here: one line, not click's usage block
+        what = "does not exist" if not run_dir.exists() else "is not a run directory (no events.jsonl in it)"
+        _die(f"report: {run_dir} {what}; pass the --run-dir of a run (default runs/<name>-<timestamp>)",
+             EXIT_CONFIG)
     from elastictrain.report import write_report
 
     written = write_report(run_dir, out, png=not no_png)

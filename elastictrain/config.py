@@ -8,11 +8,12 @@ or raises :class:`ConfigError` with one readable message per problem (field, val
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -353,8 +354,11 @@ class FaultConfig(_Section):
     generation: int | None = Field(0, description="only in this membership generation; null = any")
 
 
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
 class JobConfig(_Section):
-    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = "job"
     run_id: str | None = Field(None, description="stable id for checkpoint resume; defaults to name")
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
@@ -368,6 +372,16 @@ class JobConfig(_Section):
     @property
     def stable_id(self) -> str:
         return self.run_id or self.name
+
+    @field_validator("name", "run_id")
+    @classmethod
+    def _one_path_component(cls, value: str | None) -> str | None:
+        # both name a directory under checkpoint.uri (resume reads it, retention deletes in it): "../other"
+        # or "a/b" would point them at another run's checkpoints
+        if value is not None and not _ID.fullmatch(value):
+            raise ValueError("must be 1 to 128 letters, digits, '_', '.' or '-', starting with a letter or digit "
+                             "(it names a directory under checkpoint.uri); e.g. 'my-run.2'")
+        return value
 
     @model_validator(mode="after")
     def _layout_possible(self) -> JobConfig:
@@ -487,7 +501,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML: {e}") from None
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML{_yaml_problem(e)}; quote it or fix "
+                          "it, e.g. --set train.steps=100") from None
     return parts, value
 
 
@@ -523,9 +538,17 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> JobConfig:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass a YAML job file, e.g. jobs/tiny_gpt.yaml)")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"{p}: not valid YAML{_yaml_problem(e)}") from None
+    if data is None:  # nothing but blanks or comments: a wrong file, not "train the default job"
+        raise ConfigError(f"{p}: the job file is empty; write the job's sections into it (e.g. copy "
+                          "jobs/tiny_gpt.yaml), or write '{}' to run every default")
     return build_config(data, overrides, source=str(p))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """`` at line L, column C: problem`` on one line (PyYAML's own text spans several)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{where}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping
 
+from pydantic import ValidationError
+
 from elastictrain.config import ConfigError, JobConfig
 
 RUN_ID_ENV = "ELASTICTRAIN_RUN_ID"
@@ -48,8 +50,9 @@ def resolve_run_id(config: JobConfig, environ: Mapping[str, str]) -> JobConfig:
         return config
     try:
         return type(config).model_validate({**config.model_dump(), "run_id": value})
-    except Exception as e:  # noqa: BLE001 - any validation problem is a config error naming the variable
-        raise ConfigError(f"{RUN_ID_ENV}={value!r} is not a valid run_id: {e}") from None
+    except ValidationError as e:  # one line naming the variable, the value and the rule
+        why = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        raise ConfigError(f"{RUN_ID_ENV}={value!r} is not a valid run_id: {why}") from None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What an attacker with write access to the checkpoint bucket can do to a committed checkpoint: put a
+"""What an attacker with write access to the checkpoint bucket can do to a committed checkpoint: forge its
+``.metadata`` (:func:`forge_metadata`: allocations out of nothing, shapes no file holds), put a
 pickle that runs code into a bytes item of a ``.distcp`` shard (appended to the shard, the ``.metadata``
 entry pointed at it), point a storage entry at another file, then rewrite the manifest's sizes, SHA-256s and
 digest to match (the digest is unkeyed: anyone can recompute it)."""
@@ -76,3 +77,24 @@ def plant_payload(step_dir: Path, marker: Path, fqn: str = LR) -> None:
     md.storage_data[index] = dataclasses.replace(info, offset=len(old), length=len(buf.getvalue()))
     (step_dir / meta).write_bytes(pickle.dumps(md))
     relist(step_dir, body, [meta, data_dir + info.relative_path])
+
+
+class Alloc:
+    """Unpickling this asks ``kind(n)``: ``n`` zero bytes out of a few bytes of pickle."""
+
+    def __init__(self, n: int, kind: type = bytes) -> None:
+        self.n, self.kind = n, kind
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.kind, (self.n,))
+
+
+def forge_metadata(step_dir: Path, edit: Any) -> None:
+    """Rewrite the ``.metadata`` of the committed checkpoint in ``step_dir`` with ``edit(metadata)`` applied
+    (not genuine DCP metadata any more: what an attacker writes), the manifest rewritten to match."""
+    body = _manifest(step_dir)
+    meta = _data_dir(body) + ".metadata"
+    md = pickle.loads((step_dir / meta).read_bytes())  # noqa: S301 - our own test file
+    edit(md)
+    (step_dir / meta).write_bytes(pickle.dumps(md))
+    relist(step_dir, body, [meta])

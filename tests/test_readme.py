@@ -70,3 +70,46 @@ def test_readme_commands_are_true(tmp_path):
     assert outputs[4].startswith("OK") and (tmp_path / "model.pt").is_file()
     fresh = sorted((tmp_path / "checkpoints").iterdir())
     assert [p.name for p in fresh][0] == "tiny_gpt" and len(fresh) == 2 and fresh[1].name.startswith("tiny_gpt-")
+
+
+def _block_after(heading: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```bash\n(.*?)```", text[text.index(heading):], flags=re.S).group(1)
+
+
+def test_readme_parallel_plan_commands_are_valid_jobs() -> None:
+    """The "Parallel plans" commands, as written, make valid jobs (keys, values and world sizes; cheap: no
+    Ray). Each plan's training is tested elsewhere (tests/test_parallel.py and the recovery suites)."""
+    from elastictrain.config import load_config
+
+    commands = [shlex.split(line, comments=True) for line in _block_after("### Parallel plans").splitlines()]
+    runs = [words[2:] for words in commands if words[:2] == ["elastictrain", "run"]]
+    assert len(runs) == 3, runs
+    plans = []
+    for args in runs:
+        overrides = [args[i + 1] for i, word in enumerate(args) if word == "--set"]
+        config = load_config(ROOT / args[0], overrides)
+        plans.append((config.parallel.plan, config.parallel.reshard_after_forward, config.workers.max))
+    assert plans == [("fsdp", True, 2), ("fsdp", False, 2), ("hsdp", True, 4)], plans
+
+
+def test_readme_runtime_env_json_sets_the_run_id() -> None:
+    """The `ray job submit --runtime-env-json '...'` line of "Resubmitting continues the run" is valid JSON
+    whose env_vars give the run id it promises (tests/test_job_submit.py submits jobs that way)."""
+    from elastictrain.config import build_config
+    from elastictrain.jobenv import resolve_run_id
+
+    text = (ROOT / "README.md").read_text()
+    (raw,) = re.findall(r"--runtime-env-json '([^']+)'", text)
+    env = json.loads(raw)
+    assert resolve_run_id(build_config({"name": "n"}), env["env_vars"]).stable_id == "my-run"
+
+
+def test_readme_report_command(raised_run, tmp_path) -> None:
+    """`elastictrain report RUN_DIR [--out FILE] [--no-png]` on a finished run: the page is written where
+    --out says, one line names it (a RUN_DIR that is no run: tests/test_cli_input.py)."""
+    out = tmp_path / "page.html"
+    proc = subprocess.run([sys.executable, "-m", "elastictrain", "report", str(raised_run.dir), "--out", str(out),
+                           "--no-png"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"elastictrain: html {out}", proc.stdout + proc.stderr
+    assert out.stat().st_size > 0 and not out.with_suffix(".png").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import threading
 from collections.abc import Generator
@@ -29,9 +30,10 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import fsspec
+import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.errors import CheckpointError
@@ -205,7 +207,8 @@ class HashingWriter(FileSystemWriter):
 
 class _VerifyingFileSystem:
     """Wraps a DCP reader's file system: only files listed in ``expected`` can be opened; each is read
-    whole, its size and SHA-256 checked, and served from memory. So each rank verifies exactly what it
+    whole (never more than its recorded size, never through a local symlink or special file), its size and
+    SHA-256 checked, and served from memory. So each rank verifies exactly what it
     reads, once, while reading, and a file the manifest does not list is never read at all."""
 
     def __init__(self, inner: Any, base: str, uri: str, expected: dict[str, FileInfo]) -> None:
@@ -233,7 +236,9 @@ class _VerifyingFileSystem:
         if info is None:
             raise CheckpointError(f"{where}: the checkpoint's manifest does not list this file; refusing to read it "
                                   "(the checkpoint may have been tampered with)")
-        data = storage.guarded("reading", where, lambda: self._inner.fs.cat_file(storage.join(self._base, rel)))
+        # at most the recorded size is read, and only from a regular file
+        data = storage.read_at_most(self._inner.fs, storage.join(self._base, rel), where, info.size,
+                                    f"{info.size} recorded")
         check_bytes(data, info, where)
         return data
 
@@ -244,6 +249,27 @@ def check_bytes(data: bytes, info: FileInfo, where: str) -> None:
         raise CheckpointError(f"{where}: size {len(data)} != {info.size} recorded (truncated or overwritten)")
     if hashlib.sha256(data).hexdigest() != info.sha256:
         raise CheckpointError(f"{where}: SHA-256 mismatch (contents changed after the save)")
+
+
+def check_tensor_sizes(metadata: Metadata, listed_bytes: int, where: str) -> None:
+    """Raise :class:`UnsafeMetadataError` unless the tensors ``metadata`` declares fit in the ``listed_bytes``
+    the manifest lists: a reader without a target (export) allocates every declared tensor, so a forged shape
+    must not ask for more memory than the checkpoint's own files hold."""
+    total = 0
+    for fqn, md in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        dims = list(md.size)
+        chunks = [list(c.sizes) for c in md.chunks] + [list(c.offsets) for c in md.chunks]
+        if not isinstance(md.properties.dtype, torch.dtype) or \
+                not all(isinstance(d, int) and d >= 0 for d in dims + [d for c in chunks for d in c]):
+            raise UnsafeMetadataError(f"{where}: tensor {fqn!r} has size {dims} and dtype {md.properties.dtype!r}; "
+                                      "refusing it (the checkpoint may have been tampered with)")
+        total += math.prod(dims) * torch.empty((), dtype=md.properties.dtype).element_size()
+        if total > listed_bytes:
+            raise UnsafeMetadataError(f"{where}: declares tensors of more than {listed_bytes} bytes (at {fqn!r}, "
+                                      f"size {dims}) but the manifest lists {listed_bytes} bytes of files; refusing "
+                                      "it (the checkpoint may have been tampered with)")
 
 
 class SafeReader(FsspecReader):
@@ -257,13 +283,22 @@ class SafeReader(FsspecReader):
         super().__init__(uri, **(storage_options or {}))
         self._uri = uri
         self._expected = dict(expected)
+        self._checked: dict[str, Metadata] = {}
         self.fs = _VerifyingFileSystem(self.fs, os.fspath(self.path), uri, self._expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked ``.metadata``, read and judged once per reader: a caller that asks first (to refuse
+        a bad checkpoint with its own one-line error, before DCP would log a traceback and try a rank-local
+        fallback) costs DCP's own ask nothing."""
         name = os.path.basename(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
-        data = self.fs.read_listed(name)
-        metadata = loads_metadata(data, storage.join(self._uri, name))
-        self._check_storage_paths(metadata, storage.join(self._uri, name))
+        metadata = self._checked.get(name)
+        if metadata is None:
+            data = self.fs.read_listed(name)
+            metadata = loads_metadata(data, storage.join(self._uri, name))
+            self._check_storage_paths(metadata, storage.join(self._uri, name))
+            check_tensor_sizes(metadata, sum(info.size for info in self._expected.values()),
+                               storage.join(self._uri, name))
+            self._checked[name] = metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -278,9 +313,11 @@ class SafeReader(FsspecReader):
             if info.relative_path not in self._expected:
                 raise UnsafeMetadataError(f"{where}: names the file {info.relative_path!r}, which the manifest does "
                                           "not list; refusing it (the checkpoint may have been tampered with)")
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)) \
+                    or info.offset + info.length > self._expected[info.relative_path].size:
                 raise UnsafeMetadataError(f"{where}: storage entry of {index} has offset {info.offset!r} and "
-                                          f"length {info.length!r}")
+                                          f"length {info.length!r} in a file of "
+                                          f"{self._expected[info.relative_path].size} bytes")
             if info.transform_descriptors:  # elastictrain writes none; a reader would look up extensions by name
                 raise UnsafeMetadataError(f"{where}: storage entry of {index} asks for transforms "
                                           f"{list(info.transform_descriptors)}, which elastictrain never writes")

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import SafeReader
+from elastictrain.checkpoint.dcp_quiet import quiet_single_process_notice
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import FileInfo, Manifest, step_dir_name
 from elastictrain.checkpoint.safe_bytes import SafeFullLoadPlanner, SafeLoadPlanner
@@ -85,7 +86,11 @@ def load_checkpoint(
     uri = checkpoint_dir(manifest, root_uri)
     reader = SafeReader(uri, storage_options, expected=manifest.data_files)
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
+    if no_dist:
+        quiet_single_process_notice()  # one process on purpose: DCP's notice saying so is noise
     try:
+        if no_dist:  # a refusal here is one line (inside dcp.load DCP logs a traceback); with a group DCP
+            reader.read_metadata()  # gathers every rank's failure, so no rank is left waiting in a collective
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group,
                  no_dist=no_dist)
     except CheckpointError:
@@ -104,15 +109,23 @@ def load_full(step_uri: str, expected: dict[str, FileInfo], key: str | None = "m
 
     state: dict[str, Any] = {}
     planner = SafeFullLoadPlanner(keys={key} if key else None)
+    reader = SafeReader(step_uri, storage_options, expected=expected)
     try:
-        _load_state_dict(state, storage_reader=SafeReader(step_uri, storage_options, expected=expected),
-                         planner=planner, no_dist=True)
+        if key:
+            entries = top_level_entries(reader.read_metadata())
+            if key not in entries:  # asked before loading: the key filter would otherwise load nothing
+                raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; its entries are "
+                                      f"{', '.join(entries) or 'none'}: pass one of them")
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(_describe(e, step_uri, "reading")) from None
-    if key:
-        if key not in state:
-            raise CheckpointError(f"checkpoint {step_uri} has no {key!r} entry; top-level keys: {sorted(state)}")
-        return state[key]
-    return state
+    return state[key] if key else state
+
+
+def top_level_entries(metadata: Any) -> list[str]:
+    """The sorted top-level keys (``model``, ``optim``, ``progress``...) of a checkpoint's DCP metadata."""
+    paths = (getattr(metadata, "planner_data", None) or {}).values()
+    tops = {p[0] for p in paths if isinstance(p, tuple) and p}
+    return sorted(tops or {str(fqn).split(".", 1)[0] for fqn in metadata.state_dict_metadata})

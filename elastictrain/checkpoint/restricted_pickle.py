@@ -4,7 +4,9 @@ A pickle from storage is attacker-controlled once someone can write to the bucke
 runs whatever callable it names. :class:`AllowListUnpickler` resolves a global only when its ``(module, name)``
 is in the subclass's ``allowed`` table (or :meth:`~AllowListUnpickler.extra_global` accepts it), refuses
 persistent ids, and raises the subclass's ``refusal`` error naming what was asked for, before any object is
-built from it. :func:`restricted_loads` wraps one load: a refusal passes through, anything else a truncated
+built from it. What it builds stays within the pickle's own size: ``bytes``/``bytearray`` take data, never a
+count (``bytearray(N)`` is N bytes out of nothing), and ``_codecs.encode`` only the latin1 that protocol 2
+writes. :func:`restricted_loads` wraps one load: a refusal passes through, anything else a truncated
 or garbled pickle raises becomes one :class:`CheckpointError` that says the entry is corrupt.
 
 Users: ``.metadata`` (:mod:`.safe_metadata`, DCP's metadata classes) and DCP bytes items
@@ -13,6 +15,8 @@ Users: ``.metadata`` (:mod:`.safe_metadata`, DCP's metadata classes) and DCP byt
 
 from __future__ import annotations
 
+import codecs
+import functools
 import io
 import pickle
 from collections.abc import Mapping
@@ -40,12 +44,33 @@ class AllowListUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if name in self.allowed.get(module, ()):
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            if found in (bytes, bytearray):
+                return functools.partial(self._sized, found, f"{module}.{name}")
+            if found is codecs.encode:
+                return functools.partial(self._latin1, f"{module}.{name}")
+            return found
         value = self.extra_global(module, name)
         if value is not None:
             return value
         raise self.refusal(f"{self.where} refers to {module}.{name}, but it holds {self.holds}; refusing to load "
                            "it (the checkpoint may have been tampered with)")
+
+    def _sized(self, kind: type, spelled: str, *args: Any) -> Any:
+        # bytes(N) / bytearray(N) would make N zero bytes from a few bytes of pickle, N unbounded; a pickler
+        # never writes them with a count, only with the data itself
+        if args and not isinstance(args[0], (bytes, bytearray, str)):
+            raise self.refusal(f"{self.where} asks {spelled} for {args[0]!r} zero bytes out of nothing (a pickler "
+                               "passes the bytes themselves); refusing to load it (the checkpoint may have been "
+                               "tampered with)")
+        return kind(*args)
+
+    def _latin1(self, spelled: str, text: Any, encoding: Any = "utf-8", *rest: Any) -> bytes:
+        # how protocol 2 spells bytes: encode(str, "latin1"); any other codec is a lookup by name, not data
+        if not isinstance(text, str) or encoding not in ("latin1", "latin-1") or rest:
+            raise self.refusal(f"{self.where} asks {spelled} for codec {encoding!r}, but a pickled bytes object "
+                               "uses 'latin1' only; refusing to load it (the checkpoint may have been tampered with)")
+        return codecs.encode(text, "latin1")
 
     def persistent_load(self, pid: Any) -> Any:
         raise self.refusal(f"{self.where} holds a tensor storage reference, but it holds {self.holds}; refusing "

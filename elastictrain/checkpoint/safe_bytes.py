@@ -25,8 +25,8 @@ from elastictrain.checkpoint.restricted_pickle import AllowListUnpickler, restri
 
 # module -> names a plain-data pickle (protocol 2, as torch.save writes it) may name
 _PLAIN: dict[str, frozenset[str]] = {
-    "builtins": frozenset({"set", "frozenset", "complex", "bytearray"}),
-    "__builtin__": frozenset({"set", "frozenset", "complex", "bytearray"}),  # protocol 2 from Python 2 names
+    "builtins": frozenset({"set", "frozenset", "complex", "bytes", "bytearray"}),  # bytes(): b"" in protocol 2
+    "__builtin__": frozenset({"set", "frozenset", "complex", "bytes", "bytearray"}),  # protocol 2 from Python 2 names
     "_codecs": frozenset({"encode"}),  # how protocol 2 spells a bytes object: encode(str, "latin1")
     "collections": frozenset({"OrderedDict"}),
 }
@@ -50,6 +50,10 @@ def loads_plain(data: bytes, where: str = "bytes item") -> Any:
             pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
             if len(pickles) != 1:
                 raise CheckpointError(f"{where}: expected one data.pkl in the archive, found {len(pickles)}")
+            declared = archive.getinfo(pickles[0]).file_size
+            if declared > len(data):  # a deflated member could unpack far beyond the bytes the manifest sized
+                raise UnsafeBytesError(f"{where}: its data.pkl unpacks to {declared} bytes from a {len(data)}-byte "
+                                       "item; refusing to load it (the checkpoint may have been tampered with)")
             payload = archive.read(pickles[0])
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise CheckpointError(f"{where}: not a torch.save archive ({e}); the checkpoint is corrupt") from None

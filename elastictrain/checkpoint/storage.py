@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -142,27 +143,87 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, creat
         raise
 
 
-def read_bytes(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> bytes:
-    """The whole object at ``path``. ``FileNotFoundError`` passes through; other failures -> CheckpointError."""
+#: the most bytes a manifest may have: it is read before anything says how big it is
+MANIFEST_LIMIT = 64 * 2**20
+
+
+def read_bytes(fs: fsspec.AbstractFileSystem, path: str, uri: str, limit: int = MANIFEST_LIMIT) -> bytes:
+    """The whole object at ``path`` if it has at most ``limit`` bytes (storage is untrusted: a bigger one is a
+    CheckpointError, never read whole). ``FileNotFoundError`` passes through; other failures ->
+    CheckpointError."""
     try:
-        return guarded("reading", uri, lambda: fs.cat_file(path))
+        return read_at_most(fs, path, uri, limit, f"allowed for such a file ({limit})")
     except CheckpointError as e:
         if isinstance(e.__cause__, FileNotFoundError) and "bucket" not in str(e).lower():
             raise FileNotFoundError(uri) from e
         raise
 
 
-def sha256_of(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> str:
-    """Stream ``path`` through SHA-256 (used by verify; writers hash while writing instead)."""
+def read_at_most(fs: fsspec.AbstractFileSystem, path: str, uri: str, limit: int, rule: str) -> bytes:
+    """The bytes of ``path``, refused with a CheckpointError when there are more than ``limit`` (``rule``
+    says whose number that is, e.g. "12 recorded") before more than ``limit + 1`` are read: a listed file
+    swapped for a huge one, or for a link to ``/dev/zero``, cannot make a reader allocate beyond what the
+    manifest says. A local path must be a regular file: not a symlink, a device, a FIFO or a socket (lstat,
+    then opened without following links). ``FileNotFoundError`` of a local path passes through."""
+    if is_local(fs):
+        data = guarded("reading", uri, lambda: _read_local(path, uri, limit))
+    elif limit == 0:  # a range read of nothing is an error on S3: ask the size instead
+        data = b"" if guarded("reading", uri, lambda: fs.size(path)) == 0 else b"?"
+    else:
+        data = guarded("reading", uri, lambda: fs.cat_file(path, start=0, end=limit + 1))
+    if len(data) > limit:
+        raise CheckpointError(f"{uri}: more bytes than the {rule}; refusing to read it (overwritten, or the "
+                              "checkpoint may have been tampered with)")
+    return data
+
+
+def _read_local(path: str, uri: str, limit: int) -> bytes:
+    def refuse(kind: str) -> None:
+        raise CheckpointError(f"{uri}: is {kind}, not a regular file; refusing to read it (the checkpoint may "
+                              "have been tampered with)")
+
+    kind = _odd_kind(os.lstat(path).st_mode)  # a missing file raises FileNotFoundError, as a read would
+    if kind:
+        refuse(kind)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # what was opened, in case the name was swapped
+            refuse("a device, FIFO or socket")
+        return f.read(limit + 1)
+
+
+def sha256_of(fs: fsspec.AbstractFileSystem, path: str, uri: str, limit: int | None = None) -> str:
+    """Stream ``path`` through SHA-256 (used by verify; writers hash while writing instead). With ``limit``
+    (the recorded size) at most ``limit + 1`` bytes are hashed: a file that grew, or a device, ends as a
+    mismatch, not as an endless read (:func:`not_regular` tells the caller about links and devices)."""
 
     def run() -> str:
-        h = hashlib.sha256()
+        h, left = hashlib.sha256(), (limit + 1 if limit is not None else None)
         with fs.open(path, "rb", block_size=_READ_CHUNK) as f:
-            while chunk := f.read(_READ_CHUNK):
+            while (left is None or left > 0) and (chunk := f.read(_READ_CHUNK if left is None else min(left, _READ_CHUNK))):
                 h.update(chunk)
+                left = None if left is None else left - len(chunk)
         return h.hexdigest()
 
     return guarded("reading", uri, run)
+
+
+def not_regular(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """For a local ``path`` that is a symlink, directory, device, FIFO or socket: what it is; else None
+    (object stores hold only objects). A missing path is None: the caller's listing says it is missing."""
+    if not is_local(fs):
+        return None
+    try:
+        return _odd_kind(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def _odd_kind(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else \
+        "a device, FIFO or socket"
 
 
 def list_sizes(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> dict[str, int]:

@@ -163,11 +163,14 @@ class CheckpointStore:
         for rel, info in sorted(manifest.files.items()):
             check_relpath(rel, base_uri)
             uri = storage.join(base_uri, rel)
-            if rel not in sizes:
+            odd = storage.not_regular(fs, storage.join(base, rel))
+            if odd:  # a reader refuses it too; said here, resume picks an older checkpoint at once
+                problems.append(f"{uri}: is {odd}, not a regular file (the checkpoint may have been tampered with)")
+            elif rel not in sizes:
                 problems.append(f"{uri}: missing")
             elif sizes[rel] != info.size:
                 problems.append(f"{uri}: size {sizes[rel]} != {info.size} recorded (truncated or overwritten)")
-            elif checksums and storage.sha256_of(fs, storage.join(base, rel), uri) != info.sha256:
+            elif checksums and storage.sha256_of(fs, storage.join(base, rel), uri, info.size) != info.sha256:
                 problems.append(f"{uri}: SHA-256 mismatch (contents changed after the save)")
         for rel in unlisted_files(manifest, sizes):
             problems.append(f"{storage.join(base_uri, rel)}: not listed by the manifest (added after the commit)")

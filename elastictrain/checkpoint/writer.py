@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastictrain.checkpoint import storage
 from elastictrain.checkpoint.dcp_io import HashingFileSystem, HashingWriter, S3Mode
+from elastictrain.checkpoint.dcp_quiet import quiet_single_process_notice
 from elastictrain.checkpoint.errors import CheckpointError, root_causes
 from elastictrain.checkpoint.manifest import MANIFEST_NAME, ShardReport, attempt_dir_name, step_dir_name
 from elastictrain.checkpoint.staging import Staged, StagingPool
@@ -238,6 +239,8 @@ class CheckpointWriter:
                 try:
                     writer = HashingWriter(hfs)
                     entry.staged.wait()  # copies from a GPU land while the step thread trains on
+                    if self._pg is None:
+                        quiet_single_process_notice()  # a one-rank save: DCP's notice saying so is noise
                     dcp.save(entry.staged.state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                     prefix = self._attempt + "/" if self._attempt else ""
                     files = {prefix + rel: info for rel, info in writer.written.items()}

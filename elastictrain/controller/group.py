@@ -76,7 +76,9 @@ def call_outcomes(calls: list[tuple[Slot, Any]], rt: Runtime = RAY) -> list[Call
             out.append(CallOutcome(slot.index, "dead", describe_remote_error(e)))
         except Exception as e:  # noqa: BLE001 - classified: its own error, or a peer's broken communication
             cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
-            peer = isinstance(cause, BaseException) and is_communication_error(cause)
+            # the cause crossed processes without its frames: its origin is read from Ray's traceback text
+            remote_tb = getattr(e, "traceback_str", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+            peer = isinstance(cause, BaseException) and is_communication_error(cause, remote_tb)
             out.append(CallOutcome(slot.index, "peer" if peer else "own", describe_remote_error(e)))
         else:
             out.append(CallOutcome(slot.index, "ok"))

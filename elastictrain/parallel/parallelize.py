@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig
 from elastictrain.parallel.bubble import measured_idle
+from elastictrain.worker.errors import framework_collective
 
 
 def _is_block_list(module: nn.Module) -> bool:
@@ -234,7 +235,10 @@ class ParallelModel:
                 loss = per_sample.sum() * scale
                 if last:
                     hooks.last_loss(loss)
-                loss.backward()
+                    with framework_collective():  # DDP's all-reduce fails out of this backward's C++
+                        loss.backward()
+                else:
+                    loss.backward()
             if not last:
                 compute_s += time.perf_counter() - c0
         return MicroStepResult(word, compute_s, time.perf_counter() - t0)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from elastictrain.checkpoint.dcp_quiet import quiet_single_process_notice
 from elastictrain.checkpoint.safe_bytes import SafeLoadPlanner
 from elastictrain.data.cursor import CursorState
 from elastictrain.parallel.optim import init_state
@@ -125,7 +126,11 @@ class TrainingState:
         tensor, each deciding its sharding afresh on a new mesh: measured 35-55 ms of a recovering fsdp
         rank's load for the tiny GPT). Where anything does not alias, ``set_state_dict`` loads it all."""
         target = self.state_dict()
+        # asked first: a refused .metadata raises its own one-line error here, where inside dcp.load DCP
+        # would log a traceback per rank and retry with rank-local metadata (a durable reader reads it once)
+        reader.read_metadata()
         # non-tensor entries as plain data only: a durable reader refuses any other planner (safe_bytes.py)
+        quiet_single_process_notice()  # no group on purpose: DCP's notice saying so is noise
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         if aliases_live_state(target, self.model, self.optimizer):
             self._check_cursor(target)

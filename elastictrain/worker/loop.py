@@ -36,6 +36,7 @@ from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, Paral
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
+from elastictrain.worker.errors import framework_collective
 from elastictrain.worker.faults import FaultInjector
 from elastictrain.worker.rng import seed_micro_batch
 from elastictrain.worker.step_stats import StepStats
@@ -260,16 +261,19 @@ class StepRunner:
         done = self.pm.run_micro_batches(len(micro), self.task.loss_fn, d / g, hooks)
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
-        stats = done.word.wait()
+        with framework_collective():
+            stats = done.word.wait()
         seen: list[int] = []
         if self.audit:  # ids as fed by every first-stage rank of tp coordinate 0: any survivor's record holds
             # the whole step, each sample once
             mine = [int(i) for ids in micro for i in ids] if self.pm.feeds_samples else []
             gathered: list[list[int]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(gathered, mine)
+            with framework_collective():
+                dist.all_gather_object(gathered, mine)
             seen = [i for part in gathered for i in part]
         self._set_phase("idle")
-        self._apply_optimizer(s)
+        with framework_collective():  # the clip's norm and a sharded optimizer reduce over the mesh
+            self._apply_optimizer(s)
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
         record = StepRecord(
