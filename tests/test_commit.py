@@ -9,10 +9,10 @@ import math
 from typing import Any
 
 import pytest
-import torch
 
 from elastictrain import build_config
 from elastictrain.task import builtin_task
+from tests.commit_fixtures import ALLOC_STEP as _ALLOC_STEP, AllocatingLoss
 from tests.conftest import job, run_job
 
 STEPS = 8
@@ -108,24 +108,6 @@ def test_a_stall_that_blames_nobody_regroups_and_finishes_clean(tmp_path, ray_lo
 
 
 # ---------------------------------------------------------------- memory (item 1)
-_ALLOC_STEP = 4  # the step (1-based) in which rank 0 holds 200 MiB more for a moment
-
-
-class _AllocatingLoss:
-    """The GPT loss; in rank 0's first micro-batch of step ``_ALLOC_STEP`` it also writes 200 MiB it frees
-    at once (its pages touched, so they count in RSS)."""
-
-    def __init__(self, loss_fn: Any) -> None:
-        self.loss_fn, self.calls = loss_fn, 0
-
-    def __call__(self, model: Any, batch: Any, seeds: Any) -> Any:
-        import torch.distributed as dist
-
-        self.calls += 1  # 2 micro-batches per step per rank (global 16, micro 4, 2 ranks)
-        if dist.get_rank() == 0 and self.calls == 2 * (_ALLOC_STEP - 1) + 1:
-            block = torch.ones(200 * 1024 * 1024 // 4)
-            del block
-        return self.loss_fn(model, batch, seeds)
 
 
 def test_every_step_reports_peak_memory_and_a_transient_allocation_shows_in_its_step(tmp_path, ray_local) -> None:
@@ -134,7 +116,7 @@ def test_every_step_reports_peak_memory_and_a_transient_allocation_shows_in_its_
     figure, not in step 6's (the mark is reset after each step)."""
     spec = job(train={"steps": STEPS}, workers={"min": 2, "max": 2})
     task = builtin_task(build_config(spec))
-    task = dataclasses.replace(task, loss_fn=_AllocatingLoss(task.loss_fn))
+    task = dataclasses.replace(task, loss_fn=AllocatingLoss(task.loss_fn))
     run = run_job(tmp_path, spec, task=task)
     assert run.result.exit_code == 0, run.summary["error"]
     steps = {e["step"]: e for e in run.of("step")}

@@ -699,12 +699,13 @@ class Controller(WorkerMonitor):
         """``recovery.max_nonfinite_steps`` steps in a row had their update skipped (non-finite loss or
         gradient norm): the run fails (exit 1), naming the last such step and its rank. True if it ended."""
         limit = self.config.recovery.max_nonfinite_steps
-        if self.ledger.nonfinite_in_a_row < limit or self.ledger.nonfinite_last is None:
+        worst = self.ledger.nonfinite_worst
+        if worst is None or worst[0] < limit:
             return False
-        step, why = self.ledger.nonfinite_last
-        self._fail(f"{self.ledger.nonfinite_in_a_row} steps in a row non-finite (recovery.max_nonfinite_steps="
-                   f"{limit}), their updates skipped; the last, step {step}: {why}. Look at that rank's data "
-                   "and the learning rate, or raise recovery.max_nonfinite_steps")
+        count, step, why = worst
+        self._fail(f"{count} steps in a row non-finite (recovery.max_nonfinite_steps={limit}), their updates "
+                   f"skipped; the last, step {step}: {why}. Look at that rank's data and the learning rate, or "
+                   "raise recovery.max_nonfinite_steps")
         return True
 
     def _count_group_failure(self, reason: str) -> bool:
@@ -771,6 +772,8 @@ class Controller(WorkerMonitor):
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
+            if self._nonfinite_verdict():  # the last steps' records came with the members' last polls
+                return
             members = self.group.members()
             self._save_final(members)
             try:

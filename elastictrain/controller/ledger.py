@@ -43,7 +43,9 @@ class Ledger:
         self.memory_by_rank: dict[int, dict[str, float]] = {}
         self._memory_window: dict[str, tuple[float, int]] = {}
         self.nonfinite_in_a_row = 0  # steps in a row whose update was skipped (non-finite)
-        self.nonfinite_last: tuple[int, str] | None = None  # (step, why) of the newest skipped step
+        # (in a row, step, why) of the longest such run so far, at its last step: a verdict taken after
+        # later steps came in (one poll brings several) still sees it
+        self.nonfinite_worst: tuple[int, int, str] | None = None
 
     def new_generation(self, generation: int, world_size: int, accum: int) -> None:
         self._world = world_size
@@ -163,7 +165,8 @@ class Ledger:
         if first.skipped:
             fields["skipped"] = True
             self.nonfinite_in_a_row += 1
-            self.nonfinite_last = (step, first.skipped)
+            if self.nonfinite_worst is None or self.nonfinite_in_a_row > self.nonfinite_worst[0]:
+                self.nonfinite_worst = (self.nonfinite_in_a_row, step, first.skipped)
             self.events.emit("step_skipped", step=step, in_a_row=self.nonfinite_in_a_row, reason=first.skipped)
         else:
             self.nonfinite_in_a_row = 0
