@@ -125,3 +125,28 @@ def test_every_step_reports_peak_memory_and_a_transient_allocation_shows_in_its_
     assert steps[_ALLOC_STEP]["memory"]["host_mib"] >= steps[_ALLOC_STEP + 2]["memory"]["host_mib"] + 150
     memory = run.summary["memory"]
     assert set(memory["by_rank"]) == {"0", "1"} and memory["host_mib"] >= 200 and memory["host_rank"] == 0
+
+
+def test_the_step_events_memory_is_the_highest_peak_since_the_previous_one(tmp_path) -> None:
+    """Pure ledger check (no run): a step event carries the highest peak any rank reported since the previous
+    step event and that rank, whatever reported it (the reporting rank's record, another rank's poll); the
+    summary keeps every rank's run peak. One entry per kind in the event, whatever the world size."""
+    from elastictrain.controller.ledger import Ledger
+    from elastictrain.events import EventLog
+    from elastictrain.worker.loop import StepRecord
+
+    ledger = Ledger(EventLog(tmp_path, console=None), total_steps=3, global_batch=4, max_workers=1000)
+    ledger.new_generation(0, 1000, 1)
+
+    def record(step: int, host: float) -> StepRecord:
+        return StepRecord(step=step, loss=1.0, world_size=1000, accum=1, step_s=0.1, compute_s=0.1,
+                          finished_at=float(step), memory={"host_mib": host})
+
+    ledger.note_memory(731, {"host_mib": 900.0})  # another rank's poll, before step 1's record
+    (one,) = ledger.add(0, record(1, 500.0), complete=True)
+    (two,) = ledger.add(0, record(2, 510.0), complete=True)
+    assert one["memory"] == {"host_mib": 900.0, "host_rank": 731}
+    assert two["memory"] == {"host_mib": 510.0, "host_rank": 0}  # the window started afresh
+    summary = ledger.summary("finished", {})["memory"]
+    assert summary["host_mib"] == 900.0 and summary["host_rank"] == 731
+    assert summary["by_rank"] == {"0": {"host_mib": 510.0}, "731": {"host_mib": 900.0}}
