@@ -335,16 +335,17 @@ class WorkerMonitor:
             # sent: a poll still out then went unanswered for the bound (hung), the others' phases are fresh;
             # a phase from before the stall would blame a healthy rank
             return
-        found = self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
-                                         progress_at=progress, step_times=times, **self._when())
+        views = [self._view(s, now) for s in self.group.members()]
+        found = self.detector.find_hangs(views, now=now, progress_at=progress, step_times=times, **self._when())
         if found or self.pending_failures or self.stall_aborted_at == progress:
             return
-        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound:
+        # a member computing is a slow step (a first step compiling), not a stall: only waiting ones are aborted
+        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(v.phase == "compute" for v in views):
             self._abort_stall(now - progress, bound, progress)
 
     def _abort_stall(self, stalled_s: float, bound: float, progress: float) -> None:
-        """A stall nobody is blamed for (every member answers and waits in a collective or a device sync:
-        NCCL ranks whose peer's kernel hangs look exactly so) for ``policy.STALL_FALLBACK_FACTOR`` hang
+        """A stall nobody is blamed for (every member answers and none computes: each waits in a collective
+        or a device sync, as NCCL ranks whose peer's kernel hangs do) for ``policy.STALL_FALLBACK_FACTOR`` hang
         bounds: keep the NCCL flight recorders (GPU), then abort every member's group (gloo: severed), so
         every ``run`` returns its failed step discarded; the group failure that follows regroups the same
         workers from the newest state known to be whole (``Controller._running``)."""
