@@ -7,7 +7,7 @@ set-up before the first step) up to this step's end is in exactly one step's fig
 Host: the kernel's RSS high-water mark (``VmHWM`` in ``/proc/self/status``), reset to the current RSS after
 each reading by writing ``5`` to ``/proc/self/clear_refs`` (Linux). A kernel or container that refuses the
 reset leaves ``VmHWM`` since the process started (:func:`host_reset_works` tells which); without ``/proc``
-the figure is ``getrusage``'s maximum RSS, never reset. A reading and reset costs tens of microseconds.
+the figure is ``getrusage``'s maximum RSS, never reset. Its cost: docs/perf/2026-11-28-memory-reading.md.
 
 Device (CUDA): ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (the caching allocator's own
 counters, no device sync), reset by ``reset_peak_memory_stats``.
