@@ -305,6 +305,8 @@ class RecoveryConfig(_Section):
     straggler_factor: float = Field(2.0, gt=1.0)
     straggler_window: int = Field(8, ge=2)
     evict_stragglers: bool = False
+    max_nonfinite_steps: int = Field(3, ge=1, description="non-finite steps in a row (loss or gradient norm: their "
+                                     "updates skipped) after which the run fails")
 
 
 class TimeoutsConfig(_Section):
@@ -347,8 +349,8 @@ class FaultConfig(_Section):
 
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
-    point: Literal["before_step", "mid_step", "after_step", "backward", "finish", "join"] = "mid_step"
-    kind: Literal["kill", "hang", "raise", "slow"] = "kill"
+    point: Literal["before_step", "mid_step", "after_step", "backward", "commit", "finish", "join"] = "mid_step"
+    kind: Literal["kill", "hang", "raise", "slow", "nan", "abort", "stall"] = "kill"
     seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step (a hang lasts until killed)")
     repeat: bool = Field(False, description="fire again whenever that rank reaches that step (crash loops)")
     generation: int | None = Field(0, description="only in this membership generation; null = any")

@@ -19,7 +19,7 @@ EVENTS = (
     "run_started", "worker_started", "generation_started", "resumed", "step", "checkpoint_saved",
     "checkpoint_skipped", "checkpoint_failed", "failure", "recovered", "replanned", "resized", "straggler",
     "preempted", "worker_lost", "run_finished", "run_failed", "warning", "memory_snapshot_rejected",
-    "memory_snapshot_dropped",
+    "memory_snapshot_dropped", "step_skipped", "stall_aborted",
 )
 
 # Events that a person wants on the console even when step lines are thinned out.
@@ -96,8 +96,10 @@ def format_event(r: dict[str, Any]) -> str:
     if name == "step":
         eta = r.get("eta_s")
         eta_txt = f" eta {eta:.0f}s" if isinstance(eta, (int, float)) else ""
+        loss = r.get("loss")
+        loss_txt = f"{loss:.4f}" if isinstance(loss, (int, float)) else "non-finite (update skipped)"
         return (
-            f"[{stamp}] step {r['step']}/{r.get('total_steps', '?')} loss {r['loss']:.4f} "
+            f"[{stamp}] step {r['step']}/{r.get('total_steps', '?')} loss {loss_txt} "
             f"world {r['world_size']} {r.get('samples_per_s', 0):.1f} samples/s{eta_txt}"
         )
     skip = {"event", "time"}

@@ -22,6 +22,10 @@ metric                                               type       from
 ``elastictrain_checkpoint_stall_seconds``            gauge      ``checkpoint_saved.stall_s`` (the latest)
 ``elastictrain_checkpoint_write_bytes_per_second``   gauge      ``checkpoint_saved.bytes / write_s``
 ``elastictrain_goodput_ratio``                       gauge      productive step time / wall time so far
+``elastictrain_host_memory_peak_bytes``              gauge      ``step.memory.host_mib`` (the highest rank's)
+``elastictrain_device_memory_allocated_peak_bytes``  gauge      ``step.memory.alloc_mib`` (GPUs)
+``elastictrain_device_memory_reserved_peak_bytes``   gauge      ``step.memory.reserved_mib`` (GPUs)
+``elastictrain_steps_skipped_total``                 counter    ``step_skipped``
 ===================================================  =========  ==============================================
 """
 
@@ -42,11 +46,15 @@ GAUGES = {
     "elastictrain_checkpoint_stall_seconds": "longest staging stall of the latest committed checkpoint",
     "elastictrain_checkpoint_write_bytes_per_second": "bytes / write time of the latest committed checkpoint",
     "elastictrain_goodput_ratio": "productive step time (full world size) / wall time so far",
+    "elastictrain_host_memory_peak_bytes": "highest RSS peak of any rank since the previous step event",
+    "elastictrain_device_memory_allocated_peak_bytes": "highest allocated device memory of any rank, same window",
+    "elastictrain_device_memory_reserved_peak_bytes": "highest reserved device memory of any rank, same window",
 }
 COUNTERS = {
     "elastictrain_failures_total": "worker failures, by kind",
     "elastictrain_recovery_downtime_seconds_total": "sum of recovery downtime",
     "elastictrain_checkpoints_committed_total": "committed checkpoints",
+    "elastictrain_steps_skipped_total": "steps whose update was skipped (non-finite loss or gradient norm)",
 }
 
 
@@ -74,8 +82,16 @@ class MetricsState:
                       "elastictrain_world_size": float(r["world_size"])})
             if r.get("loss") is not None:
                 g["elastictrain_loss"] = float(r["loss"])
+            memory = r.get("memory") or {}
+            for key, gauge in (("host_mib", "elastictrain_host_memory_peak_bytes"),
+                               ("alloc_mib", "elastictrain_device_memory_allocated_peak_bytes"),
+                               ("reserved_mib", "elastictrain_device_memory_reserved_peak_bytes")):
+                if memory.get(key) is not None:  # the highest rank's, since the previous step event
+                    g[gauge] = float(memory[key]) * 1024 * 1024
             # The ledger's rule: a step at a smaller world size is productive in proportion to its size.
             self.productive_s += float(r["step_s"]) * min(1.0, r["world_size"] / self.workers_max)
+        elif name == "step_skipped":
+            self.pending.append(("elastictrain_steps_skipped_total", 1.0, {}))
         elif name == "failure":
             self.pending.append(("elastictrain_failures_total", 1.0, {"kind": str(r.get("kind") or "unknown")}))
         elif name == "recovered":

@@ -66,6 +66,10 @@ def _header(view: dict[str, Any]) -> str:
             ("recoveries", "recoveries", s.get("recoveries")), ("lost-steps", "lost steps", s.get("lost_steps")),
             ("checkpoints", "checkpoints", _count(s.get("checkpoints_committed"))),
             ("goodput", "goodput", f"{100 * gp:.1f}%" if isinstance(gp, (int, float)) else None)]
+    mem = s.get("memory") or {}  # the run's highest peak per kind and its rank (summary.json ``memory``)
+    for kind, label in (("host", "peak host MiB"), ("alloc", "peak GPU alloc MiB"), ("reserved", "peak GPU reserved MiB")):
+        if mem.get(f"{kind}_mib") is not None:
+            figs.append((f"{kind}-peak", f"{label} (rank {mem.get(f'{kind}_rank')})", mem[f"{kind}_mib"]))
     boxes = "".join(f"<div class='fig'><span>{esc(label)}</span><b id='fig-{key}'>{esc(_fmt(v))}</b></div>"
                     for key, label, v in figs)
     error = f"<div class='sub' style='color:#c92a2a'>{esc(s.get('error'))}</div>" if s.get("error") else ""

@@ -235,7 +235,8 @@ def _tensorboard(run_dir: Path, events: EventLog) -> Any:
 
     def on_event(record: dict[str, Any]) -> None:
         if record["event"] == "step":
-            writer.add_scalar("train/loss", record["loss"], record["step"])
+            if record["loss"] is not None:  # a skipped (non-finite) step has none
+                writer.add_scalar("train/loss", record["loss"], record["step"])
             writer.add_scalar("train/samples_per_s", record["samples_per_s"], record["step"])
             writer.add_scalar("train/world_size", record["world_size"], record["step"])
 

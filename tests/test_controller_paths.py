@@ -41,7 +41,7 @@ class ScriptedWorker:
             raise ValueError(self.script["join_error"])
         return None if restore is None and sync_src is None else self.step
 
-    def abort_group(self) -> str:
+    def abort_group(self, generation: int | None = None, sever: bool = False) -> str:
         return "noop"
 
     def hold_snapshot(self, expect: Any = None) -> Any:

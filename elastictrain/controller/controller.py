@@ -179,6 +179,8 @@ class Controller(WorkerMonitor):
 
     def _running(self) -> None:
         self._pump(POLL_INTERVAL_S)
+        if self._nonfinite_verdict():
+            return
         if self.ledger.last_step > self.generation_start_step:  # trained a step: the first standby may start
             self.group.start_first_standby()
         if self.pending_failures:
@@ -201,6 +203,8 @@ class Controller(WorkerMonitor):
 
     def _resizing(self) -> None:
         self._pump(POLL_INTERVAL_S)
+        if self._nonfinite_verdict():
+            return
         if self.pending_failures:
             return self.sm.to(State.RECOVERING, self.pending_failures[0].reason)
         results = self._finished_runs()
@@ -243,7 +247,7 @@ class Controller(WorkerMonitor):
             return  # gloo and a replicated layout: nothing to send, nothing to mark (no pass over the members)
         survivors = [s for s in self.group.members() if s.state is SlotState.MEMBER]
         for s in survivors if self.config.workers.use_gpu else ():  # gloo: a no-op call per rank, not sent
-            s.actor.abort_group.remote()
+            s.actor.abort_group.remote(self.generation)
         for s in survivors if sharded else ():
             s.has_state = False
 
@@ -691,6 +695,19 @@ class Controller(WorkerMonitor):
         return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
                 or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
 
+    def _nonfinite_verdict(self) -> bool:
+        """``recovery.max_nonfinite_steps`` steps in a row had their update skipped (non-finite loss or
+        gradient norm): the run fails (exit 1), naming the last such step and its rank. True if it ended."""
+        limit = self.config.recovery.max_nonfinite_steps
+        worst = self.ledger.nonfinite_worst
+        if worst is None or worst[0] < limit:
+            return False
+        count, step, why = worst
+        self._fail(f"{count} steps in a row non-finite (recovery.max_nonfinite_steps={limit}), their updates "
+                   f"skipped; the last, step {step}: {why}. Look at that rank's data and the learning rate, or "
+                   "raise recovery.max_nonfinite_steps")
+        return True
+
     def _count_group_failure(self, reason: str) -> bool:
         """The group left its loop with errors but nobody is dead (e.g. a rank's own error mistaken for a
         peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
@@ -755,6 +772,8 @@ class Controller(WorkerMonitor):
         if state is State.FINISHED:
             self._flush_checkpoints()
             self.ledger.flush_partial()
+            if self._nonfinite_verdict():  # the last steps' records came with the members' last polls
+                return
             members = self.group.members()
             self._save_final(members)
             try:

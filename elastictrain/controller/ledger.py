@@ -38,6 +38,14 @@ class Ledger:
         self._first_step_at: float | None = None
         self.latest_record_at = 0.0
         self.latest_record_step = 0
+        # peak memory (worker/memory_peak.py): each rank's over the run, and the highest any rank reported
+        # since the previous step event, with its rank (O(1) per record taken, whatever the world size)
+        self.memory_by_rank: dict[int, dict[str, float]] = {}
+        self._memory_window: dict[str, tuple[float, int]] = {}
+        self.nonfinite_in_a_row = 0  # steps in a row whose update was skipped (non-finite)
+        # (in a row, step, why) of the longest such run so far, at its last step: a verdict taken after
+        # later steps came in (one poll brings several) still sees it
+        self.nonfinite_worst: tuple[int, int, str] | None = None
 
     def new_generation(self, generation: int, world_size: int, accum: int) -> None:
         self._world = world_size
@@ -60,6 +68,8 @@ class Ledger:
         if record.finished_at > self.latest_record_at:
             self.latest_record_at, self.latest_record_step = record.finished_at, record.step
         self.compute_times[rank].append(record.compute_s / max(1, record.accum))  # per micro-batch
+        if record.memory:
+            self.note_memory(rank, record.memory)
         if complete is not None:
             return self._add_aggregated(rank, record, complete)
         self._pending[record.step][rank] = record
@@ -71,6 +81,39 @@ class Ledger:
                     continue
                 break
             out.append(self._emit(step, self._pending.pop(step), complete=True))
+        return out
+
+    def note_memory(self, rank: int, peaks: dict[str, float]) -> None:
+        """Take a rank's peak memory (MiB by kind: ``host_mib``, ``alloc_mib``, ``reserved_mib``)."""
+        mine = self.memory_by_rank.setdefault(rank, {})
+        window = self._memory_window
+        for key, value in peaks.items():
+            if value > mine.get(key, -1.0):
+                mine[key] = value
+            if value > window.get(key, (-1.0, 0))[0]:
+                window[key] = (value, rank)
+
+    def _memory_fields(self) -> dict[str, Any] | None:
+        """The step event's ``memory``: per kind, the highest peak any rank reported since the previous step
+        event and that rank (``host_mib``, ``host_rank``, and on GPUs ``alloc_mib``/``alloc_rank``,
+        ``reserved_mib``/``reserved_rank``); then the window starts afresh."""
+        if not self._memory_window:
+            return None
+        out: dict[str, Any] = {}
+        for key, (value, rank) in sorted(self._memory_window.items()):
+            out[key] = value
+            out[key.replace("_mib", "_rank")] = rank
+        self._memory_window = {}
+        return out
+
+    def memory_summary(self) -> dict[str, Any]:
+        """``summary.json``'s ``memory``: the run's highest peak per kind with its rank, and every rank's."""
+        out: dict[str, Any] = {}
+        for rank, peaks in self.memory_by_rank.items():
+            for key, value in peaks.items():
+                if value > out.get(key, -1.0):
+                    out[key], out[key.replace("_mib", "_rank")] = value, rank
+        out["by_rank"] = {str(r): dict(p) for r, p in sorted(self.memory_by_rank.items())}
         return out
 
     def _add_aggregated(self, rank: int, record: StepRecord, complete: bool) -> list[dict[str, Any]]:
@@ -116,6 +159,17 @@ class Ledger:
         }
         if not complete:
             fields["complete"] = False
+        memory = self._memory_fields()
+        if memory:
+            fields["memory"] = memory
+        if first.skipped:
+            fields["skipped"] = True
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_worst is None or self.nonfinite_in_a_row > self.nonfinite_worst[0]:
+                self.nonfinite_worst = (self.nonfinite_in_a_row, step, first.skipped)
+            self.events.emit("step_skipped", step=step, in_a_row=self.nonfinite_in_a_row, reason=first.skipped)
+        else:
+            self.nonfinite_in_a_row = 0
         if first.mesh and not self._mesh_told:
             fields["mesh"], self._mesh_told = first.mesh, True
         if first.pipeline:  # pp > 1: the schedule's bubble (its timeline) and each rank's measured idle share
@@ -138,7 +192,7 @@ class Ledger:
         return {
             "state": state, "final_step": self.last_step, "final_loss": self.last_loss, "wall_s": round(wall, 3),
             "world_size_history": self.world_size_history, "failures": self.failures,
-            "recoveries": self.recoveries, "lost_steps": self.lost_steps,
+            "recoveries": self.recoveries, "lost_steps": self.lost_steps, "memory": self.memory_summary(),
             "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,
                         **buckets},
             **extra,

@@ -52,6 +52,7 @@ class MonitorHost(Protocol):
     generation_started_at: float
     generation_start_step: int
     open_failure: Failure | None
+    generation: int
     replacements_due: list[int]              # slots of failed workers whose replacements are not started yet
     failure_log: list[policy.FailureRecord]  # what the failure budget judged so far
 
@@ -99,6 +100,7 @@ class WorkerMonitor:
     stragglers_due = False
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
     reporter_now = 0.0  # rank 0's clock when it last answered a poll
+    stall_aborted_at: float | None = None  # the progress time of the stall the fallback last aborted
     taken_at = 0.0  # when the answered polls were last taken
 
     def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
@@ -211,6 +213,8 @@ class WorkerMonitor:
         for record in result["records"]:
             if slot.rank is not None:
                 self.ledger.add(slot.rank, record, complete)
+        if result.get("peak") and slot.rank is not None:  # the memory of records the worker did not send
+            self.ledger.note_memory(slot.rank, result["peak"])
         for item in result["ckpt"]:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
         for report in result.get("memory", ()):
@@ -331,8 +335,45 @@ class WorkerMonitor:
             # sent: a poll still out then went unanswered for the bound (hung), the others' phases are fresh;
             # a phase from before the stall would blame a healthy rank
             return
-        self.detector.find_hangs([self._view(s, now) for s in self.group.members()], now=now,
-                                 progress_at=progress, step_times=times, **self._when())
+        views = [self._view(s, now) for s in self.group.members()]
+        found = self.detector.find_hangs(views, now=now, progress_at=progress, step_times=times, **self._when())
+        if found or self.pending_failures or self.stall_aborted_at == progress:
+            return
+        # a member computing is a slow step (a first step compiling), not a stall: only waiting ones are aborted
+        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(v.phase == "compute" for v in views):
+            self._abort_stall(now - progress, bound, progress)
+
+    def _abort_stall(self, stalled_s: float, bound: float, progress: float) -> None:
+        """A stall nobody is blamed for (every member answers and none computes: each waits in a collective
+        or a device sync, as NCCL ranks whose peer's kernel hangs do) for ``policy.STALL_FALLBACK_FACTOR`` hang
+        bounds: keep the NCCL flight recorders (GPU), then abort every member's group (gloo: severed), so
+        every ``run`` returns its failed step discarded; the group failure that follows regroups the same
+        workers from the newest state known to be whole (``Controller._running``)."""
+        self.stall_aborted_at = progress
+        members = [s for s in self.group.members() if s.state is SlotState.MEMBER]
+        reason = (f"no progress for {stalled_s:.1f}s and no member to blame (each answers, none computes): "
+                  f"aborting the group of {len(members)} after {policy.STALL_FALLBACK_FACTOR} hang bounds "
+                  f"({bound:.1f}s each)")
+        traces = self._keep_flight_records(members) if self.config.workers.use_gpu else None
+        self.events.emit("stall_aborted", step=self.ledger.last_step, members=len(members), traces=traces,
+                         reason=reason)
+        log.warning("%s", reason)
+        for s in members:
+            s.actor.abort_group.remote(self.generation, True)
+
+    def _keep_flight_records(self, members: Sequence[Slot]) -> str | None:
+        """Ask every member for its NCCL flight recorder and write each answer into the run directory's
+        ``flight_recorder/`` (``rank<r>.pkl``, torch's format). Returns the folder, or None if none came."""
+        refs = {s.actor.flight_record.remote(): s for s in members}
+        done, _ = self.rt.wait(list(refs), num_returns=len(refs), timeout=self.config.timeouts.poll_s)
+        folder = self.events.path.parent / "flight_recorder"
+        wrote = 0
+        for ref, (blob, error) in zip(done, get_each(self.rt, done)):
+            if error is None and blob:
+                folder.mkdir(exist_ok=True)
+                (folder / f"rank{refs[ref].rank}.pkl").write_bytes(blob)
+                wrote += 1
+        return str(folder) if wrote else None
 
     def _check_drains(self) -> None:
         """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a

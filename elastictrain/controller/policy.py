@@ -34,6 +34,12 @@ def save_membership(*, available: int, spec: PlanSpec) -> Membership:
                                       "worker(s) regroup to save what they hold (a checkpoint reshards on load)")
 
 
+STALL_FALLBACK_FACTOR = 3
+"""A stall that blames nobody (every member answers, none computes: e.g. NCCL ranks in a device sync whose
+peer's kernel hangs) for this many hang bounds aborts every member and regroups them (controller/monitor.py
+``_abort_stall``). Three: the hang rule has had two more bounds to name a culprit."""
+
+
 def hang_bound(step_times: Sequence[float], t: TimeoutsConfig) -> float:
     """Seconds without progress after which a rank counts as hung: ``watchdog_factor`` x the median recent
     step time, within [watchdog_floor_s, step_watchdog_cap_s]. Before any step: the cap."""

@@ -290,7 +290,7 @@ class SimActor:
         if generation is None or generation == self.gen:
             self._say({"stop": 1})
 
-    def abort_group(self) -> str:
+    def abort_group(self, generation: int | None = None, sever: bool = False) -> str:
         return "noop"
 
     def flush_checkpoints(self) -> list[Any]:

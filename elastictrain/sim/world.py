@@ -222,7 +222,7 @@ class SimWorker:
             tl.stop_at = time.time()
         return self._now(None)
 
-    def _abort_group(self) -> SimRef:
+    def _abort_group(self, generation: int | None = None, sever: bool = False) -> SimRef:
         return self._now("noop")
 
     def _flush_checkpoints(self) -> SimRef:

@@ -88,6 +88,25 @@ def _freeze_imported_objects() -> None:
     gc.freeze()
 
 
+def _nccl_environment(run_id: str, slot: int) -> None:
+    """Torch's NCCL settings for a GPU worker, set before its first process group (torch reads them then).
+    The flight recorder keeps the last 2,000 collectives and dumps them on a watchdog timeout into
+    ``$TMPDIR/elastictrain-nccl/<run id>/slot<slot>-rank<r>`` on the worker's node (the controller also asks
+    live members for it on a stall: ``Worker.flight_record``). ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``
+    (SkipCleanUp): a collective that times out (``timeouts.collective_s``) dumps the recorder and ends the
+    process, which the controller sees as a death and recovers from, instead of a wait that never ends (0)
+    or a teardown that may hang in ``ncclCommAbort`` (1). Set whatever the environment held: Ray sets 1
+    when it is unset."""
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "elastictrain-nccl", run_id)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, f"slot{slot}-rank"))
+
+
 class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
@@ -130,9 +149,7 @@ class Worker:
             torch.set_num_threads(threads)
             faults = FaultInjector(self.config.faults)
             if self.config.workers.use_gpu:
-                # We abort NCCL communicators ourselves when the controller reports a death (abort_group);
-                # torch's watchdog must not tear the surviving process down first (see _abort_process_group).
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+                _nccl_environment(self.config.stable_id, self.slot)
             self.runner = StepRunner(self.task, self.config.train, faults,
                                      audit=self.config.train.audit_samples, parallel=self.config.parallel,
                                      device=worker_device(self.config.workers.use_gpu))
@@ -239,22 +256,44 @@ class Worker:
         self.runner.uninitialized = False
         return step
 
-    def abort_group(self) -> str:
-        """The controller learned of a peer's death: make this rank's collectives stop waiting for it.
-        NCCL: abort every communicator (``_abort_process_group``), so a blocked collective fails at once
-        instead of waiting for the timeout. gloo: nothing to do here -- a dead peer's closed sockets already
-        fail gloo's collectives with it, and ``ProcessGroupGloo.abort`` does not wake a blocked collective.
-        A live rank blocked on another live rank that left the failed step is woken by that rank severing
-        its connections when it releases its groups (``_release_groups``). Returns what was done. Checked
-        on one GPU (abort, then a new generation trains on: ``tests/test_gpu.py``); a live rank blocked in
-        an NCCL collective on a dead one needs two GPUs and has not run."""
-        if not dist.is_initialized() or not self.config.workers.use_gpu:
-            return "noop"
+    def abort_group(self, generation: int | None = None, sever: bool = False) -> str:
+        """The controller learned of a peer's death (or of a stall nobody is blamed for): make this rank's
+        collectives of generation ``generation`` (None: the current one) stop waiting, and its step in
+        flight never commit. Ignored when this worker is in another generation already (a late call must
+        not abort the next one). First the runner's abort flag (``StepRunner.abort``): a step between its
+        word and its optimizer is discarded (``_commit_gate``). NCCL: then abort every communicator
+        (``_abort_process_group``), so a blocked collective or device sync ends at once instead of at the
+        timeout. gloo: a dead peer's closed sockets already fail gloo's collectives (``ProcessGroupGloo.abort``
+        does not wake a blocked one); ``sever`` (the stall fallback, where every member is alive and waits)
+        shuts this rank's connections of the generation (worker/gloo_sever.py), which fails its collectives
+        and its peers'. Returns what was done. Checked on one GPU (abort, then a new generation trains on:
+        ``tests/test_gpu.py``); a live rank blocked in an NCCL collective on a dead one needs two GPUs and has
+        not run."""
+        r = self.runner
+        if r is None or not r.abort(generation):
+            return "other generation"
+        if not dist.is_initialized():
+            return "marked"
+        if not self.config.workers.use_gpu:
+            return f"marked, severed {self._connections.sever()}" if sever else "marked"
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as e:  # noqa: BLE001 - already aborted or destroyed
-            return f"abort failed: {e}"
+            return f"marked, abort failed: {e}"
         return "aborted"
+
+    def flight_record(self) -> bytes | None:
+        """This rank's NCCL flight recorder (torch's trace of its recent collectives, pickled), for the
+        controller to write into the run directory on a hang; None without NCCL or a recorder. Not on the
+        state thread: answers while a step hangs."""
+        if not self.config.workers.use_gpu:
+            return None
+        c10d = torch._C._distributed_c10d
+        dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+        try:  # (include collectives, include stack traces, only active)
+            return None if dump is None else dump(True, True, False)
+        except Exception:  # noqa: BLE001 - no recorder in this torch build, or no NCCL group
+            return None
 
     def _leave_group(self) -> None:
         if self._writer is not None:  # a membership change abandons in-flight saves (they never commit)
@@ -384,10 +423,14 @@ class Worker:
         ``after``: send only the records of later steps (older ones are dropped): a rank other than the
         generation's reporting one is polled in turn, for its newest compute times only."""
         records = []
+        dropped_peak: dict[str, float] = {}  # memory of the records not sent: still in the run's peaks
         while self._records:
             record = self._records.popleft()
             if after is None or record.step > after:
                 records.append(record)
+            else:
+                for key, value in (record.memory or {}).items():
+                    dropped_peak[key] = max(value, dropped_peak.get(key, 0.0))
         reports = []
         while self._ckpt_events:
             reports.append(self._ckpt_events.popleft())
@@ -401,6 +444,7 @@ class Worker:
             "slot": self.slot, "status": self._status, "step": r.step if r else 0,
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
             "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
+            "peak": dropped_peak,
         }
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,10 +1,17 @@
-"""Fault injection addressed by (rank, step, point): kill, hang, raise, slow. Off unless configured."""
+"""Fault injection addressed by (rank, step, point): kill, hang, raise, slow, nan, abort, stall. Off unless
+configured.
+
+``nan`` makes that rank's loss and gradients non-finite at that step (any point). ``abort`` does at its
+point what the controller's ``abort_group`` does: marks this generation's group aborted (point ``commit``:
+between the step's word and the optimizer, where an NCCL abort lands while the rank waits for the device).
+``stall`` waits at its point, in phase "collective", until the group is aborted (a collective that never
+completes: what an NCCL rank does in a device sync whose peer hangs), then fails as an aborted collective."""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.config import FaultConfig
@@ -20,10 +27,17 @@ class FaultInjector:
     def __init__(self, faults: Sequence[FaultConfig]) -> None:
         self._faults = list(faults)
         self._fired: set[int] = set()
+        # set by the step runner (``bind``): what ``abort`` and ``stall`` do to this worker's group
+        self._abort: Callable[[], None] | None = None
+        self._stall: Callable[[], None] | None = None
+
+    def bind(self, abort: Callable[[], None], stall: Callable[[], None]) -> None:
+        """``abort()`` marks the current generation's group aborted; ``stall()`` blocks until it is."""
+        self._abort, self._stall = abort, stall
 
     def fire(self, *, rank: int, step: int, point: str, generation: int) -> None:
         for i, f in enumerate(self._faults):
-            if f.point == "backward":  # armed on the loss instead: see arm_backward
+            if f.point == "backward" or f.kind == "nan":  # armed on the loss instead: see arm_backward, nan_at
                 continue
             if f.rank != rank or f.step != step or f.point != point:
                 continue
@@ -59,8 +73,12 @@ class FaultInjector:
             and (f.generation is None or f.generation == generation)
         )
 
-    @staticmethod
-    def _act(f: FaultConfig) -> None:
+    def nan_at(self, *, rank: int, step: int, generation: int) -> bool:
+        """True if a ``nan`` fault makes this rank's loss and gradients non-finite at ``step``."""
+        return any(f.kind == "nan" and f.rank == rank and f.step == step
+                   and (f.generation is None or f.generation == generation) for f in self._faults)
+
+    def _act(self, f: FaultConfig) -> None:
         if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "hang":
@@ -68,4 +86,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "raise":
             raise InjectedFault(f"injected fault at rank {f.rank} step {f.step} ({f.point})")
+        elif f.kind == "abort" and self._abort is not None:
+            self._abort()
+        elif f.kind == "stall" and self._stall is not None:
+            self._stall()
         # "slow" is applied through extra_delay()

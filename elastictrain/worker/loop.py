@@ -15,6 +15,8 @@ never asks which layout it runs under: the parallelized model's ``run_micro_batc
 from __future__ import annotations
 
 import copy
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,7 @@ from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, Paral
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
+from elastictrain.worker import memory_peak
 from elastictrain.worker.errors import framework_collective
 from elastictrain.worker.faults import FaultInjector
 from elastictrain.worker.rng import seed_micro_batch
@@ -56,6 +59,15 @@ class StepRecord:
     sample_ids: list[int] = field(default_factory=list)  # only when audit is on
     pipeline: dict[str, Any] | None = None  # pp > 1: pp, schedule, n_microbatches, bubble_timeline/_measured
     mesh: str | None = None  # the layout this rank runs, as built (StepRunner.mesh): "fsdp: dp_shard=3"
+    memory: dict[str, float] | None = None  # this rank's peak memory over the step, MiB (worker/memory_peak.py)
+    skipped: str | None = None  # the step's update was skipped: why (non-finite loss or gradient norm)
+
+
+class StepAborted(dist.DistError):
+    """This generation's group was aborted (``StepRunner.abort``) before the step committed: its collectives
+    may not have completed, so the step is discarded. A communication failure by its type (a
+    ``torch.distributed.DistError``, worker/errors.py), like the error NCCL raises on an aborted
+    communicator."""
 
 
 def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -99,6 +111,10 @@ class StepRunner:
         self.generation = 0
         self.phase = "idle"  # idle | compute | collective: tells a hung rank from its waiting peers
         self.phase_since = time.time()
+        # set by abort() (the controller's abort_group, from another thread) for the generation it names:
+        # no step of an aborted generation commits (``_commit_gate``)
+        self.aborted = threading.Event()
+        faults.bind(abort=lambda: self.abort(self.generation), stall=self._stall)
 
     def _fresh_model(self) -> torch.nn.Module:
         return self._seeded_model().to(self.device)
@@ -175,6 +191,7 @@ class StepRunner:
         if self.device.type == "cuda":  # the state may be rebuilt or reloaded next: no copy may still read it
             host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
+        self.aborted.clear()  # a new generation's group: an abort of an earlier one is not about it
         mesh = build_mesh(layout.dims, self.device)
         plan = parallel_of(layout, self.parallel)
         self.mesh = f"{plan.plan}: " + " x ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
@@ -244,8 +261,9 @@ class StepRunner:
     # ------------------------------------------------------------------ one step
     def run_step(self, stop_requested: bool) -> tuple[StepRecord, bool]:
         """Run step ``self.step`` on every rank of the group. Returns the record and whether any rank asked
-        to stop at this boundary. Raises if a collective fails (a peer died): the step is then discarded
-        and ``self.step`` is unchanged unless the optimizer step was already applied everywhere."""
+        to stop at this boundary. Raises if a collective fails (a peer died) or the group was aborted before
+        the step committed (:class:`StepAborted`): the step is then discarded, nothing of the state was
+        written and ``self.step`` is unchanged (only an ``after_step`` fault raises after the commit)."""
         if self.pm is None or self.layout is None:
             raise RuntimeError("run_step before attach(): the worker has no process group")
         s, t0 = self.step, time.perf_counter()
@@ -271,32 +289,98 @@ class StepRunner:
             with framework_collective():
                 dist.all_gather_object(gathered, mine)
             seen = [i for part in gathered for i in part]
-        self._set_phase("idle")
+        # still "collective": under NCCL the wait above returned at once and the device sync below is where
+        # this rank waits for its peers (detect.find_hangs must see a waiting rank, not an idle one)
+        self.faults.fire(rank=self.rank, step=number, point="commit", generation=self.generation)
         with framework_collective():  # the clip's norm and a sharded optimizer reduce over the mesh
-            self._apply_optimizer(s)
+            skipped = self._apply_optimizer(s, stats, hooks.loss_sum)
+        self._set_phase("idle")
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
         record = StepRecord(
             step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
             step_s=time.perf_counter() - t0, compute_s=done.compute_s, finished_at=time.time(), sample_ids=seen,
             pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
+            memory=memory_peak.read_and_reset(self.device), skipped=skipped,
         )
         return record, bool(stats[1] > 0)
 
-    def _apply_optimizer(self, s: int) -> None:
+    def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
+        """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written
+        before :meth:`_commit_gate` says every collective of the step completed on this generation's
+        group. A non-finite reduced loss or gradient norm (the same numbers on every rank, so the same
+        decision everywhere) skips the update: gradients dropped, the step still counts. Returns why the
+        update was skipped, or None."""
         if self.device.type == "cuda":  # checkpoint / snapshot copies still reading the state finish first
             host_copy.before_state_write()
-        if self.task.grad_clip:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
+        loss_ok = math.isfinite(float(word[0]))  # the reduced word: identical on every rank
+        norm = None
+        if self.task.grad_clip and loss_ok:  # DTensor-aware: the norm of sharded gradients is reduced over the mesh
             # CPU: the per-tensor loop (bitwise stable); CUDA: foreach kernels
             foreach = True if self.device.type == "cuda" else False
-            optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach,
-                                 across=self.pm.clip_group)
-        mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * mult
-        optim.step(self.optimizer)  # elementwise torch.optim optimizers: on the local shards (parallel/optim.py)
+            norm = optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach,
+                                        across=self.pm.clip_group)
+        self._commit_gate()
+        skipped = None
+        if not loss_ok:
+            skipped = f"non-finite loss ({self._nonfinite_ranks(local_loss)})"
+        elif norm is not None and not math.isfinite(float(norm)):
+            skipped = "non-finite gradient norm (of the reduced gradients: no single rank to name)"
+        if skipped is None:
+            mult = self.task.lr_fn(s) if self.task.lr_fn else 1.0
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                group["lr"] = base * mult
+            optim.step(self.optimizer)  # elementwise torch.optim optimizers: on the local shards (parallel/optim.py)
         # DDP's gradients are views of its buckets: zeroed in place, not freed (ParallelModel.grads_in_buckets)
         self.optimizer.zero_grad(set_to_none=not self.pm.grads_in_buckets)
+        return skipped
+
+    def _commit_gate(self) -> None:
+        """Raise :class:`StepAborted` unless every collective of the step is known to have completed on this
+        generation's group. On CUDA a collective's ``wait`` does not block the host: the device sync here
+        does (an aborted communicator's kernels exit early, leaving partial reductions behind), then the
+        abort flag (``abort``) and the NCCL backend's own error state are checked. Under gloo the waits
+        blocked already; the flag is checked all the same."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.aborted.is_set():
+            raise StepAborted(f"generation {self.generation}'s group was aborted before step {self.step + 1} "
+                              "committed: the step is discarded")
+        error = _backend_error(self.device)
+        if error is not None:
+            raise StepAborted(f"the NCCL communicator reports {error} before step {self.step + 1} committed: "
+                              "the step is discarded (aborted)")
+
+    def _nonfinite_ranks(self, local_loss: torch.Tensor | None) -> str:
+        """Which ranks' own loss was non-finite: the lowest of them by one more all-reduce (MIN), made only
+        on a skipped step, by every rank alike (they all took the same decision)."""
+        bad = local_loss is not None and not bool(torch.isfinite(local_loss))
+        mine = torch.tensor([float(self.rank if bad else self.world_size), 1.0 if bad else 0.0],
+                            dtype=torch.float64, device=local_loss.device if local_loss is not None else self.device)
+        lowest = mine[:1].clone()
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+        count = mine[1:].clone()
+        dist.all_reduce(count)
+        n, first = int(count.item()), int(lowest.item())
+        if n == 0:
+            return "no rank's own loss was: the reduction made it"
+        return f"rank {first}" + (f" and {n - 1} other rank(s)" if n > 1 else "")
+
+    def abort(self, generation: int | None = None) -> bool:
+        """Mark generation ``generation``'s group aborted (None: the current one): its step in flight, if not
+        committed yet, is discarded. Thread-safe; ignored for another generation. Returns whether marked."""
+        if generation is not None and generation != self.generation:
+            return False
+        self.aborted.set()
+        return True
+
+    def _stall(self) -> None:
+        """The ``stall`` fault: wait in phase "collective" until the group is aborted, then fail like an
+        aborted collective (see worker/faults.py)."""
+        self._set_phase("collective")
+        self.aborted.wait()
+        raise StepAborted(f"generation {self.generation}'s group was aborted while rank {self.rank} waited in a "
+                          "stalled collective")
 
     def discard_partial_step(self) -> None:
         """Drop gradients of a step that failed mid-way (no optimizer step was applied)."""
@@ -326,6 +410,7 @@ class _LoopHooks:
                  stop_requested: bool) -> None:
         self.r, self.s, self.number, self.micro = runner, s, number, micro
         self.dp_rank, self.d, self.stop_requested = dp_rank, d, stop_requested
+        self.loss_sum: torch.Tensor | None = None
 
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
@@ -348,11 +433,32 @@ class _LoopHooks:
             r.faults.fire(rank=r.rank, step=self.number, point="mid_step", generation=r.generation)
 
     def last_loss(self, loss: torch.Tensor) -> None:
-        self.r.faults.arm_backward(loss, rank=self.r.rank, step=self.number, generation=self.r.generation)
+        r = self.r
+        r.faults.arm_backward(loss, rank=r.rank, step=self.number, generation=r.generation)
+        if r.faults.nan_at(rank=r.rank, step=self.number, generation=r.generation):
+            loss.register_hook(lambda grad: grad * float("nan"))  # this rank's gradients non-finite too
 
     def send(self, loss_sum: torch.Tensor) -> Any:
+        r = self.r
+        if r.faults.nan_at(rank=r.rank, step=self.number, generation=r.generation):
+            loss_sum = loss_sum + float("nan")
+        self.loss_sum = loss_sum  # this rank's own: which rank was non-finite, on a skipped step
         flag = torch.tensor(1.0 if self.stop_requested else 0.0, dtype=torch.float64, device=loss_sum.device)
-        return self.r.step_stats.send(torch.stack([loss_sum, flag]))
+        return r.step_stats.send(torch.stack([loss_sum, flag]))
+
+
+def _backend_error(device: torch.device) -> str | None:
+    """The NCCL backend's error state of the default group (``Backend.get_error``), or None when it reports
+    none, is not NCCL, or torch does not tell."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return None
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+        error = backend.get_error()
+        from torch._C._distributed_c10d import ErrorType
+    except Exception:  # noqa: BLE001 - no such backend or method in this torch: nothing to read
+        return None
+    return None if error == ErrorType.SUCCESS else str(error)
 
 
 def _pipeline_fields(layout: Layout, done: MicroStepResult) -> dict[str, Any] | None:
