@@ -397,6 +397,7 @@ class Worker:
             "slot": self.slot, "status": self._status, "step": r.step if r else 0,
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
             "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
+            "profiles": r.profiler.take() if r else [],  # train.profile's traces (worker/profile.py)
         }
 
     # ------------------------------------------------------------------ checkpoints
