@@ -115,8 +115,33 @@ class _GPTModel:
         from elastictrain.models.gpt import GPT, GPTConfig
 
         m = self.cfg
-        return GPT(GPTConfig(vocab_size=256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        return GPT(GPTConfig(vocab_size=m.vocab_size or 256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                              d_model=m.d_model, dropout=m.dropout))
+
+
+@dataclass(frozen=True)
+class _LlamaModel:
+    """The built-in Llama of ``task.llama`` (its size and overrides), ``task.model.seq_len`` positions and the
+    task's vocabulary. Seeded construction and a meta build's ``init_weights()`` give the same values."""
+
+    shape: tuple[tuple[str, Any], ...]  # LlamaConfig keywords (a tuple: frozen and hashable)
+
+    @classmethod
+    def of(cls, task: Any) -> _LlamaModel:
+        shape = task.llama.shape()
+        shape.update(vocab_size=task.vocab_size, max_seq_len=task.model.seq_len)
+        return cls(tuple(sorted(shape.items())))
+
+    @property
+    def config(self) -> Any:
+        from elastictrain.models.llama import LlamaConfig
+
+        return LlamaConfig(**dict(self.shape))
+
+    def __call__(self) -> torch.nn.Module:
+        from elastictrain.models.llama import Llama
+
+        return Llama(self.config)
 
 
 def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
@@ -153,6 +178,25 @@ def _gpt_stage_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 GPT_PIPELINE = PipelineHooks(stage_fn=GPTStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)
 """The built-in GPT as a pipeline: the example of :class:`PipelineHooks`."""
+
+
+@dataclass(frozen=True)
+class LlamaStages:
+    """The built-in Llama's ``PipelineHooks.stage_fn``: the embedding on the first stage, the final norm and
+    the head on the last, the layers balanced (``splits``: the first layer of stages 1.., a manual split)."""
+
+    splits: tuple[int, ...] | None = None
+
+    def __call__(self, model: torch.nn.Module, stage: int, n_stages: int) -> torch.nn.Module:
+        from elastictrain.models.llama import LlamaStage
+        from elastictrain.parallel.stages import block_ranges
+
+        layers = block_ranges(len(model.layers), n_stages, self.splits)[stage]
+        return LlamaStage(model, layers, first=stage == 0, last=stage == n_stages - 1)
+
+
+LLAMA_PIPELINE = PipelineHooks(stage_fn=LlamaStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)
+"""The built-in Llama as a pipeline (the same inputs and per-sample loss as the GPT's)."""
 
 
 @dataclass(frozen=True)
@@ -193,15 +237,17 @@ class _Schedule:
 
 
 def builtin_task(config: JobConfig) -> Task:
-    """The task named by ``config.task`` (today: ``tiny_gpt``, a small byte-level GPT)."""
+    """The task named by ``config.task``: ``tiny_gpt`` (a small byte-level GPT) or ``llama`` (Llama 3 of
+    ``task.llama``), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
     t = config.task
+    llama = t.kind == "llama"
     return Task(
-        model_fn=_GPTModel(t.model),
+        model_fn=_LlamaModel.of(t) if llama else _GPTModel(t.model),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
         dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len),
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
-        pipeline=GPT_PIPELINE,
+        pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
     )
