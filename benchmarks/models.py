@@ -119,6 +119,12 @@ def run_variant(spec: dict[str, Any], rank: int, world: int, device: Any, steps:
     return out
 
 
+def _write_out(result: Any, name: str) -> None:
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -245,7 +251,7 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
             if model == "llama" and not has_llama():
                 continue
             variants = [("eager", {}), ("compile", {"compile": True}), ("compile+float8", {"compile": True, "float8": True})]
-            for name, extra in variants:
+            for name, extra in [v for v in variants if v[0] in args.variants.split(",")]:
                 if extra.get("float8") and no_float8:
                     print(f"{model} {size} {name}: skipped: {no_float8}", flush=True)
                     rows.append({"model": model, "size": size, "variant": name, "skipped": no_float8})
@@ -254,9 +260,20 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
                 spec = job(model, size, seq_len=seq[model], world=1, parallel=parallel,
                            gpu=device.type == "cuda", **shape)
                 t0 = time.perf_counter()
-                r = run_variant(spec, 0, 1, device, args.steps, args.warmup)
+                try:
+                    r = run_variant(spec, 0, 1, device, args.steps, args.warmup)
+                except Exception as e:  # noqa: BLE001 - one variant's failure is a row; the others still run
+                    if args.device == "cpu":
+                        raise
+                    import traceback
+
+                    traceback.print_exc()
+                    rows.append({"model": model, "size": size, "variant": name, "skipped": f"failed: {e!r}"[:500]})
+                    _write_out(rows, "models_gpu_partial.json")
+                    continue
                 r.update(model=model, size=size, variant=name, wall_s=time.perf_counter() - t0)
                 rows.append(r)
+                _write_out(rows, "models_gpu_partial.json")  # what ran survives a timeout
                 m = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
                 print(f"{model} {size} {name}: {r['tokens_per_s']:.0f} tok/s, MFU {m}, first step {r['first_step_s']:.1f} s, "
                       f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, {r['wall_s']:.0f} s", flush=True)
@@ -266,16 +283,19 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n{'model':6} {'size':6} {'variant':15} {'params':>8} {'tok/s':>9} {'vs eager':>9} {'MFU':>6} "
           f"{'alloc GiB':>10} {'resv GiB':>9} {'1st step s':>10}")
     for r in rows:
-        if "skipped" in r:
-            print(f"{r['model']:6} {r['size']:6} {r['variant']:15} skipped")
+        eager = next((x for x in rows if x["model"] == r["model"] and x["variant"] == "eager"
+                      and "skipped" not in x), None)
+        if "skipped" in r or eager is None:
+            print(f"{r['model']:6} {r['size']:6} {r['variant']:15} {r.get('skipped', 'no eager row')[:80]}")
             continue
-        eager = next(x for x in rows if x["model"] == r["model"] and x["variant"] == "eager")
         m = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(f"{r['model']:6} {r['size']:6} {r['variant']:15} {r['params'] / 1e6:7.0f}M {r['tokens_per_s']:9.0f} "
               f"{r['tokens_per_s'] / eager['tokens_per_s']:9.3f} {m:>6} "
               f"{r.get('max_allocated_bytes', 0) / 2**30:10.2f} {r.get('max_reserved_bytes', 0) / 2**30:9.2f} "
               f"{r['first_step_s']:10.1f}")
-    return {"device": str(device), "rows": rows}
+    ray = "ray" in sys.modules  # the GPU machine has no Ray: nothing on this path may import it
+    print(f"ray imported: {ray}")
+    return {"device": str(device), "torch": torch.__version__, "ray_imported": ray, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--variants", default="eager,compile,compile+float8", help="--gpu: which variants run")
     p.add_argument("--ac-seq-len", type=int, default=512, help="CPU recomputation comparison's sequence length")
     args = p.parse_args(argv)
     args.steps = args.steps or (11 if args.gpu and args.device == "cuda" else 6 if not args.gpu else 3)
@@ -295,10 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                2 if not args.gpu else 1)
     args.model = args.model or ("llama" if has_llama() else "gpt")
     result = gpu_main(args) if args.gpu else cpu_main(args)
-    if os.environ.get("OUT"):
-        name = "models_gpu.json" if args.gpu else "models_cpu.json"
-        with open(os.path.join(os.environ["OUT"], name), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    _write_out(result, "models_gpu.json" if args.gpu else "models_cpu.json")
     return 0
 
 

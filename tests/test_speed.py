@@ -276,3 +276,53 @@ def test_a_profiled_step_has_the_numbers_of_an_unprofiled_one_and_its_trace_pars
     assert any(e.get("name") == "[memory]" for e in trace["traceEvents"])  # memory: true on CPU
     saved = [e for e in read_events(tmp_path) if e["event"] == "profile_saved"]
     assert saved and saved[0]["files"] == ["profiles/step2_rank0.json"]
+
+
+def test_a_run_reports_throughput_and_mfu_and_lands_every_ranks_profile(tmp_path, ray_local):
+    """The whole path on Ray: workers profile step 2 on both ranks, the traces reach RUN_DIR/profiles/ and
+    the summary; step events carry tokens/s and MFU (the calibration's FLOP/s: a CPU job's peak)."""
+    from tests.conftest import run_job
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"flops": 1e10}))
+    spec = _spec(2, steps=3, plan="ddp", calibration=str(calibration))
+    spec["train"]["profile"] = {"steps": [2], "ranks": [0, 1]}
+    run = run_job(tmp_path, spec)
+    assert run.result.exit_code == 0
+    steps = run.of("step")
+    tokens = 8 * MODEL["seq_len"]
+    for e in steps:
+        assert e["tokens_per_s"] == pytest.approx(tokens / e["step_s"], rel=1e-3)
+        assert e["mfu"] == pytest.approx(e["tokens_per_s"] * _gpt_flops_per_token() / (2 * 1e10), rel=1e-3)
+    saved = sorted((e["rank"], e["step"], tuple(e["files"])) for e in run.of("profile_saved"))
+    assert saved == [(0, 2, ("profiles/step2_rank0.json",)), (1, 2, ("profiles/step2_rank1.json",))]
+    for _, _, (path,) in saved:
+        assert json.loads((run.dir / path).read_text())["traceEvents"]
+    assert run.summary["mfu"] is not None and len(run.summary["profiles"]) == 2
+
+
+def _gpt_flops_per_token() -> float:
+    from elastictrain.flops import model_flops_per_token
+    from elastictrain.models.gpt import GPT, GPTConfig
+
+    m = MODEL
+    return model_flops_per_token(GPT(GPTConfig(seq_len=m["seq_len"], n_layer=m["n_layer"], n_head=m["n_head"],
+                                               d_model=m["d_model"])), m["seq_len"])
+
+
+def test_the_gpu_benchmark_path_runs_on_cpu_without_ray(tmp_path):
+    """benchmarks/models.py --gpu runs one process with no Ray on the GPU machine: its code path, dry-run on
+    the CPU (gloo, tiny sizes, eager only: compile is the slow test's), imports no ray and writes its table."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "benchmarks/models.py", "--gpu", "--device", "cpu", "--variants", "eager",
+                           "--steps", "2"], cwd=root, env={**os.environ, "OUT": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ray imported: False" in done.stdout
+    table = json.loads((tmp_path / "models_gpu.json").read_text())
+    assert not table["ray_imported"] and {(r["model"], r["variant"]) for r in table["rows"]} == {
+        ("llama", "eager"), ("gpt", "eager")}
+    assert all(len(r["losses"]) == 2 and r["tokens_per_s"] > 0 for r in table["rows"])
