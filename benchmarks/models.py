@@ -233,13 +233,14 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuda {torch.version.cuda}; "
               f"peak {peak and peak / 1e12} TFLOP/s bf16", flush=True)
         _init_group(0, 1, _free_port(), "cpu:gloo,cuda:nccl")
-        models = [("llama", "1b"), ("gpt", "1b")] if has_llama() else [("gpt", "1b")]
+        models = [(m, "1b") for m in args.models.split(",") if m != "llama" or has_llama()]
         seq = {"llama": args.seq_len, "gpt": min(args.seq_len, 1024)}
         shape = {"global_batch": args.global_batch, "micro_batch": args.micro_batch}
     else:  # the dry run: the same path, tiny sizes, gloo
         torch.set_num_threads(2)
         _init_group(0, 1, _free_port(), "gloo")
-        models = [("llama", "debug"), ("gpt", "tiny")] if has_llama() else [("gpt", "tiny")]
+        models = [(m, "debug" if m == "llama" else "tiny") for m in args.models.split(",")
+                  if m != "llama" or has_llama()]
         seq = {"llama": None, "gpt": None}
         shape = {"global_batch": 4, "micro_batch": 2}
     from elastictrain.parallel.speed import float8_unavailable
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--models", default="llama,gpt", help="--gpu: which models run (llama: the 1b size)")
     p.add_argument("--variants", default="eager,compile,compile+float8", help="--gpu: which variants run")
     p.add_argument("--ac-seq-len", type=int, default=512, help="CPU recomputation comparison's sequence length")
     args = p.parse_args(argv)
