@@ -13,7 +13,8 @@ GPT at 1B for reference, each eager, compiled, and compiled with float8 (skipped
 GPU or torchao cannot): tokens/s, MFU (elastictrain/flops.py), peak memory (``max_memory_allocated`` /
 ``max_memory_reserved``), losses. Ray is never imported. ``$OUT`` set: the table as ``$OUT/models_gpu.json``::
 
-    python benchmarks/models.py --gpu [--steps 11] [--warmup 3] [--seq-len 2048] [--micro-batch 2]
+    python benchmarks/models.py --gpu [--models llama,gpt] [--steps 11] [--warmup 3] [--seq-len 2048]
+        [--global-batch 16] [--micro-batch 4]
 
 ``--gpu --device cpu`` runs the same code path on the CPU with gloo and tiny sizes (a dry run, for CI).
 Every variant runs ``StepRunner`` (the worker's step loop) after ``attach``: the layout a worker builds.
@@ -307,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per variant (CPU 6, GPU 11)")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (CPU 2, GPU 3)")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=16, help="--gpu: samples per step")
+    p.add_argument("--micro-batch", type=int, default=4, help="--gpu: samples per forward (4 x 2048 tokens)")
     p.add_argument("--models", default="llama,gpt", help="--gpu: which models run (llama: the 1b size)")
     p.add_argument("--variants", default="eager,compile,compile+float8", help="--gpu: which variants run")
     p.add_argument("--ac-seq-len", type=int, default=512, help="CPU recomputation comparison's sequence length")
