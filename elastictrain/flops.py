@@ -8,7 +8,7 @@ token; ``12 L d T`` the attention scores and the weighted values (``L`` blocks, 
 checkpointing) is not counted: MFU counts the model's FLOPs, not the hardware's.
 
 MFU = flops_per_token x tokens/s / (devices x peak). The peak is the device's dense bf16 figure from
-:data:`PEAK_BF16` (NVIDIA's datasheets, without sparsity), or on CPU the FLOP/s that
+:mod:`elastictrain.devices` (datasheets, without sparsity), or on CPU the FLOP/s that
 ``elastictrain plan --calibrate`` measured (``parallel.calibration``'s ``flops``); unknown: no MFU.
 """
 
@@ -18,20 +18,14 @@ from typing import Any
 
 from torch import nn
 
-#: dense bf16 peak FLOP/s by GPU name fragment, first match wins (more specific names first)
-PEAK_BF16: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H20", 148e12),
-    ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-    ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("V100", 125e12),
-)
-
 
 def peak_flops_of(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU by its name (``torch.cuda.get_device_name``), or None if unknown."""
-    for fragment, peak in PEAK_BF16:
-        if fragment in device_name:
-            return peak
-    return None
+    """The dense bf16 peak of a GPU by its name (``torch.cuda.get_device_name``): the one device table,
+    :mod:`elastictrain.devices`; None if it does not know the GPU."""
+    from elastictrain.devices import lookup
+
+    device = lookup(device_name)
+    return device.bf16_flops if device is not None else None
 
 
 def device_peak_flops(device: Any) -> float | None:

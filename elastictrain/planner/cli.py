@@ -94,6 +94,9 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
         click.echo(json.dumps([e.as_dict() for e in ranked], indent=1))
         return
     click.echo(f"cluster: {clusters.describe(cl)}")
+    if not cl.device_known:
+        click.echo("note: the GPUs' type is unknown, so their memory above is a default: pass --gpu-memory-gb "
+                   "(and --tflops) or --calibration for figures that hold")
     click.echo(f"world size {w}: {len(ranked)} layouts priced, {sum(e.fits for e in ranked)} fit")
     if ranked:
         click.echo(explain.table(ranked, cl, top))

@@ -162,6 +162,7 @@ class Cluster:
     gloo_byte_s: float | None = None
     optimizer_s_per_param: float = 0.0
     cores_per_node: float | None = None
+    device_known: bool = True  # False: a GPU of a type the device table does not know (memory is a default)
     kind: str = "gpu"
     source: str = "given"  # where the figures come from (flags, Ray, this machine, a calibration file)
 

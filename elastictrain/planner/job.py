@@ -193,6 +193,9 @@ def plan_for_run(config: Any, builtin_task: bool = True) -> tuple[Any, Choice]:
         cl = clusters.from_ray(w.use_gpu, w.cpus_per_worker)
         if config.parallel.calibration:
             cl = clusters.with_calibration(cl, config.parallel.calibration)
+        unknown = clusters.unknown_device_refusal(cl)
+        if unknown:
+            raise ConfigError(unknown)
         top = max(w.min, min(w.max, cl.devices))
         return choose(config, cl, list(range(w.min, top + 1)), config.parallel.model_shape)
     except (PlannerInputError, clusters.ClusterError) as e:
