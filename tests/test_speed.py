@@ -288,7 +288,7 @@ def test_a_run_reports_throughput_and_mfu_and_lands_every_ranks_profile(tmp_path
     spec = _spec(2, steps=3, plan="ddp", calibration=str(calibration))
     spec["train"]["profile"] = {"steps": [2], "ranks": [0, 1]}
     run = run_job(tmp_path, spec)
-    assert run.result.exit_code == 0
+    assert run.result.exit_code == 0, [e.get("reason") for e in run.of("failure") + run.of("run_failed")]
     steps = run.of("step")
     tokens = 8 * MODEL["seq_len"]
     for e in steps:
