@@ -64,6 +64,16 @@ def test_float8_is_refused_on_cpu_in_one_line_and_filters_small_layers_and_the_h
     assert not float8_filter(nn.LayerNorm(2048), "norm")
 
 
+def test_compile_on_cpu_without_a_cxx_compiler_is_refused_naming_the_fix(monkeypatch):
+    from elastictrain.parallel.speed import compile_unavailable
+
+    assert compile_unavailable(torch.device("cpu")) is None  # g++ is here
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    why = compile_unavailable(torch.device("cpu"))
+    assert why and "C++ compiler" in why and "parallel.compile=false" in why and "\n" not in why
+
+
 # ------------------------------------------------------------------------------------------ the planner
 
 

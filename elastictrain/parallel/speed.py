@@ -60,6 +60,21 @@ def float8_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why ``parallel.compile`` cannot run on ``device`` (one line naming the fix), or None: on CPU, inductor
+    builds its kernels with a C++ compiler (``CXX``, else ``c++`` / ``g++`` / ``clang++`` on the PATH)."""
+    import os
+    import shutil
+
+    if device.type != "cpu":
+        return None
+    names = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
+    if any(n and shutil.which(n) for n in names):
+        return None
+    return ("parallel.compile=true on CPU needs a C++ compiler for inductor's kernels (none of c++, g++, "
+            "clang++ is on this worker's PATH); install one (apt-get install g++) or set parallel.compile=false")
+
+
 def float8_filter(module: nn.Module, fqn: str) -> bool:
     """Whether ``convert_to_float8_training`` converts this module: an ``nn.Linear`` whose dimensions are
     multiples of 16 (the float8 matmul's rule) and at least :data:`FLOAT8_MIN_DIM`, not an output head."""

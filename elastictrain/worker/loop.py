@@ -104,12 +104,14 @@ class StepRunner:
         self._speed_setup()
 
     def _speed_setup(self) -> None:
-        """float8's device check (a clear error at set-up), the MFU inputs, the step profiler."""
+        """float8's and compile's checks (a clear error at set-up), the MFU inputs, the step profiler."""
         from elastictrain.flops import device_peak_flops, model_flops_per_token
-        from elastictrain.parallel.speed import SpeedSetupError, float8_unavailable
+        from elastictrain.parallel.speed import SpeedSetupError, compile_unavailable, float8_unavailable
         from elastictrain.worker.profile import StepProfiler
 
         if self.parallel.float8 and (why := float8_unavailable(self.device)):
+            raise SpeedSetupError(why)
+        if self.parallel.compile and (why := compile_unavailable(self.device)):
             raise SpeedSetupError(why)
         seq_len = _sample_length(self.dataset) if self.dataset_len else None
         self.tokens_per_step = self.train.global_batch * seq_len if seq_len else 0
