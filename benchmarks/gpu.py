@@ -23,8 +23,9 @@ micro batch, optimizer (the task's own ``optimizer_fn``: fused AdamW on CUDA; le
 
 Figures: median step time over the steps after ``--warmup`` (``torch.cuda.synchronize`` around each
 step), tokens/s, model-FLOPs utilisation ``(6 * N + 12 * L * d * T) * tokens/s / peak`` with ``N`` the
-parameters of the matrix multiplies (embeddings excluded, the output head included; torchtitan's formula)
-and ``peak`` the GPU's dense bf16 figure (H100/H200 SXM: 989 TFLOP/s; ``--peak-tflops`` overrides), and
+weights of the linears (embeddings excluded, the output head included; torchtitan's formula, one function:
+``elastictrain.flops``) and ``peak`` the GPU's dense bf16 figure (its table: H100/H200 SXM 989 TFLOP/s;
+``--peak-tflops`` overrides), and
 peak GPU memory (``max_memory_allocated`` minus what was allocated before the side started, reset per
 side).
 
@@ -60,23 +61,22 @@ SIZES = {
     "1b": {"seq_len": 1024, "n_layer": 20, "n_head": 16, "d_model": 2048},
 }
 LR = {"tiny": 3e-3, "1b": 3e-4}  # the quickstart's rate for the tiny model; a stable one for 1B parameters
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
 def peak_flops(name: str, override: float | None) -> tuple[float, str]:
+    from elastictrain.flops import peak_flops_of
+
     if override:
         return override * 1e12, "--peak-tflops"
-    for key, value in PEAK_BF16.items():
-        if key in name:
-            return value, f"{key} dense bf16"
+    peak = peak_flops_of(name)
+    if peak is not None:
+        return peak, "dense bf16 (elastictrain/flops.py)"
     return 989e12, "assumed H100 dense bf16 (unknown GPU)"
 
 
 def flops_per_token(model: Any, n_layer: int, d_model: int, seq_len: int) -> float:
-    """6 x matmul parameters (embeddings excluded) + 12 * L * d * T for attention scores and values."""
-    skip = {"tok_emb.weight", "pos_emb.weight", "pos_emb"}
-    n = sum(p.numel() for name, p in model.named_parameters() if name not in skip)
-    return 6.0 * n + 12.0 * n_layer * d_model * seq_len
+    """elastictrain.flops.flops_per_token: 6 x the linears' weights (embeddings excluded) + 12 L d T."""
+    from elastictrain.flops import flops_per_token as per_token, matmul_params
+
+    return per_token(matmul_params(model), n_layer, d_model, seq_len)
 
 
 def _free_port() -> int:

@@ -177,6 +177,23 @@ class TaskConfig(_Section):
         return self
 
 
+class ProfileConfig(_Section):
+    """``train.profile``: Chrome traces (``torch.profiler``) of the named steps on the named ranks."""
+
+    steps: list[int] = Field(description="1-based step numbers to trace, e.g. [3, 10]")
+    ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that trace (default [0])")
+    memory: bool = Field(False, description="also record memory: a CUDA memory snapshot on GPU, the "
+                                            "profiler's profile_memory on CPU")
+
+    @model_validator(mode="after")
+    def _positive(self) -> ProfileConfig:
+        bad = [v for v in (*self.steps, *self.ranks) if v < 0] + [s for s in self.steps if s == 0]
+        if bad or not self.steps:
+            raise ValueError(f"steps must be a non-empty list of step numbers >= 1 and ranks >= 0 "
+                             f"(got steps={self.steps}, ranks={self.ranks}); e.g. {{steps: [3], ranks: [0]}}")
+        return self
+
+
 class TrainConfig(_Section):
     steps: int = Field(50, ge=1)
     seed: int = Field(0, ge=0)
@@ -185,6 +202,8 @@ class TrainConfig(_Section):
     log_every: int = Field(1, ge=1, description="steps between progress lines on the console")
     audit_samples: bool = Field(False, description="record every step's sample ids in its step event")
     save_final_model: bool = Field(True, description="write the trained weights to RUN_DIR/final_model.pt")
+    profile: ProfileConfig | None = Field(None, description="torch.profiler traces of named steps and ranks "
+                                                            "into RUN_DIR/profiles/ (null: none)")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -228,7 +247,13 @@ class ParallelConfig(_Section):
                                                            "or 2 without GPUs")
     mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 params/compute, fp32 "
                                                                         "reduce and master state (fsdp/hsdp)")
-    activation_checkpointing: bool = Field(False, description="recompute each repeated block in backward")
+    activation_checkpointing: bool | Literal["full", "selective"] = Field(
+        False, description="true / full: recompute each repeated block in backward; selective: keep the "
+                           "matmul and attention outputs, recompute the rest (op-level)")
+    compile: bool = Field(False, description="torch.compile each repeated block (fullgraph) after activation "
+                                             "checkpointing and before FSDP")
+    float8: bool = Field(False, description="float8 (torchao, rowwise) matmuls in the large linears; CUDA "
+                                            "GPUs of compute capability >= 8.9 with torchao installed")
     meta_init: bool = Field(False, description="fsdp/hsdp: build the model on the meta device, shard it, then "
                                                "load the seeded initial values from rank 0 (no rank holds "
                                                "the whole model)")
@@ -268,6 +293,20 @@ class ParallelConfig(_Section):
                 f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
                 "MixedPrecisionPolicy); set parallel.plan=fsdp or parallel.mixed_precision=none"
             )
+        return self
+
+    @property
+    def ac_mode(self) -> Literal["none", "full", "selective"]:
+        """``activation_checkpointing`` as one name: true is ``full``, false ``none``."""
+        ac = self.activation_checkpointing
+        return "selective" if ac == "selective" else "full" if ac else "none"
+
+    @model_validator(mode="after")
+    def _float8_without_tp(self) -> ParallelConfig:
+        if self.float8 and self.tp > 1:
+            raise ValueError(f"parallel.float8=true with parallel.tp={self.tp}: float8 linears need torchao's "
+                             "float8 tensor-parallel styles, which this layout does not apply; set parallel.tp=1 "
+                             "or parallel.float8=false")
         return self
 
     @model_validator(mode="after")
@@ -390,6 +429,7 @@ class JobConfig(_Section):
         from elastictrain.parallel.plan import is_valid, spec_from_config, valid_world_sizes
 
         if self.parallel.plan == "auto":  # the planner picks a layout valid at workers.min/max at start
+            self._speed_rules()
             self._faults_exist()
             return self
         spec = spec_from_config(self)
@@ -410,6 +450,7 @@ class JobConfig(_Section):
                     + (f", tp={self.parallel.tp}" if self.parallel.tp > 1 else "") + "); "
                     "change workers.min/max, the batch sizes or parallel.shard_size"
                 )
+        self._speed_rules()
         if self.task.kind != "python":
             self._builtin_model_splits()
         self._faults_exist()
@@ -453,6 +494,27 @@ class JobConfig(_Section):
             why = tp_rule(p.tp, sizes)
             if why:
                 raise ValueError(f"{why}; {fix}")
+
+    def _speed_rules(self) -> None:
+        p = self.parallel
+        if p.compile and self.task.kind == "tiny_gpt" and self.task.model.dropout > 0:
+            # SampleDropout draws each row's mask from its own torch.Generator seeded on the host (a .tolist()
+            # and a Python loop): a graph break that fullgraph=True refuses. The masks must stay a function of
+            # (seed, step, sample id) whatever the layout, so they are not traded for in-graph random numbers.
+            raise ValueError(f"parallel.compile=true with task.model.dropout={self.task.model.dropout}: the GPT's "
+                             "per-sample dropout draws its masks on the host (a graph break under fullgraph "
+                             "compile); set task.model.dropout=0 or parallel.compile=false")
+        if p.compile and p.tp > 1 and self.task.kind == "llama":
+            # seen on torch 2.13 (CPU, gloo): the compiled tensor-parallel Llama block's backward hands a plain
+            # tensor where DTensor's redistribute expects a DTensor gradient (AttributeError: _local_tensor);
+            # the GPT's tp blocks compile and match eager (benchmarks/models.py)
+            raise ValueError(f"parallel.compile=true with parallel.tp={p.tp} and task.kind=llama: the compiled "
+                             "tensor-parallel Llama block fails in backward (torch's DTensor redistribute gets a "
+                             "plain gradient); set parallel.compile=false or parallel.tp=1")
+        if p.float8 and not self.workers.use_gpu:
+            raise ValueError("parallel.float8=true needs CUDA GPUs of compute capability >= 8.9 (H100, L40S, "
+                             "RTX 4090 ...) and workers.use_gpu=false runs on CPU; set workers.use_gpu=true or "
+                             "parallel.float8=false")
 
     def _faults_exist(self) -> None:
         for f in self.faults:

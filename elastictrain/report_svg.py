@@ -18,7 +18,7 @@ COLORS = {
 }
 GOODPUT = [("productive_s", "productive", "#2f9e44"), ("degraded_s", "degraded (smaller world)", "#a9e34b"),
            ("startup_s", "start-up", "#74c0fc"), ("detection_s", "detection", "#ff8787"),
-           ("recovery_s", "recovery", "#e03131"), ("checkpoint_stall_s", "checkpoint stall", "#f59f00"),
+           ("recovery_s", "recovery", "#e03131"), ("compile_s", "compile (first step)", "#9775fa"), ("checkpoint_stall_s", "checkpoint stall", "#f59f00"),
            ("other_s", "other", "#ced4da")]
 LEFT, RIGHT, PLOT_W = 120, 20, 1060
 H_LOSS, H_TPUT, H_WORLD, H_LANE, H_CKPT, GAP, TOP = 150, 90, 44, 24, 36, 12, 22
@@ -65,7 +65,9 @@ def _header(view: dict[str, Any]) -> str:
             ("wall-s", "wall time (s)", s.get("wall_s")), ("failures", "failures", s.get("failures")),
             ("recoveries", "recoveries", s.get("recoveries")), ("lost-steps", "lost steps", s.get("lost_steps")),
             ("checkpoints", "checkpoints", _count(s.get("checkpoints_committed"))),
-            ("goodput", "goodput", f"{100 * gp:.1f}%" if isinstance(gp, (int, float)) else None)]
+            ("goodput", "goodput", f"{100 * gp:.1f}%" if isinstance(gp, (int, float)) else None),
+            ("mfu", "MFU (median)", f"{100 * mfu:.1f}%" if isinstance(mfu := s.get("mfu"), (int, float)) else None),
+            ("tokens-per-s-per-device", "tokens/s/device", s.get("tokens_per_s_per_device"))]
     mem = s.get("memory") or {}  # the run's highest peak per kind and its rank (summary.json ``memory``)
     for kind, label in (("host", "peak host MiB"), ("alloc", "peak GPU alloc MiB"), ("reserved", "peak GPU reserved MiB")):
         if mem.get(f"{kind}_mib") is not None:
@@ -73,6 +75,10 @@ def _header(view: dict[str, Any]) -> str:
     boxes = "".join(f"<div class='fig'><span>{esc(label)}</span><b id='fig-{key}'>{esc(_fmt(v))}</b></div>"
                     for key, label, v in figs)
     error = f"<div class='sub' style='color:#c92a2a'>{esc(s.get('error'))}</div>" if s.get("error") else ""
+    profiles = [f for p in s.get("profiles") or () for f in p.get("files", ())]
+    if profiles:  # relative links: the report sits in the run directory beside profiles/
+        links = " ".join(f"<a href='{esc(f)}' class='profile'>{esc(f.split('/')[-1])}</a>" for f in profiles)
+        error += f"<div class='sub' id='profiles'>profiles (chrome://tracing, ui.perfetto.dev): {links}</div>"
     return (f"<h1>{esc(view.get('name'))}<span class='badge {cls}' id='state'>{esc(state)}</span></h1>"
             f"<div class='sub'>run id <b>{esc(view.get('run_id'))}</b> \u00b7 exit code {esc(s.get('exit_code'))}"
             f" \u00b7 {len(view['lanes'])} worker slots</div>{error}<div class='figs'>{boxes}</div>")

@@ -38,8 +38,8 @@ class Task:
       module with the stage's submesh: every axis but ``pp``),
       ``plan`` the ``ParallelConfig``. Called on a freshly built model whenever the layout is sharded (FSDP2
       changes modules in place); the optimizer is built afterwards from the returned parameters. Default
-      (None): :func:`elastictrain.parallel.parallelize.parallelize` -- activation checkpointing if asked,
-      then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
+      (None): :func:`elastictrain.parallel.parallelize.parallelize` -- float8, activation checkpointing and
+      compile of each repeated block as asked (:mod:`elastictrain.parallel.speed`), then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
       and then the root; under ``tp > 1`` first the model's ``tp_plan(sequence_parallel)`` (a
       ``parallelize_module`` plan) on the ``tp`` axis. Return a DDP module, an FSDP2 module, or a plain one;
       the step loop adapts. A tensor-parallel ``parallelize_fn`` applies its plan and then

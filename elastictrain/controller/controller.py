@@ -55,7 +55,8 @@ class Controller(WorkerMonitor):
         self.group = group if group is not None else WorkerGroup(config, task)
         self.rt = self.group.rt  # how calls on the workers are waited for (Ray, or the simulator's)
         self.ledger = Ledger(events, config.train.steps, config.train.global_batch, config.workers.max,
-                             keep_compute=max(64, config.recovery.straggler_window))
+                             keep_compute=max(64, config.recovery.straggler_window),
+                             cpu_peak_flops=_calibrated_flops(config))
         self.store = store
         self.ckpt_root = getattr(store, "root_uri", None)
         self.resume_manifest = resume_manifest
@@ -824,3 +825,17 @@ def gpus_per_node() -> int | None:
     counts = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
     counts = [c for c in counts if c > 0]
     return min(counts) if counts else None
+
+
+def _calibrated_flops(config: JobConfig) -> float | None:
+    """A CPU worker's FLOP/s for MFU: ``parallel.calibration``'s measured ``flops`` (None without one, on GPU
+    workers, whose peak comes from the table in elastictrain/flops.py, or when the file does not read)."""
+    if config.workers.use_gpu or not config.parallel.calibration:
+        return None
+    from elastictrain.planner.cluster import ClusterError, read_calibration
+
+    try:
+        value = read_calibration(config.parallel.calibration).get("flops")
+    except ClusterError:
+        return None
+    return float(value) if value else None

@@ -15,8 +15,12 @@ COMPUTE_TIMES_KEPT = 64  # compute times kept per rank (the straggler window loo
 
 class Ledger:
     def __init__(self, events: EventLog, total_steps: int, global_batch: int, max_workers: int,
-                 keep_compute: int = COMPUTE_TIMES_KEPT) -> None:
+                 keep_compute: int = COMPUTE_TIMES_KEPT, cpu_peak_flops: float | None = None) -> None:
         self.events = events
+        self.cpu_peak_flops = cpu_peak_flops  # a CPU worker's FLOP/s (the calibration's), for MFU
+        self.mfus: list[float] = []
+        self.tokens_per_s_per_device: list[float] = []
+        self.profiles: list[dict[str, Any]] = []
         self.max_workers = max_workers
         self.total_steps = total_steps
         self.global_batch = global_batch
@@ -143,11 +147,14 @@ class Ledger:
             self._first_step_at = now
             self.goodput["startup_s"] += max(0.0, first.finished_at - first.step_s - self.t0)
         self.step_times.append(first.step_s)
+        compiling = first.compile_s is not None
+        if compiling:  # a compiled generation's first step: compile time, not training (goodput's compile_s)
+            self.goodput["compile_s"] += first.step_s
         # A step at a smaller world size is only partly productive: the rest of its time is "degraded".
         workers = first.world_size * (first.pipeline["pp"] if first.pipeline else 1)  # world_size is D under pp
-        full = first.step_s * min(1.0, workers / self.max_workers)
+        full = 0.0 if compiling else first.step_s * min(1.0, workers / self.max_workers)
         self.goodput["productive_s"] += full
-        self.goodput["degraded_s"] += first.step_s - full
+        self.goodput["degraded_s"] += 0.0 if compiling else first.step_s - full
         self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * (sum(recent) / len(recent))
@@ -157,6 +164,7 @@ class Ledger:
             "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
             "finished_at": round(first.finished_at, 6),
         }
+        fields.update(self._throughput(first))
         if not complete:
             fields["complete"] = False
         memory = self._memory_fields()
@@ -182,6 +190,45 @@ class Ledger:
             fields["sample_ids"] = ids
         return self.events.emit("step", **fields)
 
+    def _throughput(self, record: StepRecord) -> dict[str, Any]:
+        """tokens/s (whole step and per device) and MFU of one step from its own time (elastictrain/flops.py).
+        A compiled generation's first step reports ``compile_s`` and stays out of the run's medians."""
+        from elastictrain.flops import mfu
+
+        out: dict[str, Any] = {}
+        if record.compile_s is not None:
+            out["compile_s"] = round(record.compile_s, 6)
+        if not record.tokens or record.step_s <= 0:
+            return out
+        tps = record.tokens / record.step_s
+        per_device = tps / max(1, record.devices)
+        peak = record.peak_flops or self.cpu_peak_flops
+        value = mfu(record.flops_per_token, tps, record.devices, peak)
+        out.update(tokens_per_s=round(tps, 3), tokens_per_s_per_device=round(per_device, 3),
+                   mfu=None if value is None else round(value, 6))
+        if record.compile_s is None:
+            self.tokens_per_s_per_device.append(per_device)
+            if value is not None:
+                self.mfus.append(value)
+        return out
+
+    def save_profile(self, item: dict[str, Any]) -> None:
+        """Write one rank's profile files (worker/profile.py) into ``RUN_DIR/profiles/``; a ``profile_saved``
+        event names them."""
+        import re
+
+        folder = self.events.path.parent / "profiles"
+        folder.mkdir(exist_ok=True)
+        written = []
+        for name, data in item["files"].items():
+            if not re.fullmatch(r"step\d+_rank\d+(_memory)?\.(json|pickle)", name):  # names the worker made
+                continue
+            (folder / name).write_bytes(data)
+            written.append(f"profiles/{name}")
+        entry = {"rank": int(item["rank"]), "step": int(item["step"]), "files": written}
+        self.profiles.append(entry)
+        self.events.emit("profile_saved", **entry)
+
     def add_time(self, bucket: str, seconds: float) -> None:
         self.goodput[bucket + "_s"] += max(0.0, seconds)
 
@@ -193,7 +240,16 @@ class Ledger:
             "state": state, "final_step": self.last_step, "final_loss": self.last_loss, "wall_s": round(wall, 3),
             "world_size_history": self.world_size_history, "failures": self.failures,
             "recoveries": self.recoveries, "lost_steps": self.lost_steps, "memory": self.memory_summary(),
+            "mfu": _median(self.mfus), "tokens_per_s_per_device": _median(self.tokens_per_s_per_device),
+            "profiles": self.profiles,
             "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,
                         **buckets},
             **extra,
         }
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of a run's per-step figures (None without any), rounded for the summary."""
+    import statistics
+
+    return round(statistics.median(values), 6) if values else None

@@ -219,6 +219,8 @@ class WorkerMonitor:
             self.committer.take(slot.rank if slot.rank is not None else -1, item)
         for report in result.get("memory", ()):
             self._on_memory_report(slot, report)
+        for profile in result.get("profiles", ()):
+            self.ledger.save_profile(profile)
 
     def _check_runs(self, ended: Sequence[Any]) -> None:
         """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's.

@@ -2,8 +2,8 @@
 
 ``parallelize(model, mesh, plan)`` is :class:`~elastictrain.task.Task`'s default ``parallelize_fn``:
 under ``parallel.tp > 1`` the model's tensor-parallel plan on the ``tp`` axis first
-(:mod:`elastictrain.parallel.tensor`), then activation checkpointing (if asked) on each repeated block,
-then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
+(:mod:`elastictrain.parallel.tensor`), then float8 linears, activation checkpointing (full or selective)
+and ``torch.compile`` on each repeated block as asked (:mod:`elastictrain.parallel.speed`), then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
 replicate x shard (``hsdp``) data-parallel mesh (:func:`parallelize_dp`). Under tensor parallelism ``ddp``
 is no DDP wrapper: :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages the gradients over
 the data-parallel group.
@@ -57,21 +57,11 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each repeated block in backward (the block's forward must be deterministic: the built-in
-    GPT's dropout draws from per-sample seeded generators, so it is). State-dict names are unchanged
-    through torch.distributed.checkpoint.state_dict, which strips the wrapper's prefix."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
+    """Recompute each repeated block in backward (:func:`elastictrain.parallel.speed.apply_activation_checkpointing`)."""
+    from elastictrain.parallel.speed import apply_activation_checkpointing as apply
 
-    for parent in list(model.modules()):
-        if _is_block_list(parent):
-            for key, block in list(parent.named_children()):
-                if not isinstance(block, CheckpointWrapper):  # a kept (DDP) model is re-parallelized
-                    wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-                    if isinstance(parent, nn.ModuleList):
-                        parent[int(key)] = wrapped
-                    else:
-                        parent[key] = wrapped
+    apply(model, mode)
 
 
 def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
@@ -127,15 +117,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.
 
 
 def parallelize_dp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
-    """Activation checkpointing, then DDP or FSDP2/HSDP on the data-parallel axes of ``mesh``. A mesh with a
+    """float8, activation checkpointing and compile on each repeated block
+    (:func:`elastictrain.parallel.speed.apply_block_transforms`), then DDP or FSDP2/HSDP on the data-parallel
+    axes of ``mesh``. A mesh with a
     ``tp`` axis (the model already tensor-parallel): fsdp/hsdp shard on the data-parallel submesh (FSDP2 +
     TP), and ddp returns the module unwrapped (DDP does not take DTensor parameters;
     :class:`~elastictrain.parallel.tensor.TensorParallelModel` averages its gradients). For a
     ``parallelize_fn`` that applies its own tensor-parallel plan and then the usual data-parallel layout."""
+    from elastictrain.parallel.speed import apply_block_transforms
+
     tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
     mesh = dp_submesh(mesh)
-    if plan.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_block_transforms(model, plan)  # float8, activation checkpointing, compile (parallel/speed.py)
     if plan.plan == "ddp":
         return model if tensor_parallel else parallelize_ddp(model, mesh, plan)
     return parallelize_fsdp(model, mesh, plan)

@@ -289,7 +289,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
     ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
     module doc). Raises :class:`PipelineError` for a task without pipeline hooks."""
-    from elastictrain.parallel.parallelize import apply_activation_checkpointing, parallelize
+    from elastictrain.parallel.parallelize import parallelize
+    from elastictrain.parallel.speed import apply_block_transforms
 
     if hooks is None:
         raise PipelineError("parallel.pp > 1 needs Task.pipeline (PipelineHooks: how the model splits into "
@@ -313,8 +314,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         if parallelize_fn is None and plan.plan == "ddp":
             if tp_mesh is not None:
                 parallelize_tp(stage_module, tp_mesh, plan)
-            if plan.activation_checkpointing:
-                apply_activation_checkpointing(stage_module)
+            apply_block_transforms(stage_module, plan)  # float8, checkpointing, compile (parallel/speed.py)
             module = stage_module
             grad_group = dp_mesh.get_group() if layout.dims.dp > 1 else None
         else:

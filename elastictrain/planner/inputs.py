@@ -249,7 +249,7 @@ class Candidate:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     micro_batch: int = 1
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # False / True (= "full") / "full" / "selective"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
 
@@ -264,6 +264,12 @@ class Candidate:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    @property
+    def recompute(self) -> str:
+        """Activation checkpointing as one name: ``none``, ``full`` (true) or ``selective``."""
+        ac = self.activation_checkpointing
+        return "selective" if ac == "selective" else "full" if ac else "none"
 
     @property
     def layout_name(self) -> str:
@@ -284,6 +290,6 @@ class Candidate:
             v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")
         parts.append(f"mb {self.micro_batch}")
-        if self.activation_checkpointing:
-            parts.append("ac")
+        if self.recompute != "none":
+            parts.append("ac" if self.recompute == "full" else "sac")
         return ", ".join(parts)

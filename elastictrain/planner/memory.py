@@ -19,8 +19,10 @@ the last one the output head: the larger of the two is taken):
   5 a s / h)`` bytes at 2-byte activations, without the ``5 a s / h`` term under flash-style attention
   (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp`` except
   the gathered inputs of the column-wise linears (4 of the 34, saved whole by torch's DTensor), without it
-  only the 24 of 34 inside the TP regions are split. Activation checkpointing keeps each block's input
-  (``s b h`` elements) and one block's full set while it is recomputed. A pipeline rank holds
+  only the 24 of 34 inside the TP regions are split. Full activation checkpointing keeps each block's input
+  (``s b h`` elements) and one block's full set while it is recomputed; selective recomputation
+  (:func:`selective_block_bytes`) keeps the input and the matmul and attention outputs, and one block's
+  rest while it is recomputed. A pipeline rank holds
   :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
   the logits (and their gradient) of one micro-batch in fp32 on the last stage;
 * **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
@@ -86,14 +88,36 @@ def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, 
     return s * b * h * per * train.activation_bytes / 2
 
 
+def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """What selective recomputation keeps of one block for one micro-batch (parallel/speed.py's policy).
+
+    In Korthikanti's units (``s b h`` elements at 2 bytes, i.e. ``2 s b h`` bytes each ``sbh`` below) the
+    saved outputs are those of the matrix multiplies and of attention: q, k and v (3 x 2), the attention
+    output (2; its log-sum-exp is per head, negligible), the attention projection (2), the MLP's first
+    linear (8: 4h wide) and its second (2): 20 of the 34, plus the block's input (2) from which the
+    recomputation starts. Norm outputs, the activation function's output, residual sums and dropout masks
+    (the other 14) are recomputed. Under tensor parallelism every kept matmul output is split over ``tp``
+    (column-wise outputs by heads or hidden units, row-wise ones reduce-scattered on the sequence with
+    sequence parallel, else whole: 4 of the 20), the input too with sequence parallel."""
+    s, b, h = model.seq_len, c.micro_batch, model.hidden
+    sp = c.tp > 1 and c.sequence_parallel
+    kept = 2 / (c.tp if sp else 1) + (16 / c.tp + 4 / (c.tp if sp else 1))
+    return s * b * h * kept * train.activation_bytes / 2
+
+
 def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
     """Activations the worst rank holds at its peak (module docstring)."""
     s, b, h = model.seq_len, c.micro_batch, model.hidden
     blocks = math.ceil(model.layers / c.pp)
     full = block_activation_bytes(model, train, c, flash=flash)
-    if c.activation_checkpointing:
+    if c.recompute == "full":
         kept_input = s * b * h * train.activation_bytes / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
         per_block, extra = kept_input, full
+    elif c.recompute == "selective":
+        # between none and full: every block keeps its matmul outputs (20 + 2 of 34), and the block being
+        # recomputed in backward holds its full set again for a moment (the extra over what it keeps)
+        per_block = min(full, selective_block_bytes(model, train, c))
+        extra = full - per_block
     else:
         per_block, extra = full, 0.0
     held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
@@ -117,7 +141,8 @@ def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -
     blocks = math.ceil(model.layers / c.pp)
     root = n - blocks * block
     held = n if not c.reshard_after_forward or c.pp > 1 else root + 2 * block
-    freed = block_activation_bytes(model, train, c) if not c.activation_checkpointing else 0.0
+    freed = {"none": block_activation_bytes(model, train, c), "full": 0.0,
+             "selective": selective_block_bytes(model, train, c)}[c.recompute]
     if _grads_unsharded_in_pipeline(c):
         return held * train.compute_param_bytes  # the gradients are priced whole (memory())
     return held * train.compute_param_bytes + max(0.0, 2 * block * g - freed)

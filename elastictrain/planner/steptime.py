@@ -141,7 +141,9 @@ def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
     n = stage_params(model, c) / c.tp
     blocks = math.ceil(model.layers / c.pp)
     attn = 12 * blocks * model.hidden * model.seq_len / c.tp
-    weight, attention = (8.0, 16.0 / 12) if c.activation_checkpointing else (6.0, 1.0)
+    # selective recomputation re-runs only the elementwise ops around the saved matmul and attention outputs:
+    # no matmul FLOPs, priced as no recomputation
+    weight, attention = (8.0, 16.0 / 12) if c.recompute == "full" else (6.0, 1.0)
     return tokens * (weight * n + attention * attn)
 
 
@@ -165,7 +167,8 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
         return 0.0
     llama = model.arch == "llama"
     forward, backward = (LLAMA_TP_BLOCK_OPS if llama else TP_BLOCK_OPS)[c.sequence_parallel]
-    per_block = forward * (2 if c.activation_checkpointing else 1) + backward
+    # selective: the recomputed forward runs the DTensor ops again (only the matmuls' results are kept)
+    per_block = forward * (2 if c.recompute != "none" else 1) + backward
     blocks = math.ceil(model.layers / c.pp)
     edge = (LLAMA_TP_EDGE_OPS if llama else TP_EDGE_OPS)[c.sequence_parallel]
     return microbatches(train, c) * (blocks * per_block + edge)
@@ -251,7 +254,9 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
 
     groups: list[tuple[str, float, int, int]] = []
     if c.tp > 1:
-        passes = 3 if c.activation_checkpointing else 2  # forward, backward (and the forward again)
+        # forward, backward (and the forward again: under selective recomputation too, whose kept matmul
+        # outputs do not include the all-gathers / all-reduces between them)
+        passes = 3 if c.recompute != "none" else 2
         if c.sequence_parallel:  # an all-gather and a reduce-scatter per all-reduce of the plain layout
             per = passes * 4 * blocks + TP_EDGE_CALLS
             groups += [("tp", m * per / 2, c.tp, c.tp - 1), ("tp", m * per / 2, c.tp, rs(c.tp))]
@@ -289,7 +294,7 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     docstring). Seconds on a link are these over its bandwidth."""
     m, blocks = microbatches(train, c), math.ceil(model.layers / c.pp)
     act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
-    moved = dict(tp=(6 if c.activation_checkpointing else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m,
+    moved = dict(tp=(6 if c.recompute != "none" else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m,
                  pp=0.0, dp_shard=0.0)
     if c.pp > 1:
         send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)

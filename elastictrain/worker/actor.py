@@ -445,6 +445,7 @@ class Worker:
             "phase": r.phase if r else "idle", "phase_since": r.phase_since if r else time.time(),
             "records": records, "ckpt": reports, "memory": memory, "now": time.time(),
             "peak": dropped_peak,
+            "profiles": r.profiler.take() if r else [],  # train.profile's traces (worker/profile.py)
         }
 
     # ------------------------------------------------------------------ checkpoints

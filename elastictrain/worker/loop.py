@@ -59,6 +59,11 @@ class StepRecord:
     sample_ids: list[int] = field(default_factory=list)  # only when audit is on
     pipeline: dict[str, Any] | None = None  # pp > 1: pp, schedule, n_microbatches, bubble_timeline/_measured
     mesh: str | None = None  # the layout this rank runs, as built (StepRunner.mesh): "fsdp: dp_shard=3"
+    tokens: int = 0  # tokens of the whole global batch (0: unknown sample length)
+    flops_per_token: float | None = None  # the model's training FLOPs per token (elastictrain/flops.py)
+    peak_flops: float | None = None  # this rank's device's peak FLOP/s (None on CPU or an unknown GPU)
+    devices: int = 1  # ranks the step ran on (the whole world: pp x dp x tp)
+    compile_s: float | None = None  # parallel.compile: the generation's first step, compiling included
     memory: dict[str, float] | None = None  # this rank's peak memory over the step, MiB (worker/memory_peak.py)
     skipped: str | None = None  # the step's update was skipped: why (non-finite loss or gradient norm)
 
@@ -115,6 +120,24 @@ class StepRunner:
         # no step of an aborted generation commits (``_commit_gate``)
         self.aborted = threading.Event()
         faults.bind(abort=lambda: self.abort(self.generation), stall=self._stall)
+        self._speed_setup()
+
+    def _speed_setup(self) -> None:
+        """float8's and compile's checks (a clear error at set-up), the MFU inputs, the step profiler."""
+        from elastictrain.flops import device_peak_flops, model_flops_per_token
+        from elastictrain.parallel.speed import SpeedSetupError, compile_unavailable, float8_unavailable
+        from elastictrain.worker.profile import StepProfiler
+
+        if self.parallel.float8 and (why := float8_unavailable(self.device)):
+            raise SpeedSetupError(why)
+        if self.parallel.compile and (why := compile_unavailable(self.device)):
+            raise SpeedSetupError(why)
+        seq_len = _sample_length(self.dataset) if self.dataset_len else None
+        self.tokens_per_step = self.train.global_batch * seq_len if seq_len else 0
+        self.flops_per_token = model_flops_per_token(self.model, seq_len) if seq_len else None
+        self.peak_flops = device_peak_flops(self.device)
+        self.profiler = StepProfiler(self.train.profile, self.device)
+        self._compile_pending = False  # the next step is a generation's first under parallel.compile
 
     def _fresh_model(self) -> torch.nn.Module:
         return self._seeded_model().to(self.device)
@@ -195,6 +218,7 @@ class StepRunner:
         mesh = build_mesh(layout.dims, self.device)
         plan = parallel_of(layout, self.parallel)
         self.mesh = f"{plan.plan}: " + " x ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
+        self._compile_pending = plan.compile  # compiled lazily: in this generation's first step
         if layout.dims.pp > 1:
             return self._attach_pipeline(mesh, layout, plan)
         whole = layout.plan == "ddp" and layout.dims.tp == 1  # each rank holds the whole model
@@ -276,11 +300,31 @@ class StepRunner:
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
         self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
-        done = self.pm.run_micro_batches(len(micro), self.task.loss_fn, d / g, hooks)
+        with self.profiler.around(self.rank, number):
+            done, stats = self._forward_backward(micro, hooks, d / g)
+            skipped = self._finish_step(s, number, micro, stats, hooks.loss_sum)
+        step_s = time.perf_counter() - t0
+        compile_s, self._compile_pending = (step_s if self._compile_pending else None), False
+        record = StepRecord(
+            step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
+            step_s=step_s, compute_s=done.compute_s, finished_at=time.time(),
+            sample_ids=self._seen, pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
+            memory=memory_peak.read_and_reset(self.device), skipped=skipped,
+            tokens=self.tokens_per_step, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
+            devices=self.layout.dims.world_size, compile_s=compile_s,
+        )
+        return record, bool(stats[1] > 0)
+
+    def _forward_backward(self, micro: list[Any], hooks: _LoopHooks, scale: float) -> tuple[MicroStepResult, Any]:
+        done = self.pm.run_micro_batches(len(micro), self.task.loss_fn, scale, hooks)
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
         with framework_collective():
-            stats = done.word.wait()
+            return done, done.word.wait()
+
+    def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
+                     local_loss: torch.Tensor | None) -> str | None:
+        """The audit, the commit and the optimizer; returns why the update was skipped, or None."""
         seen: list[int] = []
         if self.audit:  # ids as fed by every first-stage rank of tp coordinate 0: any survivor's record holds
             # the whole step, each sample once
@@ -289,21 +333,16 @@ class StepRunner:
             with framework_collective():
                 dist.all_gather_object(gathered, mine)
             seen = [i for part in gathered for i in part]
-        # still "collective": under NCCL the wait above returned at once and the device sync below is where
-        # this rank waits for its peers (detect.find_hangs must see a waiting rank, not an idle one)
+        self._seen = seen
+        # still "collective": under NCCL the wait above returned at once and the device sync in the commit gate
+        # is where this rank waits for its peers (detect.find_hangs must see a waiting rank, not an idle one)
         self.faults.fire(rank=self.rank, step=number, point="commit", generation=self.generation)
         with framework_collective():  # the clip's norm and a sharded optimizer reduce over the mesh
-            skipped = self._apply_optimizer(s, stats, hooks.loss_sum)
+            skipped = self._apply_optimizer(s, stats, local_loss)
         self._set_phase("idle")
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
-        record = StepRecord(
-            step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
-            step_s=time.perf_counter() - t0, compute_s=done.compute_s, finished_at=time.time(), sample_ids=seen,
-            pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
-            memory=memory_peak.read_and_reset(self.device), skipped=skipped,
-        )
-        return record, bool(stats[1] > 0)
+        return skipped
 
     def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
         """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written
@@ -482,6 +521,19 @@ def parallel_of(layout: Layout, base: ParallelConfig) -> ParallelConfig:
         "pp_schedule": layout.pp_schedule if d.pp > 1 else base.pp_schedule,
         "stages_per_rank": layout.stages_per_rank if d.pp > 1 else base.stages_per_rank,
         "sequence_parallel": layout.sp if d.tp > 1 else None})
+
+
+def _sample_length(dataset: Any) -> int | None:
+    """Tokens of one sample (its ``input`` / ``input_ids`` tensor's length), or None if it has neither."""
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed here: no token count
+        return None
+    for key in ("input", "input_ids"):
+        value = sample.get(key) if isinstance(sample, dict) else None
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return int(value.shape[-1])
+    return None
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
