@@ -140,9 +140,9 @@ class ParallelConfig(_Section):
     mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 params/compute, fp32 "
                                                                         "reduce and master state (fsdp/hsdp)")
     activation_checkpointing: bool = Field(False, description="recompute each repeated block in backward")
-    meta_init: bool = Field(False, description="fsdp/hsdp: build the model on the meta device, shard it, then "
-                                               "load the seeded initial values from rank 0 (no rank holds "
-                                               "the whole model)")
+    meta_init: bool = Field(False, description="fsdp/hsdp, pp > 1 or tp > 1: build the model on the meta "
+                                               "device, split it, then give each rank's part its initial "
+                                               "values (no rank holds the whole model)")
     pp: int = Field(1, ge=1, description="pipeline stages' ranks: the world is pp x the data-parallel size; "
                                          "parallel.plan lays out the data-parallel ranks of each stage")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
@@ -183,9 +183,10 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _meta_init_needs_sharding(self) -> ParallelConfig:
-        if self.meta_init and self.plan == "ddp":
-            raise ValueError("parallel.meta_init=true needs parallel.plan fsdp or hsdp (DDP holds the whole "
-                             "model on every rank); set parallel.plan=fsdp or parallel.meta_init=false")
+        if self.meta_init and self.plan == "ddp" and self.pp == 1 and self.tp == 1:
+            raise ValueError("parallel.meta_init=true needs a layout where no rank holds the whole model "
+                             "(plain DDP holds it on every rank); set parallel.plan=fsdp (or hsdp), "
+                             "parallel.pp > 1 or parallel.tp > 1, or parallel.meta_init=false")
         return self
 
 

@@ -28,6 +28,7 @@ from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
+from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
@@ -98,7 +99,10 @@ class StepRunner:
         self.phase_since = time.time()
 
     def _fresh_model(self) -> torch.nn.Module:
-        return self._seeded_model().to(self.device)
+        model = self._seeded_model()
+        if inits_by_name(model):  # the values every layout starts from (parallel/init.py)
+            init_by_name(model, model, self.train.seed)
+        return model.to(self.device)
 
     def _seeded_model(self) -> torch.nn.Module:
         """The initial model on the CPU: identical on every worker (seeded), whatever its device."""
@@ -124,10 +128,15 @@ class StepRunner:
             return self.task.model_fn()
 
     def init_from_seed(self) -> None:
-        """Give a materialized sharded model the seeded initial values (step 0): rank 0 builds the model
-        once and broadcasts it. Collective over the default group. Pipeline stages hold disjoint keys:
-        every rank builds the seeded model on the CPU and keeps its stages' values (no collective)."""
-        if self.layout is not None and self.layout.dims.pp > 1:
+        """Give a materialized sharded model the seeded initial values (step 0). A model that initialises
+        itself by module name (parallel/init.py): each rank fills its own parameters, one module at a time,
+        no collective and never the whole model. Otherwise rank 0 builds the model once and broadcasts it
+        (collective over the default group); pipeline stages hold disjoint keys, so there every rank builds
+        the seeded model on the CPU and keeps its stages' values (no collective)."""
+        root = self._meta_template if self._meta_template is not None else self._build_meta_model()
+        if inits_by_name(root):
+            init_by_name(self.model, root, self.train.seed)
+        elif self.layout is not None and self.layout.dims.pp > 1:
             from elastictrain.parallel.pipeline import load_stage_seeded_init
 
             load_stage_seeded_init(self.model, self._seeded_model)
