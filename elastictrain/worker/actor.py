@@ -207,7 +207,7 @@ class Worker:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
         src's state. Sharded ones hold a consistent state already (restored from a reader in this
         generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
-        ``parallel.meta_init`` or a rebuild) makes every rank load the seeded initial model from rank 0.
+        ``parallel.meta_init`` or a rebuild) makes every rank load the initial values (``init_from_seed``).
         Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
         self._held = None  # every member has loaded (the controller syncs after all loads): none reads it now
         r = self.runner
