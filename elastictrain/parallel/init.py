@@ -21,9 +21,9 @@ import hashlib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from elastictrain.models.gpt import _mix
+from elastictrain.parallel.digest import global_indices
 
 # Wrapper segments that are not part of a parameter's name (activation checkpointing, torch.compile)
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")
@@ -85,11 +85,14 @@ def _blank(p: torch.Tensor) -> torch.Tensor:
 
 
 def _keep_slice(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's slice of the full value ``full`` into ``p`` (a DTensor: its local shard)."""
+    """Copy this rank's slice of the full value ``full`` into ``p`` (a DTensor: its local shard, strided
+    2-D shards included)."""
     if isinstance(p, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
         local = p.to_local()
         if local.numel():
-            local.copy_(full[tuple(slice(o, o + s) for s, o in zip(shape, offset))])
+            part = full
+            for d, index in enumerate(global_indices(p)):
+                part = part.index_select(d, index)
+            local.copy_(part.to(local.device))
         return
-    p.copy_(full)
+    p.copy_(full.to(p.device))

@@ -590,19 +590,22 @@ class Worker:
 
     # ------------------------------------------------------------------ inspection
     @_on_state_thread
-    def digest(self) -> dict[str, Any] | None:
-        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member. The
-        controller calls it when the run finished (fault point ``finish``)."""
+    def finish(self, final_root: str | None, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The end of a finished run (fault point ``finish``): this rank's part of the model digest
+        (parallel/digest.py) and, with ``final_root``, its part of the final model written through DCP into
+        ``<final_root>/step_<N>/`` (checkpoint/final.py; collective: call on every member). Returns
+        ``{"rank", "step", "digest", "report"}``: hashes and file names only, never the model."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         r = self.runner
         r.faults.fire(rank=r.rank, step=r.step, point="finish", generation=r.generation)
-        return r.state_digest()
+        out: dict[str, Any] = {"rank": r.rank, "step": r.step, "digest": r.digest_part(), "report": None}
+        if final_root is not None:
+            from elastictrain.checkpoint.final import write_final_model
 
-    @_on_state_thread
-    def parameters(self) -> dict[str, torch.Tensor] | None:
-        """The full model as CPU tensors on rank 0 (None elsewhere), via get_model_state_dict(
-        full_state_dict=True, cpu_offload=True). Collective: call on every member."""
-        full = self.runner.state.full_model_state()
-        return {k: v.detach().clone() for k, v in full.items()} if self.runner.rank == 0 else None
+            out["report"] = write_final_model(get_model_state_dict(r.state.model), r.step, r.rank, final_root,
+                                              storage_options)
+        return out
 
     def shutdown(self) -> None:
         self._close_replicator(timeout=self.config.timeouts.collective_s)

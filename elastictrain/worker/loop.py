@@ -301,19 +301,16 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self._set_phase("idle")
 
-    def state_digest(self) -> dict[str, Any] | None:
-        """Fingerprint of the whole model for tests: a bitwise hash of the full state by name. Collective
-        under a sharded layout; the digest is on rank 0 (None elsewhere)."""
-        import hashlib
+    def digest_part(self) -> dict[str, list[Any]]:
+        """This rank's part of the whole model's fingerprint (parallel/digest.py): hashes of the elements
+        it holds, each replicated copy counted once. No collective; the driver combines the parts."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        full = self.state.full_model_state()
-        if self.rank != 0:
-            return None
-        h = hashlib.sha256()
-        for name, t in sorted(full.items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
-        return {"step": self.step, "sha256": h.hexdigest()}
+        from elastictrain.parallel.digest import local_part
+
+        primary = self.layout is None or (self.layout.coords(self.rank)[1] == 0
+                                          and self.layout.tp_coord(self.rank) == 0)
+        return local_part(get_model_state_dict(self.state.model), plain_primary=primary)
 
 
 class _LoopHooks:
