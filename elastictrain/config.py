@@ -95,7 +95,8 @@ class TrainConfig(_Section):
     micro_batch: int = Field(4, ge=1, description="samples per forward/backward on one worker")
     log_every: int = Field(1, ge=1, description="steps between progress lines on the console")
     audit_samples: bool = Field(False, description="record every step's sample ids in its step event")
-    save_final_model: bool = Field(True, description="write the trained weights to RUN_DIR/final_model.pt")
+    save_final_model: bool = Field(True, description="the workers write the trained weights (sharded, DCP) to "
+                                                    "RUN_DIR/final_model/ (or it is the final checkpoint)")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:

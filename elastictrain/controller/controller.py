@@ -802,7 +802,7 @@ class Controller(WorkerMonitor):
                      "\"already finished\" and `elastictrain ckpt export` writes the model")
         else:
             where = "no checkpoint is committed" if last is None else f"the last committed checkpoint is step {last}"
-        return f"a worker failed while the final model of step {step} was gathered: {describe_remote_error(e)}; {where}"
+        return f"a worker failed while the final model of step {step} was hashed and written: {describe_remote_error(e)}; {where}"
 
     def _fail(self, reason: str) -> None:
         if self.sm.terminal:  # terminal states are final: the first ending stands
