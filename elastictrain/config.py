@@ -202,8 +202,10 @@ class CheckpointConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
     memory_every_steps: int = Field(10, ge=0, description="peer memory tier cadence (steps); 0 disables")
-    memory_budget_gib: float = Field(4.0, gt=0, allow_inf_nan=False,
-                                     description="bytes each node's peer-tier keeper may hold, in GiB")
+    memory_budget_gib: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                            description="bytes each node's peer-tier keeper may hold, in GiB; "
+                                                        "null = sized from the job's state and the node's "
+                                                        "free memory")
     accept_changes: list[Literal["schedule", "optimizer", "data", "task"]] = Field(
         default_factory=list, description="fingerprint keys a resume may find changed (e.g. [schedule] to extend)")
 

@@ -532,6 +532,7 @@ class Controller(WorkerMonitor):
             return True
         if self.config.checkpoint.memory_every_steps:
             self.sources.start_keepers()
+            self.sources.size_keepers(chosen, layout)
             keepers = self.sources.keepers_for(chosen)
             try:
                 self.rt.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],

@@ -143,6 +143,9 @@ class Worker:
             "device": _device_name(self.runner.device),
             "setup_s": time.perf_counter() - t0, "prebuilt": prebuilt, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
+            # the whole training state, estimated: parameters plus two optimizer moments (Adam's); sizes the
+            # peer memory tier (checkpoint/tier_budget.py)
+            "state_bytes": 3 * sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),
         }
 
