@@ -178,7 +178,8 @@ class ParallelConfig(_Section):
         if self.mixed_precision != "none" and self.plan == "ddp":
             raise ValueError(
                 f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
-                "MixedPrecisionPolicy); set parallel.plan=fsdp or parallel.mixed_precision=none"
+                "MixedPrecisionPolicy); set parallel.plan=fsdp (with parallel.pp > 1 that also "
+                "runs on a data-parallel size of 1) or parallel.mixed_precision=none"
             )
         return self
 
