@@ -201,7 +201,8 @@ class TrainConfig(_Section):
     micro_batch: int = Field(4, ge=1, description="samples per forward/backward on one worker")
     log_every: int = Field(1, ge=1, description="steps between progress lines on the console")
     audit_samples: bool = Field(False, description="record every step's sample ids in its step event")
-    save_final_model: bool = Field(True, description="write the trained weights to RUN_DIR/final_model.pt")
+    save_final_model: bool = Field(True, description="the workers write the trained weights (sharded, DCP) to "
+                                                    "RUN_DIR/final_model/ (or it is the final checkpoint)")
     profile: ProfileConfig | None = Field(None, description="torch.profiler traces of named steps and ranks "
                                                             "into RUN_DIR/profiles/ (null: none)")
 
@@ -254,9 +255,9 @@ class ParallelConfig(_Section):
                                              "checkpointing and before FSDP")
     float8: bool = Field(False, description="float8 (torchao, rowwise) matmuls in the large linears; CUDA "
                                             "GPUs of compute capability >= 8.9 with torchao installed")
-    meta_init: bool = Field(False, description="fsdp/hsdp: build the model on the meta device, shard it, then "
-                                               "load the seeded initial values from rank 0 (no rank holds "
-                                               "the whole model)")
+    meta_init: bool = Field(False, description="fsdp/hsdp, pp > 1 or tp > 1: build the model on the meta "
+                                               "device, split it, then give each rank's part its initial "
+                                               "values (no rank holds the whole model)")
     pp: int = Field(1, ge=1, description="pipeline stages' ranks: the world is pp x the data-parallel size; "
                                          "parallel.plan lays out the data-parallel ranks of each stage")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = Field(
@@ -291,7 +292,8 @@ class ParallelConfig(_Section):
         if self.mixed_precision != "none" and self.plan == "ddp":
             raise ValueError(
                 f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
-                "MixedPrecisionPolicy); set parallel.plan=fsdp or parallel.mixed_precision=none"
+                "MixedPrecisionPolicy); set parallel.plan=fsdp (with parallel.pp > 1 that also "
+                "runs on a data-parallel size of 1) or parallel.mixed_precision=none"
             )
         return self
 
@@ -311,9 +313,10 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _meta_init_needs_sharding(self) -> ParallelConfig:
-        if self.meta_init and self.plan == "ddp":
-            raise ValueError("parallel.meta_init=true needs parallel.plan fsdp or hsdp (DDP holds the whole "
-                             "model on every rank); set parallel.plan=fsdp or parallel.meta_init=false")
+        if self.meta_init and self.plan == "ddp" and self.pp == 1 and self.tp == 1:
+            raise ValueError("parallel.meta_init=true needs a layout where no rank holds the whole model "
+                             "(plain DDP holds it on every rank); set parallel.plan=fsdp (or hsdp), "
+                             "parallel.pp > 1 or parallel.tp > 1, or parallel.meta_init=false")
         return self
 
 
@@ -328,8 +331,10 @@ class CheckpointConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     on_preempt: bool = Field(True, description="write a just-in-time checkpoint when preempted")
     memory_every_steps: int = Field(10, ge=0, description="peer memory tier cadence (steps); 0 disables")
-    memory_budget_gib: float = Field(4.0, gt=0, allow_inf_nan=False,
-                                     description="bytes each node's peer-tier keeper may hold, in GiB")
+    memory_budget_gib: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                            description="bytes each node's peer-tier keeper may hold, in GiB; "
+                                                        "null = sized from the job's state and the node's "
+                                                        "free memory")
     accept_changes: list[Literal["schedule", "optimizer", "data", "task"]] = Field(
         default_factory=list, description="fingerprint keys a resume may find changed (e.g. [schedule] to extend)")
 

@@ -148,6 +148,7 @@ class Trainer:
 
         self.controller = Controller(self.config, self.task, events, store=plan.store,
                                      resume_manifest=plan.manifest, resume_plan=plan, planned=planned)
+        self.controller.final_model_root = str(self.run_dir.resolve() / "final_model")
         restore = _install_signal_handlers(self.controller)
         try:
             summary = self.controller.run()
@@ -155,10 +156,6 @@ class Trainer:
             restore()
         summary.update(version=__version__, run_id=self.config.stable_id, checkpoint_root=plan.root_uri,
                        lineage=plan.lineage)
-        if self.controller.final_state is not None:
-            import torch
-
-            torch.save(self.controller.final_state, self.run_dir / "final_model.pt")
         write_summary(self.run_dir, summary)
         events.emit("run_finished", version=__version__, state=summary["state"], final_step=summary["final_step"],
                     final_loss=summary["final_loss"], wall_s=summary["wall_s"], exit_code=summary["exit_code"])

@@ -152,9 +152,14 @@ class Run:
         return {e["step"]: e["loss"] for e in self.of("step")}
 
     def final_params(self) -> dict[str, Any]:
-        import torch
+        """The final model the workers wrote (RUN_DIR/final_model, or the committed final checkpoint), loaded
+        into this process as a plain state dict; its digest is checked against the run's."""
+        from elastictrain.checkpoint.final import load_final_model
+        from elastictrain.parallel.digest import digest_of
 
-        return torch.load(self.dir / "final_model.pt", weights_only=True)
+        params = load_final_model(self.summary["final_model"])
+        assert digest_of(params) == self.summary["final_model_sha256"], "final model on disk != the run's digest"
+        return params
 
 
 def run_job(tmp_path: Path, spec: dict[str, Any], task: Any = None, name: str = "run") -> Run:

@@ -165,7 +165,7 @@ def test_peer_tier_is_on_by_default_and_its_budget_must_be_positive():
     spec = job()
     del spec["checkpoint"]  # BASE_JOB turns the tier off (its keeper process); the default is what is checked
     c = build_config(spec).checkpoint
-    assert c.memory_every_steps == 10 and c.memory_budget_gib == 4.0
+    assert c.memory_every_steps == 10 and c.memory_budget_gib is None  # sized from the job (checkpoint/tier_budget.py)
     for bad in (0, -1.5, "nan"):
         with pytest.raises(ConfigError, match=r"checkpoint.memory_budget_gib: .*(greater than 0|finite)"):
             build_config(job(checkpoint={"memory_budget_gib": bad}))

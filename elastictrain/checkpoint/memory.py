@@ -89,6 +89,12 @@ class KeeperState:
         self._snaps: dict[tuple[int, int, int], tuple[Snapshot, int]] = {}  # (gen, rank, step) -> (snap, seq)
         self._seq = 0
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget (sized once the job's state bytes are known); the next put keeps within it."""
+        if budget_bytes <= 0:
+            raise ValueError(f"ShardKeeper budget must be > 0 bytes, got {budget_bytes}")
+        self.budget = budget_bytes
+
     def put(self, snap: Snapshot) -> PutResult:
         m = snap.meta
         key, size = (m.generation, m.rank, m.step), m.nbytes
@@ -138,6 +144,9 @@ class ShardKeeper:
 
     def put(self, snap: Snapshot) -> PutResult:
         return self._state.put(snap)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self._state.set_budget(budget_bytes)
 
     def catalog(self) -> list[SnapshotMeta]:
         return self._state.catalog()

@@ -78,7 +78,10 @@ class Controller(WorkerMonitor):
         self.final_error: str | None = None
         self.exit_code = 0
         self.reported_stragglers: set[int] = set()
-        self.final_state: dict[str, Any] | None = None
+        # where the workers write the final model when no committed checkpoint holds it (the Trainer sets
+        # RUN_DIR/final_model); where it is once the run finished (None: not saved)
+        self.final_model_root: str | None = None
+        self.final_model_uri: str | None = None
         self.final_digest: dict[str, Any] | None = None
         self.recovery_source = "peer"
         self.recovery_reason = ""
@@ -534,6 +537,7 @@ class Controller(WorkerMonitor):
             return True
         if self.config.checkpoint.memory_every_steps:
             self.sources.start_keepers()
+            self.sources.size_keepers(chosen, layout)
             keepers = self.sources.keepers_for(chosen)
             try:
                 self.rt.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
@@ -785,11 +789,31 @@ class Controller(WorkerMonitor):
         self.sm.to(state, reason)
 
     def _gather_final_model(self, members: list[Slot]) -> None:
-        if members:  # collective under a sharded layout: every member takes part, rank 0 answers
-            t = self.config.timeouts.poll_s
-            self.final_digest = self.rt.get([s.actor.digest.remote() for s in members], timeout=t)[0]
-            if self.config.train.save_final_model:
-                self.final_state = self.rt.get([s.actor.parameters.remote() for s in members], timeout=t)[0]
+        """The end of a finished run without gathering the model: every member hashes its own part (the
+        digest is combined here from per-parameter sums) and, unless the committed final checkpoint already
+        holds the model, writes its part of the final model into ``final_model_root`` (a run root of one
+        committed step, checkpoint/final.py). Only hashes and file names come back."""
+        if not members:
+            return
+        from elastictrain.parallel.digest import combine
+
+        t, step = self.config.timeouts.poll_s, self.ledger.last_step
+        root = None
+        if self.config.train.save_final_model:
+            if self.store is not None and step in self.committer.committed_steps:
+                self.final_model_uri = self.store.step_uri(step)
+            else:
+                root = self.final_model_root
+        outs = self.rt.get([s.actor.finish.remote(root) for s in members], timeout=t)
+        self.final_digest = {"step": step, "sha256": combine([o["digest"] for o in outs])}
+        if root is not None:
+            from elastictrain.checkpoint.store import CheckpointStore
+
+            manifest = CheckpointStore(root).commit(
+                outs[0]["step"], [o["report"] for o in outs],
+                {"world_size": len(members), "final_model": True, "run_id": self.config.stable_id,
+                 "digest": self.final_digest["sha256"]})
+            self.final_model_uri = manifest.location
 
     def _finish_failed(self, e: Exception) -> str:
         """Why a run that trained every step still failed: a worker died while the final model was gathered."""
@@ -799,7 +823,7 @@ class Controller(WorkerMonitor):
                      "\"already finished\" and `elastictrain ckpt export` writes the model")
         else:
             where = "no checkpoint is committed" if last is None else f"the last committed checkpoint is step {last}"
-        return f"a worker failed while the final model of step {step} was gathered: {describe_remote_error(e)}; {where}"
+        return f"a worker failed while the final model of step {step} was hashed and written: {describe_remote_error(e)}; {where}"
 
     def _fail(self, reason: str) -> None:
         if self.sm.terminal:  # terminal states are final: the first ending stands
@@ -816,6 +840,7 @@ class Controller(WorkerMonitor):
             "error": self.final_error, "exit_code": self.exit_code, "generations": self.generation + 1,
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
+            "final_model": self.final_model_uri,
             "memory_snapshots": self.memory_snapshots, "memory_snapshot_stall_s": round(self.memory_stall_s, 6),
         })
 

@@ -106,6 +106,8 @@ class SourceGatherer:
         self.config, self.events, self.store, self.committer = config, events, store, committer
         self.lineage, self.branch_point, self.layout = lineage, branch_point, layout
         self.keepers: dict[str, Any] = {}
+        self._budget: int | None = None  # sized from the job at the first generation (size_keepers)
+        self._short_said = False
         # (generation, node -> catalog ref) asked at failure detection (ask_peer_tier), taken by peer_tier
         self._early_catalogs: tuple[int | None, dict[str, Any]] = (None, {})
 
@@ -122,10 +124,37 @@ class SourceGatherer:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for node in [n for n in self.keepers if n not in alive]:
             del self.keepers[node]
-        budget = max(1, int(self.config.checkpoint.memory_budget_gib * (1 << 30)))
+        budget = self._budget or max(1, int((self.config.checkpoint.memory_budget_gib or 4.0) * (1 << 30)))
         for node in sorted(alive - set(self.keepers)):
             self.keepers[node] = ShardKeeper.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
+
+    def size_keepers(self, chosen: list[Slot], layout: Layout) -> None:
+        """Size every keeper's budget from the job (checkpoint/tier_budget.py): the state bytes the workers
+        reported at setup, the ranks per node, the smallest node's free memory (Ray's ``memory`` resource).
+        The first time the tier cannot keep a lost rank of a layout without replica or periodic checkpoint,
+        a ``peer_tier_short`` event (one console line) names the fix. Waits for the keepers to take it."""
+        if not self.keepers or not chosen:
+            return
+        from elastictrain.checkpoint.tier_budget import size_budget, tier_shortfall
+
+        state = max(int(s.info.get("state_bytes") or 0) for s in chosen)
+        per_node: dict[str, int] = {}
+        for s in chosen:
+            node = str(s.info.get("node_id"))
+            per_node[node] = per_node.get(node, 0) + 1
+        free = [int(n["Resources"].get("memory", 0)) for n in ray.nodes()
+                if n.get("Alive") and n["NodeID"] in per_node and n["Resources"].get("memory")]
+        ranks, world = max(per_node.values()), len(chosen)
+        ck = self.config.checkpoint
+        tier = size_budget(state, world, ranks, min(free) if free else None, ck.memory_budget_gib)
+        self._budget = tier.budget
+        ray.get([k.set_budget.remote(tier.budget) for k in self.keepers.values()], timeout=self.config.timeouts.poll_s)
+        why = tier_shortfall(tier, -(-state // world), ranks, has_replica=layout.dims.dp_replicate > 1,
+                             periodic_checkpoint=ck.uri is not None and ck.every_steps > 0)
+        if why and not self._short_said:
+            self._short_said = True
+            self.events.emit("peer_tier_short", budget_bytes=tier.budget, need_bytes=tier.need, reason=why)
 
     def close(self) -> None:
         """Kill the keepers this run started (the run is over: its snapshots have no reader left). The

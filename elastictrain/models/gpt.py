@@ -181,7 +181,8 @@ class GPT(nn.Module):
 
     Dropout sites: 0 = embeddings, ``1 + 2*l`` / ``2 + 2*l`` = attention / MLP output of block ``l``.
     Parameters are initialised from torch's default generator: call ``torch.manual_seed`` first
-    for reproducible weights.
+    for reproducible weights. The framework re-initialises them module by module instead
+    (:meth:`init_module`, elastictrain/parallel/init.py), so that any rank can build just its own.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -228,6 +229,15 @@ class GPT(nn.Module):
         from elastictrain.models.gpt_tp import gpt_tp_plan
 
         return gpt_tp_plan(self, sequence_parallel)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters (not its children's) from torch's default generator:
+        torch's default for its type, then GPT-2's normal(0.02) weights and zero biases of every linear and
+        embedding (what the constructor gives). The per-module contract of elastictrain/parallel/init.py."""
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        _init_weights(module)
 
 
 class GPTStage(nn.Module):

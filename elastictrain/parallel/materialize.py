@@ -3,8 +3,9 @@
 A sharded layout never needs the whole model on one rank: the parameters are created on the ``meta``
 device (no storage), ``fully_shard`` cuts them, and :func:`materialize` allocates only this rank's shards.
 Their values come from a restore step (a checkpoint, survivors, the peer tier) or, at step 0, from
-:func:`load_seeded_init`: rank 0 builds the seeded model once and broadcasts it tensor by tensor, so every
-rank starts from exactly the values a non-meta build would have given it.
+:func:`elastictrain.parallel.init.init_by_name` (each rank its own modules, by name), or for a model without
+``init_module`` from :func:`load_seeded_init`: rank 0 builds the seeded model once and broadcasts it tensor
+by tensor. Either way every rank starts from exactly the values a non-meta build would have given it.
 
 Buffers are not parameters: :func:`params_on_meta` leaves them real, because non-persistent buffers (causal
 masks, rotary tables) are in no state dict, so no restore would bring them back. They are small.

@@ -299,11 +299,9 @@ class SimActor:
     def own_snapshots(self) -> list[Any]:
         return []
 
-    def digest(self) -> dict[str, Any]:
-        return {"step": self.step, "sha256": "0" * 64}
-
-    def parameters(self) -> dict[str, Any]:
-        return {}
+    def finish(self, final_root: str | None = None, storage_options: Any = None) -> dict[str, Any]:
+        # no model: an empty digest part, and nothing written (the simulator's controller has no run dir)
+        return {"rank": self.rank, "step": self.step, "digest": {}, "report": None}
 
     def shutdown(self) -> None:
         self._leave()

@@ -231,11 +231,9 @@ class SimWorker:
     def _own_snapshots(self) -> SimRef:
         return self._now([])
 
-    def _digest(self) -> SimRef:
-        return self._now({"step": self._step_now(), "sha256": "0" * 64})
-
-    def _parameters(self) -> SimRef:
-        return self._now({})
+    def _finish(self, final_root: str | None = None, storage_options: Any = None) -> SimRef:
+        # no model: an empty digest part, and nothing written (the simulator's controller has no run dir)
+        return self._now({"rank": self.rank, "step": self._step_now(), "digest": {}, "report": None})
 
     def _shutdown(self) -> SimRef:
         return self._now(None)

@@ -160,6 +160,9 @@ class Worker:
             "device": _device_name(self.runner.device),
             "setup_s": time.perf_counter() - t0, "prebuilt": prebuilt, "dataset_len": self.runner.dataset_len,
             "params": sum(p.numel() for p in self.runner.model.parameters()),
+            # the whole training state, estimated: parameters plus two optimizer moments (Adam's); sizes the
+            # peer memory tier (checkpoint/tier_budget.py)
+            "state_bytes": 3 * sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),
         }
 
@@ -223,9 +226,9 @@ class Worker:
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
         src's state (at step 0 with the task's ``init_weights``, src first loads them). Sharded ones hold a
-        consistent state already (restored from a reader in this generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
-        ``parallel.meta_init`` or a rebuild) makes every rank load the initial values (the task's
-        ``init_weights``, else the seeded model from rank 0).
+        consistent state already (restored from a reader in this generation), or start at step 0: then any
+        rank whose shards have no values yet (a meta build, ``parallel.meta_init`` or a rebuild) makes every
+        rank load the initial values (``init_from_seed``: the task's ``init_weights``, else the seeded ones).
         Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
         self._held = None  # every member has loaded (the controller syncs after all loads): none reads it now
         r = self.runner
@@ -639,19 +642,22 @@ class Worker:
 
     # ------------------------------------------------------------------ inspection
     @_on_state_thread
-    def digest(self) -> dict[str, Any] | None:
-        """Hash of the full model on rank 0 (None elsewhere). Collective: call on every member. The
-        controller calls it when the run finished (fault point ``finish``)."""
+    def finish(self, final_root: str | None, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The end of a finished run (fault point ``finish``): this rank's part of the model digest
+        (parallel/digest.py) and, with ``final_root``, its part of the final model written through DCP into
+        ``<final_root>/step_<N>/`` (checkpoint/final.py; collective: call on every member). Returns
+        ``{"rank", "step", "digest", "report"}``: hashes and file names only, never the model."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         r = self.runner
         r.faults.fire(rank=r.rank, step=r.step, point="finish", generation=r.generation)
-        return r.state_digest()
+        out: dict[str, Any] = {"rank": r.rank, "step": r.step, "digest": r.digest_part(), "report": None}
+        if final_root is not None:
+            from elastictrain.checkpoint.final import write_final_model
 
-    @_on_state_thread
-    def parameters(self) -> dict[str, torch.Tensor] | None:
-        """The full model as CPU tensors on rank 0 (None elsewhere), via get_model_state_dict(
-        full_state_dict=True, cpu_offload=True). Collective: call on every member."""
-        full = self.runner.state.full_model_state()
-        return {k: v.detach().clone() for k, v in full.items()} if self.runner.rank == 0 else None
+            out["report"] = write_final_model(get_model_state_dict(r.state.model), r.step, r.rank, final_root,
+                                              storage_options)
+        return out
 
     def shutdown(self) -> None:
         self._close_replicator(timeout=self.config.timeouts.collective_s)

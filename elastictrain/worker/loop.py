@@ -30,6 +30,7 @@ from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
+from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
@@ -140,7 +141,10 @@ class StepRunner:
         self._compile_pending = False  # the next step is a generation's first under parallel.compile
 
     def _fresh_model(self) -> torch.nn.Module:
-        return self._seeded_model().to(self.device)
+        model = self._seeded_model()
+        if inits_by_name(model):  # the values every layout starts from (parallel/init.py)
+            init_by_name(model, model, self.train.seed)
+        return model.to(self.device)
 
     def _seeded_model(self) -> torch.nn.Module:
         """The initial model on the CPU: identical on every worker (seeded), whatever its device."""
@@ -167,12 +171,16 @@ class StepRunner:
 
     def init_from_seed(self) -> None:
         """Give a materialized model the initial values (step 0). With the task's ``init_weights`` (e.g.
-        ``task.init_from``), each rank fills what it holds from that source (no collective). Otherwise the
-        seeded values: rank 0 builds the model once and broadcasts it (collective over the default group);
-        pipeline stages hold disjoint keys: every rank builds the seeded model on the CPU and keeps its
-        stages' values (no collective)."""
+        ``task.init_from``), each rank fills what it holds from that source (no collective). A model that
+        initialises itself by module name (parallel/init.py): each rank fills its own parameters, one module
+        at a time, no collective and never the whole model. Otherwise rank 0 builds the model once and
+        broadcasts it (collective over the default group); pipeline stages hold disjoint keys, so there every
+        rank builds the seeded model on the CPU and keeps its stages' values (no collective)."""
         if self.task.init_weights is not None:
             self.task.init_weights(self.model)
+        elif inits_by_name(root := (self._meta_template if self._meta_template is not None
+                                    else self._build_meta_model())):
+            init_by_name(self.model, root, self.train.seed)
         elif self.layout is not None and self.layout.dims.pp > 1:
             from elastictrain.parallel.pipeline import load_stage_seeded_init
 
@@ -426,19 +434,16 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self._set_phase("idle")
 
-    def state_digest(self) -> dict[str, Any] | None:
-        """Fingerprint of the whole model for tests: a bitwise hash of the full state by name. Collective
-        under a sharded layout; the digest is on rank 0 (None elsewhere)."""
-        import hashlib
+    def digest_part(self) -> dict[str, list[Any]]:
+        """This rank's part of the whole model's fingerprint (parallel/digest.py): hashes of the elements
+        it holds, each replicated copy counted once. No collective; the driver combines the parts."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        full = self.state.full_model_state()
-        if self.rank != 0:
-            return None
-        h = hashlib.sha256()
-        for name, t in sorted(full.items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype
-        return {"step": self.step, "sha256": h.hexdigest()}
+        from elastictrain.parallel.digest import local_part
+
+        primary = self.layout is None or (self.layout.coords(self.rank)[1] == 0
+                                          and self.layout.tp_coord(self.rank) == 0)
+        return local_part(get_model_state_dict(self.state.model), plain_primary=primary)
 
 
 class _LoopHooks:

@@ -1,0 +1,98 @@
+"""Initial parameter values as a pure function of (seed, module name): any rank initialises only its own.
+
+A model that defines ``init_module(module)`` (the root model's method: give ``module``'s OWN parameters,
+not its children's, their initial values from torch's default generator) is initialised module by module:
+each module that holds parameters is initialised with the generator seeded by
+:func:`module_seed` ``(train.seed, its fully qualified name)``. The values therefore do not depend on which
+rank builds them, on the layout, or on which other modules the rank holds: a pipeline stage, a
+tensor-parallel rank or an FSDP shard builds just its own modules, each at most one module's full size at a
+time (one ``nn.Linear``), and every layout starts from identical parameters. The built-in GPT defines it.
+
+A model without ``init_module`` keeps the older rule (``torch.manual_seed(seed); model_fn()``, whose
+values depend on the whole construction order); a sharded start then builds the whole model once per host
+that needs values (see ``StepRunner.init_from_seed``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from elastictrain.models.gpt import _mix
+from elastictrain.parallel.digest import global_indices
+
+# Wrapper segments that are not part of a parameter's name (activation checkpointing, torch.compile)
+_WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+class InitError(ValueError):
+    """``init_module`` left a parameter without a value; the message names it and the fix."""
+
+
+def inits_by_name(root: nn.Module) -> bool:
+    """Whether ``root`` (the whole model, meta or real) initialises itself module by module."""
+    return callable(getattr(root, "init_module", None))
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The generator seed of the module named ``name`` (its fully qualified name in the whole model)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return _mix(seed, int.from_bytes(digest[:8], "little"), 0x1217_5EED)
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without wrapper segments (activation-checkpoint and compile wrappers)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
+
+
+def init_by_name(model: nn.Module, root: nn.Module, seed: int) -> None:
+    """Give every parameter of ``model`` (whole, or this rank's part: stages, tp or fsdp shards; memory
+    already allocated) its initial value: per module holding parameters, a full-size CPU copy of its own
+    parameters is filled by ``root.init_module`` under :func:`module_seed`, and this rank keeps its slice.
+    No collective. The global RNG state is left as it was. A parameter reachable under two names (tied) is
+    initialised once, under the first. Raises :class:`InitError` if ``init_module`` left a floating-point
+    value unset (it is filled with NaN first)."""
+    done: set[int] = set()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for raw, module in model.named_modules():
+            name = canonical_name(raw)
+            own = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in done}
+            if not own:
+                continue
+            shadow = copy.copy(module)  # same class (isinstance checks in init_module hold), own params only
+            shadow._modules = {}
+            shadow._parameters = {n: (None if p is None else nn.Parameter(_blank(p), requires_grad=p.requires_grad))
+                                  for n, p in module._parameters.items()}
+            torch.manual_seed(module_seed(seed, name))
+            root.init_module(shadow)
+            for n, p in own.items():
+                full = shadow._parameters[n]
+                if full.is_floating_point() and bool(torch.isnan(full).any()):
+                    raise InitError(f"{type(root).__name__}.init_module left {name}.{n} without a value: set every "
+                                    f"parameter a module holds itself (e.g. call {type(module).__name__}"
+                                    ".reset_parameters()), or remove init_module to build the whole seeded model")
+                _keep_slice(p, full.detach())
+                done.add(id(p))
+
+
+def _blank(p: torch.Tensor) -> torch.Tensor:
+    fill = float("nan") if p.is_floating_point() else 0
+    return torch.full(tuple(p.shape), fill, dtype=p.dtype)
+
+
+def _keep_slice(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of the full value ``full`` into ``p`` (a DTensor: its local shard, strided
+    2-D shards included)."""
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        if local.numel():
+            part = full
+            for d, index in enumerate(global_indices(p)):
+                part = part.index_select(d, index)
+            local.copy_(part.to(local.device))
+        return
+    p.copy_(full.to(p.device))

@@ -1,0 +1,49 @@
+"""The peer memory tier sized from the job (issue 36 item 4): the pure sizing rule, and a run whose tier
+cannot keep a lost shard says so at start (an event and one console line naming the fix)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from elastictrain.checkpoint.tier_budget import size_budget, tier_shortfall
+from tests.conftest import job
+
+GIB = 1 << 30
+
+
+def test_the_default_budget_is_the_jobs_need_capped_by_free_memory() -> None:
+    # 400M parameters' fp32 state with Adam (4.8 GB) on 8 ranks, 4 per node: a keeper keeps 2 steps of 4 ranks
+    tier = size_budget(4_800_000_000, world=8, ranks_per_node=4, node_free_bytes=64 * GIB, configured_gib=None)
+    assert tier.budget == tier.need == int(2 * 600_000_000 * 4 * 1.1)  # 5.28 GB: over the old 4 GiB default
+    assert tier_shortfall(tier, 600_000_000, 4, has_replica=False, periodic_checkpoint=False) is None
+    small = size_budget(4_800_000_000, world=8, ranks_per_node=4, node_free_bytes=4 * GIB, configured_gib=None)
+    assert small.budget == 2 * GIB and "free host memory" in small.reason
+    why = tier_shortfall(small, 600_000_000, 4, has_replica=False, periodic_checkpoint=False)
+    assert why and "checkpoint.memory_budget_gib" in why and "checkpoint.every_steps" in why
+    # a replica or a periodic checkpoint covers the loss: nothing to say
+    assert tier_shortfall(small, 600_000_000, 4, has_replica=True, periodic_checkpoint=False) is None
+    assert tier_shortfall(small, 600_000_000, 4, has_replica=False, periodic_checkpoint=True) is None
+    given = size_budget(4_800_000_000, 8, 4, 64 * GIB, configured_gib=0.5)
+    assert given.budget == GIB // 2 and given.reason == "checkpoint.memory_budget_gib"
+
+
+@pytest.mark.slow
+def test_a_tier_too_small_for_the_layout_is_said_at_start(tmp_path, ray_local) -> None:
+    from elastictrain import build_config
+    from elastictrain.trainer import Trainer
+    from tests.conftest import Run
+
+    spec = job(train={"steps": 2}, workers={"min": 2, "max": 2}, parallel={"plan": "fsdp"},
+               checkpoint={"memory_every_steps": 1, "memory_budget_gib": 1e-6})  # ~1 KB per node
+    console = io.StringIO()
+    run = Run(Trainer(build_config(spec), run_dir=tmp_path / "short", console=console).fit())
+    assert run.result.exit_code == 0
+    (short,) = run.of("peer_tier_short")
+    assert short["budget_bytes"] == int(1e-6 * GIB) and short["need_bytes"] > short["budget_bytes"]
+    assert "raise checkpoint.memory_budget_gib" in short["reason"]
+    first_step = next(i for i, e in enumerate(run.events) if e["event"] == "step")
+    assert run.events.index(short) < first_step  # at start, not at the first failure
+    lines = [line for line in console.getvalue().splitlines() if "peer_tier_short" in line]
+    assert len(lines) == 1 and "checkpoint.memory_budget_gib" in lines[0]
