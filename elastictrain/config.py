@@ -27,6 +27,8 @@ class ModelConfig(_Section):
     """Built-in GPT size. Ignored by user tasks that bring their own module."""
 
     seq_len: int = Field(64, ge=2)
+    vocab_size: int | None = Field(None, ge=1, description="None = the data's vocabulary: 256 for the byte "
+                                                           "corpora; larger leaves unused rows")
     n_layer: int = Field(2, ge=1)
     n_head: int = Field(2, ge=1)
     d_model: int = Field(64, ge=8)
@@ -43,7 +45,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where samples come from: ``builtin:pydoc`` or a Parquet path / URL (local, s3://...)."""
+    """Where samples come from: ``builtin:pydoc``, a Parquet path / URL (local, s3://...; byte tokens), or a
+    corpus prepared by ``elastictrain data prepare`` (a directory / URL holding ``manifest.json``)."""
 
     source: str = "builtin:pydoc"
     column: str = "text"

@@ -46,14 +46,12 @@ def prepare(source: str, tokenizer: str, out: str, text_column: str, seq_len: in
         click.echo(f"elastictrain: --storage-options is not a JSON object ({e}); e.g. "
                    "'{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'", err=True)
         sys.exit(EXIT_CONFIG)
-    from elastictrain.data.prepare import PrepareError, init_ray, prepare as run_prepare
+    from elastictrain.data.prepare import PrepareError, prepare as run_prepare
 
     try:
-        if tokenizer and not _cheap_exists(tokenizer):
-            raise PrepareError(f"no such tokenizer: {tokenizer!r}; pass the path or URL of a tokenizer.json")
-        init_ray(ray_address)
         m = run_prepare(source, tokenizer, out, text_column=text_column, seq_len=seq_len, val_fraction=val_fraction,
-                        val_source=val_source, eos=eos, storage_options=opts, progress=not no_progress)
+                        val_source=val_source, eos=eos, storage_options=opts, progress=not no_progress,
+                        ray_address=ray_address)
     except PrepareError as e:
         click.echo(f"elastictrain: data prepare: {e}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -61,9 +59,3 @@ def prepare(source: str, tokenizer: str, out: str, text_column: str, seq_len: in
     reused = f"; {m['_skipped']} file(s) already prepared" if m["_skipped"] else ""
     click.echo(f"elastictrain: prepared {out}: {splits} ({m['dtype']}, vocab {m['vocab_size']}){reused}")
 
-
-def _cheap_exists(path: str) -> bool:
-    """A local tokenizer path is checked before Ray starts (a typo costs a second, not a cluster start)."""
-    import os
-
-    return "://" in path or os.path.isfile(path)

@@ -110,12 +110,13 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
 @dataclass(frozen=True)
 class _GPTModel:
     cfg: Any
+    vocab_size: int = 256
 
     def __call__(self) -> torch.nn.Module:
         from elastictrain.models.gpt import GPT, GPTConfig
 
         m = self.cfg
-        return GPT(GPTConfig(vocab_size=256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        return GPT(GPTConfig(vocab_size=self.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                              d_model=m.d_model, dropout=m.dropout))
 
 
@@ -175,10 +176,16 @@ class _Corpus:
     column: str
     storage_options: dict
     seq_len: int
+    prepared: bool = False  # a corpus of `elastictrain data prepare`: windows read by range
+    split: str = "train"
 
     def __call__(self) -> Any:
         from elastictrain.data.datasets import TokenWindows, load_text_tokens
 
+        if self.prepared:
+            from elastictrain.data.windows import PreparedWindows
+
+            return PreparedWindows(self.source, self.seq_len, self.split, self.storage_options)
         tokens = load_text_tokens(self.source, column=self.column, storage_options=self.storage_options)
         return TokenWindows(tokens, self.seq_len)
 
@@ -192,14 +199,47 @@ class _Schedule:
         return warmup_cosine(step, self.warmup, self.total)
 
 
+def data_vocab_size(config: JobConfig) -> tuple[int, bool]:
+    """``(the vocabulary of task.data, whether it is a prepared corpus)``: the prepared manifest's
+    ``vocab_size`` (one small read), else 256 (byte tokens). Raises ConfigError for an unreadable manifest."""
+    from elastictrain.config import ConfigError
+    from elastictrain.data.shards import PreparedDataError, is_prepared, read_manifest
+
+    d = config.task.data
+    if not is_prepared(d.source, dict(d.storage_options)):
+        return 256, False
+    try:
+        return read_manifest(d.source, dict(d.storage_options)).vocab_size, True
+    except PreparedDataError as e:
+        raise ConfigError(f"task.data.source={d.source!r}: {e}") from None
+
+
+def model_vocab_size(config: JobConfig) -> tuple[int, bool]:
+    """The built-in model's vocabulary: ``task.model.vocab_size``, or the data's when None. Raises ConfigError
+    when it is set smaller than the data's (ids past the embedding would crash the first step)."""
+    from elastictrain.config import ConfigError
+
+    data_vocab, prepared = data_vocab_size(config)
+    asked = getattr(config.task.model, "vocab_size", None)
+    if asked is None:
+        return data_vocab, prepared
+    if asked < data_vocab:
+        raise ConfigError(f"task.model.vocab_size={asked} is smaller than the data's vocabulary {data_vocab} "
+                          f"(task.data.source={config.task.data.source!r}); set task.model.vocab_size >= "
+                          f"{data_vocab} or leave it unset (null: the data's)")
+    return asked, prepared
+
+
 def builtin_task(config: JobConfig) -> Task:
-    """The task named by ``config.task`` (today: ``tiny_gpt``, a small byte-level GPT)."""
+    """The task named by ``config.task`` (today: ``tiny_gpt``, a small GPT over byte tokens or a prepared
+    corpus's tokens). Raises ConfigError when the model's vocabulary cannot hold the data's."""
     t = config.task
+    vocab, prepared = model_vocab_size(config)
     return Task(
-        model_fn=_GPTModel(t.model),
+        model_fn=_GPTModel(t.model, vocab),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
-        dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len),
+        dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared),
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,

@@ -323,9 +323,11 @@ def plan_units(train: list[tuple[str, str, int, str]], val: list[tuple[str, str,
 def prepare(source: str, tokenizer: str, out: str, *, text_column: str = "text", seq_len: int | None = None,
             val_fraction: float = 0.0, val_source: str | None = None, eos: str | None = None,
             storage_options: dict[str, Any] | None = None, progress: bool = True,
-            local_process: bool = False) -> dict[str, Any]:
+            local_process: bool = False, ray_address: str | None = None) -> dict[str, Any]:
     """Prepare ``source`` into ``out`` (see the module docstring); return the manifest as a dict.
 
+    The inputs are checked before Ray starts (source, tokenizer, the first file's column). Ray is the one
+    running in this process, else the cluster at ``ray_address`` / ``RAY_ADDRESS``, else a private local one.
     ``local_process=True`` runs every unit in this process, in order (no Ray: the one-process baseline of
     benchmarks/data.py); the bytes are the same. Raises PrepareError for bad input."""
     opts = dict(storage_options or {})
@@ -338,6 +340,8 @@ def prepare(source: str, tokenizer: str, out: str, *, text_column: str = "text",
     fs, train = list_sources(source, opts)
     val = list_sources(val_source, opts)[1] if val_source else []
     check_column(fs, train[0][0], train[0][3], text_column)
+    if not any(size for _, _, size, _ in train):
+        raise PrepareError(f"empty corpus: the {len(train)} file(s) at {source!r} are empty; check SOURCE")
     spec = PrepareSpec(out=out, tokenizer_json=tok_json, tokenizer_sha256=tok_sha,
                        vocab_size=int(tok.get_vocab_size(with_added_tokens=True)), eos_id=eos_id,
                        text_column=text_column, val_fraction=val_fraction, source_options=opts, out_options=opts)
@@ -345,6 +349,7 @@ def prepare(source: str, tokenizer: str, out: str, *, text_column: str = "text",
     if local_process:
         results = [_run_one(spec, u, tok) for u in units]
     else:
+        init_ray(ray_address)
         results = _run_on_ray(spec, units, progress)
     splits: dict[str, list[Shard]] = {"train": [], "validation": []}
     for unit, result in zip(units, results):

@@ -3,16 +3,19 @@
 :class:`PreparedWindows` is the map-style dataset of a prepared split (:mod:`elastictrain.data.shards`): sample
 ``i`` is the token range ``[i*seq_len, i*seq_len + seq_len + 1)`` of the split's stream (its shards
 concatenated), exactly as :class:`~elastictrain.data.datasets.TokenWindows` slices an in-memory tensor, so the
-global sample cursor indexes it unchanged. A POSIX path is read through ``np.memmap`` (the page cache holds
-what was touched, the process holds nothing); any other fsspec URL (``s3://``) by ranged reads, with
-:meth:`PreparedWindows.prefetch` fetching the next step's windows in a background thread. What a worker holds
-is bounded by two steps' windows, whatever the corpus size.
+global sample cursor indexes it unchanged. A POSIX (Lustre) path is read with one ``pread`` per window piece:
+the kernel's page cache keeps what was read, shared and reclaimable, and the process maps nothing (a memory
+map would count every page a long run touched, and its fault-around neighbours, in the worker's RSS). Any
+other fsspec URL (``s3://``) is read by ranged reads, with :meth:`PreparedWindows.prefetch` fetching this
+and the next step's windows in background threads. What a worker holds is bounded by two steps' windows,
+whatever the corpus size.
 """
 
 from __future__ import annotations
 
 import bisect
 import operator
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,8 +27,9 @@ from elastictrain.data.shards import Manifest, PreparedDataError, join, numpy_dt
 
 __all__ = ["PreparedWindows"]
 
-# Windows kept by the read-ahead: the next step's of this rank and the current one's, with room to spare.
-_READ_AHEAD_WINDOWS = 4096
+# Ranged reads in flight at once per worker (S3 answers each in a round trip; a few overlap the latency).
+_READ_THREADS = 4
+_OPEN_FILES = 64  # local shards kept open (a corpus of many thousand shards must not exhaust descriptors)
 
 
 class PreparedWindows:
@@ -57,7 +61,7 @@ class PreparedWindows:
 
         self._fs, self._root = fsspec.core.url_to_fs(uri, **self.storage_options)
         self.local = "file" in (self._fs.protocol if isinstance(self._fs.protocol, tuple) else (self._fs.protocol,))
-        self._maps: dict[int, np.memmap] = {}
+        self._fds: dict[int, int] = {}
         self._ahead: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -83,32 +87,38 @@ class PreparedWindows:
         i = operator.index(index)
         if not 0 <= i < self._len:
             raise IndexError(f"sample index {i} out of range [0, {self._len})")
-        ahead = self._ahead.pop(i, None) if self._ahead else None
+        with self._lock:
+            ahead = self._ahead.pop(i, None) if self._ahead else None
         tokens = ahead.result() if ahead is not None else self._read_window(i)
         x = torch.from_numpy(tokens.astype(np.int64))
         return {"input": x[:-1], "target": x[1:]}
 
     def prefetch(self, ids: Any) -> None:
-        """Start reading the windows ``ids`` in a background thread (remote URIs; a memory map needs none).
-        Windows asked for and never used are dropped once more than a bounded number wait."""
+        """Read the windows ``ids`` in background threads (remote URIs; a memory map needs none). Call with
+        the current and the next step's ids of this rank: windows asked for before and not in ``ids`` are
+        dropped, so what waits is bounded by those two steps' windows."""
         if self.local:
             return
+        wanted = [int(i) for i in ids if 0 <= int(i) < self._len]
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="elastictrain-read-ahead")
-            for i in ids:
-                i = int(i)
-                if i not in self._ahead and 0 <= i < self._len:
+                self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="elastictrain-read-ahead")
+            keep = set(wanted)
+            for i in [i for i in self._ahead if i not in keep]:  # e.g. another rank's after a regroup
+                self._ahead.pop(i).cancel()
+            for i in wanted:
+                if i not in self._ahead:
                     self._ahead[i] = self._pool.submit(self._read_window, i)
-            while len(self._ahead) > _READ_AHEAD_WINDOWS:  # oldest first: dicts keep insertion order
-                self._ahead.pop(next(iter(self._ahead))).cancel()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         self._ahead.clear()
-        self._maps.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     # ------------------------------------------------------------------ reading
     def _read_window(self, i: int) -> np.ndarray:
@@ -128,15 +138,23 @@ class PreparedWindows:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _read_shard(self, k: int, lo: int, hi: int) -> np.ndarray:
-        if self.local:
-            m = self._maps.get(k)
-            if m is None:
-                m = self._maps[k] = np.memmap(join(self._root, self.shards[k].name), dtype=self.dtype, mode="r",
-                                               shape=(self.shards[k].tokens,))
-            return np.array(m[lo:hi])  # a copy: the window outlives no map
         size = self.dtype.itemsize
-        data = self._fs.cat_file(join(self._root, self.shards[k].name), start=lo * size, end=hi * size)
+        if self.local:
+            data = os.pread(self._fd(k), (hi - lo) * size, lo * size)
+        else:
+            data = self._fs.cat_file(join(self._root, self.shards[k].name), start=lo * size, end=hi * size)
         if len(data) != (hi - lo) * size:
             raise PreparedDataError(f"short read from {self.shards[k].name} of {self.uri!r}: {len(data)} bytes "
                                     f"for tokens [{lo}, {hi}); the shard is shorter than its manifest says")
         return np.frombuffer(data, dtype=self.dtype)
+
+    def _fd(self, k: int) -> int:
+        """An open descriptor of local shard ``k`` (at most _OPEN_FILES kept, least recently used closed)."""
+        with self._lock:
+            fd = self._fds.pop(k, None)
+            if fd is None:
+                fd = os.open(join(self._root, self.shards[k].name), os.O_RDONLY)
+            self._fds[k] = fd  # most recent last
+            while len(self._fds) > _OPEN_FILES:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            return fd

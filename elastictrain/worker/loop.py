@@ -247,6 +247,7 @@ class StepRunner:
         d = self.layout.dims.dp
         dp_rank = self.layout.coords(self.rank)[1]
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
+        self._read_ahead(s, micro, dp_rank, d)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
         self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
@@ -271,6 +272,16 @@ class StepRunner:
             pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
         )
         return record, bool(stats[1] > 0)
+
+    def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
+        """A dataset with ``prefetch(ids)`` (a prepared corpus on S3) starts reading this step's and the next
+        step's windows of this rank in its own threads: the next step's data loads behind this step."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is None:
+            return
+        nxt = rank_micro_batches(s + 1, dp_rank, d, self.train.micro_batch, self.train.global_batch,
+                                 self.train.seed, self.dataset_len)
+        prefetch([int(i) for ids in micro + nxt for i in ids])
 
     def _apply_optimizer(self, s: int) -> None:
         if self.device.type == "cuda":  # checkpoint / snapshot copies still reading the state finish first
