@@ -99,6 +99,8 @@ class TrainConfig(_Section):
     log_every: int = Field(1, ge=1, description="steps between progress lines on the console")
     audit_samples: bool = Field(False, description="record every step's sample ids in its step event")
     save_final_model: bool = Field(True, description="write the trained weights to RUN_DIR/final_model.pt")
+    eval_every: int = Field(0, ge=0, description="steps between held-out evaluations (validation split); 0 = none")
+    eval_batches: int = Field(1, ge=1, description="global batches of validation windows per evaluation")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -327,6 +329,14 @@ class JobConfig(_Section):
             if why:
                 raise ValueError(f"{why}; change parallel.tp or task.model.n_head")
         self._faults_exist()
+        return self
+
+    @model_validator(mode="after")
+    def _eval_layout(self) -> JobConfig:
+        if self.train.eval_every and (self.parallel.pp > 1 or self.parallel.tp > 1):
+            raise ValueError(f"train.eval_every={self.train.eval_every} needs parallel.pp=1 and parallel.tp=1 "
+                             f"(got pp={self.parallel.pp}, tp={self.parallel.tp}): the evaluation runs the whole "
+                             "model's forward; set train.eval_every=0 or use a ddp/fsdp/hsdp layout")
         return self
 
     def _faults_exist(self) -> None:

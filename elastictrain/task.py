@@ -49,6 +49,8 @@ class Task:
       a recovery in which a survivor rebuilds its model on meta tensors.
       Under ``parallel.pp > 1`` it is applied to each pipeline stage module, on the mesh of that stage's
       data-parallel ranks.
+    - ``eval_dataset_fn()`` (optional) returns the held-out dataset that ``train.eval_every`` scores with
+      ``loss_fn`` (no gradients, ``model.eval()``); the built-in task's is a prepared corpus's validation split.
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
       (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
       (:data:`GPT_PIPELINE`) is the documented example.
@@ -64,6 +66,7 @@ class Task:
     name: str = "task"
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     pipeline: PipelineHooks | None = None
+    eval_dataset_fn: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,11 @@ def builtin_task(config: JobConfig) -> Task:
     corpus's tokens). Raises ConfigError when the model's vocabulary cannot hold the data's."""
     t = config.task
     vocab, prepared = model_vocab_size(config)
+    evaluate = None
+    if config.train.eval_every:
+        evaluate = _Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared,
+                           split="validation")
+        _check_validation_split(config, prepared)
     return Task(
         model_fn=_GPTModel(t.model, vocab),
         loss_fn=_gpt_loss,
@@ -244,4 +252,20 @@ def builtin_task(config: JobConfig) -> Task:
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
         pipeline=GPT_PIPELINE,
+        eval_dataset_fn=evaluate,
     )
+
+
+def _check_validation_split(config: JobConfig, prepared: bool) -> None:
+    """``train.eval_every`` needs a validation split of at least one window: a ConfigError otherwise."""
+    from elastictrain.config import ConfigError
+    from elastictrain.data.shards import read_manifest
+
+    d = config.task.data
+    have = read_manifest(d.source, dict(d.storage_options)).tokens("validation") if prepared else 0
+    if have < config.task.model.seq_len + 1:
+        raise ConfigError(
+            f"train.eval_every={config.train.eval_every} needs a validation split of at least one window "
+            f"({config.task.model.seq_len + 1} tokens) but task.data.source={d.source!r} has "
+            + (f"{have} validation tokens" if prepared else "none (not a prepared corpus)")
+            + "; prepare it with --val-fraction or --val-source, or set train.eval_every=0")

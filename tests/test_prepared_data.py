@@ -151,7 +151,7 @@ def test_windows_are_the_token_stream_sliced(prepared):
 def _spec(source: str, **train) -> dict:
     task = {**job()["task"], "data": {"source": source}}
     task["model"] = {**task["model"], "seq_len": SEQ}
-    return job(task=task, train={"steps": 8, "audit_samples": True, **train})
+    return job(task=task, train={"steps": 8, "audit_samples": True, "eval_every": 4, "eval_batches": 2, **train})
 
 
 def _audit(run, steps: int, n: int) -> None:
@@ -168,19 +168,30 @@ def _audit(run, steps: int, n: int) -> None:
 
 def test_ddp_on_prepared_data_survives_a_sigkill_then_resumes_at_another_size(prepared, tmp_path, ray_local,
                                                                                clean_run):
-    """2 workers, rank 1 SIGKILLed in step 4: every step's samples once, losses equal to an uninterrupted run
-    step by step; the run's checkpoint at step 4 resumed on 1 worker continues the same sample sequence with
-    the same losses (to float summation order)."""
+    """2 workers, rank 1 SIGKILLed in step 4: every step's samples once, losses (and the held-out losses at
+    steps 4 and 8) equal to an uninterrupted run step by step; the run's checkpoint at step 4 resumed on 1
+    worker continues the same sample sequence with the same losses and eval loss (to float summation order)."""
     source = str(prepared / "a")
     n = len(PreparedWindows(source, SEQ))
     clean = clean_run(_spec(source))
     ck = {"uri": str(tmp_path / "ckpt"), "every_steps": 4, "when_busy": "wait"}
     kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
-    faulty = run_job(tmp_path, _spec(source) | {"checkpoint": {**job()["checkpoint"], **ck}, "faults": [kill]},
-                     name="faulty")
+    # strict mode: the replacement rejoins before step 4 is redone, so every step runs at world size 2 and
+    # the losses are bitwise those of the clean run (elastic mode would run some steps on the survivor alone)
+    faulty = run_job(tmp_path, _spec(source) | {"checkpoint": {**job()["checkpoint"], **ck}, "faults": [kill],
+                                                "recovery": {"mode": "strict"}}, name="faulty")
     assert faulty.result.exit_code == 0 and faulty.of("failure"), faulty.summary
     _audit(faulty, 8, n)
     assert faulty.losses() == clean.losses()
+    evals = {e["step"]: e["eval_loss"] for e in clean.of("step") if "eval_loss" in e}
+    assert sorted(evals) == [4, 8] and evals[8] < evals[4] < 6.0  # ln(300) = 5.7: it learned
+    assert {e["step"]: e["eval_loss"] for e in faulty.of("step") if "eval_loss" in e} == evals
+    assert clean.summary["final_eval_loss"] == evals[8]
+    from elastictrain.report import build_view, render_html
+
+    view = build_view(clean.events, clean.summary)
+    assert [v for _, v in view["eval_loss"]] == [evals[4], evals[8]]
+    assert "final eval loss" in render_html(view) and "eval loss (dashed)" in render_html(view)
     assert faulty.summary["final_model_sha256"] == clean.summary["final_model_sha256"]
     # the step-4 commit resumed at world size 1 (the retained step 8 removed: resume from 4)
     import shutil
@@ -194,6 +205,8 @@ def test_ddp_on_prepared_data_survives_a_sigkill_then_resumes_at_another_size(pr
     _audit_from(one, 5, 8, n)
     for step in range(5, 9):
         assert abs(one.losses()[step] - clean.losses()[step]) <= 1e-5 * abs(clean.losses()[step])
+    (last,) = [e for e in one.of("step") if e["step"] == 8]
+    assert abs(last["eval_loss"] - evals[8]) <= 1e-5 * evals[8]  # the same windows at world size 1
 
 
 def _audit_from(run, first: int, last: int, n: int) -> None:
@@ -229,12 +242,52 @@ def test_vocab_comes_from_the_manifest_and_a_smaller_one_is_a_config_error(prepa
     from elastictrain.task import builtin_task
 
     spec = _spec(str(prepared / "a"))
-    model = builtin_task(build_config(spec)).model_fn()
-    assert model.tok_emb.num_embeddings == 300 if hasattr(model, "tok_emb") else True
-    assert max(p.shape[0] for p in model.parameters() if p.dim() == 2) >= 300
+    assert builtin_task(build_config(spec)).model_fn().tok_emb.num_embeddings == 300
+    assert builtin_task(build_config(job())).model_fn().tok_emb.num_embeddings == 256  # bytes
+    spec["task"]["model"]["vocab_size"] = 512
+    assert builtin_task(build_config(spec)).model_fn().tok_emb.num_embeddings == 512
     spec["task"]["model"]["vocab_size"] = 256
     with pytest.raises(ConfigError, match="vocab_size=256 is smaller than the data's vocabulary 300"):
         builtin_task(build_config(spec))
+
+
+def test_eval_needs_a_validation_split_and_a_whole_model_layout(prepared, tmp_path):
+    import shutil
+
+    from elastictrain import build_config
+    from elastictrain.config import ConfigError
+    from elastictrain.task import builtin_task
+
+    with pytest.raises(ConfigError, match="needs a validation split .* none \\(not a prepared corpus\\)"):
+        builtin_task(build_config(job(train={"eval_every": 2})))
+    no_val = tmp_path / "noval"
+    shutil.copytree(prepared / "a", no_val)
+    raw = json.loads((no_val / "manifest.json").read_text())
+    del raw["splits"]["validation"]
+    (no_val / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="has 0 validation tokens"):
+        builtin_task(build_config(_spec(str(no_val))))
+    with pytest.raises(ConfigError, match="train.eval_every=4 needs parallel.pp=1"):
+        build_config(_spec(str(prepared / "a")) | {"parallel": {"pp": 2}, "workers": {"min": 2, "max": 2}})
+
+
+def test_eval_ids_are_the_same_windows_at_any_world_size():
+    from elastictrain.data.cursor import eval_sample_ids
+
+    def batch(j: int, world: int, micro: int) -> list[int]:
+        return sorted(int(i) for r in range(world) for k in range(16 // (world * micro))
+                      for i in eval_sample_ids(j, r, world, micro, 16, k, 40))
+
+    assert batch(0, 1, 4) == batch(0, 2, 4) == batch(0, 4, 2) == list(range(16))
+    assert batch(2, 2, 8) == sorted(i % 40 for i in range(32, 48))  # wraps around the split
+
+
+def test_eval_loss_on_the_console_and_in_the_report_view():
+    from elastictrain.events import format_event
+
+    line = format_event({"event": "step", "time": 0.0, "step": 4, "total_steps": 8, "loss": 5.0, "world_size": 2,
+                         "samples_per_s": 10.0, "eval_loss": 4.25})
+    assert line.endswith("eval_loss 4.2500")
 
 
 # ----------------------------------------------------------------------------------------------------- S3

@@ -23,6 +23,7 @@ class Ledger:
         self.t0 = time.time()
         self.last_step = 0
         self.last_loss: float | None = None
+        self.last_eval_loss: float | None = None
         self.last_progress = time.time()  # last time any step completed (the watchdog's reference)
         self.step_times: list[float] = []
         # by rank, the newest only (the straggler window): bounded whatever the run's length
@@ -114,6 +115,9 @@ class Ledger:
             "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
             "finished_at": round(first.finished_at, 6),
         }
+        if first.eval_loss is not None:
+            fields["eval_loss"] = first.eval_loss
+            self.last_eval_loss = first.eval_loss
         if not complete:
             fields["complete"] = False
         if first.mesh and not self._mesh_told:
@@ -137,6 +141,7 @@ class Ledger:
         buckets["other_s"] = round(max(0.0, wall - sum(self.goodput.values())), 6)
         return {
             "state": state, "final_step": self.last_step, "final_loss": self.last_loss, "wall_s": round(wall, 3),
+            **({"final_eval_loss": self.last_eval_loss} if self.last_eval_loss is not None else {}),
             "world_size_history": self.world_size_history, "failures": self.failures,
             "recoveries": self.recoveries, "lost_steps": self.lost_steps,
             "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,

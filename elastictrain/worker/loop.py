@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
-from elastictrain.data.cursor import CursorState, rank_micro_batches
+from elastictrain.data.cursor import CursorState, eval_sample_ids, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
@@ -55,6 +55,7 @@ class StepRecord:
     sample_ids: list[int] = field(default_factory=list)  # only when audit is on
     pipeline: dict[str, Any] | None = None  # pp > 1: pp, schedule, n_microbatches, bubble_timeline/_measured
     mesh: str | None = None  # the layout this rank runs, as built (StepRunner.mesh): "fsdp: dp_shard=3"
+    eval_loss: float | None = None  # mean validation loss after this step (train.eval_every)
 
 
 def _default_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -79,6 +80,7 @@ class StepRunner:
         self.dataset = task.dataset_fn()
         self.dataset_len = len(self.dataset)
         self.collate = task.collate_fn or _default_collate
+        self.eval_dataset = task.eval_dataset_fn() if (train.eval_every and task.eval_dataset_fn) else None
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
         if self.parallel.plan != "ddp" or self.parallel.pp > 1 or self.parallel.tp > 1:  # rebuilds copy it
@@ -266,12 +268,39 @@ class StepRunner:
         self._apply_optimizer(s)
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
+        eval_loss = None
+        if self.eval_dataset is not None and number % self.train.eval_every == 0:
+            eval_loss = self.evaluate(dp_rank, d)
         record = StepRecord(
             step=number, loss=float(stats[0]) / g, world_size=d, accum=len(micro),
             step_s=time.perf_counter() - t0, compute_s=done.compute_s, finished_at=time.time(), sample_ids=seen,
-            pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
+            pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh, eval_loss=eval_loss,
         )
         return record, bool(stats[1] > 0)
+
+    def evaluate(self, dp_rank: int, d: int) -> float:
+        """The mean ``loss_fn`` over ``train.eval_batches`` global batches of the validation split (ids:
+        ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (one
+        all-reduce of the loss sum). The same value on every rank and at every world size (to float
+        summation order). Needs pp = tp = 1 (the config refuses eval under them)."""
+        g, m = self.train.global_batch, self.train.micro_batch
+        n = len(self.eval_dataset)
+        module = self.pm.module
+        module.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._set_phase("compute")
+        with torch.no_grad():
+            for j in range(self.train.eval_batches):
+                for k in range(g // (d * m)):
+                    ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
+                    batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
+                    seeds = torch.zeros(len(ids), dtype=torch.long)
+                    total += self.task.loss_fn(module, batch, seeds).double().sum()
+        self._set_phase("collective")
+        dist.all_reduce(total)
+        self._set_phase("idle")
+        module.train()
+        return float(total) / (g * self.train.eval_batches)
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
         """A dataset with ``prefetch(ids)`` (a prepared corpus on S3) starts reading this step's and the next
