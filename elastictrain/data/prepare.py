@@ -49,7 +49,7 @@ class Unit:
 
     split: str
     index: int
-    path: str       # fsspec path in the source's file system
+    path: str       # the file's URL (protocol included)
     rel: str        # the path relative to the source root: what the manifest and the split hash use
     size: int
     kind: str       # parquet | jsonl | text
@@ -96,7 +96,8 @@ def list_sources(source: str, storage_options: dict[str, Any]) -> tuple[Any, lis
             kind = next((k for suffix, k in TEXT_SUFFIXES.items() if p.endswith(suffix)), None)
             if kind:
                 rel = p[len(root):].lstrip("/") if p.startswith(root) else p.rsplit("/", 1)[-1]
-                out.append((p, rel, int(fs.size(p)), kind))
+                # the full URL: a task opens it with its own file system (an s3 path without s3:// is local)
+                out.append((fs.unstrip_protocol(p), rel, int(fs.size(p)), kind))
     except PrepareError:
         raise
     except (OSError, ValueError) as e:
