@@ -302,6 +302,13 @@ class StepRunner:
         module.train()
         return float(total) / (g * self.train.eval_batches)
 
+    def close_data(self) -> None:
+        """Stop the datasets' read-ahead threads and close their files (a dataset with ``close()``)."""
+        for ds in (self.dataset, getattr(self, "eval_dataset", None)):
+            close = getattr(ds, "close", None)
+            if callable(close):
+                close()
+
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
         """A dataset with ``prefetch(ids)`` (a prepared corpus on S3) starts reading this step's and the next
         step's windows of this rank in its own threads: the next step's data loads behind this step."""
