@@ -59,7 +59,6 @@ def make_corpus(root: Path, copies: int, files: int) -> tuple[Path, Path]:
 def bench_prepare(root: Path, corpus: Path, tok: Path) -> dict:
     import ray
 
-    os.environ["RAYON_NUM_THREADS"] = "1"  # the one-process side gets one thread too: a like-for-like pair
     t = time.perf_counter()
     one = prepare(str(corpus), str(tok), str(root / "one"), local_process=True)
     one_s = time.perf_counter() - t
@@ -199,6 +198,9 @@ def main() -> None:
     ap.add_argument("--rss-tokens", type=int, default=4_000_000, help="tokens of the 1x corpus of the RSS check")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
+    # one thread for the one-process side (set before `tokenizers` starts its pool: training the tokenizer
+    # would start it with every core), as each Ray task has: the pair compares processes, not thread pools
+    os.environ["RAYON_NUM_THREADS"] = "1"
     root = Path(tempfile.mkdtemp(prefix="et-data-bench-"))
     s3 = None
     try:
