@@ -76,6 +76,8 @@ def driver_fingerprint(config: Any, lr_fn: Callable[[int], float] | None, builti
     if builtin_task:
         task = config.task.model_dump(mode="json")
         task["data"].pop("storage_options", None)  # credentials never reach a manifest
+        if task["model"].get("vocab_size") is None:  # unset = the data's (judged by `data`): as before the key
+            task["model"].pop("vocab_size", None)
         # the optimizer's settings are judged by `optimizer` (hyper-parameters) and `schedule` (warm-up);
         # only the gradient clip is the task's own
         task["grad_clip"] = task.pop("optimizer")["grad_clip"]
