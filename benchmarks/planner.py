@@ -20,7 +20,8 @@ FILE]``
    (``StepRunner``: the real ``parallelize_fn``, accumulation, clipping, AdamW) on the built-in GPT,
    with one thread each (``workers.cpus_per_worker: 1``): ``ddp``, ``fsdp``, ``hsdp`` (2-rank shard groups)
    ``pp2`` (two 1f1b stages, ddp inside each: pp 2 x dp ``world/2``), ``tp2`` (tensor parallel 2 with
-   sequence parallel, ddp over ``world/2``) and ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``); by name,
+   sequence parallel, ddp over ``world/2``), ``tp2xdp2`` (tp 2 inside FSDP over ``world/2``) and
+   ``pp2xfsdp2`` (two 1f1b stages, FSDP inside each over ``world/2``); by name,
    ``pp2xtp2`` (pp 2 x tp 2 x ddp over ``world/4``: 3D from ``--world 8``, with ``--global-batch 32``).
    The layouts are measured in turns, ``--rounds`` times (A, B, ..., then A, B, ... again, each round
    starting one layout later): the same work costs this VM up to ~12% more CPU in one run than in the next,
@@ -75,8 +76,10 @@ LAYOUTS = {  # name -> the job's parallel section (the data-parallel ranks are w
     "tp2xdp2": {"plan": "fsdp", "tp": 2},  # tp 2 x FSDP over world/2
     # pp 2 x tp 2 x ddp over world/4 (3D from --world 8; not in the default list: run it by name)
     "pp2xtp2": {"plan": "ddp", "pp": 2, "pp_schedule": "1f1b", "tp": 2},
+    # pp 2 x FSDP over world/2: the stage's gradients stay whole until the step's last backward
+    "pp2xfsdp2": {"plan": "fsdp", "pp": 2, "pp_schedule": "1f1b"},
 }
-DEFAULT_LAYOUTS = ("ddp", "fsdp", "hsdp", "pp2", "tp2", "tp2xdp2")
+DEFAULT_LAYOUTS = ("ddp", "fsdp", "hsdp", "pp2", "tp2", "tp2xdp2", "pp2xfsdp2")
 
 
 def _job(args: argparse.Namespace, world: int, layout: str) -> dict:

@@ -23,8 +23,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The vocabulary of the byte-level corpora (builtin:pydoc, Parquet text): one token per byte.
+BYTE_VOCAB = 256
+
+
 class ModelConfig(_Section):
-    """Built-in GPT size. Ignored by user tasks that bring their own module."""
+    """Built-in GPT size (``seq_len`` and ``vocab_size`` are the built-in Llama's too). Ignored by user tasks
+    that bring their own module."""
 
     seq_len: int = Field(64, ge=2)
     vocab_size: int | None = Field(None, ge=1, description="None = the data's vocabulary: 256 for the byte "
@@ -42,6 +47,51 @@ class ModelConfig(_Section):
                 "pick a head count that divides d_model"
             )
         return self
+
+
+class LlamaTaskConfig(_Section):
+    """The built-in Llama 3 (``task.kind: llama``): a named size of ``LLAMA_PRESETS`` plus overrides. The
+    sequence length is ``task.model.seq_len``, the vocabulary ``task.model.vocab_size`` (None: the data's)."""
+
+    size: str = Field("debug", description="debug | 1b | 8b | 70b | 405b (elastictrain.models.llama.LLAMA_PRESETS)")
+    dim: int | None = Field(None, ge=2)
+    n_layers: int | None = Field(None, ge=1)
+    n_heads: int | None = Field(None, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1)
+    ffn_hidden: int | None = Field(None, ge=1)
+    rope_theta: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+
+    def shape(self) -> dict[str, Any]:
+        """The size's ``LlamaConfig`` keywords with the overrides applied (vocabulary and sequence length as
+        the preset has them). Raises ValueError for an unknown size, naming the known ones."""
+        from elastictrain.models.llama import LLAMA_PRESETS  # imports torch: not on the --help path
+
+        if self.size not in LLAMA_PRESETS:
+            raise ValueError(f"task.llama.size={self.size!r} is not a Llama size; set it to one of "
+                             f"{sorted(LLAMA_PRESETS)} (and override dim, n_layers... for another shape)")
+        shape = dict(LLAMA_PRESETS[self.size])
+        shape.update(self.model_dump(exclude={"size"}, exclude_none=True))
+        return shape
+
+    def check(self) -> None:
+        """The shape's rules, each error naming the fields, their values (``size`` or override) and the fix."""
+        s = self.shape()
+
+        def name(key: str) -> str:
+            how = "set" if getattr(self, key) is not None else f"from size {self.size}"
+            return f"task.llama.{key}={s[key]} ({how})"
+
+        if s["dim"] % s["n_heads"]:
+            raise ValueError(f"{name('dim')} is not divisible by {name('n_heads')}; set task.llama.dim to a "
+                             "multiple of n_heads or task.llama.n_heads to a divisor of dim")
+        if (s["dim"] // s["n_heads"]) % 2:
+            raise ValueError(f"the head size dim / n_heads = {s['dim'] // s['n_heads']} ({name('dim')}, "
+                             f"{name('n_heads')}) must be even (rotary embeddings turn pairs); change dim or n_heads")
+        if s["n_heads"] % s["n_kv_heads"]:
+            raise ValueError(f"{name('n_heads')} is not divisible by {name('n_kv_heads')} (grouped-query "
+                             "attention: each kv head serves n_heads / n_kv_heads query heads); set "
+                             "task.llama.n_kv_heads to a divisor of n_heads")
 
 
 class DataConfig(_Section):
@@ -63,18 +113,54 @@ class OptimizerConfig(_Section):
 
 
 class TaskConfig(_Section):
-    """What to train: ``tiny_gpt`` (built in) or ``python`` (``entry`` names a function returning a Task).
+    """What to train: ``tiny_gpt`` or ``llama`` (built in) or ``python`` (``entry`` names a function returning
+    a Task).
 
     User tasks passed to :class:`elastictrain.Trainer` replace it. With ``kind: python`` the ``model``,
     ``data`` and ``optimizer`` sections are not used; ``args`` goes to the entry function as keywords.
     """
 
-    kind: Literal["tiny_gpt", "python"] = "tiny_gpt"
+    kind: Literal["tiny_gpt", "llama", "python"] = "tiny_gpt"
     entry: str | None = Field(None, description='"package.module:function" returning a Task (kind: python)')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the entry function")
     model: ModelConfig = ModelConfig()
+    llama: LlamaTaskConfig = LlamaTaskConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
+    init_from: str | None = Field(None, description="task.kind=llama: a Hugging Face model directory (local, "
+                                  "Lustre or s3://...: config.json + safetensors) whose weights start the run; "
+                                  "the model's shape comes from its config.json")
+    init_from_storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for "
+                                                      "task.init_from (e.g. an S3 endpoint)")
+
+    @model_validator(mode="after")
+    def _init_from_needs_llama(self) -> TaskConfig:
+        if self.init_from is not None and self.kind != "llama":
+            raise ValueError(f"task.init_from={self.init_from!r} loads Hugging Face Llama weights: it needs "
+                             f"task.kind=llama (task.kind={self.kind!r}); set task.kind: llama or remove init_from")
+        return self
+
+    @property
+    def data_vocab(self) -> int:
+        """The vocabulary of ``task.data``: the byte corpora's 256."""
+        return BYTE_VOCAB
+
+    @property
+    def vocab_size(self) -> int:
+        """The built-in model's vocabulary: ``task.model.vocab_size``, else the data's."""
+        return self.model.vocab_size or self.data_vocab
+
+    @model_validator(mode="after")
+    def _builtin_shape(self) -> TaskConfig:
+        if self.kind == "python":
+            return self
+        if self.model.vocab_size is not None and self.model.vocab_size < self.data_vocab:
+            raise ValueError(f"task.model.vocab_size={self.model.vocab_size} is smaller than the data's vocabulary "
+                             f"({self.data_vocab} for task.data.source={self.data.source!r}): token ids would "
+                             f"overflow the embedding; set task.model.vocab_size >= {self.data_vocab} or leave it null")
+        if self.kind == "llama":
+            self.llama.check()
+        return self
 
     @model_validator(mode="after")
     def _entry_matches_kind(self) -> TaskConfig:
@@ -311,25 +397,49 @@ class JobConfig(_Section):
                     + (f", tp={self.parallel.tp}" if self.parallel.tp > 1 else "") + "); "
                     "change workers.min/max, the batch sizes or parallel.shard_size"
                 )
-        p, m = self.parallel, self.task.model
-        if p.pp > 1 and self.task.kind == "tiny_gpt":
+        if self.task.kind != "python":
+            self._builtin_model_splits()
+        self._faults_exist()
+        return self
+
+    def _builtin_model_splits(self, llama: dict[str, Any] | None = None, vocab: int | None = None) -> None:
+        """The built-in model fills the pipeline stages and divides over the tensor-parallel ranks. ``llama``
+        and ``vocab``: the Llama's shape where only the driver knows it (``task.init_from``: its config.json,
+        read by ``models/hf_init.py``, which calls this again with it)."""
+        p, m, t = self.parallel, self.task.model, self.task
+        if t.kind == "llama" and llama is None:
+            if t.init_from is not None:  # the shape is the source's: checked once it is read
+                return
+            llama = t.llama.shape()
+        layers, layers_key = (llama["n_layers"], "task.llama.n_layers") if llama else (m.n_layer, "task.model.n_layer")
+        if p.pp > 1:
             from elastictrain.parallel.plan import default_stages_per_rank
 
             stages = p.pp * (p.stages_per_rank or default_stages_per_rank(p.pp_schedule))
-            if m.n_layer < stages:
+            if layers < stages:
                 raise ValueError(
-                    f"task.model.n_layer={m.n_layer} blocks cannot fill {stages} pipeline stages (parallel.pp="
-                    f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise n_layer to >= {stages} "
+                    f"{layers_key}={layers} blocks cannot fill {stages} pipeline stages (parallel.pp="
+                    f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise it to >= {stages} "
                     "or lower parallel.pp / stages_per_rank")
-        if p.tp > 1 and self.task.kind == "tiny_gpt":
+            if llama and llama.get("tie_embeddings"):
+                raise ValueError(f"task.llama.tie_embeddings=true (size {t.llama.size}) cannot run under parallel.pp="
+                                 f"{p.pp}: the embedding and the output head are one weight, on the first and the "
+                                 "last stage; set task.llama.tie_embeddings=false or parallel.pp=1")
+        if p.tp > 1:
             from elastictrain.parallel.plan import tp_rule
 
-            why = tp_rule(p.tp, {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model":
-                                 4 * m.d_model, "the vocabulary (256 bytes)": 256})
+            vocab_key = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
+            if llama:
+                sizes = {"task.llama.n_heads": llama["n_heads"], "task.llama.n_kv_heads": llama["n_kv_heads"],
+                         "task.llama.ffn_hidden": llama["ffn_hidden"], vocab_key: vocab or t.vocab_size}
+                fix = "change parallel.tp, the sizes in task.llama or task.model.vocab_size"
+            else:
+                sizes = {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model": 4 * m.d_model,
+                         vocab_key: t.vocab_size}
+                fix = "change parallel.tp or task.model.n_head"
+            why = tp_rule(p.tp, sizes)
             if why:
-                raise ValueError(f"{why}; change parallel.tp or task.model.n_head")
-        self._faults_exist()
-        return self
+                raise ValueError(f"{why}; {fix}")
 
     @model_validator(mode="after")
     def _eval_layout(self) -> JobConfig:

@@ -54,6 +54,11 @@ class Task:
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
       (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
       (:data:`GPT_PIPELINE`) is the documented example.
+    - ``init_weights(model)`` (optional) gives the step-0 values in place of the seeded build (e.g.
+      ``task.init_from``'s pretrained weights): ``model`` is this rank's parallelized, materialized model
+      (whole, DTensor shards, or a pipeline stage set holding a subset of the names); fill what it holds,
+      reading only that, with no collective. Called at a fresh start (step 0), never at a resume or a
+      recovery past step 0 (that state comes from a checkpoint or a peer).
     """
 
     model_fn: Callable[[], torch.nn.Module]
@@ -66,6 +71,7 @@ class Task:
     name: str = "task"
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     pipeline: PipelineHooks | None = None
+    init_weights: Callable[[torch.nn.Module], None] | None = None
     eval_dataset_fn: Callable[[], Any] | None = None
 
 
@@ -79,7 +85,8 @@ class PipelineHooks:
       qualified names (keep the attribute names; hold a slice of a ``ModuleList`` as an ``nn.ModuleDict``
       keyed by the original indices): checkpoints and recovery snapshots are keyed by those names, so a
       state saved under one pp loads under any other layout. Every parameter of the model must be owned by
-      exactly one stage.
+      exactly one stage, and all names of a tied tensor (an output head that is the token embedding) by the
+      same stage: a split tie is refused when the stages are built (untie it, or keep pp 1).
     - The stage is called as ``stage(*x, seeds=seeds)``: ``x`` is ``inputs_fn(batch)`` on the first stage
       and the previous stage's output(s) elsewhere; ``seeds`` (int64 ``[B]``, the per-sample seeds
       ``loss_fn`` gets) reach every stage, so dropout masks depend on (seed, step, sample id, position) and
@@ -113,14 +120,40 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
 @dataclass(frozen=True)
 class _GPTModel:
     cfg: Any
-    vocab_size: int = 256
+    vocab_size: int | None = None  # resolved with the data by builtin_task; None = the config's, else bytes
 
     def __call__(self) -> torch.nn.Module:
         from elastictrain.models.gpt import GPT, GPTConfig
 
         m = self.cfg
-        return GPT(GPTConfig(vocab_size=self.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        return GPT(GPTConfig(vocab_size=self.vocab_size or m.vocab_size or 256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                              d_model=m.d_model, dropout=m.dropout))
+
+
+@dataclass(frozen=True)
+class _LlamaModel:
+    """The built-in Llama of ``task.llama`` (its size and overrides), ``task.model.seq_len`` positions and the
+    task's vocabulary. Seeded construction and a meta build's ``init_weights()`` give the same values."""
+
+    shape: tuple[tuple[str, Any], ...]  # LlamaConfig keywords (a tuple: frozen and hashable)
+
+    @classmethod
+    def of(cls, task: Any, vocab: int | None = None) -> _LlamaModel:
+        """``vocab``: the vocabulary resolved with the data (a prepared corpus's manifest); None = the config's."""
+        shape = task.llama.shape()
+        shape.update(vocab_size=vocab if vocab is not None else task.vocab_size, max_seq_len=task.model.seq_len)
+        return cls(tuple(sorted(shape.items())))
+
+    @property
+    def config(self) -> Any:
+        from elastictrain.models.llama import LlamaConfig
+
+        return LlamaConfig(**dict(self.shape))
+
+    def __call__(self) -> torch.nn.Module:
+        from elastictrain.models.llama import Llama
+
+        return Llama(self.config)
 
 
 def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
@@ -157,6 +190,25 @@ def _gpt_stage_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 GPT_PIPELINE = PipelineHooks(stage_fn=GPTStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)
 """The built-in GPT as a pipeline: the example of :class:`PipelineHooks`."""
+
+
+@dataclass(frozen=True)
+class LlamaStages:
+    """The built-in Llama's ``PipelineHooks.stage_fn``: the embedding on the first stage, the final norm and
+    the head on the last, the layers balanced (``splits``: the first layer of stages 1.., a manual split)."""
+
+    splits: tuple[int, ...] | None = None
+
+    def __call__(self, model: torch.nn.Module, stage: int, n_stages: int) -> torch.nn.Module:
+        from elastictrain.models.llama import LlamaStage
+        from elastictrain.parallel.stages import block_ranges
+
+        layers = block_ranges(len(model.layers), n_stages, self.splits)[stage]
+        return LlamaStage(model, layers, first=stage == 0, last=stage == n_stages - 1)
+
+
+LLAMA_PIPELINE = PipelineHooks(stage_fn=LlamaStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)
+"""The built-in Llama as a pipeline (the same inputs and per-sample loss as the GPT's)."""
 
 
 @dataclass(frozen=True)
@@ -234,26 +286,35 @@ def model_vocab_size(config: JobConfig) -> tuple[int, bool]:
 
 
 def builtin_task(config: JobConfig) -> Task:
-    """The task named by ``config.task`` (today: ``tiny_gpt``, a small GPT over byte tokens or a prepared
-    corpus's tokens). Raises ConfigError when the model's vocabulary cannot hold the data's."""
+    """The task named by ``config.task``: ``tiny_gpt`` (a small GPT) or ``llama`` (Llama 3 of ``task.llama``, or
+    of ``task.init_from``'s config.json and weights: ConfigError here, on the driver, for a source that does not
+    fit), on the corpus of ``task.data`` (byte tokens, or a prepared corpus's tokens: the model's vocabulary is
+    then the manifest's unless task.model.vocab_size sets it; ConfigError when it is smaller) with AdamW and a
+    warm-up + cosine schedule."""
     t = config.task
+    llama = t.kind == "llama"
     vocab, prepared = model_vocab_size(config)
     evaluate = None
     if config.train.eval_every:
         evaluate = _Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared,
                            split="validation")
         _check_validation_split(config, prepared)
-    return Task(
-        model_fn=_GPTModel(t.model, vocab),
+    task = Task(
+        model_fn=_LlamaModel.of(t, vocab) if llama else _GPTModel(t.model, vocab),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
         dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared),
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
-        pipeline=GPT_PIPELINE,
+        pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
         eval_dataset_fn=evaluate,
     )
+    if llama and t.init_from is not None:  # shape and step-0 weights of a Hugging Face model (read here, once)
+        from elastictrain.models.hf_init import from_source
+
+        task = from_source(task, config)
+    return task
 
 
 def _check_validation_split(config: JobConfig, prepared: bool) -> None:

@@ -1,4 +1,4 @@
-"""The task a job file names: the built-in ``tiny_gpt`` or ``task.kind: python`` with
+"""The task a job file names: the built-in ``tiny_gpt`` or ``llama``, or ``task.kind: python`` with
 ``task.entry: "package.module:function"``.
 
 The entry module is imported on the driver, before any Ray resource is requested, from ``sys.path`` plus the

@@ -87,7 +87,7 @@ class Trainer:
             config = build_config(config)
         self.config: JobConfig = config
         # Pre-flight checks of task.data apply to the built-in task only (a python task brings its own data).
-        self._builtin_task = task is None and config.task.kind == "tiny_gpt"
+        self._builtin_task = task is None and config.task.kind != "python"
         self.task = task or task_from_config(config)  # ConfigError before any Ray resource
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(config)
         self.console = console

@@ -106,3 +106,25 @@ def test_arrange_places_only_a_mesh_with_tp_or_pp_and_known_nodes() -> None:
     assert arrange(["a", None, "a", "b"], dims(tp=2, dp=2)) == ([0, 1, 2, 3], None)  # a node unknown
     # stage 0 on b, where rank 0 is; member 2 keeps rank 2 on a
     assert arrange(["b", "a", "a", "b"], dims(pp=2, dp=2))[0] == [0, 3, 2, 1]
+
+
+def test_hsdp_shard_groups_are_placed_like_tp_groups_one_node_each() -> None:
+    """Issue 36: an hsdp mesh's shard groups (dp_shard consecutive ranks: FSDP's collectives every block)
+    were never placed by node, so after a re-formation with members interleaved across nodes each shard group
+    spanned both nodes for the rest of the run. Now a shard group is a unit like a TP group."""
+    from elastictrain.parallel.placement import arrange
+
+    hsdp = MeshDims(dp_replicate=2, dp_shard=2, plan="hsdp")
+    order, got = arrange(["a", "b", "a", "b"], hsdp)
+    assert got is not None and got.nodes == ("a", "a", "b", "b") and got.warnings == ()
+    assert [["a", "b", "a", "b"][i] for i in order] == ["a", "a", "b", "b"]
+    assert "shard groups of 2 on one node each" in got.reason
+    # with tp inside: a shard group of 2 TP groups of 2 is 4 consecutive ranks on one node
+    big = place([("a", 4), ("b", 4)], MeshDims(dp_replicate=2, dp_shard=2, tp=2, plan="hsdp"))
+    assert big.nodes == tuple("aaaabbbb") and big.warnings == ()
+    # nodes of 3 cannot hold shard groups of 2 whole: the one that spans is named, with the rule
+    odd = place([("a", 3), ("b", 3)], MeshDims(dp_replicate=3, dp_shard=2, plan="hsdp"))
+    assert len(odd.warnings) == 1 and "shard group of ranks" in odd.warnings[0]
+    assert "parallel.shard_size=2" in odd.warnings[0]
+    # fsdp alone (one shard group of the whole world) keeps its order: nothing to place
+    assert arrange(["a", "b", "a", "b"], MeshDims(dp_shard=4, plan="fsdp")) == ([0, 1, 2, 3], None)

@@ -179,7 +179,25 @@ def test_memory_follows_how_elastictrain_lays_out_the_state():
     assert memory(model, train, node, thick).gathered == pytest.approx((2 * block + root) * 4)
     staged = memory(model, train, node, Candidate(dp_shard=2, pp=2, micro_batch=4))
     stage_n = 4 * block + model.vocab * model.hidden + model.seq_len * model.hidden
-    assert staged.gathered == pytest.approx(stage_n * 4 + 2 * block * 4 - freed)
+    assert staged.gathered == pytest.approx(stage_n * 4)  # its gradients are priced whole (next test)
+
+
+def test_a_pipeline_ranks_fsdp_gradients_are_whole_until_the_last_backward():
+    """torch's PipelineStage turns FSDP's gradient sync off for every backward but the step's last, so a
+    pp x fsdp rank accumulates its stage's whole fp32 gradient: priced unsharded (the old model divided it by
+    dp_shard, 8x short on the 70B layouts of issue 36), while pp x ddp and fsdp alone are unchanged."""
+    model = ModelShape(layers=8, hidden=256, heads=8, seq_len=64, vocab=256)
+    node = Cluster(nodes=1, devices_per_node=8, **H100)
+    many = Training(global_batch=64, micro_batch=4)  # 8 micro-batches per dp rank: more than pp in flight
+    stage_n = 4 * model.block_params + model.vocab * model.hidden + model.seq_len * model.hidden
+    for shard in (2, 4):
+        staged = memory(model, many, node, Candidate(dp_shard=shard, pp=2, micro_batch=4))
+        assert staged.grads == pytest.approx(stage_n * 4)
+        assert staged.params == pytest.approx(stage_n * 4 / shard)  # the fp32 shards stay sharded
+    assert memory(model, many, node, Candidate(dp_replicate=2, pp=2, micro_batch=4)).grads == pytest.approx(
+        stage_n * 4)
+    assert memory(model, many, node, Candidate(dp_shard=4, micro_batch=4)).grads == pytest.approx(
+        model.total_params * 4 / 4)
 
 
 def test_gradients_count_at_the_peak_only_where_they_exist_then():
@@ -571,3 +589,35 @@ def test_the_compute_probe_is_the_jobs_whole_model_up_to_12_blocks_timed_by_the_
         params = sum(t.numel() for t in builtin_task(cut).model_fn().parameters())
         rate, per_param = job_compute_figures(cfg.model_dump(mode="json"), seconds=0.0, clock=ticks())
         assert rate == pytest.approx(flops) and per_param == pytest.approx(1.0 / params)
+
+
+def test_a_gpu_cluster_is_sized_from_rays_accelerator_type_and_an_unknown_one_is_not_guessed(tmp_path):
+    """Issue 36: from_ray(use_gpu=True) priced every GPU at 80 GiB and 400 TFLOP/s. Now the device comes from
+    Ray's accelerator_type resource through the device table (H200: 141 GiB), mixed nodes take the smaller,
+    and a type the table does not know (or none) is marked unknown: plan: auto refuses it, naming both fixes,
+    until --gpu-memory-gb or a calibration gives the memory."""
+    import json
+
+    from elastictrain.devices import lookup
+    from elastictrain.planner import cluster as clusters
+
+    h200 = clusters.gpu_cluster([{"CPU": 16, "GPU": 8, "accelerator_type:H200": 1}] * 2 + [{"CPU": 4}])
+    assert (h200.nodes, h200.devices_per_node, h200.device_known) == (2, 8, True)
+    assert h200.device_memory == 141 * GIB and h200.flops == pytest.approx(989e12 * 0.4)
+    assert "H200" in h200.source and clusters.unknown_device_refusal(h200) is None
+    mixed = clusters.gpu_cluster([{"GPU": 8, "accelerator_type:H200": 1}, {"GPU": 4, "accelerator_type:A100-40G": 1}])
+    assert (mixed.devices_per_node, mixed.device_memory, mixed.flops) == (4, 40 * GIB, pytest.approx(312e12 * 0.4))
+    for resources in ({"GPU": 8}, {"GPU": 8, "accelerator_type:T4": 1}):
+        unknown = clusters.gpu_cluster([resources])
+        assert not unknown.device_known
+        why = clusters.unknown_device_refusal(unknown)
+        assert why and "parallel.calibration" in why and "--gpu-memory-gb" in why
+    assert clusters.with_flags(unknown, gpu_memory_gb=16).device_known
+    calib = tmp_path / "c.json"
+    calib.write_text(json.dumps({"device_memory": 16 * GIB, "flops": 1e14}))
+    assert clusters.with_calibration(unknown, calib).device_known
+    calib.write_text(json.dumps({"flops": 1e14}))  # measured speed but no memory: still a guess
+    assert not clusters.with_calibration(unknown, calib).device_known
+    with pytest.raises(clusters.ClusterError, match="no GPU node"):
+        clusters.gpu_cluster([{"CPU": 4}])
+    assert lookup("NVIDIA H100 80GB HBM3").bf16_flops == 989e12 and lookup("Tesla T4") is None

@@ -13,10 +13,19 @@ from typing import Any
 from elastictrain.planner.steptime import TP_BLOCK_OPS, TP_EDGE_OPS, TP_PARTIAL_GRADS
 
 
-def _each_tp_gpt(measure: Callable[..., Any]) -> dict[str, Any]:
-    """``measure(model, forward)`` for the built-in GPT of 1 and 2 blocks under its tensor-parallel plan, with
-    and without sequence parallel, keyed ``"{sp}-{blocks}"``: ``forward()`` returns one micro-batch's loss
-    (under ``loss_parallel``), whose ``backward()`` the measure calls."""
+def _task(layers: int, kind: str = "tiny_gpt") -> dict[str, Any]:
+    """The ``task`` section of a built-in model of ``layers`` blocks, 8 wide (the Llama with 2 query heads on 1
+    kv head)."""
+    if kind == "llama":
+        return {"kind": "llama", "model": {"seq_len": 16},
+                "llama": {"n_layers": layers, "dim": 8, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 16}}
+    return {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}}
+
+
+def _each_tp_gpt(measure: Callable[..., Any], kind: str = "tiny_gpt") -> dict[str, Any]:
+    """``measure(model, forward)`` for the built-in GPT (or ``kind``'s model) of 1 and 2 blocks under its
+    tensor-parallel plan, with and without sequence parallel, keyed ``"{sp}-{blocks}"``: ``forward()`` returns
+    one micro-batch's loss (under ``loss_parallel``), whose ``backward()`` the measure calls."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,7 +42,7 @@ def _each_tp_gpt(measure: Callable[..., Any]) -> dict[str, Any]:
         for sp in (True, False):
             for layers in (1, 2):
                 cfg = build_config({
-                    "task": {"model": {"seq_len": 16, "n_layer": layers, "n_head": 2, "d_model": 8, "dropout": 0.0}},
+                    "task": _task(layers, kind),
                     "train": {"global_batch": 2, "micro_batch": 2}, "workers": {"min": 1, "max": 1},
                     "parallel": {"plan": "ddp"}})
                 task = builtin_task(cfg)
@@ -52,7 +61,7 @@ def _each_tp_gpt(measure: Callable[..., Any]) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _count_ops() -> dict[str, tuple[int, int]]:
+def _count_ops(kind: str = "tiny_gpt") -> dict[str, tuple[int, int]]:
     """(forward, backward) DTensor ops of the second micro-batch, by sequence parallel and block count."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,7 +86,7 @@ def _count_ops() -> dict[str, tuple[int, int]]:
             counts.append((fwd, Count.ops))
         return counts[1]
 
-    return _each_tp_gpt(measure)
+    return _each_tp_gpt(measure, kind)
 
 
 def test_the_dtensor_op_counts_are_the_builtin_gpts():
@@ -88,7 +97,7 @@ def test_the_dtensor_op_counts_are_the_builtin_gpts():
         assert f1 + b1 - sum(TP_BLOCK_OPS[sp]) == TP_EDGE_OPS[sp]  # around the blocks
 
 
-def _count_partial_grads() -> dict[str, int]:
+def _count_partial_grads(kind: str = "tiny_gpt") -> dict[str, int]:
     """Parameters whose gradient comes out of backward Partial over tp (an all-reduce to settle), by
     sequence parallel and block count, on the built-in GPT under its tensor-parallel plan."""
     from torch.distributed.tensor import DTensor
@@ -99,7 +108,7 @@ def _count_partial_grads() -> dict[str, int]:
                    and any(q.is_partial() for q in p.grad.placements)
                    and not any(q.is_partial() for q in p.placements))
 
-    return _each_tp_gpt(measure)
+    return _each_tp_gpt(measure, kind)
 
 
 def test_the_partial_gradient_counts_are_the_builtin_gpts():
@@ -131,3 +140,32 @@ def test_the_parameter_tensor_counts_are_the_builtin_gpts():
     one, two = tensors(1), tensors(2)
     assert two["blocks"] - one["blocks"] == one["blocks"] == PARAM_TENSORS_PER_BLOCK
     assert one["first"] == PARAM_TENSORS_FIRST and one["edge"] == PARAM_TENSORS_FIRST + PARAM_TENSORS_LAST
+
+
+def test_the_dtensor_op_and_partial_gradient_counts_are_the_builtin_llamas():
+    """The same counts for the built-in Llama (``ModelShape.arch == "llama"``)."""
+    from elastictrain.planner.steptime import LLAMA_TP_BLOCK_OPS, LLAMA_TP_EDGE_OPS, LLAMA_TP_PARTIAL_GRADS
+
+    ops, partial = _count_ops("llama"), _count_partial_grads("llama")
+    for sp in (True, False):
+        (f1, b1), (f2, b2) = ops[f"{sp}-1"], ops[f"{sp}-2"]
+        assert (f2 - f1, b2 - b1) == LLAMA_TP_BLOCK_OPS[sp]
+        assert f1 + b1 - sum(LLAMA_TP_BLOCK_OPS[sp]) == LLAMA_TP_EDGE_OPS[sp]
+        per_block, edge = LLAMA_TP_PARTIAL_GRADS[sp]
+        assert partial[f"{sp}-2"] - partial[f"{sp}-1"] == per_block and partial[f"{sp}-1"] - per_block == edge
+
+
+def test_the_parameter_tensor_counts_are_the_builtin_llamas():
+    from elastictrain import build_config
+    from elastictrain.planner.job import model_shape
+    from elastictrain.planner.steptime import param_tensors
+    from elastictrain.task import builtin_task
+
+    for tied in (False, True):
+        cfg = build_config({"task": {**_task(3, "llama"), "llama": {**_task(3, "llama")["llama"],
+                                                                    "tie_embeddings": tied}}})
+        names = [n for n, _ in builtin_task(cfg).model_fn().named_parameters()]
+        per_block, first, last = param_tensors(model_shape(cfg))
+        assert sum(n.startswith("layers.") for n in names) == 3 * per_block
+        assert names[0] == "tok_embeddings.weight" and first == 1
+        assert len(names) == 3 * per_block + first + last

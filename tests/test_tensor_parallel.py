@@ -41,8 +41,8 @@ STEPS = 3
 MODEL = {"seq_len": 16, "n_layer": 2, "n_head": 2, "d_model": 16, "dropout": 0.1}
 
 
-def _spec(world: int, **parallel: Any) -> dict[str, Any]:
-    return job(task={"model": MODEL, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
+def _spec(world: int, task: dict[str, Any] | None = None, **parallel: Any) -> dict[str, Any]:
+    return job(task={"model": MODEL, "optimizer": {"lr": 3e-3, "warmup_steps": 5}, **(task or {})},
                train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "audit_samples": True},
                workers={"min": world, "max": world}, parallel=parallel)
 
@@ -51,7 +51,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     """One rank: for each of ``layouts`` (parallel sections, one after another on the same gloo group) the
     worker's StepRunner, seeded init (or ``_load``: the training state from a DCP directory, by name, as a
     checkpoint restore does), ``_steps`` (default STEPS) steps, then (``_save``) its training state saved
-    with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model."""
+    with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model. ``_task``:
+    keys of the job's ``task`` section to set (e.g. another built-in model, tests/test_llama.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -75,7 +76,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             parallel = dict(parallel)
             steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
             llama, meta = parallel.pop("_llama", False), parallel.pop("_meta", False)
-            cfg = build_config(_spec(world, **parallel))
+            cfg = build_config(_spec(world, parallel.pop("_task", None), **parallel))
             if llama:  # a model the project did not write, with the plan of examples/tp_llama.py
                 from examples.tp_llama import make_task
 

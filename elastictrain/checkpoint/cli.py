@@ -126,12 +126,15 @@ def verify_cmd(uri: str, option: tuple[str, ...]) -> None:
 
 @ckpt.command("export")
 @click.argument("uri")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="file to write")
-@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors"]), default="torch", show_default=True)
+@click.option("--out", "out", required=True, type=click.Path(),
+              help="file to write (hf: a new or empty directory)")
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "hf"]), default="torch", show_default=True,
+              help="hf: a Hugging Face model directory (config.json + safetensors) of a task.kind: llama run")
 @click.option("--key", default="model", show_default=True, help="top-level entry to export")
 @_option
 def export_cmd(uri: str, out: str, fmt: str, key: str, option: tuple[str, ...]) -> None:
-    """Consolidate the full model state of a checkpoint into one file."""
+    """Consolidate the full model state of a checkpoint into one file, or (--format hf) a Hugging Face
+    model directory that transformers' from_pretrained loads."""
     from elastictrain.checkpoint.export import export_state
 
     try:

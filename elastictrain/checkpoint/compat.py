@@ -9,7 +9,8 @@ fingerprint (``manifest.meta["fingerprint"]``) holds one entry per thing that de
   changed ``train.steps`` counts only where it changes the schedule (a constant schedule extends freely);
 * ``train.global_batch``, ``train.seed``: they define which samples each step sees;
 * ``data``: the dataset fingerprint (length + a content hash of sampled items, :mod:`elastictrain.data.fingerprint`);
-* ``task``: the built-in task's settings (model sizes, dropout, data source, gradient clip); absent for
+* ``task``: the built-in task's settings (model sizes, dropout, data source, gradient clip, and
+  ``task.init_from``'s URI when set: a resume whose job names another source is a changed ``task``); absent for
   user tasks (the optimizer settings are covered by ``optimizer`` and ``schedule``).
 
 ``model``, ``optimizer`` and ``data`` are computed where the objects are built (in each worker's setup);
@@ -76,7 +77,13 @@ def driver_fingerprint(config: Any, lr_fn: Callable[[int], float] | None, builti
     if builtin_task:
         task = config.task.model_dump(mode="json")
         task["data"].pop("storage_options", None)  # credentials never reach a manifest
-        if task["model"].get("vocab_size") is None:  # unset = the data's (judged by `data`): as before the key
+        task.pop("init_from_storage_options", None)
+        # keys a job does not use stay out, so a tiny_gpt checkpoint from before they existed still compares equal
+        if task.get("init_from") is None:
+            task.pop("init_from", None)
+        if task["kind"] != "llama":
+            task.pop("llama", None)
+        if task["model"].get("vocab_size") is None:
             task["model"].pop("vocab_size", None)
         # the optimizer's settings are judged by `optimizer` (hyper-parameters) and `schedule` (warm-up);
         # only the gradient clip is the task's own

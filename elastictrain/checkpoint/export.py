@@ -1,7 +1,9 @@
-"""Consolidate one checkpoint into a single ``torch.save`` or safetensors file."""
+"""Consolidate one checkpoint into a single ``torch.save`` or safetensors file, or a Hugging Face model
+directory (``hf``, a built-in Llama: :mod:`elastictrain.checkpoint.export_hf`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +26,21 @@ def export_state(manifest: Manifest, out: str, fmt: str, key: str | None, storag
     returns the number of tensors. Only the files the manifest lists are read, each checked as it is read.
 
     safetensors keeps tensors only (flattened dotted names); raises CheckpointError when the
-    ``safetensors`` package is not installed."""
-    if fmt not in ("torch", "safetensors"):
-        raise CheckpointError(f"export format {fmt!r} is not one of torch, safetensors")
+    ``safetensors`` package is not installed. ``hf``: ``out`` is a new (or empty) directory that receives
+    config.json and the weights under Hugging Face's names (``key`` must be ``model``)."""
+    if fmt not in ("torch", "safetensors", "hf"):
+        raise CheckpointError(f"export format {fmt!r} is not one of torch, safetensors, hf")
+    if fmt == "hf":
+        from elastictrain.checkpoint.export_hf import check_out_dir, llama_of, write_hf
+
+        if key != "model":
+            raise CheckpointError(f"--format hf exports the model (--key model), not {key!r}")
+        cfg, source_config = llama_of(manifest)
+        path = check_out_dir(out)
+        state = load_full(checkpoint_dir(manifest, None), manifest.data_files, key, storage_options)
+        return write_hf(_flatten(state), cfg, path, source_config, manifest.location)
+    if Path(out).is_dir():
+        raise CheckpointError(f"--out {out}: is a directory; --format {fmt} writes one file")
     if fmt == "safetensors":
         try:
             from safetensors.torch import save_file

@@ -568,9 +568,9 @@ class Controller(WorkerMonitor):
         return policy.pick_source({r: slot_step(s) for r, s in enumerate(chosen) if s.has_state} or {0: 0})
 
     def _place(self, chosen: list[Slot]) -> list[Slot]:
-        """``chosen`` reordered by rank so that a TP group stays on one node and pipeline stages spread
-        across nodes first (parallel/placement.py; members keep their ranks where that allows). A TP group
-        no order keeps on one node is a ``warning`` event, each generation it happens."""
+        """``chosen`` reordered by rank so that a TP group (an hsdp shard group) stays on one node and
+        pipeline stages spread across nodes first (parallel/placement.py; members keep their ranks where
+        that allows). A group no order keeps on one node is a ``warning`` event, each generation it happens."""
         order, placed = arrange([s.info.get("node_id") for s in chosen], self.layout(len(chosen)).dims)
         if placed is not None:
             log.info("placement: %s", placed.reason)

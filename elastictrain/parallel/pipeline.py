@@ -305,9 +305,11 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     clock = _Clock()
     grad_group = None
     modules, stage_modules, stages = [], [], []
+    ties = tied_parameters(model)
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
+        refuse_split_ties(ties, stage_module, index)
         if parallelize_fn is None and plan.plan == "ddp":
             if tp_mesh is not None:
                 parallelize_tp(stage_module, tp_mesh, plan)
@@ -338,6 +340,31 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     else:
         schedule = cls(stages, n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
     return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn, grad_group)
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each tensor the model holds under more than one name (tied weights: an output head that
+    is the token embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def refuse_split_ties(ties: list[tuple[str, ...]], stage: nn.Module, index: int) -> None:
+    """Refuse a stage that holds some but not all names of a tied tensor: torch's pipeline would train two
+    untied copies (each stage its own gradient), so the math would leave the model's and a checkpoint would
+    hold two values under the tied names."""
+    held = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+    for group in ties:
+        mine = [n for n in group if n in held]
+        if mine and len(mine) < len(group):
+            others = [n for n in group if n not in held]
+            raise PipelineError(
+                f"tied parameters {', '.join(map(repr, group))} are one tensor but fall in different pipeline "
+                f"stages (stage {index} holds {', '.join(map(repr, mine))}, not {', '.join(map(repr, others))}): "
+                "untie them in the model (e.g. Hugging Face tie_word_embeddings=False, the built-in Llama's "
+                "task.llama.tie_embeddings: false) or set parallel.pp=1")
 
 
 def gather_full_state(set_: StageSet, rank: int) -> dict[str, torch.Tensor]:

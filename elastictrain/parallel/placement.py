@@ -6,7 +6,9 @@ pipeline across nodes, data parallel outermost):
 
 1. a tensor-parallel group (``tp`` consecutive ranks, the innermost mesh axis) never spans nodes, unless
    the nodes' slots leave no other way (then each group that spans is named in a warning: its all-reduces,
-   one or two per block, cross the network);
+   one or two per block, cross the network); under ``hsdp`` the same holds for a shard group (its
+   ``dp_shard x tp`` consecutive ranks: FSDP's all-gathers and reduce-scatters, every block, stay on the
+   node and only the replicas' gradient all-reduce crosses nodes);
 2. pipeline stages spread across nodes before data-parallel replicas do: each stage goes to nodes that
    hold no other stage while such nodes are left, and a stage is kept on as few nodes as fit it, so a cut
    between nodes falls between stages (point-to-point activations) before it falls between data-parallel
@@ -14,8 +16,8 @@ pipeline across nodes, data parallel outermost):
 3. ties keep the order the nodes were given in (the controller gives its members' order, so a run on one
    node keeps its rank order and survivors keep their ranks where the rules allow).
 
-Rank order is the mesh's (parallel/plan.py): rank ``r`` is in TP group (a "unit") ``r // tp``, and unit
-``u`` belongs to stage ``u // dp``.
+Rank order is the mesh's (parallel/plan.py): rank ``r`` is in unit ``r // unit`` (:func:`unit_size`: a TP
+group, or an hsdp shard group of TP groups), and unit ``u`` belongs to stage ``u // (units per stage)``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def place(nodes: Sequence[tuple[str, int]], dims: MeshDims) -> Placement:
     """Place the ``dims.world_size`` ranks of ``dims`` on ``nodes`` (``(node id, free slots)``, in order
     of preference on ties; only as many slots as ranks are used). Raises :class:`PlacementError` when
     the slots are fewer than the ranks or a node is malformed."""
-    t, d, p, world = dims.tp, dims.dp, dims.pp, dims.world_size
+    t, p, world = unit_size(dims), dims.pp, dims.world_size
+    d = world // (t * p)  # units per stage
+    group = "shard group" if t > dims.tp else "TP group"
     ids = [n for n, _ in nodes]
     if len(set(ids)) != len(ids):
         raise PlacementError(f"node ids must be unique, got {ids}")
@@ -92,17 +96,34 @@ def place(nodes: Sequence[tuple[str, int]], dims: MeshDims) -> Placement:
         rank_node += got
         span = sorted({ids[i] for i in got}, key=ids.index)
         warnings.append(
-            f"TP group of ranks {u * t}-{u * t + t - 1} spans nodes {span}: no node has {t} free slots left for "
-            f"it (slots per node {[s for _, s in nodes]}); its all-reduces cross nodes. Give nodes a multiple "
-            f"of parallel.tp={t} worker slots")
+            f"{group} of ranks {u * t}-{u * t + t - 1} spans nodes {span}: no node has {t} free slots left "
+            f"for it (slots per node {[s for _, s in nodes]}); its collectives cross nodes. Give nodes a "
+            f"multiple of {t} worker slots ({_unit_rule(dims)})")
     placed = tuple(ids[i] for i in rank_node)
     return Placement(placed, tuple(warnings), _describe(placed, dims, warnings))
 
 
+def unit_size(dims: MeshDims) -> int:
+    """The consecutive ranks that must share a node: a TP group, or under ``hsdp`` a shard group (its
+    ``dp_shard`` TP groups)."""
+    return dims.tp * (dims.dp_shard if _hsdp(dims) else 1)
+
+
+def _hsdp(dims: MeshDims) -> bool:
+    return dims.plan == "hsdp" and dims.dp_shard > 1 and dims.dp_replicate > 1
+
+
+def _unit_rule(dims: MeshDims) -> str:
+    return (f"parallel.shard_size={dims.dp_shard} x parallel.tp={dims.tp}" if _hsdp(dims)
+            else f"parallel.tp={dims.tp}")
+
+
 def _describe(placed: tuple[str, ...], dims: MeshDims, warnings: Sequence[str]) -> str:
     nodes = sorted(set(placed), key=placed.index)
-    tp = f"TP groups of {dims.tp} on one node each" if not warnings else f"{len(warnings)} TP group(s) span nodes"
-    out = f"{len(placed)} ranks on {len(nodes)} node(s): {tp if dims.tp > 1 else 'tp=1'}"
+    t = unit_size(dims)
+    kind = "shard groups" if t > dims.tp else "TP groups"
+    tp = f"{kind} of {t} on one node each" if not warnings else f"{len(warnings)} {kind[:-1]}(s) span nodes"
+    out = f"{len(placed)} ranks on {len(nodes)} node(s): {tp if t > 1 else 'tp=1'}"
     if dims.pp > 1:
         per = dims.dp * dims.tp
         stages = [sorted(set(placed[s * per:(s + 1) * per]), key=nodes.index) for s in range(dims.pp)]
@@ -139,10 +160,10 @@ def node_slots(member_nodes: Sequence[str]) -> list[tuple[str, int]]:
 def arrange(member_nodes: Sequence[str | None], dims: MeshDims) -> tuple[list[int], Placement | None]:
     """The controller's entry: members (their node ids, in the rank order it chose) -> their order by new
     rank, and the placement (None: the order is kept). Placed only where the mesh has a structure to
-    place (``tp > 1`` or ``pp > 1``; a ddp/fsdp/hsdp rank order is left as it is) and every member's node
-    is known."""
+    place (``tp > 1``, ``pp > 1`` or hsdp's shard groups; a ddp/fsdp rank order is left as it is) and every
+    member's node is known."""
     keep = list(range(len(member_nodes)))
-    if (dims.tp == 1 and dims.pp == 1) or any(n is None for n in member_nodes):
+    if (unit_size(dims) == 1 and dims.pp == 1) or any(n is None for n in member_nodes):
         return keep, None
     nodes = [str(n) for n in member_nodes]
     got = place(node_slots(nodes), dims)

@@ -60,7 +60,8 @@ def sequence_parallel_on(plan: Any) -> bool:
 
 def parallelize_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Any) -> nn.Module:
     """Apply ``model.tp_plan(sequence_parallel)`` on ``tp_mesh`` (in place; parameters become DTensors
-    sharded or replicated on ``tp``). Raises :class:`TensorParallelError` for a model without a plan."""
+    sharded or replicated on ``tp``), then ``model.tie_weights()`` where the model has one (a tied weight's
+styles must give it one placement). Raises :class:`TensorParallelError` for a model without a plan."""
     make = getattr(model, "tp_plan", None)
     if not callable(make):
         raise TensorParallelError(
@@ -70,7 +71,12 @@ def parallelize_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Any) -> nn.Modul
     # src_data_rank=None: each rank splits its own copy, no scatter. Every rank's model is the same seeded
     # init (or a meta rebuild a restore fills), and a collective here would pair a fresh joiner's real
     # tensors with a survivor's meta rebuild, which sends nothing: the joiner waits out the timeout
-    return parallelize_module(model, tp_mesh, make(sequence_parallel_on(plan)), src_data_rank=None)
+    module = parallelize_module(model, tp_mesh, make(sequence_parallel_on(plan)), src_data_rank=None)
+    # each style distributes its module's weight on its own: a tied head (the built-in Llama's) got a copy
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return module
 
 
 def local_loss(per_sample: torch.Tensor) -> torch.Tensor:

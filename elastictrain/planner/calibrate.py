@@ -118,6 +118,33 @@ def _rss_bytes() -> float:
     return 0.0
 
 
+def _layers(job: dict[str, Any]) -> int:
+    """The blocks of a built-in task's model (``job``: its config as a mapping)."""
+    task = job["task"]
+    if task.get("kind") == "llama":
+        from elastictrain.config import LlamaTaskConfig
+
+        return int(LlamaTaskConfig(**task.get("llama", {})).shape()["n_layers"])
+    return int(task["model"].get("n_layer", 2))
+
+
+def _reshape(job: dict[str, Any], *, layers: int | None = None, width: int | None = None) -> None:
+    """Cut a built-in task's model (``job``, a mapping, in place) to ``layers`` blocks and/or ``width`` wide
+    with one attention head (the GPT's ``task.model``, the Llama's ``task.llama``)."""
+    task = job["task"]
+    if task.get("kind") == "llama":
+        llama = task.setdefault("llama", {})
+        if layers is not None:
+            llama["n_layers"] = layers
+        if width is not None:
+            llama.update(dim=width, n_heads=1, n_kv_heads=1, ffn_hidden=4 * width)
+        return
+    if layers is not None:
+        task["model"]["n_layer"] = layers
+    if width is not None:
+        task["model"].update(d_model=width, n_head=1)
+
+
 def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     """Peak resident bytes of this process after two steps of ``job`` (a built-in task's config as a
     mapping) with its model shrunk to one block of width 8, as ddp over the current default group."""
@@ -128,7 +155,7 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     from elastictrain.worker.loop import StepRunner
 
     data = json.loads(json.dumps(job))
-    data["task"]["model"].update(n_layer=1, d_model=8, n_head=1)
+    _reshape(data, layers=1, width=8)
     data["train"].update(steps=2, global_batch=data["train"]["micro_batch"] * world)
     data["workers"].update(min=world, max=world, spares=0)
     data["parallel"] = {"plan": "ddp"}
@@ -367,8 +394,8 @@ def fsdp_param_figure(job: dict[str, Any], rank: int, world: int, reps: int = 2,
     group = pairs[rank // 2] if rank // 2 < len(pairs) else solo
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("fsdp",))
     narrow = json.loads(json.dumps(job))
-    layers = min(FSDP_PROBE_BLOCKS, int(narrow["task"]["model"].get("n_layer", FSDP_PROBE_BLOCKS)))
-    narrow["task"]["model"].update(d_model=FSDP_PROBE_WIDTH, n_head=1)
+    layers = min(FSDP_PROBE_BLOCKS, _layers(narrow))
+    _reshape(narrow, width=FSDP_PROBE_WIDTH)
     cfg, task, batch, seeds = _one_block_probe(narrow, layers=layers)
     plain = task.model_fn()
     sharded = parallelize_fsdp(task.model_fn(), mesh, cfg.parallel)
@@ -397,7 +424,7 @@ def _one_block_probe(job: dict[str, Any], layers: int = 1) -> tuple[Any, Any, di
     from elastictrain.task import builtin_task
 
     data = json.loads(json.dumps(job))
-    data["task"]["model"].update(n_layer=layers)
+    _reshape(data, layers=layers)
     data["parallel"] = {"plan": "ddp"}
     data["faults"], data["checkpoint"]["uri"] = [], None
     cfg = build_config(data, source="calibration probe")
@@ -425,7 +452,7 @@ def job_compute_figures(job: dict[str, Any], seconds: float = 1.0,
     from elastictrain.planner.job import model_shape
     from elastictrain.planner.steptime import step_flops
 
-    blocks = min(int(job["task"]["model"]["n_layer"]), COMPUTE_PROBE_BLOCKS)
+    blocks = min(_layers(job), COMPUTE_PROBE_BLOCKS)
     cfg, task, batch, seeds = _one_block_probe(job, layers=blocks)
     mb = cfg.train.micro_batch
     model = task.model_fn()

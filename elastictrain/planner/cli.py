@@ -67,7 +67,7 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
         if calibrate:
             from elastictrain.planner.calibrate import calibrate as measure, write
 
-            probe = config.model_dump(mode="json") if config.task.kind == "tiny_gpt" else None
+            probe = config.model_dump(mode="json") if config.task.kind != "python" else None
             figures = measure(config.workers.use_gpu, base.nodes, max(1, int(config.workers.cpus_per_worker)),
                               probe, ranks=world)
             target = out or Path("calibration.json")
@@ -94,6 +94,9 @@ def plan(job: Path, overrides: tuple[str, ...], nodes: int | None, gpus_per_node
         click.echo(json.dumps([e.as_dict() for e in ranked], indent=1))
         return
     click.echo(f"cluster: {clusters.describe(cl)}")
+    if not cl.device_known:
+        click.echo("note: the GPUs' type is unknown, so their memory above is a default: pass --gpu-memory-gb "
+                   "(and --tflops) or --calibration for figures that hold")
     click.echo(f"world size {w}: {len(ranked)} layouts priced, {sum(e.fits for e in ranked)} fit")
     if ranked:
         click.echo(explain.table(ranked, cl, top))

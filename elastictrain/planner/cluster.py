@@ -46,18 +46,33 @@ def _memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+# The share of a GPU's dense bf16 peak a training step's matmuls are planned at (GPU_DEFAULTS' 400 TFLOP/s
+# on an H100's 989): a planning assumption until a calibration measures the cluster.
+PLANNED_SHARE_OF_PEAK = 0.4
+
+
+def _gpu_figures(name: str | None) -> dict[str, Any] | None:
+    """GPU_DEFAULTS with a known device's memory and planned FLOP/s (:mod:`elastictrain.devices`)."""
+    from elastictrain.devices import lookup
+
+    device = lookup(name)
+    if device is None:
+        return None
+    return {**GPU_DEFAULTS, "device_memory": device.memory, "flops": device.bf16_flops * PLANNED_SHARE_OF_PEAK}
+
+
 def this_machine(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
-    """One node: this machine's GPUs (torch's count and memory) or its CPUs as worker processes."""
+    """One node: this machine's GPUs (torch's count, name and memory) or its CPUs as worker processes."""
     if use_gpu:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count():
             props = torch.cuda.get_device_properties(0)
-            base = {**GPU_DEFAULTS, "device_memory": float(props.total_memory)}
+            base = {**(_gpu_figures(props.name) or GPU_DEFAULTS), "device_memory": float(props.total_memory)}
             return Cluster(nodes=1, devices_per_node=torch.cuda.device_count(), **base,
                            source=f"this machine ({torch.cuda.device_count()} x {props.name}; "
-                                  "speeds: defaults)")
-        return Cluster(nodes=1, devices_per_node=1, **GPU_DEFAULTS,
+                                  "speeds: the device table's)")
+        return Cluster(nodes=1, devices_per_node=1, **GPU_DEFAULTS, device_known=False,
                        source="this machine has no GPU: one default GPU assumed")
     cpus = os.cpu_count() or 1
     workers = max(1, int(cpus // cpus_per_worker))
@@ -73,12 +88,7 @@ def from_ray(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if use_gpu:
-        counts = [int(n["Resources"].get("GPU", 0)) for n in nodes if n["Resources"].get("GPU", 0) >= 1]
-        if not counts:
-            raise ClusterError("the Ray cluster has no GPU node and workers.use_gpu=true; pass --nodes and "
-                               "--gpus-per-node to plan for a cluster you do not have, or use_gpu=false")
-        return Cluster(nodes=len(counts), devices_per_node=min(counts), **GPU_DEFAULTS,
-                       source=f"Ray: {len(counts)} GPU nodes (memory and speeds: defaults)")
+        return gpu_cluster([n["Resources"] for n in nodes])
     sized = [(int(n["Resources"].get("CPU", 0) // cpus_per_worker), n["Resources"].get("memory", 0.0),
               n["Resources"]["CPU"]) for n in nodes if n["Resources"].get("CPU", 0) >= cpus_per_worker]
     if not sized:
@@ -88,6 +98,38 @@ def from_ray(use_gpu: bool, cpus_per_worker: float = 1.0) -> Cluster:
     cores = min(c for _, _, c in sized) / cpus_per_worker
     return Cluster(nodes=len(sized), devices_per_node=per, device_memory=mem, **CPU_DEFAULTS, cores_per_node=cores,
                    source=f"Ray: {len(sized)} nodes of >= {per} CPU workers (speeds: defaults)")
+
+
+def gpu_cluster(resources: list[dict[str, float]]) -> Cluster:
+    """The GPU nodes among Ray nodes' ``resources``: their count, the smallest node's GPUs, and the device
+    from Ray's ``accelerator_type:NAME`` resource (the smallest memory and slowest peak when node types
+    differ). A type the device table does not know, or none, gives :data:`GPU_DEFAULTS` with
+    ``device_known=False``: ``plan: auto`` refuses to size memory from a guess."""
+    gpu_nodes = [r for r in resources if r.get("GPU", 0) >= 1]
+    if not gpu_nodes:
+        raise ClusterError("the Ray cluster has no GPU node and workers.use_gpu=true; pass --nodes and "
+                           "--gpus-per-node to plan for a cluster you do not have, or use_gpu=false")
+    counts = [int(r["GPU"]) for r in gpu_nodes]
+    types = sorted({k.split(":", 1)[1] for r in gpu_nodes for k in r if k.startswith("accelerator_type:")})
+    figures = [_gpu_figures(t) for t in types]
+    if types and all(figures):
+        base = {**GPU_DEFAULTS, "device_memory": min(f["device_memory"] for f in figures),
+                "flops": min(f["flops"] for f in figures)}
+        return Cluster(nodes=len(counts), devices_per_node=min(counts), **base,
+                       source=f"Ray: {len(counts)} GPU nodes of {'/'.join(types)} (memory and peak: the "
+                              "device table; speeds: defaults)")
+    what = f"accelerator_type {'/'.join(types)}, not in the device table" if types else "no accelerator_type"
+    return Cluster(nodes=len(counts), devices_per_node=min(counts), **GPU_DEFAULTS, device_known=False,
+                   source=f"Ray: {len(counts)} GPU nodes ({what}; memory and speeds: defaults)")
+
+
+def unknown_device_refusal(c: Cluster) -> str | None:
+    """Why a cluster cannot be planned for automatically (its GPUs' memory is a guess), or None."""
+    if c.device_known:
+        return None
+    return (f"parallel.plan=auto cannot size a layout for GPUs of unknown type ({c.source}): set "
+            "parallel.calibration to a file written on this cluster by `elastictrain plan JOB --calibrate`, or "
+            "plan with `elastictrain plan JOB --gpu-memory-gb N` and set that layout in parallel.*")
 
 
 def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | None = None,
@@ -112,6 +154,7 @@ def with_flags(base: Cluster, *, nodes: int | None = None, gpus_per_node: int | 
         changes["devices_per_node"] = int(gpus_per_node)
     if gpu_memory_gb:
         changes["device_memory"] = gpu_memory_gb * GIB
+        changes["device_known"] = True
     if intra_node_gbps:
         changes["intra_node_bw"] = intra_node_gbps * GB
     if inter_node_gbps:
@@ -131,7 +174,8 @@ def with_calibration(base: Cluster, path: str | Path) -> Cluster:
     measure, e.g. ``inter_node_bw`` on one node, is null there and keeps ``base``'s)."""
     data = read_calibration(path)
     measured = {k: float(data[k]) for k in CALIBRATED if data.get(k) is not None}
-    return replace(base, **measured, source=f"{base.source}; measured: {path}")
+    known = base.device_known or "device_memory" in measured
+    return replace(base, **measured, device_known=known, source=f"{base.source}; measured: {path}")
 
 
 def read_calibration(path: str | Path) -> dict[str, Any]:
@@ -158,5 +202,5 @@ def describe(c: Cluster) -> str:
             f"{c.intra_node_bw / GB:.3g} GB/s inside a node, {c.inter_node_bw / GB:.3g} GB/s across ({c.source})")
 
 
-__all__ = ["ClusterError", "CPU_DEFAULTS", "GPU_DEFAULTS", "PlannerInputError", "describe", "from_ray",
-           "read_calibration", "this_machine", "with_calibration", "with_flags"]
+__all__ = ["ClusterError", "CPU_DEFAULTS", "GPU_DEFAULTS", "PlannerInputError", "describe", "from_ray", "gpu_cluster",
+           "read_calibration", "this_machine", "unknown_device_refusal", "with_calibration", "with_flags"]

@@ -25,11 +25,19 @@ def _positive(owner: str, **values: float | int) -> None:
             raise PlannerInputError(f"{owner}.{name} must be a positive number, got {value!r}")
 
 
+ARCHS = ("gpt", "llama")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention heads, an MLP
-    of ``ffn_mult * hidden``, sequences of ``seq_len`` tokens and a ``vocab``-entry embedding (and an untied
-    output head). ``params`` overrides the parameter count derived from the shape (a published count)."""
+    of ``ffn_mult * hidden`` (or ``ffn_hidden``), sequences of ``seq_len`` tokens and a ``vocab``-entry
+    embedding (and an untied output head). ``params`` overrides the parameter count derived from the shape
+    (a published count).
+
+    ``arch``: ``gpt`` (the built-in GPT's block: biases, layer norms, a two-matrix MLP, learned positions) or
+    ``llama`` (no biases, RMSNorm weights only, SwiGLU's three matrices, rotary positions, ``kv_heads``
+    key/value heads of ``hidden / heads`` each: grouped-query attention)."""
 
     layers: int
     hidden: int
@@ -39,24 +47,55 @@ class ModelShape:
     ffn_mult: float = 4.0
     tied_embeddings: bool = False
     params: int | None = None
+    arch: str = "gpt"
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
 
     def __post_init__(self) -> None:
         _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                   vocab=self.vocab, ffn_mult=self.ffn_mult)
         if self.params is not None:
             _positive("model", params=self.params)
+        if self.arch not in ARCHS:
+            raise PlannerInputError(f"model.arch={self.arch!r} is not one of {list(ARCHS)}")
+        for name in ("kv_heads", "ffn_hidden"):
+            if getattr(self, name) is not None:
+                _positive("model", **{name: getattr(self, name)})
+
+    @property
+    def ffn(self) -> float:
+        """The MLP's hidden width."""
+        return self.ffn_hidden if self.ffn_hidden is not None else self.ffn_mult * self.hidden
+
+    @property
+    def kv_width(self) -> float:
+        """The width of the keys (and of the values): ``kv_heads`` heads of ``hidden / heads``."""
+        return (self.kv_heads or self.heads) * self.hidden / self.heads
 
     @property
     def block_params(self) -> float:
-        """One block: attention (4 h^2 + 4 h), MLP (2 f h^2 + f h + h), two layer norms (4 h)."""
-        h, f = self.hidden, self.ffn_mult
-        return 4 * h * h + 4 * h + 2 * f * h * h + f * h + h + 4 * h
+        """One block. GPT: attention (4 h^2 + 4 h), MLP (2 F h + F + h), two layer norms (4 h). Llama: query and
+        output (2 h^2), keys and values (2 h kv), SwiGLU (3 F h), two RMSNorms (2 h)."""
+        h, f = self.hidden, self.ffn
+        if self.arch == "llama":
+            return 2 * h * h + 2 * h * self.kv_width + 3 * f * h + 2 * h
+        return 4 * h * h + 4 * h + 2 * f * h + f + h + 4 * h
+
+    @property
+    def first_stage_params(self) -> float:
+        """Around the blocks on the first stage: the token embedding (and the GPT's learned positions)."""
+        return self.vocab * self.hidden + (0 if self.arch == "llama" else self.seq_len * self.hidden)
+
+    @property
+    def last_stage_params(self) -> float:
+        """Around the blocks on the last stage: the final norm and the output head unless tied."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return (1 if self.arch == "llama" else 2) * self.hidden + head
 
     @property
     def embedding_params(self) -> float:
-        """Token and position embeddings, the final norm, and the output head unless tied."""
-        head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return self.vocab * self.hidden + self.seq_len * self.hidden + 2 * self.hidden + head
+        """Everything outside the blocks: the embeddings, the final norm, and the output head unless tied."""
+        return self.first_stage_params + self.last_stage_params
 
     @property
     def total_params(self) -> float:
@@ -162,6 +201,7 @@ class Cluster:
     gloo_byte_s: float | None = None
     optimizer_s_per_param: float = 0.0
     cores_per_node: float | None = None
+    device_known: bool = True  # False: a GPU of a type the device table does not know (memory is a default)
     kind: str = "gpu"
     source: str = "given"  # where the figures come from (flags, Ray, this machine, a calibration file)
 

@@ -1,8 +1,10 @@
 """A job config in, the planner's inputs and a ``parallel`` section out: the edge between the typed job
 config and the pure cost model.
 
-* the model: the built-in GPT's shape from ``task.model`` (byte vocabulary, exact parameter count); a
-  ``kind: python`` task brings its own model, so its shape comes from ``--shape`` (:func:`parse_shape`);
+* the model: the built-in GPT's shape from ``task.model``, the built-in Llama's from ``task.llama`` (layers,
+  width, heads and kv heads, SwiGLU's width, tied or not; the task's vocabulary and ``task.model.seq_len``):
+  their exact parameter counts; a ``kind: python`` task brings its own model, so its shape comes from
+  ``--shape`` (:func:`parse_shape`);
 * the step: ``train.global_batch`` / ``train.micro_batch`` (the planner keeps the job's micro-batch size:
   the math of a step does not depend on it, its float sums do), AdamW, fp32 or FSDP2's bf16 policy as
   ``parallel.mixed_precision`` says;
@@ -53,11 +55,22 @@ def model_shape(config: Any, shape: str | None = None) -> ModelShape:
     shape = shape or config.parallel.model_shape
     if shape:
         return parse_shape(shape)
-    if config.task.kind != "tiny_gpt":
+    t = config.task
+    if t.kind == "python":
         raise PlannerInputError("task.kind=python brings its own model: give its shape with --shape or "
                                 "parallel.model_shape, e.g. layers=12,hidden=768,heads=12,seq_len=1024,vocab=50257")
-    m = config.task.model
-    return ModelShape(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq_len=m.seq_len, vocab=256)
+    m = t.model
+    if t.kind == "llama":
+        if t.init_from is not None:  # the shape of the source's config.json (read from it, with its checks)
+            from elastictrain.models.hf_init import llama_shape_from_source
+
+            s = llama_shape_from_source(t)
+        else:
+            s = {**t.llama.shape(), "vocab_size": t.vocab_size}
+        return ModelShape(layers=s["n_layers"], hidden=s["dim"], heads=s["n_heads"], seq_len=m.seq_len,
+                          vocab=s["vocab_size"], tied_embeddings=bool(s.get("tie_embeddings")), arch="llama",
+                          kv_heads=s["n_kv_heads"], ffn_hidden=s["ffn_hidden"])
+    return ModelShape(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq_len=m.seq_len, vocab=t.vocab_size)
 
 
 def training(config: Any) -> Training:
@@ -179,7 +192,7 @@ def choose(config: Any, cluster: Cluster, worlds: list[int], shape: str | None =
 def plan_for_run(config: Any, builtin_task: bool = True) -> tuple[Any, Choice]:
     """``parallel.plan: auto`` at the start of a run: the cluster Ray offers (this process is connected),
     with ``parallel.calibration``'s measured figures, planned at the largest world size up to
-    ``workers.max`` that it can hold. ``builtin_task``: the job trains the built-in GPT of ``task.model``
+    ``workers.max`` that it can hold. ``builtin_task``: the job trains a built-in model (``task.kind``)
     (else the shape must be in ``parallel.model_shape``). Raises ``ConfigError`` (exit 2) when nothing fits
     or runs."""
     from elastictrain.config import ConfigError
@@ -193,6 +206,9 @@ def plan_for_run(config: Any, builtin_task: bool = True) -> tuple[Any, Choice]:
         cl = clusters.from_ray(w.use_gpu, w.cpus_per_worker)
         if config.parallel.calibration:
             cl = clusters.with_calibration(cl, config.parallel.calibration)
+        unknown = clusters.unknown_device_refusal(cl)
+        if unknown:
+            raise ConfigError(unknown)
         top = max(w.min, min(w.max, cl.devices))
         return choose(config, cl, list(range(w.min, top + 1)), config.parallel.model_shape)
     except (PlannerInputError, clusters.ClusterError) as e:

@@ -5,9 +5,10 @@ the last one the output head: the larger of the two is taken):
 
 * **state** (weights, gradients, fp32 master, optimizer moments; :attr:`Training.state_bytes_per_param`)
   of the rank's stage, divided by ``tp`` (every block is split over the TP group) and by ``dp_shard``
-  (FSDP/ZeRO-3 shards all of it); the gradients only where they exist at the activation peak
-  (:func:`_grads_held_at_peak`), else what they exceed the activations by (measured with
-  benchmarks/planner.py: pricing them always over-predicted fsdp/hsdp/pp2's model bytes by 10-20%);
+  (FSDP/ZeRO-3 shards all of it) except a pipeline rank's FSDP gradients, which stay whole until the step's
+  last backward (:func:`_grads_unsharded_in_pipeline`); the gradients only where they exist at the
+  activation peak (:func:`_grads_held_at_peak`), else what they exceed the activations by (pricing them
+  always over-predicted fsdp/hsdp/pp2's model bytes, as benchmarks/planner.py measures);
 * **gathered weights** under FSDP at the activation peak (the start of backward, :func:`_fsdp_gathered`):
   the last block and the one prefetched, unsharded in the compute dtype, the embeddings and head (the root,
   gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off
@@ -69,9 +70,7 @@ def stage_params(model: ModelShape, c: Candidate) -> float:
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
-    emb = model.vocab * model.hidden + model.seq_len * model.hidden
-    head = (0 if model.tied_embeddings else model.vocab * model.hidden) + 2 * model.hidden
-    return (blocks * model.block_params + max(emb, head)) * model.scale
+    return (blocks * model.block_params + max(model.first_stage_params, model.last_stage_params)) * model.scale
 
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
@@ -119,6 +118,8 @@ def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -
     root = n - blocks * block
     held = n if not c.reshard_after_forward or c.pp > 1 else root + 2 * block
     freed = block_activation_bytes(model, train, c) if not c.activation_checkpointing else 0.0
+    if _grads_unsharded_in_pipeline(c):
+        return held * train.compute_param_bytes  # the gradients are priced whole (memory())
     return held * train.compute_param_bytes + max(0.0, 2 * block * g - freed)
 
 
@@ -133,6 +134,14 @@ def _grads_held_at_peak(train: Training, c: Candidate) -> bool:
     return m > (in_flight(c.schedule, c.pp, m, c.stages_per_rank) if c.pp > 1 else 1)
 
 
+def _grads_unsharded_in_pipeline(c: Candidate) -> bool:
+    """Whether a pipeline rank holds its stage's gradient unsharded: torch's ``PipelineStage`` turns FSDP's
+    gradient sync off for every backward but the step's last (``set_requires_gradient_sync(False)``), so
+    FSDP2 accumulates each parameter's whole gradient (in its reduce dtype) and reduce-scatters it only at
+    the end of the schedule."""
+    return c.pp > 1 and c.dp_shard > 1
+
+
 def _microbatches(train: Training, c: Candidate) -> int:
     return max(1, train.global_batch // (c.dp * c.micro_batch))
 
@@ -145,6 +154,8 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     params, grads = n * w / shard, n * g / shard
     optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
     acts = activation_bytes(model, train, c)
+    if _grads_unsharded_in_pipeline(c):
+        grads = n * g  # the stage's whole gradient, in the reduce dtype, until the step's last backward
     if not _grads_held_at_peak(train, c):
         grads = max(0.0, grads - acts)  # they grow as backward frees the activations: the later peak
     if shard > 1:

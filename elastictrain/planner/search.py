@@ -93,8 +93,11 @@ def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     if train.global_batch % (c.dp * c.micro_batch):
         return (f"global_batch={train.global_batch} is not a multiple of data-parallel size {c.dp} x "
                 f"micro_batch={c.micro_batch}")
-    if model.heads % c.tp or model.hidden % c.tp:
-        return f"tp={c.tp} does not divide the {model.heads} heads and hidden size {model.hidden}"
+    if model.heads % c.tp or model.hidden % c.tp or (model.kv_heads or model.heads) % c.tp:
+        return (f"tp={c.tp} does not divide the {model.heads} heads"
+                + (f" ({model.kv_heads} kv heads)" if model.kv_heads else "") + f" and hidden size {model.hidden}")
+    if c.pp > 1 and model.arch == "llama" and model.tied_embeddings:
+        return "a Llama with tied embeddings cannot be split into pipeline stages"
     if c.pp > 1 and model.layers < c.pp * c.stages_per_rank:
         return f"{model.layers} blocks cannot fill pp={c.pp} x {c.stages_per_rank} stages"
     if c.pp > 1:
@@ -131,7 +134,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
     mbs = sorted(set(micro_batches or [train.micro_batch]))
     for tp in _divisors(world):
         if tp > 1 and ("tp" not in allowed or tp > cluster.devices_per_node or cluster.devices_per_node % tp
-                       or model.heads % tp or model.hidden % tp):
+                       or model.heads % tp or model.hidden % tp or (model.kv_heads or model.heads) % tp):
             continue
         for pp in _divisors(world // tp):
             if pp > 1 and ("pp" not in allowed or pp > model.layers):

@@ -152,6 +152,10 @@ def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
 # per op is what the calibration measures (tests/test_planner_tp.py counts them again on the real model).
 TP_BLOCK_OPS = {True: (26, 80), False: (24, 72)}
 TP_EDGE_OPS = {True: 37, False: 30}  # per micro-batch around the blocks: embeddings, final norm, head, loss
+# The same counts for the built-in Llama (ModelShape.arch "llama": RMSNorm's fp32 steps on sequence-sharded
+# DTensors, SwiGLU's third matrix; no dropout), counted the same way by tests/test_planner_tp.py.
+LLAMA_TP_BLOCK_OPS = {True: (42, 102), False: (28, 63)}
+LLAMA_TP_EDGE_OPS = {True: 55, False: 30}
 
 
 def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -159,10 +163,12 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
     with activation checkpointing) and backward, plus those around the blocks (:data:`TP_BLOCK_OPS`)."""
     if c.tp == 1:
         return 0.0
-    forward, backward = TP_BLOCK_OPS[c.sequence_parallel]
+    llama = model.arch == "llama"
+    forward, backward = (LLAMA_TP_BLOCK_OPS if llama else TP_BLOCK_OPS)[c.sequence_parallel]
     per_block = forward * (2 if c.activation_checkpointing else 1) + backward
     blocks = math.ceil(model.layers / c.pp)
-    return microbatches(train, c) * (blocks * per_block + TP_EDGE_OPS[c.sequence_parallel])
+    edge = (LLAMA_TP_EDGE_OPS if llama else TP_EDGE_OPS)[c.sequence_parallel]
+    return microbatches(train, c) * (blocks * per_block + edge)
 
 
 # Parameter tensors of a GPT block (q, k, v and attention out, MLP in and out: weight and bias each; two norms'
@@ -171,6 +177,16 @@ def dtensor_ops(model: ModelShape, train: Training, c: Candidate) -> float:
 # last). tests/test_planner_tp.py counts them on the built-in GPT.
 PARAM_TENSORS_PER_BLOCK = 16
 PARAM_TENSORS_FIRST, PARAM_TENSORS_LAST = 2, 3
+# The built-in Llama's: a block's 7 weights and 2 norms (no biases); the token embedding; the final norm and head.
+LLAMA_PARAM_TENSORS = (9, 1, 2)
+
+
+def param_tensors(model: ModelShape) -> tuple[int, int, int]:
+    """(per block, first stage, last stage) parameter tensors of ``model``'s architecture (a tied head is one
+    fewer on the last stage)."""
+    per_block, first, last = LLAMA_PARAM_TENSORS if model.arch == "llama" else (
+        PARAM_TENSORS_PER_BLOCK, PARAM_TENSORS_FIRST, PARAM_TENSORS_LAST)
+    return per_block, first, last - (1 if model.tied_embeddings else 0)
 
 
 def fsdp_param_visits(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -179,9 +195,9 @@ def fsdp_param_visits(model: ModelShape, train: Training, c: Candidate) -> float
     ``tp`` divides it: every rank holds a shard of every tensor of its stage."""
     if c.dp_shard == 1:
         return 0.0
-    last = PARAM_TENSORS_LAST - (1 if model.tied_embeddings else 0)
-    edge = PARAM_TENSORS_FIRST + last if c.pp == 1 else max(PARAM_TENSORS_FIRST, last)
-    tensors = math.ceil(model.layers / c.pp) * PARAM_TENSORS_PER_BLOCK  # a rank's blocks (all its stages)
+    per_block, first, last = param_tensors(model)
+    edge = first + last if c.pp == 1 else max(first, last)
+    tensors = math.ceil(model.layers / c.pp) * per_block  # a rank's blocks (all its stages)
     return microbatches(train, c) * (tensors + edge)
 
 
@@ -197,6 +213,7 @@ TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embed
 # calibrated tp_call_s, a call's CPU times the ranks per core; GPUs: by
 # default the ring steps' latency only).
 TP_PARTIAL_GRADS = {True: (4, 2), False: (0, 0)}
+LLAMA_TP_PARTIAL_GRADS = {True: (2, 1), False: (0, 0)}  # the Llama's RMSNorms: a weight each, no bias
 
 
 @dataclass(frozen=True)
@@ -240,7 +257,7 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
             groups += [("tp", m * per / 2, c.tp, c.tp - 1), ("tp", m * per / 2, c.tp, rs(c.tp))]
         else:
             groups.append(("tp", m * (passes * 2 * blocks + TP_EDGE_CALLS / 2), c.tp, ar(c.tp)))
-        per_block, edge = TP_PARTIAL_GRADS[c.sequence_parallel]
+        per_block, edge = (LLAMA_TP_PARTIAL_GRADS if model.arch == "llama" else TP_PARTIAL_GRADS)[c.sequence_parallel]
         if per_block or edge:  # the Partial gradients' sums (TP_PARTIAL_GRADS)
             groups.append(("tp", m * (blocks * per_block + edge) if c.dp_shard > 1 else 1.0, c.tp, ar(c.tp)))
     if c.pp > 1:

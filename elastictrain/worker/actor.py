@@ -205,14 +205,18 @@ class Worker:
     @_on_state_thread
     def sync(self, src: int) -> int:
         """Make every rank's state rank ``src``'s (a live peer). Collective. Replicated layouts broadcast
-        src's state. Sharded ones hold a consistent state already (restored from a reader in this
-        generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
-        ``parallel.meta_init`` or a rebuild) makes every rank load the seeded initial model from rank 0.
+        src's state (at step 0 with the task's ``init_weights``, src first loads them). Sharded ones hold a
+        consistent state already (restored from a reader in this generation), or start at step 0: then any rank whose shards have no values yet (a meta build,
+        ``parallel.meta_init`` or a rebuild) makes every rank load the initial values (the task's
+        ``init_weights``, else the seeded model from rank 0).
         Raises RuntimeError if their steps differ or a rank past step 0 has no values."""
         self._held = None  # every member has loaded (the controller syncs after all loads): none reads it now
         r = self.runner
         if r.replicated:
+            if r.rank == src and r.step == 0 and r.uninitialized:  # the task's init_weights: src reads them
+                r.init_from_seed()
             r.step = broadcast_state(r.model, r.optimizer, r.step, src=src)
+            r.uninitialized = False
             return r.step
         views: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(views, (r.step, r.uninitialized))

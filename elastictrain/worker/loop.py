@@ -87,7 +87,9 @@ class StepRunner:
             self._meta_template = self._build_meta_model()
         # parallel.meta_init: no rank holds the whole model; values come at the first sync or restore
         self.model = self._meta_model() if self.parallel.meta_init else self._fresh_model()
-        self.uninitialized = False  # parameters have memory but no values yet (set by attach)
+        # parameters hold no step-0 values yet: set by attach for a meta build, and for a whole (seeded)
+        # build when the step-0 values come from the task's init_weights (the sync loads them)
+        self.uninitialized = task.init_weights is not None
         self.pm: ParallelModel | None = None
         self.layout: Layout | None = None
         self.mesh: str | None = None  # what attach built: the plan applied and the mesh's axes
@@ -126,10 +128,14 @@ class StepRunner:
             return self.task.model_fn()
 
     def init_from_seed(self) -> None:
-        """Give a materialized sharded model the seeded initial values (step 0): rank 0 builds the model
-        once and broadcasts it. Collective over the default group. Pipeline stages hold disjoint keys:
-        every rank builds the seeded model on the CPU and keeps its stages' values (no collective)."""
-        if self.layout is not None and self.layout.dims.pp > 1:
+        """Give a materialized model the initial values (step 0). With the task's ``init_weights`` (e.g.
+        ``task.init_from``), each rank fills what it holds from that source (no collective). Otherwise the
+        seeded values: rank 0 builds the model once and broadcasts it (collective over the default group);
+        pipeline stages hold disjoint keys: every rank builds the seeded model on the CPU and keeps its
+        stages' values (no collective)."""
+        if self.task.init_weights is not None:
+            self.task.init_weights(self.model)
+        elif self.layout is not None and self.layout.dims.pp > 1:
             from elastictrain.parallel.pipeline import load_stage_seeded_init
 
             load_stage_seeded_init(self.model, self._seeded_model)
@@ -182,6 +188,7 @@ class StepRunner:
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
             # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here
             self.model = self._fresh_model() if whole else self._meta_model()
+            self.uninitialized = whole and self.task.init_weights is not None
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, plan)
         if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
             materialize(module, self.device)

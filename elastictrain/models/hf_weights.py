@@ -1,0 +1,224 @@
+"""Hugging Face safetensors in (``task.init_from``) for the built-in Llama: headers, config.json, and each
+rank's own slices loaded into a parallelized model.
+
+A checkpoint is a directory (local, Lustre, or any fsspec URL such as ``s3://``) holding ``config.json`` and
+one or more ``*.safetensors`` files (``model.safetensors.index.json`` names them when there are several).
+:func:`read_source` reads only ``config.json`` and each file's header (8 bytes + a JSON header): the driver
+checks names and shapes with it before any worker starts. :func:`load_hf_weights` fills a parallelized
+model (whole under ddp, DTensor shards under fsdp/hsdp/tp, a stage's subset under pp) through
+``torch.distributed.checkpoint.load``: DCP's planner asks for exactly the slice each local tensor holds.
+Local paths read through torch's own ``HuggingFaceStorageReader`` (``safe_open`` + ``get_slice``); other
+filesystems through a ranged reader (:func:`make_reader`), which fetches byte ranges (a slice of rows is one range; a
+slice of columns, a tensor-parallel row-wise layer, fetches its rows whole and keeps its columns).
+Collective-free: each rank plans and reads alone (``no_dist=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastictrain.config import ConfigError
+from elastictrain.models.hf_llama import hf_from_ours
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_MAX_HEADER = 100 << 20  # safetensors' own bound on a header
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: its file, dtype, shape and the byte offset of its first element."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in ``file``
+    end: int
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A Hugging Face checkpoint directory as read from its metadata: config.json and the tensor table."""
+
+    uri: str
+    config: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: e.shape for n, e in self.tensors.items()}
+
+
+def _fs(uri: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(uri, **(storage_options or {}))
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def _header(fs: Any, path: str, uri: str) -> dict[str, TensorEntry]:
+    raw = fs.cat_file(path, start=0, end=8)  # two exact ranges: the length, then the JSON header
+    if len(raw) != 8:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header of {n} bytes)")
+    try:
+        head = json.loads(fs.cat_file(path, start=8, end=8 + n))
+    except ValueError:
+        raise ConfigError(f"task.init_from={uri}: {path} is not a safetensors file (header not JSON)") from None
+    out = {}
+    for name, info in head.items():
+        if name == "__metadata__":
+            continue
+        s, e = info["data_offsets"]
+        out[name] = TensorEntry(path, info["dtype"], tuple(int(d) for d in info["shape"]), 8 + n + s, 8 + n + e)
+    return out
+
+
+def read_source(uri: str, storage_options: dict[str, Any] | None = None) -> HFSource:
+    """config.json and the headers of every safetensors file of the checkpoint at ``uri`` (no tensor data
+    read). Raises ConfigError naming the path for a missing or unreadable directory, config.json or file."""
+    fs, root = _fs(uri, storage_options)
+    root = root.rstrip("/")
+    try:
+        config = json.loads(fs.cat_file(f"{root}/config.json"))
+    except FileNotFoundError:
+        raise ConfigError(f"task.init_from={uri}: no config.json there; point it at a Hugging Face model "
+                          "directory (save_pretrained's output)") from None
+    except ValueError as e:
+        raise ConfigError(f"task.init_from={uri}: config.json is not JSON ({e})") from None
+    except OSError as e:  # permissions, an unreachable endpoint: the driver reads it too
+        raise ConfigError(f"task.init_from={uri}: cannot read config.json ({e}); the driver and the workers "
+                          "need read access (task.init_from_storage_options)") from None
+    if fs.exists(f"{root}/{INDEX_FILE}"):
+        weight_map = json.loads(fs.cat_file(f"{root}/{INDEX_FILE}")).get("weight_map", {})
+        files = sorted({f"{root}/{name}" for name in weight_map.values()})
+    else:
+        files = sorted(p for p in fs.ls(root, detail=False) if str(p).endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"task.init_from={uri}: no *.safetensors files there (only safetensors are read; "
+                          "convert a pytorch_model.bin with transformers' save_pretrained)")
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        try:
+            tensors.update(_header(fs, path, uri))
+        except FileNotFoundError:
+            raise ConfigError(f"task.init_from={uri}: {INDEX_FILE} names {path}, which does not exist") from None
+    return HFSource(uri, config, tensors)
+
+
+def _element_bytes(dtype: str) -> int:
+    return torch.empty((), dtype=_DTYPES[dtype]).element_size()
+
+
+def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSource | None = None) -> Any:
+    """The DCP StorageReader for the checkpoint at ``uri``: torch's ``HuggingFaceStorageReader`` for a local
+    path, a ranged reader otherwise."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       StorageMeta, TensorProperties, TensorStorageMetadata)
+    from torch.futures import Future
+
+    if is_local(uri):
+        return HuggingFaceStorageReader(uri.removeprefix("file://"))
+    src = source or read_source(uri, storage_options)
+    fs, _ = _fs(uri, storage_options)
+
+    class _Ranged(HuggingFaceStorageReader):
+        def __init__(self) -> None:
+            super().__init__(path=".")  # torch's local path is never used: I/O is overridden
+
+        def read_metadata(self) -> Metadata:
+            sd_md, storage = {}, {}
+            for name, e in src.tensors.items():
+                if e.dtype not in _DTYPES:
+                    continue
+                zero = torch.Size([0] * len(e.shape))
+                sd_md[name] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[e.dtype]), torch.Size(e.shape),
+                                                    [ChunkStorageMetadata(zero, torch.Size(e.shape))])
+                storage[MetadataIndex(fqn=name, offset=zero)] = e
+            md = Metadata(state_dict_metadata=sd_md, storage_data=storage)
+            md.storage_meta = StorageMeta()
+            return md
+
+        def read_data(self, plan: Any, planner: Any) -> Future[None]:
+            for req in plan.items:
+                e: TensorEntry = self.storage_data[req.storage_index]
+                t = _read_slice(fs, e, list(req.storage_offsets), list(req.lengths))
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(t)
+                planner.commit_tensor(req, target)
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+
+    return _Ranged()
+
+
+def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+    """The slice ``[offsets, offsets + lengths)`` of one stored tensor: one byte range covering its rows
+    (dimension 0), the other dimensions cut after reading."""
+    es = _element_bytes(e.dtype)
+    if not e.shape:
+        row_elems, o0, l0 = 1, 0, 1
+    else:
+        row_elems = 1
+        for d in e.shape[1:]:
+            row_elems *= d
+        o0, l0 = offsets[0], lengths[0]
+    start = e.start + o0 * row_elems * es
+    data = fs.cat_file(e.file, start=start, end=start + l0 * row_elems * es)
+    t = torch.frombuffer(bytearray(data), dtype=_DTYPES[e.dtype]).reshape((l0, *e.shape[1:]) if e.shape else ())
+    for dim in range(1, len(e.shape)):
+        t = t.narrow(dim, offsets[dim], lengths[dim])
+    return t
+
+
+def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str, Any] | None,
+                    tied: bool) -> None:
+    """Fill ``model``'s parameters (parallelized and materialized: plain tensors, DTensor shards, or a
+    pipeline stage set holding a subset of the names) from the Hugging Face checkpoint at ``uri``. Each
+    rank reads only the slices it holds. Collective-free. ``tied``: ``output.weight`` comes from the
+    embedding (Hugging Face files of tied models have no ``lm_head.weight``). Raises ConfigError naming
+    the tensor for a name the table lacks, a tensor the files lack, or a shape that differs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    request: dict[str, torch.Tensor] = {}
+    aliases: list[tuple[str, str]] = []  # (our name, Hugging Face name already requested for another tensor)
+    for name, t in state.items():
+        hf = "model.embed_tokens.weight" if tied and name == "output.weight" else hf_from_ours(name)
+        if hf is None:
+            raise ConfigError(f"task.init_from={uri}: our tensor {name} has no Hugging Face name "
+                              "(elastictrain/models/hf_llama.py NAME_TABLE)")
+        if hf in request:
+            aliases.append((name, hf))
+        else:
+            request[hf] = t
+    reader = make_reader(uri, storage_options)
+    found = reader.read_metadata().state_dict_metadata
+    for hf, t in request.items():
+        if hf not in found:
+            raise ConfigError(f"task.init_from={uri}: tensor {hf} is missing from the safetensors files")
+        if tuple(found[hf].size) != tuple(t.shape):
+            raise ConfigError(f"task.init_from={uri}: tensor {hf} has shape {list(found[hf].size)}, the model "
+                              f"expects {list(t.shape)}")
+    dcp.load(request, storage_reader=reader, no_dist=True)
+    for name, hf in aliases:  # one tensor under two names (tied): the same values
+        if state[name] is not request[hf]:
+            state[name] = request[hf]
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=False))
+
+
+__all__ = ["HFSource", "TensorEntry", "read_source", "load_hf_weights", "make_reader"]
