@@ -267,8 +267,10 @@ def test_eval_needs_a_validation_split_and_a_whole_model_layout(prepared, tmp_pa
     (no_val / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="has 0 validation tokens"):
         builtin_task(build_config(_spec(str(no_val))))
+    pp2 = _spec(str(prepared / "a")) | {"parallel": {"pp": 2}, "workers": {"min": 2, "max": 2}}
+    pp2["task"]["model"]["n_layer"] = 2
     with pytest.raises(ConfigError, match="train.eval_every=4 needs parallel.pp=1"):
-        build_config(_spec(str(prepared / "a")) | {"parallel": {"pp": 2}, "workers": {"min": 2, "max": 2}})
+        build_config(pp2)
 
 
 def test_eval_ids_are_the_same_windows_at_any_world_size():
