@@ -1,4 +1,5 @@
-"""Command line: ``elastictrain run JOB.yaml``, ``elastictrain plan JOB.yaml`` and ``elastictrain ckpt ...``."""
+"""Command line: ``elastictrain run JOB.yaml``, ``elastictrain plan JOB.yaml``, ``elastictrain ckpt ...`` and
+``elastictrain data prepare ...``."""
 
 from __future__ import annotations
 
@@ -107,5 +108,12 @@ def _attach_plan() -> None:
     main.add_command(plan)
 
 
+def _attach_data() -> None:
+    from elastictrain.data_cli import data  # not under elastictrain.data (torch at import): --help stays fast
+
+    main.add_command(data)
+
+
 _attach_ckpt()
 _attach_plan()
+_attach_data()

@@ -96,7 +96,8 @@ class LlamaTaskConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where samples come from: ``builtin:pydoc`` or a Parquet path / URL (local, s3://...)."""
+    """Where samples come from: ``builtin:pydoc``, a Parquet path / URL (local, s3://...; byte tokens), or a
+    corpus prepared by ``elastictrain data prepare`` (a directory / URL holding ``manifest.json``)."""
 
     source: str = "builtin:pydoc"
     column: str = "text"
@@ -205,6 +206,8 @@ class TrainConfig(_Section):
                                                     "RUN_DIR/final_model/ (or it is the final checkpoint)")
     profile: ProfileConfig | None = Field(None, description="torch.profiler traces of named steps and ranks "
                                                             "into RUN_DIR/profiles/ (null: none)")
+    eval_every: int = Field(0, ge=0, description="steps between held-out evaluations (validation split); 0 = none")
+    eval_batches: int = Field(1, ge=1, description="global batches of validation windows per evaluation")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -520,6 +523,13 @@ class JobConfig(_Section):
             raise ValueError("parallel.float8=true needs CUDA GPUs of compute capability >= 8.9 (H100, L40S, "
                              "RTX 4090 ...) and workers.use_gpu=false runs on CPU; set workers.use_gpu=true or "
                              "parallel.float8=false")
+    @model_validator(mode="after")
+    def _eval_layout(self) -> JobConfig:
+        if self.train.eval_every and (self.parallel.pp > 1 or self.parallel.tp > 1):
+            raise ValueError(f"train.eval_every={self.train.eval_every} needs parallel.pp=1 and parallel.tp=1 "
+                             f"(got pp={self.parallel.pp}, tp={self.parallel.tp}): the evaluation runs the whole "
+                             "model's forward; set train.eval_every=0 or use a ddp/fsdp/hsdp layout")
+        return self
 
     def _faults_exist(self) -> None:
         for f in self.faults:

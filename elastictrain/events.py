@@ -101,6 +101,7 @@ def format_event(r: dict[str, Any]) -> str:
         return (
             f"[{stamp}] step {r['step']}/{r.get('total_steps', '?')} loss {loss_txt} "
             f"world {r['world_size']} {r.get('samples_per_s', 0):.1f} samples/s{eta_txt}"
+            + (f" eval_loss {r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "")
         )
     skip = {"event", "time"}
     detail = " ".join(f"{k}={v}" for k, v in r.items() if k not in skip and k != "reason")

@@ -14,6 +14,7 @@ metric                                               type       from
 ``elastictrain_step_time_seconds``                   gauge      ``step.step_s``
 ``elastictrain_samples_per_second``                  gauge      ``step.samples_per_s``
 ``elastictrain_loss``                                gauge      ``step.loss``
+``elastictrain_eval_loss``                           gauge      ``step.eval_loss`` (train.eval_every)
 ``elastictrain_world_size``                          gauge      ``step.world_size`` / ``generation_started``
 ``elastictrain_failures_total``                      counter    ``failure`` (tag ``kind``)
 ``elastictrain_recovery_downtime_seconds``           gauge      ``recovered.downtime_s`` (the latest)
@@ -41,6 +42,7 @@ GAUGES = {
     "elastictrain_step_time_seconds": "duration of the latest optimizer step",
     "elastictrain_samples_per_second": "training throughput at the latest step",
     "elastictrain_loss": "mean loss over the global batch at the latest step",
+    "elastictrain_eval_loss": "mean validation loss at the latest evaluation (train.eval_every)",
     "elastictrain_world_size": "workers in the current membership generation",
     "elastictrain_recovery_downtime_seconds": "last progress -> regrouped, of the latest recovery",
     "elastictrain_checkpoint_stall_seconds": "longest staging stall of the latest committed checkpoint",
@@ -88,6 +90,8 @@ class MetricsState:
                                ("reserved_mib", "elastictrain_device_memory_reserved_peak_bytes")):
                 if memory.get(key) is not None:  # the highest rank's, since the previous step event
                     g[gauge] = float(memory[key]) * 1024 * 1024
+            if r.get("eval_loss") is not None:
+                g["elastictrain_eval_loss"] = float(r["eval_loss"])
             # The ledger's rule: a step at a smaller world size is productive in proportion to its size.
             self.productive_s += float(r["step_s"]) * min(1.0, r["world_size"] / self.workers_max)
         elif name == "step_skipped":

@@ -32,7 +32,7 @@ def _local_path(source: str) -> str | None:
 
 def check_data_source(source: str, key: str = "task.data.source") -> None:
     """Raise ConfigError when a local data source names nothing: a missing file or directory, a glob that
-    matches no file, or a directory without ``.parquet`` files."""
+    matches no file, or a directory without ``.parquet`` files or a prepared corpus's ``manifest.json``."""
     path = _local_path(source)
     if path is None:
         return
@@ -42,6 +42,8 @@ def check_data_source(source: str, key: str = "task.data.source") -> None:
         return
     p = Path(path)
     if p.is_dir():
+        if (p / "manifest.json").is_file():  # a prepared corpus (elastictrain data prepare)
+            return
         if not any(p.rglob("*.parquet")):
             raise ConfigError(f"{key}={source!r}: the directory holds no .parquet file; point it at Parquet data")
         return

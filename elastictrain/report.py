@@ -85,6 +85,7 @@ def build_view(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[st
         "name": start.get("name"), "run_id": start.get("run_id"), "duration_s": round(end - t0, 3),
         "summary": summary,
         "loss": [[step_time[int(e["step"])], e["loss"]] for e in steps if e.get("loss") is not None],
+        "eval_loss": [[step_time[int(e["step"])], e["eval_loss"]] for e in steps if e.get("eval_loss") is not None],
         "throughput": [[done(e), e.get("samples_per_s")] for e in steps],
         "steps": [[done(e), int(e["step"])] for e in steps],
         "world": world, "workers_max": start.get("workers_max"),

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 COLORS = {
-    "loss": "#1c7ed6", "throughput": "#7048e8", "world": "#0ca678", "run": "#4dabf7", "setup": "#d0ebff",
+    "loss": "#1c7ed6", "eval": "#e8590c", "throughput": "#7048e8", "world": "#0ca678", "run": "#4dabf7", "setup": "#d0ebff",
     "failure": "#e03131", "replaced": "#2f9e44", "staged": "#f08c00", "committed": "#2f9e44", "ckfail": "#868e96",
     "resized": "#f08c00", "preempted": "#ae3ec9", "recovered": "#2f9e44", "resumed": "#1c7ed6",
     "run_failed": "#c92a2a", "grid": "#eef0f2", "axis": "#9aa5b1", "text": "#52606d",
@@ -62,6 +62,8 @@ def _header(view: dict[str, Any]) -> str:
     cls = state if state in ("finished", "failed", "preempted") else "other"
     gp = (s.get("goodput") or {}).get("fraction")
     figs = [("final-step", "final step", s.get("final_step")), ("final-loss", "final loss", s.get("final_loss")),
+            *([("final-eval-loss", "final eval loss", s["final_eval_loss"])] if s.get("final_eval_loss") is not None
+              else []),
             ("wall-s", "wall time (s)", s.get("wall_s")), ("failures", "failures", s.get("failures")),
             ("recoveries", "recoveries", s.get("recoveries")), ("lost-steps", "lost steps", s.get("lost_steps")),
             ("checkpoints", "checkpoints", _count(s.get("checkpoints_committed"))),
@@ -118,13 +120,16 @@ def _panel_title(y0: float, color: str, label: str) -> str:
     return (f"<text x='4' y='{y0 + 14}' font-size='12' font-weight='600' fill='{color}'>{esc(label)}</text>")
 
 
-def _line_panel(points: list[list[float]], x: _X, y0: float, h: float, color: str, label: str) -> str:
+def _line_panel(points: list[list[float]], x: _X, y0: float, h: float, color: str, label: str,
+                second: tuple[list[list[float]], str, str] | None = None) -> str:
+    """A line chart; ``second`` = (points, color, label): another series on the same scale (the eval loss)."""
     pts = [(t, v) for t, v in points if isinstance(v, (int, float)) and math.isfinite(v)]
+    more = [(t, v) for t, v in (second[0] if second else []) if isinstance(v, (int, float)) and math.isfinite(v)]
     out = [f"<rect x='{LEFT}' y='{y0}' width='{PLOT_W}' height='{h}' fill='#fbfcfd' stroke='{COLORS['grid']}'/>",
-           _panel_title(y0, color, label)]
+           _panel_title(y0, color, label + (f" \u00b7 {second[2]} (dashed)" if more else ""))]
     if not pts:
         return "".join(out)
-    vals = [v for _, v in pts]
+    vals = [v for _, v in pts + more]
     lo, hi = min(vals), max(vals)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -144,6 +149,11 @@ def _line_panel(points: list[list[float]], x: _X, y0: float, h: float, color: st
     if len(pts) <= 200:
         out.extend(f"<circle cx='{x(t):.1f}' cy='{y(v):.1f}' r='2' fill='{color}'><title>t={t:.1f}s "
                    f"{esc(label)} {v:.4g}</title></circle>" for t, v in pts)
+    if more:
+        path = " ".join(f"{'M' if i == 0 else 'L'}{x(t):.1f},{y(v):.1f}" for i, (t, v) in enumerate(more))
+        out.append(f"<path d='{path}' fill='none' stroke='{second[1]}' stroke-width='2' stroke-dasharray='5,3'/>")
+        out.extend(f"<circle cx='{x(t):.1f}' cy='{y(v):.1f}' r='2.5' fill='{second[1]}'><title>t={t:.1f}s "
+                   f"{esc(second[2])} {v:.4g}</title></circle>" for t, v in more[:200])
     return "".join(out)
 
 
@@ -276,7 +286,8 @@ def _timeline(view: dict[str, Any]) -> str:
     y = TOP
     parts = []
     loss_y, y = y, y + H_LOSS + GAP
-    parts.append(_line_panel(view["loss"], x, loss_y, H_LOSS, COLORS["loss"], "loss"))
+    parts.append(_line_panel(view["loss"], x, loss_y, H_LOSS, COLORS["loss"], "loss",
+                             (view.get("eval_loss") or [], COLORS["eval"], "eval loss")))
     parts.append(_line_panel(view["throughput"], x, y, H_TPUT, COLORS["throughput"], "samples/s"))
     y += H_TPUT + GAP
     parts.append(_world_panel(view, x, y))

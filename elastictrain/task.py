@@ -49,6 +49,8 @@ class Task:
       a recovery in which a survivor rebuilds its model on meta tensors.
       Under ``parallel.pp > 1`` it is applied to each pipeline stage module, on the mesh of that stage's
       data-parallel ranks.
+    - ``eval_dataset_fn()`` (optional) returns the held-out dataset that ``train.eval_every`` scores with
+      ``loss_fn`` (no gradients, ``model.eval()``); the built-in task's is a prepared corpus's validation split.
     - ``pipeline`` (:class:`PipelineHooks`) says how the model splits into pipeline stages
       (``parallel.pp > 1``); without it a pp job is refused when its stages are built. The built-in GPT's
       (:data:`GPT_PIPELINE`) is the documented example.
@@ -70,6 +72,7 @@ class Task:
     parallelize_fn: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     pipeline: PipelineHooks | None = None
     init_weights: Callable[[torch.nn.Module], None] | None = None
+    eval_dataset_fn: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,12 +120,13 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
 @dataclass(frozen=True)
 class _GPTModel:
     cfg: Any
+    vocab_size: int | None = None  # resolved with the data by builtin_task; None = the config's, else bytes
 
     def __call__(self) -> torch.nn.Module:
         from elastictrain.models.gpt import GPT, GPTConfig
 
         m = self.cfg
-        return GPT(GPTConfig(vocab_size=m.vocab_size or 256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        return GPT(GPTConfig(vocab_size=self.vocab_size or m.vocab_size or 256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
                              d_model=m.d_model, dropout=m.dropout))
 
 
@@ -134,9 +138,10 @@ class _LlamaModel:
     shape: tuple[tuple[str, Any], ...]  # LlamaConfig keywords (a tuple: frozen and hashable)
 
     @classmethod
-    def of(cls, task: Any) -> _LlamaModel:
+    def of(cls, task: Any, vocab: int | None = None) -> _LlamaModel:
+        """``vocab``: the vocabulary resolved with the data (a prepared corpus's manifest); None = the config's."""
         shape = task.llama.shape()
-        shape.update(vocab_size=task.vocab_size, max_seq_len=task.model.seq_len)
+        shape.update(vocab_size=vocab if vocab is not None else task.vocab_size, max_seq_len=task.model.seq_len)
         return cls(tuple(sorted(shape.items())))
 
     @property
@@ -226,10 +231,16 @@ class _Corpus:
     column: str
     storage_options: dict
     seq_len: int
+    prepared: bool = False  # a corpus of `elastictrain data prepare`: windows read by range
+    split: str = "train"
 
     def __call__(self) -> Any:
         from elastictrain.data.datasets import TokenWindows, load_text_tokens
 
+        if self.prepared:
+            from elastictrain.data.windows import PreparedWindows
+
+            return PreparedWindows(self.source, self.seq_len, self.split, self.storage_options)
         tokens = load_text_tokens(self.source, column=self.column, storage_options=self.storage_options)
         return TokenWindows(tokens, self.seq_len)
 
@@ -243,24 +254,79 @@ class _Schedule:
         return warmup_cosine(step, self.warmup, self.total)
 
 
+def data_vocab_size(config: JobConfig) -> tuple[int, bool]:
+    """``(the vocabulary of task.data, whether it is a prepared corpus)``: the prepared manifest's
+    ``vocab_size`` (one small read), else 256 (byte tokens). Raises ConfigError for an unreadable manifest."""
+    from elastictrain.config import ConfigError
+    from elastictrain.data.shards import PreparedDataError, is_prepared, read_manifest
+
+    d = config.task.data
+    if not is_prepared(d.source, dict(d.storage_options)):
+        return 256, False
+    try:
+        return read_manifest(d.source, dict(d.storage_options)).vocab_size, True
+    except PreparedDataError as e:
+        raise ConfigError(f"task.data.source={d.source!r}: {e}") from None
+
+
+def model_vocab_size(config: JobConfig) -> tuple[int, bool]:
+    """The built-in model's vocabulary: ``task.model.vocab_size``, or the data's when None. Raises ConfigError
+    when it is set smaller than the data's (ids past the embedding would crash the first step)."""
+    from elastictrain.config import ConfigError
+
+    data_vocab, prepared = data_vocab_size(config)
+    asked = getattr(config.task.model, "vocab_size", None)
+    if asked is None:
+        return data_vocab, prepared
+    if asked < data_vocab:
+        raise ConfigError(f"task.model.vocab_size={asked} is smaller than the data's vocabulary {data_vocab} "
+                          f"(task.data.source={config.task.data.source!r}); set task.model.vocab_size >= "
+                          f"{data_vocab} or leave it unset (null: the data's)")
+    return asked, prepared
+
+
 def builtin_task(config: JobConfig) -> Task:
-    """The task named by ``config.task``: ``tiny_gpt`` (a small byte-level GPT) or ``llama`` (Llama 3 of
-    ``task.llama``, or of ``task.init_from``'s config.json and weights: ConfigError here, on the driver, for
-    a source that does not fit), on the corpus of ``task.data`` with AdamW and a warm-up + cosine schedule."""
+    """The task named by ``config.task``: ``tiny_gpt`` (a small GPT) or ``llama`` (Llama 3 of ``task.llama``, or
+    of ``task.init_from``'s config.json and weights: ConfigError here, on the driver, for a source that does not
+    fit), on the corpus of ``task.data`` (byte tokens, or a prepared corpus's tokens: the model's vocabulary is
+    then the manifest's unless task.model.vocab_size sets it; ConfigError when it is smaller) with AdamW and a
+    warm-up + cosine schedule."""
     t = config.task
     llama = t.kind == "llama"
+    vocab, prepared = model_vocab_size(config)
+    evaluate = None
+    if config.train.eval_every:
+        evaluate = _Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared,
+                           split="validation")
+        _check_validation_split(config, prepared)
     task = Task(
-        model_fn=_LlamaModel.of(t) if llama else _GPTModel(t.model),
+        model_fn=_LlamaModel.of(t, vocab) if llama else _GPTModel(t.model, vocab),
         loss_fn=_gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
-        dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len),
+        dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared),
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
         pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
+        eval_dataset_fn=evaluate,
     )
     if llama and t.init_from is not None:  # shape and step-0 weights of a Hugging Face model (read here, once)
         from elastictrain.models.hf_init import from_source
 
         task = from_source(task, config)
     return task
+
+
+def _check_validation_split(config: JobConfig, prepared: bool) -> None:
+    """``train.eval_every`` needs a validation split of at least one window: a ConfigError otherwise."""
+    from elastictrain.config import ConfigError
+    from elastictrain.data.shards import read_manifest
+
+    d = config.task.data
+    have = read_manifest(d.source, dict(d.storage_options)).tokens("validation") if prepared else 0
+    if have < config.task.model.seq_len + 1:
+        raise ConfigError(
+            f"train.eval_every={config.train.eval_every} needs a validation split of at least one window "
+            f"({config.task.model.seq_len + 1} tokens) but task.data.source={d.source!r} has "
+            + (f"{have} validation tokens" if prepared else "none (not a prepared corpus)")
+            + "; prepare it with --val-fraction or --val-source, or set train.eval_every=0")

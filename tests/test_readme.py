@@ -113,3 +113,34 @@ def test_readme_report_command(raised_run, tmp_path) -> None:
                            "--no-png"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == f"elastictrain: html {out}", proc.stdout + proc.stderr
     assert out.stat().st_size > 0 and not out.with_suffix(".png").exists()
+
+
+def prepare_commands() -> list[list[str]]:
+    """The `elastictrain` commands of the README's "Your own corpus" block."""
+    text = (ROOT / "README.md").read_text()
+    marker = text.index("test_readme_prepare_then_run")
+    block = re.search(r"```bash\n(.*?)```", text[marker:], flags=re.S).group(1)
+    return [shlex.split(line, comments=True)[1:] for line in block.splitlines()
+            if shlex.split(line, comments=True)[:1] == ["elastictrain"]]
+
+
+@pytest.mark.slow  # a prepare on Ray Data, then `elastictrain run` (a private local Ray each)
+def test_readme_prepare_then_run(tmp_path):
+    from tests.test_prepared_data import _corpus, _tokenizer
+
+    commands = prepare_commands()
+    assert [c[:2] for c in commands] == [["data", "prepare"], ["run", "jobs/prepared_gpt.yaml"]], commands
+    shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
+    _corpus(tmp_path / "corpus")
+    _tokenizer(tmp_path / "tokenizer.json")
+    outputs = []
+    for args in commands:
+        r = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
+                           capture_output=True, timeout=600)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout[-2000:], r.stderr[-2000:])
+        outputs.append(r.stdout)
+    assert "elastictrain: prepared prepared/: train" in outputs[0] and "vocab 300" in outputs[0]
+    assert "elastictrain: finished step 40" in outputs[1]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "step"][-1] == 40

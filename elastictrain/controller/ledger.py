@@ -27,6 +27,7 @@ class Ledger:
         self.t0 = time.time()
         self.last_step = 0
         self.last_loss: float | None = None
+        self.last_eval_loss: float | None = None
         self.last_progress = time.time()  # last time any step completed (the watchdog's reference)
         self.step_times: list[float] = []
         # by rank, the newest only (the straggler window): bounded whatever the run's length
@@ -165,6 +166,9 @@ class Ledger:
             "finished_at": round(first.finished_at, 6),
         }
         fields.update(self._throughput(first))
+        if first.eval_loss is not None:
+            fields["eval_loss"] = first.eval_loss
+            self.last_eval_loss = first.eval_loss
         if not complete:
             fields["complete"] = False
         memory = self._memory_fields()
@@ -238,6 +242,7 @@ class Ledger:
         buckets["other_s"] = round(max(0.0, wall - sum(self.goodput.values())), 6)
         return {
             "state": state, "final_step": self.last_step, "final_loss": self.last_loss, "wall_s": round(wall, 3),
+            **({"final_eval_loss": self.last_eval_loss} if self.last_eval_loss is not None else {}),
             "world_size_history": self.world_size_history, "failures": self.failures,
             "recoveries": self.recoveries, "lost_steps": self.lost_steps, "memory": self.memory_summary(),
             "mfu": _median(self.mfus), "tokens_per_s_per_device": _median(self.tokens_per_s_per_device),

@@ -1,4 +1,5 @@
-"""Data: the pure global sample cursor, the built-in corpus and map-style datasets."""
+"""Data: the pure global sample cursor, the built-in corpus and map-style datasets. Prepared corpora (docs/data.md):
+``elastictrain.data.shards`` (format), ``.prepare`` (the command), ``.windows`` (``PreparedWindows``)."""
 
 from elastictrain.data.corpus import BYTE_VOCAB_SIZE, KNOWN_CORPORA, builtin_corpus_bytes, byte_tokens
 from elastictrain.data.cursor import (
@@ -6,6 +7,7 @@ from elastictrain.data.cursor import (
     CursorState,
     check_layout,
     epoch_permutation,
+    eval_sample_ids,
     micro_batch_positions,
     rank_micro_batches,
     sample_ids,
@@ -25,6 +27,7 @@ __all__ = [
     "check_layout",
     "collate",
     "epoch_permutation",
+    "eval_sample_ids",
     "load_text_tokens",
     "micro_batch_positions",
     "rank_micro_batches",

@@ -29,6 +29,7 @@ __all__ = [
     "micro_batch_positions",
     "rank_micro_batches",
     "sample_ids",
+    "eval_sample_ids",
     "step_sample_ids",
     "valid_world_sizes",
 ]
@@ -165,6 +166,18 @@ def step_sample_ids(step: int, global_batch: int, seed: int, n: int) -> np.ndarr
     _check_int("step", step, 0)
     _check_int("global_batch", global_batch, 1)
     return sample_ids(step * global_batch, global_batch, seed, n)
+
+
+def eval_sample_ids(eval_batch: int, rank: int, world_size: int, micro_batch: int, global_batch: int, k: int,
+                    n: int) -> np.ndarray:
+    """Validation sample ids of micro-batch ``k`` of ``rank`` in evaluation batch ``eval_batch``: the batch's
+    positions are ``[eval_batch*G, (eval_batch+1)*G)``, split over ranks and micro-batches as a step's are
+    (``micro_batch_positions``), and position ``p`` is window ``p % n`` of the validation split (in order, no
+    shuffle). So every evaluation of a run scores the same windows, whatever the world size."""
+    _check_int("eval_batch", eval_batch, 0)
+    _check_int("n", n, 1)
+    within = micro_batch_positions(0, rank, world_size, micro_batch, global_batch, k)
+    return (eval_batch * global_batch + np.arange(within.start, within.stop, dtype=np.int64)) % n
 
 
 @dataclass(frozen=True)

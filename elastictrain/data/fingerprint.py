@@ -3,7 +3,9 @@
 Every worker computes it in its set-up; the controller refuses a worker whose fingerprint differs from the
 group's (e.g. a Parquet prefix that grew between two workers' set-ups, which would give each rank its own
 permutation), and a resume refuses a checkpoint written over other data. Items are sampled at fixed
-positions (first, last and evenly spaced), so the cost does not grow with the dataset.
+positions (first, last and evenly spaced), so the cost does not grow with the dataset. A prepared corpus
+(:class:`~elastictrain.data.windows.PreparedWindows`) is fingerprinted by its manifest: its shards' SHA-256 and
+its tokenizer's, so a checkpoint over another corpus or tokenizer is refused with both named.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ def _update(h: Any, leaf: Any) -> None:
 
 
 def dataset_fingerprint(dataset: Any, count: int = _SAMPLES) -> dict[str, Any]:
-    """``{"len": n, "sha256": hash of the sampled items}`` of a map-style dataset."""
+    """``{"len": n, "sha256": hash of the sampled items}`` of a map-style dataset; a dataset with its own
+    ``fingerprint()`` (a prepared corpus: from its manifest, no data read) gives that instead."""
+    own = getattr(dataset, "fingerprint", None)
+    if callable(own):
+        return own()
     n = len(dataset)
     h = hashlib.sha256()
     for i in sample_positions(n, count):

@@ -662,6 +662,8 @@ class Worker:
     def shutdown(self) -> None:
         self._close_replicator(timeout=self.config.timeouts.collective_s)
         self._leave_group()
+        if getattr(self, "runner", None) is not None:
+            self.runner.close_data()
 
 
 def worker_actor_class() -> Any:

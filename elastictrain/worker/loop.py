@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
-from elastictrain.data.cursor import CursorState, rank_micro_batches
+from elastictrain.data.cursor import CursorState, eval_sample_ids, rank_micro_batches
 from elastictrain.models.gpt import sample_seed
 from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
@@ -65,6 +65,7 @@ class StepRecord:
     peak_flops: float | None = None  # this rank's device's peak FLOP/s (None on CPU or an unknown GPU)
     devices: int = 1  # ranks the step ran on (the whole world: pp x dp x tp)
     compile_s: float | None = None  # parallel.compile: the generation's first step, compiling included
+    eval_loss: float | None = None  # mean validation loss after this step (train.eval_every)
     memory: dict[str, float] | None = None  # this rank's peak memory over the step, MiB (worker/memory_peak.py)
     skipped: str | None = None  # the step's update was skipped: why (non-finite loss or gradient norm)
 
@@ -98,6 +99,7 @@ class StepRunner:
         self.dataset = task.dataset_fn()
         self.dataset_len = len(self.dataset)
         self.collate = task.collate_fn or _default_collate
+        self.eval_dataset = task.eval_dataset_fn() if (train.eval_every and task.eval_dataset_fn) else None
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
         if self.parallel.plan != "ddp" or self.parallel.pp > 1 or self.parallel.tp > 1:  # rebuilds copy it
@@ -305,12 +307,16 @@ class StepRunner:
         d = self.layout.dims.dp
         dp_rank = self.layout.coords(self.rank)[1]
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
+        self._read_ahead(s, micro, dp_rank, d)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
         self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
         with self.profiler.around(self.rank, number):
             done, stats = self._forward_backward(micro, hooks, d / g)
             skipped = self._finish_step(s, number, micro, stats, hooks.loss_sum)
+        eval_loss = None
+        if self.eval_dataset is not None and number % self.train.eval_every == 0:
+            eval_loss = self.evaluate(dp_rank, d)
         step_s = time.perf_counter() - t0
         compile_s, self._compile_pending = (step_s if self._compile_pending else None), False
         record = StepRecord(
@@ -319,7 +325,7 @@ class StepRunner:
             sample_ids=self._seen, pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
             memory=memory_peak.read_and_reset(self.device), skipped=skipped,
             tokens=self.tokens_per_step, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
-            devices=self.layout.dims.world_size, compile_s=compile_s,
+            devices=self.layout.dims.world_size, compile_s=compile_s, eval_loss=eval_loss,
         )
         return record, bool(stats[1] > 0)
 
@@ -351,6 +357,47 @@ class StepRunner:
         self.step = number
         self.faults.fire(rank=self.rank, step=number, point="after_step", generation=self.generation)
         return skipped
+
+    def evaluate(self, dp_rank: int, d: int) -> float:
+        """The mean ``loss_fn`` over ``train.eval_batches`` global batches of the validation split (ids:
+        ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (one
+        all-reduce of the loss sum). The same value on every rank and at every world size (to float
+        summation order). Needs pp = tp = 1 (the config refuses eval under them)."""
+        g, m = self.train.global_batch, self.train.micro_batch
+        n = len(self.eval_dataset)
+        module = self.pm.module
+        module.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._set_phase("compute")
+        with torch.no_grad():
+            for j in range(self.train.eval_batches):
+                for k in range(g // (d * m)):
+                    ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
+                    batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
+                    seeds = torch.zeros(len(ids), dtype=torch.long)
+                    total += self.task.loss_fn(module, batch, seeds).double().sum()
+        self._set_phase("collective")
+        dist.all_reduce(total)
+        self._set_phase("idle")
+        module.train()
+        return float(total) / (g * self.train.eval_batches)
+
+    def close_data(self) -> None:
+        """Stop the datasets' read-ahead threads and close their files (a dataset with ``close()``)."""
+        for ds in (self.dataset, getattr(self, "eval_dataset", None)):
+            close = getattr(ds, "close", None)
+            if callable(close):
+                close()
+
+    def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
+        """A dataset with ``prefetch(ids)`` (a prepared corpus on S3) starts reading this step's and the next
+        step's windows of this rank in its own threads: the next step's data loads behind this step."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is None:
+            return
+        nxt = rank_micro_batches(s + 1, dp_rank, d, self.train.micro_batch, self.train.global_batch,
+                                 self.train.seed, self.dataset_len)
+        prefetch([int(i) for ids in micro + nxt for i in ids])
 
     def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
         """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written
