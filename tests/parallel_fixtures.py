@@ -1,7 +1,15 @@
-"""Module-level task parts for tests/test_parallel.py (Ray workers import them by name), and the in-process
-one-worker reference its layouts are compared with."""
+"""Module-level task parts for tests/test_parallel.py (Ray workers import them by name), the in-process
+one-worker reference runs on Ray are compared with, and the comparison itself (:func:`assert_same_numbers`:
+every step's loss and the final parameters), with :func:`assert_grew_back_from_the_last_step`."""
 
 from __future__ import annotations
+
+from typing import Any
+
+# The tolerance of a layout against one process (tests/test_parallel.py's docstring says why): fp32 sums in
+# another order move losses by ~1e-7 relative and parameters by ~lr * 1e-6; a bug moves them by >= 1e-4.
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
 
 
 class HFGPT2:
@@ -61,3 +69,37 @@ class InProcessRun:
 
     def final_params(self) -> dict:
         return self._params
+
+
+def assert_same_numbers(run: Any, ref: Any, *, steps: range | None = None, loss_rtol: float = LOSS_RTOL,
+                        param_atol: float = PARAM_ATOL, params: bool = True) -> None:
+    """``run`` (a :class:`tests.conftest.Run`) trained ``ref``'s numbers (an :class:`InProcessRun` or another
+    Run): every ``step`` event's loss -- a step redone after a restore reports again, and each report
+    counts -- within ``loss_rtol`` of ``ref``'s loss of that step, every step of ``steps`` (default: all of
+    ``ref``'s) reported, and (``params``; a run that stopped early wrote none) the final parameters within
+    ``param_atol``, by name. A state restored one step
+    stale, or one step's loss off by 2e-4, fails here where a final loss within 1e-4 did not."""
+    want = ref.losses()
+    steps = range(1, max(want) + 1) if steps is None else steps
+    reported = [(e["step"], e["loss"]) for e in run.of("step")]
+    assert sorted({s for s, _ in reported}) == list(steps), sorted({s for s, _ in reported})
+    off = [(s, got, want[s]) for s, got in reported if not abs(got - want[s]) <= loss_rtol * abs(want[s])]
+    assert not off, f"(step, loss, reference) beyond {loss_rtol} relative: {off}"
+    if not params:
+        return
+    pr, pf = run.final_params(), ref.final_params()
+    assert pr.keys() == pf.keys(), sorted(set(pr) ^ set(pf))
+    worst = max(((pr[k].double() - pf[k].double()).abs().max().item(), k) for k in pf)
+    assert worst[0] <= param_atol, f"final parameters: {worst[1]} off by {worst[0]:.3g} > {param_atol}"
+
+
+def assert_grew_back_from_the_last_step(run: Any, times: int = 1) -> None:
+    """The run grew back ``times`` times (``generation_started`` with reason ``grow``), each from the last
+    step it had trained (the members' live state), none from an older committed checkpoint."""
+    grown = [i for i, e in enumerate(run.events) if e["event"] == "generation_started" and e["reason"] == "grow"]
+    assert len(grown) == times, [e for e in run.events if e["event"] == "generation_started"]
+    for i in grown:
+        trained = max(e["step"] for e in run.events[:i] if e["event"] == "step")
+        assert run.events[i]["step"] == trained, (run.events[i], trained)
+    later = [e for e in run.events[grown[0]:] if e["event"] == "resumed"]
+    assert not later, later  # no reload from storage after the first grow-back

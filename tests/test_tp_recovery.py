@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 
 from tests.conftest import BASE_JOB, job, run_job
-from tests.test_pp_recovery import _audit, _clean_loss, _kept_their_process, _slow
+from tests.parallel_fixtures import assert_grew_back_from_the_last_step, assert_same_numbers
+from tests.test_pp_recovery import _audit, _clean, _kept_their_process, _slow
 
 STEPS = 16
 TASK = copy.deepcopy(BASE_JOB["task"])  # 2 heads, d_model 32: every TP dimension divides by 2
@@ -29,10 +30,13 @@ def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
 
 
 def _like_clean(run, clean: dict) -> None:
+    """Finished, every step saw its samples, every step's loss (a redone one too) within 1e-5 relative of
+    the uninterrupted run's and the final parameters within 1e-4 absolute: tp's tolerance
+    (tests/test_tensor_parallel.py: one element of blocks.1.mlp_out.weight differs by 1.2e-5 in every tp
+    layout, its gradient at the rounding level of its sum)."""
     assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
     _audit(run)
-    lf, lc = run.summary["final_loss"], _clean_loss(clean)
-    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+    assert_same_numbers(run, _clean(clean), param_atol=1e-4)
 
 
 def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_and_grows(tmp_path, ray_local):
@@ -50,6 +54,7 @@ def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_a
     assert "survivors [0, 3] hold every tp coordinate's every shard" in rec["reason"], rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole TP groups only: 3 workers run one
+    assert_grew_back_from_the_last_step(run)
     _kept_their_process(run, [0, 2, 3])
     _like_clean(run, CLEAN)
 
