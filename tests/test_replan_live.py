@@ -143,6 +143,9 @@ def test_a_replicated_generation_followed_by_a_sharded_one_serves_snapshots(ray_
             return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen)
 
     actor = Survivor.remote()
+    # started before the gatherer's calls, which are bounded by timeouts.poll_s (a worker process can take
+    # longer than that to start on a loaded machine: seen at 30 s, the gatherer then chose "scratch")
+    assert ray.get(actor.own_snapshots.remote(), timeout=300) == []
     ddp3 = Layout(MeshDims(dp_replicate=3, plan="ddp"), 4, "ddp 3")
     g = SourceGatherer(build_config(job()), EventLog(tmp_path, console=None), None, None, None, None,
                        lambda world: ddp3)
