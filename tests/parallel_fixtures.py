@@ -77,8 +77,8 @@ def assert_same_numbers(run: Any, ref: Any, *, steps: range | None = None, loss_
     Run): every ``step`` event's loss -- a step redone after a restore reports again, and each report
     counts -- within ``loss_rtol`` of ``ref``'s loss of that step, every step of ``steps`` (default: all of
     ``ref``'s) reported, and (``params``; a run that stopped early wrote none) the final parameters within
-    ``param_atol``, by name. A state restored one step
-    stale, or one step's loss off by 2e-4, fails here where a final loss within 1e-4 did not."""
+    ``param_atol``, by name. One step's loss off by 2e-4 after a restore fails here (shown against such a
+    build: issue 40) where a final loss within 1e-4 did not."""
     want = ref.losses()
     steps = range(1, max(want) + 1) if steps is None else steps
     reported = [(e["step"], e["loss"]) for e in run.of("step")]
@@ -93,11 +93,12 @@ def assert_same_numbers(run: Any, ref: Any, *, steps: range | None = None, loss_
     assert worst[0] <= param_atol, f"final parameters: {worst[1]} off by {worst[0]:.3g} > {param_atol}"
 
 
-def assert_grew_back_from_the_last_step(run: Any, times: int = 1) -> None:
-    """The run grew back ``times`` times (``generation_started`` with reason ``grow``), each from the last
-    step it had trained (the members' live state), none from an older committed checkpoint."""
+def assert_grew_back_from_the_last_step(run: Any) -> None:
+    """The run grew back (``generation_started`` with reason ``grow``), each time from the last step it had
+    trained (the members' live state: the step of the last ``step`` event before it), never from an older
+    committed checkpoint."""
     grown = [i for i, e in enumerate(run.events) if e["event"] == "generation_started" and e["reason"] == "grow"]
-    assert len(grown) == times, [e for e in run.events if e["event"] == "generation_started"]
+    assert grown, [e for e in run.events if e["event"] == "generation_started"]
     for i in grown:
         trained = max(e["step"] for e in run.events[:i] if e["event"] == "step")
         assert run.events[i]["step"] == trained, (run.events[i], trained)
