@@ -63,8 +63,7 @@ class ScriptedWorker:
         status = self.script.get("run", "done")
         if status == "exit":  # the process dies mid-step
             os._exit(1)
-        if "after_death_of" in self.script:  # a collective with that peer fails once it is gone, not before
-            _wait_until_dead(self.script["after_death_of"])
+        time.sleep(self.script.get("run_s", 0.0))
         return run_result.pack(status, self.step, self.script.get("error") if status != "done" else None,
                                self.slot)
 
@@ -88,22 +87,6 @@ class ScriptedWorker:
         pass
 
 
-def _wait_until_dead(name: str, timeout: float = 300.0) -> None:
-    """Return once Ray reports the actor named ``name`` dead: a call to it fails (RayActorError), or the name
-    is gone. The wait is on that event, not on a guess of how long a death takes to be seen."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            peer = ray.get_actor(name)
-            ray.get(peer.poll.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ValueError):  # dead; ValueError: no such name (any more)
-            return
-        except ray.exceptions.GetTimeoutError:
-            continue
-        time.sleep(0.05)  # alive: ask again (a poll interval, not a guess of the outcome)
-    raise AssertionError(f"{name} did not die within {timeout} s")
-
-
 class FakeGroup(WorkerGroup):
     """WorkerGroup's interface over ScriptedWorker actors; no placement groups, no processes to kill."""
 
@@ -111,21 +94,10 @@ class FakeGroup(WorkerGroup):
         self.slots = [Slot(i) for i in range(n)]
         self.scripts = scripts
         self.spawned: list[int] = []
-        self.named: set[str] = set()
-        self._tag = f"fake-{os.getpid()}-{id(self)}"
-
-    def name(self, index: int) -> str:
-        """The Ray name of slot ``index``'s first actor (unique to this group)."""
-        return f"{self._tag}-{index}"
 
     def spawn(self, index: int) -> Slot:
         slot = self.slots[index]
-        script = dict(self.scripts.get(index, {}))
-        if "after_death_of" in script:  # a slot index: the name of that slot's first actor
-            script["after_death_of"] = self.name(script["after_death_of"])
-        name = None if self.name(index) in self.named else self.name(index)  # a respawn: no name
-        self.named.add(self.name(index))
-        slot.actor = ScriptedWorker.options(num_cpus=0, name=name).remote(index, script)
+        slot.actor = ScriptedWorker.options(num_cpus=0).remote(index, self.scripts.get(index, {}))
         slot.setup_ref = slot.actor.setup.remote()
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         self.spawned.append(index)
@@ -245,8 +217,8 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     """Elastic: a failed worker's replacement is started once the survivors' next generation is formed --
     a starting worker takes a core for seconds and would slow the recovery it cannot join. (Strict mode,
     which must wait for it, starts it at once: test_own_errors_in_a_row_fail_the_run_as_a_crash_loop.)"""
-    # slot 1's process dies in its step; slot 0's step then fails on the dead peer (once Ray reports it dead)
-    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "after_death_of": 1}, 1: {"run": "exit"}},
+    # slot 1's process dies in its step; slot 0's step then fails on the dead peer (after the death is seen)
+    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "run_s": 1.0}, 1: {"run": "exit"}},
                            workers={"min": 1, "max": 2})
     order: list[tuple[str, int]] = []
     spawn, form = group.spawn, c._form_generation
