@@ -218,8 +218,10 @@ def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_n
     that checkpoint, and its steps 9..16 have the uninterrupted pp4 run's losses."""
     task = {**TASK, "model": {**MODEL, "n_layer": 4}}
     ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 8, "memory_every_steps": 0}
+    # TIMEOUTS' restart grace: four cold workers took longer than the default 90 s to start on a loaded
+    # machine (seen: "could not start 4 workers within timeouts.restart_grace_s=90", none up)
     pp4 = job(name="pp4", task=task, train=TRAIN, workers={"min": 4, "max": 4},
-              parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt)
+              parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt, timeouts=dict(TIMEOUTS))
     whole = run_job(tmp_path, pp4, name="pp4")
     assert whole.result.exit_code == 0 and whole.summary["checkpoints_committed"] == [8, STEPS], whole.summary
     branch = {**copy.deepcopy(pp4), "run_id": "pp4-to-pp2", "workers": {"min": 2, "max": 2},
