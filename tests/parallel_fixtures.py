@@ -10,6 +10,13 @@ from typing import Any
 # another order move losses by ~1e-7 relative and parameters by ~lr * 1e-6; a bug moves them by >= 1e-4.
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+# Final parameters of a run that recovered (tens of steps, at several world sizes): 1e-4. The worst element
+# is always an attention key bias (blocks.*.k.bias): its true gradient is zero (q . b_k is the same for every
+# key of a query, and softmax ignores a constant), so its gradient is the rounding noise of the sum order,
+# which AdamW normalises into updates of up to a fraction of lr = 3e-3 (test_tensor_parallel.py saw the same).
+# Measured under load at de6569b: 3e-6 to 9.5e-6 after 20-32 steps, 1.34e-5 after 60 (test_parallel.py's
+# fsdp kill); every step's loss stays within 1e-5. A bug moves parameters by >= 1e-3.
+RECOVERY_PARAM_ATOL = 1e-4
 
 
 class HFGPT2:

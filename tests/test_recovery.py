@@ -12,7 +12,7 @@ import pytest
 # math is unchanged.
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
-from tests.parallel_fixtures import assert_grew_back_from_the_last_step, assert_same_numbers
+from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_grew_back_from_the_last_step, assert_same_numbers
 from tests.test_ray_console import assert_paragraph_diverted
 
 
@@ -50,7 +50,7 @@ def test_killed_worker_shrinks_then_grows_back_with_same_numbers(tmp_path, ray_l
     _audit(faulty)
     # every step's loss and the final parameters: 2 workers, 1 while folded, 2 again differ from the clean
     # 2-worker run by fp32 sum order only (tests/parallel_fixtures.py)
-    assert_same_numbers(faulty, clean)
+    assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
 
 
