@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from elastictrain import ConfigError, build_config, load_config
@@ -51,8 +52,9 @@ def test_override_parses_yaml_values():
 
 def test_config_is_frozen():
     cfg = build_config(job())
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen_instance"):
         cfg.train.steps = 5  # type: ignore[misc]
+    assert cfg.train.steps == 20
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -171,11 +173,34 @@ def test_peer_tier_is_on_by_default_and_its_budget_must_be_positive():
             build_config(job(checkpoint={"memory_budget_gib": bad}))
 
 
-def test_the_tests_base_job_starts_no_process_beyond_its_workers():
+def test_the_tests_base_job_starts_no_process_beyond_its_workers(tmp_path, monkeypatch):
     """The suite's time is mostly processes importing torch (#21 item 14): a run of tests/conftest.py's
-    BASE_JOB starts no peer-tier keeper and no standby; the tests about those turn them on."""
-    c = build_config(job())
-    assert c.checkpoint.memory_every_steps == 0 and c.workers.standby is False
+    BASE_JOB starts no peer-tier keeper and no standby; the tests about those turn them on. Asked of the
+    code that starts them (the gatherer's keepers, the group's first standby), beside a job that starts
+    both, so that the check sees a start when there is one (no Ray here: the starts are recorded)."""
+    import ray
+
+    from elastictrain.controller.gather import SourceGatherer
+    from elastictrain.controller.group import Slot, SlotState, WorkerGroup
+    from elastictrain.events import EventLog
+
+    def starts(spec: dict) -> list[str]:
+        started: list[str] = []
+        config = build_config(spec)
+        # the keepers: one per alive node Ray lists (here one; none is created: the listing is recorded)
+        monkeypatch.setattr(ray, "nodes", lambda: started.append("keeper") or [])
+        sources = SourceGatherer(config, EventLog(tmp_path, console=None), None, None, None, None, lambda w: None)
+        sources.start_keepers()
+        group = object.__new__(WorkerGroup)  # the group's own decision, without placing processes on a Ray
+        group.config, group._standby_started = config, False
+        group.by_state = lambda *states: [Slot(0, state=SlotState.MEMBER)]
+        group._start_standby = lambda index: started.append("standby")
+        group.start_first_standby()
+        return started
+
+    assert starts(job()) == []
+    on = job(workers={"standby": True}, checkpoint={"memory_every_steps": 10})
+    assert starts(on) == ["keeper", "standby"]
 
 
 def test_version_option_prints_the_package_version() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,16 @@ from tests.checkpoint_fixtures import s3_bucket, s3_server  # noqa: F401 - fixtu
 def test_builtin_corpus_is_real_and_deterministic() -> None:
     data = builtin_corpus_bytes()
     assert len(data) > 100_000
-    assert data == builtin_corpus_bytes("pydoc")
+    # the same bytes in another process with another hash seed (dict and set order differ there)
+    import hashlib
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from elastictrain.data.corpus import builtin_corpus_bytes; "
+            "print(hashlib.sha256(builtin_corpus_bytes('pydoc')).hexdigest())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert other.stdout.strip() == hashlib.sha256(data).hexdigest(), other.stderr[-2000:]
     assert b"def " in data and b"class" in data
     tokens = load_text_tokens("builtin:pydoc")
     assert tokens.dtype == torch.int64 and tokens.dim() == 1

@@ -15,26 +15,13 @@ import pytest
 import torch
 
 from tests.conftest import job, run_job
-from tests.parallel_fixtures import InProcessRun
-
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+from tests.parallel_fixtures import (LOSS_RTOL, PARAM_ATOL, RECOVERY_PARAM_ATOL, InProcessRun,
+                                     assert_grew_back_from_the_last_step, assert_same_numbers)
 
 
 def _spec(plan: str, world: int, steps: int = 4, **sections):
     return job(train={"steps": steps, "global_batch": 16, "micro_batch": 2},
                workers={"min": world, "max": world}, parallel={"plan": plan}, **sections)
-
-
-def _close(run, ref) -> None:
-    lr, lf = run.losses(), ref.losses()
-    assert lr.keys() == lf.keys()
-    for step in lf:
-        assert abs(lr[step] - lf[step]) <= LOSS_RTOL * abs(lf[step]), (step, lr[step], lf[step])
-    pr, pf = run.final_params(), ref.final_params()
-    assert pr.keys() == pf.keys()
-    worst = max((pr[k].double() - pf[k].double()).abs().max().item() for k in pf)
-    assert worst <= PARAM_ATOL, worst
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +37,7 @@ def test_sharded_layout_matches_one_process(tmp_path, ray_local, one_process, pl
     assert run.result.exit_code == 0
     steps = run.of("step")
     assert {e["world_size"] for e in steps} == {world} and {e["accum"] for e in steps} == {8 // world}
-    _close(run, ref)
+    assert_same_numbers(run, ref)
 
 
 def _constant_lr_task(spec):
@@ -126,8 +113,10 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     assert sorted(last) == list(range(1, 61))
     for step, e in last.items():
         assert sorted(e["sample_ids"]) == sorted(step_sample_ids(step - 1, 16, 0, n).tolist())
-    lf, lc = faulty.summary["final_loss"], clean.losses()[60]
-    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+    # every step's loss (those redone after the restore too) and the final parameters: fsdp on 2, on 1 while
+    # folded, and one process differ by fp32 sum order only (the parameters' tolerance: RECOVERY_PARAM_ATOL)
+    assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
+    assert_grew_back_from_the_last_step(faulty)
 
 
 def test_hugging_face_gpt2_shape_under_fsdp(tmp_path, ray_local):
@@ -146,4 +135,4 @@ def test_hugging_face_gpt2_shape_under_fsdp(tmp_path, ray_local):
     fsdp = _spec("fsdp", 2, steps=3)
     run = run_job(tmp_path, fsdp, task=task(fsdp), name="hffsdp")
     assert run.result.exit_code == 0, run.summary
-    _close(run, ref)
+    assert_same_numbers(run, ref)

@@ -56,7 +56,8 @@ def _equal(a: dict, b: dict) -> bool:
     from torch.utils._pytree import tree_flatten_with_path
 
     fa, fb = (dict(tree_flatten_with_path(t)[0]) for t in (a, b))
-    return fa.keys() == fb.keys() and all(
+    # only rank 0's results are kept, and rank 0 holds the full state: empty is no agreement
+    return bool(fa) and fa.keys() == fb.keys() and all(
         torch.equal(fa[k], fb[k]) and fa[k].dtype == fb[k].dtype if isinstance(fa[k], torch.Tensor) else fa[k] == fb[k]
         for k in fa)
 

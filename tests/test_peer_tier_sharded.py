@@ -9,6 +9,8 @@ import signal
 import pytest
 
 from tests.conftest import BackgroundRun, job
+from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
+                                     assert_same_numbers)
 
 STEPS = 30
 
@@ -24,12 +26,10 @@ def _spec(plan: str, world: int, min_workers: int = 1, extra_faults: tuple = (),
 
 
 @pytest.fixture(scope="module")
-def clean_loss():
-    """The uninterrupted run's final loss (one process, the worker's step loop in this one; the layouts
-    differ from it by fp32 sum order; the slow steps change no number)."""
-    from tests.parallel_fixtures import InProcessRun
-
-    return InProcessRun(_spec("ddp", 1)).losses()[STEPS]
+def clean():
+    """The uninterrupted run (one process, the worker's step loop in this one; the layouts differ from it by
+    fp32 sum order; the slow steps change no number)."""
+    return InProcessRun(_spec("ddp", 1))
 
 
 def _kill_rank_1(tmp_path, spec, name, ranks=(1,)):
@@ -58,24 +58,25 @@ def _audit(run, global_batch=16, seq_len=32, steps=STEPS) -> None:
     assert sorted(seen) == list(range(1, steps + 1))
 
 
-def _finished_like_clean(run, clean: float, steps: int = STEPS) -> None:
+def _finished_like_clean(run, clean: InProcessRun, steps: int = STEPS) -> None:
+    """Finished, every step saw its samples, and every step's loss (a step redone after a restore from the
+    tier too) and the final parameters are the uninterrupted run's (tests/parallel_fixtures.py)."""
     assert run.result.exit_code == 0 and run.summary["final_step"] == steps
     _audit(run, steps=steps)
-    lf = run.summary["final_loss"]
-    assert abs(lf - clean) <= 1e-4 * abs(clean), (lf, clean)
+    assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
 
 
-def test_fsdp_rank_killed_recovers_from_peer_memory_tier(tmp_path, ray_local, clean_loss):
+def test_fsdp_rank_killed_recovers_from_peer_memory_tier(tmp_path, ray_local, clean):
     """Pure FSDP: the dead rank's shard exists nowhere among the survivors; the peer tier holds it."""
     run = _kill_rank_1(tmp_path, _spec("fsdp", 2, checkpoint={"memory_every_steps": 1}), "fsdp")
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory", rec
     assert rec["lost_steps"] <= 2, rec  # interval 1; one snapshot may be in flight at the kill
     assert "lack shard coordinates [1]" in rec["reason"]
-    _finished_like_clean(run, clean_loss)
+    _finished_like_clean(run, clean)
 
 
-def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, ray_local, clean_loss):
+def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, ray_local, clean):
     """fsdp on 4: ranks 1 and 2 die together; the survivors 0 and 3 lack two shard coordinates, which only
     the keeper holds. Lost work <= two intervals (the newest snapshot may still be in flight at the kill).
     strict: two replacements load their shards from the keeper at world size 4."""
@@ -86,10 +87,10 @@ def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, r
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
     assert "lack shard coordinates [1, 2]" in rec["reason"], rec
     assert f"lost {rec['lost_steps']} completed step(s)" in rec["reason"], rec  # the text counts as the event does
-    _finished_like_clean(run, clean_loss)
+    _finished_like_clean(run, clean)
 
 
-def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_local, clean_loss):
+def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_local, clean):
     """Elastic: fold 4 -> 2 from the keeper, then grow back 2 -> 4 from the two survivors' snapshots. The
     survivor that was rank 3 of the first 4-rank mesh is rank 1 of the regrown one; with DTensor's
     per-thread caches still holding the first, equal-looking mesh it loaded rank 3's rows (seen: loss 5.09
@@ -102,10 +103,11 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
     assert f"lost {rec['lost_steps']} completed step(s)" in rec["reason"], rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes
-    _finished_like_clean(run, clean_loss)
+    assert_grew_back_from_the_last_step(run)  # from the two survivors' live state, not the keeper's
+    _finished_like_clean(run, clean)
 
 
-def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean_loss):
+def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean):
     """HSDP on 4 (2 replica groups x 2 shards): rank 1 dies; ranks 0 and 3 hold shards 0 and 1 at the
     newest step and serve them; the group folds to 2 and grows back. No storage, no keeper."""
     # the folded generation (1) runs slowly, so the replacement is ready before the run ends even on a
@@ -121,4 +123,5 @@ def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_l
     assert "survivors [0, 3] hold every shard" in rec["reason"] or "survivors [2, 3] hold every shard" in rec["reason"], rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # folded, then grew back from the survivors' snapshots
-    _finished_like_clean(run, clean_loss)
+    assert_grew_back_from_the_last_step(run)
+    _finished_like_clean(run, clean)

@@ -112,16 +112,25 @@ def test_10000_gpus_are_planned_from_a_pruned_search():
     assert "wins" in paragraph and "runner-up" in paragraph
 
 
-def test_only_runnable_axes_are_chosen():
+def test_only_runnable_axes_are_chosen(monkeypatch):
+    """Every axis runs today, so the filter is checked with one taken away (tp, as before parallel.tp
+    existed): plan() then offers no tp layout, and ranks them all, marked not runnable, when asked to."""
+    from elastictrain.planner import search
+
     cl = Cluster(nodes=2, devices_per_node=8, **H100)
     train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
-    axes = runnable_axes()
-    assert {"dp_replicate", "dp_shard", "pp"} <= axes
-    for e in plan(LLAMA70, train, cl):
-        assert is_runnable(e.candidate, axes) and e.runnable
-    if "tp" not in axes:
-        assert not is_runnable(Candidate(tp=2), axes)
-        assert any(not e.runnable for e in plan(LLAMA70, train, cl, runnable_only=False))
+    assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp"}
+    everything = plan(LLAMA70, train, cl)
+    assert any(e.candidate.tp > 1 for e in everything) and all(e.runnable for e in everything)
+    no_tp = frozenset({"dp_replicate", "dp_shard", "pp"})
+    assert not is_runnable(Candidate(tp=2), no_tp) and is_runnable(Candidate(tp=2, pp=2), runnable_axes())
+    assert not is_runnable(Candidate(pp=2), frozenset({"dp_replicate"}))
+    monkeypatch.setattr(search, "runnable_axes", lambda: no_tp)
+    chosen = plan(LLAMA70, train, cl)
+    assert chosen and all(e.candidate.tp == 1 and e.runnable for e in chosen)
+    ranked = plan(LLAMA70, train, cl, runnable_only=False)
+    assert {e.candidate.tp > 1 for e in ranked} == {True, False}
+    assert all(e.runnable == (e.candidate.tp == 1) for e in ranked)
 
 
 def test_bad_inputs_name_the_field():

@@ -1,5 +1,6 @@
 """``parallel.plan: auto``: the choice as a pure function of (job, cluster), and a real run on local Ray
-that trains with the layout it chose and records it in ``run_started``."""
+that trains with the layout it chose (the mesh its workers report building) and records it in
+``run_started``."""
 
 from __future__ import annotations
 
@@ -60,3 +61,5 @@ def test_auto_run_trains_with_the_layout_it_chose(tmp_path, ray_local):
     assert planned["world_size"] == 2 and planned["predicted_step_s"] > 0
     assert 0 < planned["predicted_memory_bytes"] and "best of" in planned["reason"]
     assert [e["world_size"] for e in run.of("step")] == [2, 2, 2]
+    # what the workers built (the first step's ranks report their plan and mesh), not the controller's words
+    assert [e.get("mesh") for e in run.of("step")] == ["fsdp: dp_shard=2", None, None], run.of("step")

@@ -12,7 +12,8 @@ import pytest
 
 from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
-from tests.parallel_fixtures import InProcessRun
+from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
+                                     assert_same_numbers)
 
 STEPS = 16
 # two blocks: one per stage of pp2 (the built-in GPT needs n_layer >= pp)
@@ -22,6 +23,17 @@ TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
 # the uninterrupted reference: one process (the worker's step loop in the test's own process), the same math
 # (pipelined layouts differ by fp32 sum order only)
 CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
+# A run that folds and grows back: 32 steps, the folded generation slow (_FOLDED). The replacement is a cold
+# process (torch imported on a loaded machine: seen at 10-30 s); the grow-back cuts the folded generation's
+# slow steps short, so a long window costs nothing when it comes fast (issue 40: 10 steps of 1 s were not
+# enough under load).
+GROW_STEPS = 32
+GROW_CLEAN = job(task=TASK, train={**TRAIN, "steps": GROW_STEPS}, workers={"min": 1, "max": 1})
+# timeouts for a loaded 2-core machine: a survivor leaving a failed step can take longer than 15 s to be
+# scheduled there (seen: two tp2 x dp2 survivors "did not leave the failed step within 15s", the run then
+# restarted from scratch); the order collective < watchdog cap < poll < restart grace is kept
+TIMEOUTS = {**job()["timeouts"], "collective_s": 60, "step_watchdog_cap_s": 70, "poll_s": 80,
+            "watchdog_floor_s": 10, "restart_grace_s": 240}
 
 
 def _slow(world: int, seconds: float = 0.03, generation: int | None = None) -> list[dict]:
@@ -31,11 +43,9 @@ def _slow(world: int, seconds: float = 0.03, generation: int | None = None) -> l
 
 def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
     """A pp2 job on ``world`` workers (a copy the test may change: TASK and MODEL are shared)."""
-    t = job()["timeouts"]
     spec = job(task=TASK, train={**TRAIN, "audit_samples": True}, workers={"min": min_workers, "max": world},
                parallel={"plan": "ddp", "pp": 2}, faults=_slow(world) + faults,
-               recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240},
-               **sections)
+               recovery={"min_workers_wait_s": 240}, timeouts=dict(TIMEOUTS), **sections)
     return copy.deepcopy(spec)
 
 
@@ -44,22 +54,25 @@ def _audit(run, steps: int = STEPS) -> None:
     assert_cursor_audit(run, steps, MODEL["seq_len"], TRAIN["global_batch"])
 
 
-_CLEAN_LOSS: dict[str, float] = {}
+_CLEAN: dict[str, InProcessRun] = {}
 
 
-def _clean_loss(spec: dict) -> float:
-    """The final loss of ``spec`` (a one-worker job) uninterrupted, trained once per spec in this process."""
+def _clean(spec: dict) -> InProcessRun:
+    """``spec`` (a one-worker job) uninterrupted, trained once per spec in this process."""
     key = json.dumps(spec, sort_keys=True)
-    if key not in _CLEAN_LOSS:
-        _CLEAN_LOSS[key] = InProcessRun(spec).losses()[spec["train"]["steps"]]
-    return _CLEAN_LOSS[key]
+    if key not in _CLEAN:
+        _CLEAN[key] = InProcessRun(spec)
+    return _CLEAN[key]
 
 
-def _like_clean(run, clean: dict) -> None:
-    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
-    _audit(run)
-    lf, lc = run.summary["final_loss"], _clean_loss(clean)
-    assert abs(lf - lc) <= 1e-4 * abs(lc), (lf, lc)
+def _like_clean(run, clean: dict, **tolerance: float) -> None:
+    """Finished, every step (``clean``'s number of them) saw its samples, and every step's loss (a redone
+    one too) and the final parameters are those of the uninterrupted run (within fp32 sum order:
+    tests/parallel_fixtures.py)."""
+    steps = clean["train"]["steps"]
+    assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
+    _audit(run, steps)
+    assert_same_numbers(run, _clean(clean), **{"param_atol": RECOVERY_PARAM_ATOL, **tolerance})
 
 
 def _kept_their_process(run, slots) -> None:
@@ -73,15 +86,18 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     3 left fold to one whole pipeline (pp2 x dp1) and grow back to 4 once the replacement is up (the folded
     generation runs slowly so that happens). Every survivor keeps its process."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    run = run_job(tmp_path, _spec(4, 2, [kill, *_slow(2, 1.0, generation=1)]), name="pp2dp2")
+    spec = _spec(4, 2, [kill, *_slow(2, 1.0, generation=1)])  # pp: one delay a step, 26 folded steps
+    spec["train"]["steps"] = GROW_STEPS
+    run = run_job(tmp_path, spec, name="pp2dp2")
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
     assert "survivors [0, 2] hold every stage's every shard" in rec["reason"], rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole pipelines only: 3 workers run one pipeline
+    assert_grew_back_from_the_last_step(run)
     _kept_their_process(run, [0, 2, 3])
-    _like_clean(run, CLEAN)
+    _like_clean(run, GROW_CLEAN)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
@@ -181,7 +197,8 @@ def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tm
     (pre,) = first.of("preempted")
     assert pre["checkpoint"] is True and 5 <= pre["step"] < STEPS and "SIGTERM" in pre["reason"], pre
     committed = str(tmp_path / "ckpt" / "ppterm" / f"step_{pre['step']:09d}")
-    lc = _clean_loss(CLEAN)
+    clean = _clean(CLEAN)
+    assert_same_numbers(first, clean, steps=range(1, pre["step"] + 1), params=False)
     # the same job under ddp on one worker (resume: auto), then a branch of it under fsdp on two
     for name, parallel, workers, extra in (("ddp1", {"plan": "ddp"}, 1, {}),
                                            ("fsdp2", {"plan": "fsdp"}, 2, {"run_id": "ppterm-fsdp"})):
@@ -193,8 +210,7 @@ def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tm
         (resumed,) = run.of("resumed")
         assert resumed["step"] == pre["step"], (name, resumed)
         assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, (name, run.summary)
-        lf = run.summary["final_loss"]
-        assert abs(lf - lc) <= 1e-4 * abs(lc), (name, lf, lc)
+        assert_same_numbers(run, clean, steps=range(pre["step"] + 1, STEPS + 1), param_atol=RECOVERY_PARAM_ATOL)
 
 
 def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_name(tmp_path, ray_local):
@@ -203,8 +219,10 @@ def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_n
     that checkpoint, and its steps 9..16 have the uninterrupted pp4 run's losses."""
     task = {**TASK, "model": {**MODEL, "n_layer": 4}}
     ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 8, "memory_every_steps": 0}
+    # TIMEOUTS' restart grace: four cold workers took longer than the default 90 s to start on a loaded
+    # machine (seen: "could not start 4 workers within timeouts.restart_grace_s=90", none up)
     pp4 = job(name="pp4", task=task, train=TRAIN, workers={"min": 4, "max": 4},
-              parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt)
+              parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt, timeouts=dict(TIMEOUTS))
     whole = run_job(tmp_path, pp4, name="pp4")
     assert whole.result.exit_code == 0 and whole.summary["checkpoints_committed"] == [8, STEPS], whole.summary
     branch = {**copy.deepcopy(pp4), "run_id": "pp4-to-pp2", "workers": {"min": 2, "max": 2},
@@ -213,7 +231,4 @@ def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_n
     run = run_job(tmp_path, branch, name="pp2")
     (resumed,) = run.of("resumed")
     assert resumed["step"] == 8 and run.result.exit_code == 0, (resumed, run.summary)
-    want, got = whole.losses(), run.losses()
-    assert sorted(got) == list(range(9, STEPS + 1)), sorted(got)
-    for step, loss in got.items():
-        assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
+    assert_same_numbers(run, whole, steps=range(9, STEPS + 1), param_atol=RECOVERY_PARAM_ATOL)

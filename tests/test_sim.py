@@ -21,18 +21,21 @@ STEP_S = 0.01  # simulated: a hundred steps take a second
 STEPS = 300  # the fault comes at step 50: the rest leaves time to recover and grow back on a loaded machine
 
 
-def _lost(ranks: int, scenario: str) -> int:
-    return {"kill": 1, "node": 8, "hang": 1, "lose2pct": max(1, ranks // 50)}.get(scenario, 0)
+# The world sizes each scenario at 64 ranks must go through, written out (not asked of the policy under test):
+# sim_config's global batch 2,882,880 = 2^6 3^2 5 7 11 13 divides by every size here, so elastic mode runs
+# every worker left (a kill or a hang: one rank, 63; a node: its 8 ranks, 56; 2% of 64: one rank), then grows
+# back to all 64.
+WORLDS_64 = {"steady": [64], "kill": [64, 63, 64], "node": [64, 56, 64], "hang": [64, 63, 64],
+             "lose2pct": [64, 63, 64]}
 
 
 @pytest.mark.parametrize("scenario", ["steady", "kill", "node", "hang", "lose2pct"])
 def test_a_simulated_run_at_64_ranks_keeps_what_the_policy_promises(scenario: str) -> None:
     r = run_scenario(scenario, 64, steps=STEPS, step_s=STEP_S)
-    config = sim_config(64, STEPS, STEP_S)
+    assert sim_config(64, STEPS, STEP_S).train.global_batch == 2_882_880  # the divisibility the table assumes
     assert r.state == "finished" and r.steps == STEPS
     assert r.lost_steps == 0  # survivors hold the newest state: the step in flight is lost time, not a step
-    expected = [64] if scenario == "steady" else [64, 64 - _lost(64, scenario), 64]
-    assert r.worlds == promised_worlds(config, expected), r
+    assert r.worlds == WORLDS_64[scenario], r
 
 
 def test_a_drain_notice_for_5_percent_of_the_nodes_preempts_at_a_step_boundary() -> None:
@@ -468,6 +471,8 @@ def test_a_poll_answered_before_a_members_run_ended_does_not_describe_it_after(t
     c.run()
     events.close()
     assert c.sm.state.value == "finished", c.final_error
-    assert answered_late and min(answered_late) < 45, f"no poll of the survivor well before the kill: {answered_late}"
     survivors = seen[0]  # the recovery's decision (generation 0: rank = slot)
     assert late in survivors and survivors[late] == max(survivors.values()), (survivors, answered_late)
+    # the case the test is about happened: a poll answered late carried an older step than the one the
+    # survivor's run ended at (on a loaded machine the sweep's polls may come later: any older step will do)
+    assert answered_late and min(answered_late) < survivors[late], (answered_late, survivors[late])

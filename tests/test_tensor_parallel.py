@@ -135,6 +135,11 @@ def _resumed_matches(got: dict[str, Any], ref: dict[str, Any], done: int) -> Non
 
 
 def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    # as many steps as the reference, and one clipping norm a step on both sides (a zip of empty lists
+    # compares nothing: a loop that stopped clipping, or a probe that no longer sees the clip, passed)
+    assert len(got["losses"]) == len(ref["losses"]) > 0, (got["losses"], ref["losses"])
+    assert len(got["norms"]) == len(got["losses"]) and len(ref["norms"]) == len(ref["losses"]), (
+        got["norms"], ref["norms"])
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
     assert got["ids"] == ref["ids"]  # every sample of every step audited once

@@ -29,7 +29,15 @@ def test_two_workers_train_and_loss_falls(ray_local, clean_run):
     s = run.summary
     assert s["final_step"] == 40 and s["final_loss"] == last
     assert s["world_size_history"][0]["world_size"] == 2
-    assert abs(sum(v for k, v in s["goodput"].items() if k.endswith("_s")) - s["wall_s"]) < 0.05 * s["wall_s"]
+    # goodput: other_s is the wall time the measured buckets leave (ledger.summary), so their sum with it is
+    # the wall time by construction; what can be wrong is the measured ones. Together they fit in the wall
+    # time (no bucket counts a second twice), productive_s is the step events' own times (every step at
+    # full size: nothing degraded), and the start-up before the first step is counted
+    g = s["goodput"]
+    measured = sum(v for k, v in g.items() if k.endswith("_s") and k != "other_s")
+    assert measured <= s["wall_s"] * 1.01, (g, s["wall_s"])
+    assert abs(g["productive_s"] - sum(e["step_s"] for e in steps)) <= 1e-3 * g["productive_s"], g
+    assert g["degraded_s"] == 0 and g["startup_s"] > 0, g
     assert (run.dir / "tensorboard").is_dir()
 
 
