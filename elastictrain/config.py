@@ -481,7 +481,7 @@ class JobConfig(_Section):
             if layers < stages:
                 raise ValueError(
                     f"{layers_key}={layers} blocks cannot fill {stages} pipeline stages (parallel.pp="
-                    f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise it to >= {stages} "
+                    f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise {layers_key.split('.')[-1]} to >= {stages} "
                     "or lower parallel.pp / stages_per_rank")
             if llama and llama.get("tie_embeddings"):
                 raise ValueError(f"task.llama.tie_embeddings=true (size {t.llama.size}) cannot run under parallel.pp="

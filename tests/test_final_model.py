@@ -1,7 +1,8 @@
 """The end of a run never gathers the whole model (issue 36 item 3).
 
-* The model digest is combined from each rank's own part: for fsdp and tp shards it equals the digest of
-  the whole model in one process (2 real gloo processes).
+* The model digest is combined from each rank's own part: for fsdp4 and tp2 x ddp2 shards it equals the
+  digest of the whole model in one process (4 real gloo processes; a tp DTensor replicated over dp counts
+  once).
 * A run under ddp, fsdp and pp2 (real Ray, 2 workers) ends COMPLETED with its final model written by the
   workers into RUN_DIR/final_model (a run root of one committed step), and no result the driver takes from
   its workers is more than a small fraction of the model (every ``Runtime.get`` the controller makes is
@@ -39,7 +40,7 @@ def _parts(rank: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
     try:
         cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=18)  # uneven rows on fsdp2
         found = {}
@@ -47,13 +48,16 @@ def _parts(rank: int, port: int, out: str) -> None:
             torch.manual_seed(0)
             model = GPT(cfg)
             whole = digest_of(model.state_dict())
-            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",) if kind == "tp" else ("dp_shard",))
-            if kind == "fsdp":
-                fully_shard(model, mesh=mesh)
-            else:
-                parallelize_tp(model, mesh, None)
-            parts: list[Any] = [None, None]
-            dist.all_gather_object(parts, local_part(get_model_state_dict(model), plain_primary=rank == 0))
+            if kind == "fsdp":  # fsdp over 4 ranks
+                fully_shard(model, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",)))
+                along = {"dp": True, "tp": True}
+            else:  # tp 2 x ddp 2: the DTensors live on the tp axis alone, replicated over dp
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+                parallelize_tp(model, mesh["tp"], None)
+                along = {"dp": rank // 2 == 0, "tp": rank % 2 == 0}
+            parts: list[Any] = [None] * 4
+            dist.all_gather_object(parts, local_part(get_model_state_dict(model), plain_primary=all(along.values()),
+                                                     primary_along=along))
             found[kind] = (whole, combine(parts))
         if rank == 0:
             torch.save(found, out)
@@ -63,7 +67,7 @@ def _parts(rank: int, port: int, out: str) -> None:
 
 def test_the_digest_of_shards_is_the_digest_of_the_whole_model(tmp_path) -> None:
     out = str(tmp_path / "d.pt")
-    run_ranks(_parts, (free_port(), out), nprocs=2)
+    run_ranks(_parts, (free_port(), out), nprocs=4)
     for kind, (whole, combined) in torch.load(out).items():
         assert combined == whole, kind
     with pytest.raises(ValueError, match="counted"):  # a replica counted twice is refused, not hashed

@@ -49,23 +49,31 @@ def global_indices(t: DTensor) -> list[torch.Tensor]:
     return [index.get(d, torch.arange(t.shape[d])) for d in range(t.dim())]
 
 
-def counts(t: torch.Tensor, plain_primary: bool) -> bool:
+def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] | None = None) -> bool:
     """Whether this rank's copy of ``t`` is the one counted: a DTensor's at coordinate 0 of every
-    replicated mesh axis, a plain tensor's where ``plain_primary`` (the caller's replica 0)."""
+    replicated axis of its own mesh and, for the layout's axes its mesh does not span
+    (``primary_along``: ``{"dp": ..., "tp": ...}``, whether this rank is at coordinate 0 along them; a
+    tensor-parallel DTensor under ddp lives on the tp axis alone and is replicated over dp), at
+    coordinate 0 there too; a plain tensor's where ``plain_primary`` (the caller's replica 0)."""
     if isinstance(t, DTensor):
         coord = t.device_mesh.get_coordinate()
-        return coord is not None and all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
+        if coord is None or any(c != 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate)):
+            return False
+        names = t.device_mesh.mesh_dim_names or ()
+        spans = {"dp": any(n.startswith("dp") for n in names), "tp": "tp" in names}
+        return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary
 
 
-def local_part(state: dict[str, torch.Tensor], plain_primary: bool) -> dict[str, list[Any]]:
+def local_part(state: dict[str, torch.Tensor], plain_primary: bool,
+               primary_along: dict[str, bool] | None = None) -> dict[str, list[Any]]:
     """This rank's contribution: name -> [sum of its counted elements' hashes, elements counted, global
     shape, dtype]. No collective. ``state``: the model state dict as the rank holds it (DTensor shards,
-    stage subsets, or whole tensors)."""
+    stage subsets, or whole tensors); ``primary_along``: see :func:`counts`."""
     out: dict[str, list[Any]] = {}
     for name, t in state.items():
         shape, dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
-        if not counts(t, plain_primary):
+        if not counts(t, plain_primary, primary_along):
             out[name] = [0, 0, shape, dtype]
             continue
         if isinstance(t, DTensor):

@@ -46,6 +46,15 @@ class Record:
     sample_ids: list[int] = field(default_factory=list)
     pipeline: dict[str, Any] | None = None
     mesh: str | None = None  # the real record's layout as built: the fake builds none
+    # the real record's throughput, evaluation, memory and skip fields: the fake reports none of them
+    tokens: int = 0
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    devices: int = 1
+    compile_s: float | None = None
+    eval_loss: float | None = None
+    memory: dict[str, float] | None = None
+    skipped: str | None = None
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:

@@ -488,9 +488,10 @@ class StepRunner:
 
         from elastictrain.parallel.digest import local_part
 
-        primary = self.layout is None or (self.layout.coords(self.rank)[1] == 0
-                                          and self.layout.tp_coord(self.rank) == 0)
-        return local_part(get_model_state_dict(self.state.model), plain_primary=primary)
+        along = {"dp": True, "tp": True} if self.layout is None else {
+            "dp": self.layout.coords(self.rank)[1] == 0, "tp": self.layout.tp_coord(self.rank) == 0}
+        return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
+                          primary_along=along)
 
 
 class _LoopHooks:
