@@ -112,8 +112,12 @@ def load_tokenizer(where: str) -> tuple[str, str, Any]:
     """``(tokenizer.json text, its SHA-256, Tokenizer)`` from a local path or a URL (http(s), s3: read as a
     file, never a hub name). Raises PrepareError when it cannot be read or parsed."""
     import fsspec
-    from tokenizers import Tokenizer
 
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise PrepareError("elastictrain data prepare needs Hugging Face tokenizers: pip install "
+                           "'elastictrain[data]'") from None
     try:
         with fsspec.open(where, "rb") as f:
             data = f.read()
