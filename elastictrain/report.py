@@ -21,11 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastictrain.events import read_events
+from elastictrain.events import GOODPUT_BUCKETS, read_events
 from elastictrain.report_svg import render_page
 
-BUCKETS = ("productive_s", "degraded_s", "startup_s", "detection_s", "recovery_s", "compile_s", "checkpoint_stall_s",
-           "other_s")
+BUCKETS = (*GOODPUT_BUCKETS, "other_s")
 PAGE_WIDTH = 1240
 
 

@@ -7,7 +7,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-from elastictrain.events import EventLog
+from elastictrain.events import GOODPUT_BUCKETS, EventLog
 from elastictrain.worker.loop import StepRecord
 
 COMPUTE_TIMES_KEPT = 64  # compute times kept per rank (the straggler window looks at the newest)
@@ -36,7 +36,7 @@ class Ledger:
         self.failures = 0
         self.recoveries = 0
         self.lost_steps = 0
-        self.goodput: dict[str, float] = defaultdict(float)
+        self.goodput: dict[str, float] = defaultdict(float, dict.fromkeys(GOODPUT_BUCKETS, 0.0))
         self._pending: dict[int, dict[int, StepRecord]] = defaultdict(dict)
         self._world = 0
         self._mesh_told = True
