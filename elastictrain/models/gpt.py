@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from elastictrain.models.moe import MoEConfig, MoEFeedForward
+
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -85,7 +87,8 @@ def dropout_seed(sample_seed_value: int, site: int) -> int:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the model. ``seq_len`` is the longest input accepted (learned positions)."""
+    """Shape of the model. ``seq_len`` is the longest input accepted (learned positions). ``moe``: every
+    ``moe.every``-th block's MLP is a mixture of experts of the dense MLP's shape (None: all dense)."""
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -93,6 +96,7 @@ class GPTConfig:
     n_head: int = 2
     d_model: int = 64
     dropout: float = 0.1
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -147,7 +151,7 @@ class _Block(nn.Module):
     split each column-wise by heads; the attention runs on however many heads this rank's projections
     hold (``head_dim`` is fixed), so the same code runs whole or tensor-parallel."""
 
-    def __init__(self, cfg: GPTConfig, first_site: int) -> None:
+    def __init__(self, cfg: GPTConfig, first_site: int, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         self.ln_attn = nn.LayerNorm(cfg.d_model)
@@ -157,8 +161,11 @@ class _Block(nn.Module):
         self.attn_out = nn.Linear(cfg.d_model, cfg.d_model)
         self.drop_attn = SampleDropout(cfg.dropout, first_site)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
-        self.mlp_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.mlp_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        if moe is not None:  # the experts have the dense MLP's shape (d -> 4d -> d, GELU)
+            self.moe = MoEFeedForward(cfg.d_model, 4 * cfg.d_model, moe, "gelu")
+        else:
+            self.mlp_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+            self.mlp_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.drop_mlp = SampleDropout(cfg.dropout, first_site + 1)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +179,7 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
         # seeds by keyword: a tensor-parallel style's input hook rewrites the positional input only
         x = x + self.drop_attn(self._attention(self.ln_attn(x)), seeds=seeds)
-        h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
+        h = self.moe(self.ln_mlp(x)) if hasattr(self, "moe") else self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
         return x + self.drop_mlp(h, seeds=seeds)
 
 
@@ -191,7 +198,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop_emb = SampleDropout(cfg.dropout, 0)
-        self.blocks = nn.ModuleList(_Block(cfg, 1 + 2 * layer) for layer in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(_Block(cfg, 1 + 2 * layer, cfg.moe if cfg.moe and cfg.moe.is_moe(layer) else None)
+                                    for layer in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(_init_weights)
@@ -284,7 +292,8 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sample: shape ``(B,)`` from ``(B, T, V)`` and ``(B, T)``."""
+    """Mean next-token cross-entropy of each sample: shape ``(B,)`` from ``(B, T, V)`` and ``(B, T)``. A
+    mixture-of-experts model's load-balancing term is added by the task (``_gpt_loss``), not here."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(
             f"expected logits (B, T, V) and targets (B, T), got {tuple(logits.shape)} and "

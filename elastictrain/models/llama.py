@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastictrain.models.moe import MoEConfig, MoEFeedForward
+
 __all__ = [
     "LLAMA_PRESETS",
     "Llama",
@@ -71,6 +73,7 @@ class LlamaConfig:
     rope_scaling: dict[str, float] | None = field(default=None, hash=False)
     max_seq_len: int = 64
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # every moe.every-th layer's feed-forward: SwiGLU experts of ffn_hidden
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -230,12 +233,13 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(attention_norm(x))``, then ``x + feed_forward(ffn_norm(x))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module = (FeedForward(cfg) if moe is None
+                                        else MoEFeedForward(cfg.dim, cfg.ffn_hidden, moe, "swiglu"))
 
     def forward(self, x: torch.Tensor, *, rope: RotaryEmbedding, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -263,7 +267,8 @@ class Llama(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.rope = RotaryEmbedding(cfg)
-            self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(TransformerBlock(cfg, cfg.moe if cfg.moe and cfg.moe.is_moe(i) else None)
+                                        for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()
@@ -287,7 +292,7 @@ class Llama(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
                 seen.add(id(module.weight))
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, MoEFeedForward)):  # MoE: the experts (its router is a Linear)
                 module.reset_parameters()
         self.reset_buffers()
 
