@@ -31,7 +31,7 @@ ATOL, RTOL = 1e-6, 1e-5
 _GPT = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16, dropout=0.0,
                  moe=MoEConfig(experts=8, top_k=2, every=1, aux_coef=0.01))
 _LLAMA = LlamaConfig(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=24, vocab_size=64, max_seq_len=8,
-                     moe=MoEConfig(experts=8, top_k=2, every=2, aux_coef=0.01))
+                     moe=MoEConfig(experts=8, top_k=2, every=1, aux_coef=0.01))
 
 
 # ------------------------------------------------------------------------------------------------ pure
@@ -80,6 +80,14 @@ def test_dropless_every_token_reaches_its_k_experts(activation) -> None:
             for j in range(2):
                 ref[b, t] += gates[b, t, j] * _expert(layer, int(experts[b, t, j]), x[b, t])
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_every_nth_block_is_moe() -> None:
+    cfg = MoEConfig(experts=4, top_k=1, every=2)
+    gpt = GPT(GPTConfig(n_layer=4, d_model=16, moe=cfg))
+    assert [hasattr(b, "moe") for b in gpt.blocks] == [False, True, False, True]
+    llama = Llama(LlamaConfig(dim=16, n_layers=3, n_heads=2, n_kv_heads=1, moe=cfg))
+    assert [isinstance(layer.feed_forward, MoEFeedForward) for layer in llama.layers] == [False, True, False]
 
 
 def test_ties_go_to_the_lower_expert_index() -> None:
@@ -170,6 +178,8 @@ def _ep2(rank: int, port: int, kind: str) -> None:
         mine = slice(3 * rank, 3 * rank + 3)
         losses = _losses(model, inputs[mine], targets[mine])
         torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL)
+        sent = [c.view(2, -1).sum(dim=1).tolist() for c in moe_token_counts(model).values()]
+        assert any(a != b for a, b in sent), f"even splits {sent}: the test would not see uneven all-to-alls"
         losses.mean().backward()
         experts = set(expert_parameter_names(model))
         for name, p in model.named_parameters():  # dense: the mean over the 2 data ranks, as DDP does
