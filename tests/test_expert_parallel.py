@@ -3,7 +3,8 @@
 Pure: config errors, dropless routing (every token reaches its k experts; the output is the dense reference
 sum over the chosen experts), rank-free tie-breaking, a per-sample auxiliary loss independent of the batch.
 Real gloo processes: ep2 (GPT and Llama) gives one process's per-sample losses and, after
-``reduce_expert_grads``, its gradients (expert slices compared slice by slice); ep2 x dp2 gives its per-step
+``reduce_expert_grads``, its gradients (expert slices compared slice by slice), and its DCP state loads by
+name into one process's model (GPT); ep2 x dp2 gives its per-step
 losses and parameters over two SGD steps.
 
 Tolerance: float32 with atol 1e-6 / rtol 1e-5. The layouts run the same operations on the same rows in the
@@ -55,6 +56,10 @@ def test_job_config_refuses_top_k_above_experts_and_moe_with_pp() -> None:
     cfg = build_config({"task": {"model": {"moe": {"experts": 4, "top_k": 2}}}, "parallel": {"pp": 2},
                         "workers": {"min": 2, "max": 2}})
     with pytest.raises(ConfigError, match=r"parallel\.pp=2.*set parallel\.pp=1"):
+        builtin_task(cfg)
+    cfg = build_config({"task": {"model": {"dropout": 0.0, "moe": {"experts": 4, "top_k": 2}}},
+                        "parallel": {"compile": True}})
+    with pytest.raises(ConfigError, match=r"parallel\.compile=true.*set parallel\.compile=false"):
         builtin_task(cfg)
 
 
@@ -159,7 +164,7 @@ def _compare_params(model, ref, what) -> None:
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{what} of {n}: {m}")
 
 
-def _ep2(rank: int, port: int, kind: str) -> None:
+def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -188,13 +193,39 @@ def _ep2(rank: int, port: int, kind: str) -> None:
                 p.grad.div_(2)
         reduce_expert_grads(model, None, scale=1 / 2)
         _compare_params(model, ref, "grad")
+        if kind == "gpt":
+            _state_by_name(rank, model, ref, ckpt)
     finally:
         dist.destroy_process_group()
 
 
+def _state_by_name(rank: int, model: torch.nn.Module, ref: torch.nn.Module, ckpt: str) -> None:
+    """The ep2 model's state under DCP (saved by name, expert DTensors with their global offsets) loads
+    into a one-process model; a seeded init by name gives this rank the slice of the whole model's values."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastictrain.parallel.expert import enable_expert_parallel
+    from elastictrain.parallel.init import init_by_name
+
+    dcp.save(model.state_dict(), checkpoint_id=ckpt)
+    dist.barrier()
+    if rank == 0:
+        whole = GPT(_GPT).state_dict()  # other values (a fresh build): all must be overwritten
+        dcp.load(whole, checkpoint_id=ckpt, no_dist=True)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(whole[k], v, atol=0, rtol=0, msg=lambda m, k=k: f"{k} after load: {m}")
+    seeded, sharded = GPT(_GPT), GPT(_GPT)
+    enable_expert_parallel(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    init_by_name(seeded, seeded, seed=5)
+    init_by_name(sharded, sharded, seed=5)
+    _compare_params(sharded, seeded, "param")
+
+
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_ep2_losses_and_gradients_equal_one_process(kind) -> None:
-    run_ranks(_ep2, (free_port(), kind), nprocs=2)
+def test_ep2_losses_and_gradients_equal_one_process(kind, tmp_path) -> None:
+    run_ranks(_ep2, (free_port(), kind, str(tmp_path / "ckpt")), nprocs=2)
 
 
 def _ep2_dp2(rank: int, port: int) -> None:
