@@ -168,7 +168,12 @@ def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastictrain.parallel.expert import enable_expert_parallel, expert_parameter_names, reduce_expert_grads
+    from elastictrain.parallel.expert import (
+        enable_expert_parallel,
+        expert_parameter_names,
+        reduce_expert_grads,
+        step_token_counts,
+    )
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -177,6 +182,7 @@ def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
         inputs, targets = _data(6)
         ref = _build(kind)
         ref_losses = _losses(ref, inputs, targets)
+        ref_counts = {n: c.tolist() for n, c in moe_token_counts(ref).items()}
         ref_losses.mean().backward()
         model = _build(kind)
         enable_expert_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
@@ -185,6 +191,14 @@ def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
         torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL)
         sent = [c.view(2, -1).sum(dim=1).tolist() for c in moe_token_counts(model).values()]
         assert any(a != b for a, b in sent), f"even splits {sent}: the test would not see uneven all-to-alls"
+        # the step's counts, over both data ranks, are the one process's (two micro-batches of one sample's
+        # counts here: the rank's first sample alone, then its other two)
+        micro = []
+        for part in (slice(3 * rank, 3 * rank + 1), slice(3 * rank + 1, 3 * rank + 3)):
+            with torch.no_grad():
+                _losses(model, inputs[part], targets[part])
+            micro.append(moe_token_counts(model))
+        assert step_token_counts(micro, dist.group.WORLD) == ref_counts
         losses.mean().backward()
         experts = set(expert_parameter_names(model))
         for name, p in model.named_parameters():  # dense: the mean over the 2 data ranks, as DDP does

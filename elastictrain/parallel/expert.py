@@ -41,6 +41,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "reduce_expert_grads",
+    "step_token_counts",
 ]
 
 
@@ -142,6 +143,22 @@ def reduce_expert_grads(model: nn.Module, replica_group: ProcessGroup | None, sc
             if replica_group is not None and dist.get_world_size(replica_group) > 1:
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=replica_group)
             local.mul_(scale)
+
+
+def step_token_counts(micro_batches: list[dict[str, torch.Tensor]], group: ProcessGroup | None
+                      ) -> dict[str, list[int]]:
+    """The step's token slots per expert of each MoE layer, over every data rank: ``micro_batches`` holds
+    :func:`elastictrain.models.moe.moe_token_counts` taken after each micro-batch's forward on this rank
+    (a recompute under activation checkpointing rewrites the same values), ``group`` the data ranks (None:
+    this rank alone). One all_reduce(SUM) of the stacked counts; every rank of ``group`` must call it with
+    the same layer names. Returns ``{layer name: [E counts]}`` (what the step event carries)."""
+    if not micro_batches:
+        return {}
+    names = sorted(micro_batches[0])
+    total = torch.stack([torch.stack([mb[n] for n in names]) for mb in micro_batches]).sum(dim=0)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return {n: row.tolist() for n, row in zip(names, total, strict=True)}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
