@@ -119,12 +119,18 @@ def test_aux_loss_and_output_of_a_sample_do_not_depend_on_its_batch() -> None:
     assert all(int(c.sum()) == 1 * 8 * 2 for c in counts.values())  # the last forward: one sample's slots
 
 
-def test_the_task_loss_adds_the_aux_term_in_training_only() -> None:
+@pytest.mark.parametrize("kind", ["tiny_gpt", "llama"])
+def test_the_task_loss_adds_the_aux_term_in_training_only(kind) -> None:
     from elastictrain.models.gpt import per_sample_loss
-    from elastictrain.task import _gpt_loss
+    from elastictrain.task import _gpt_loss, builtin_task
 
+    moe = {"experts": 4, "top_k": 2, "every": 2, "aux_coef": 0.5}
+    task = builtin_task(build_config({"task": {"kind": kind, "model": {"seq_len": 8, "dropout": 0.0, "moe": moe}}}))
     torch.manual_seed(2)
-    model = GPT(_GPT)
+    model = task.model_fn()
+    layers = [n for n, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+    assert layers == (["blocks.1.moe"] if kind == "tiny_gpt" else ["layers.1.feed_forward"])
+    assert task.loss_fn is _gpt_loss
     batch = {"input": torch.randint(0, 64, (2, 8)), "target": torch.randint(0, 64, (2, 8))}
     lm = per_sample_loss(model(batch["input"]), batch["target"])
     aux = moe_aux_loss(model)
