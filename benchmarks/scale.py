@@ -152,18 +152,18 @@ def _window(w: dict | None) -> str:
 def _ray_get_cost(n: int, reps: int = 3) -> None:
     """The driver thread's CPU for one ``ray.wait`` over ``n`` ready results and for taking them with
     ``get_each`` (chunks of 1,024), as the controller takes a failed step's survivors' ``run`` results:
-    real Ray, results as a survivor answers (packed: :mod:`elastictrain.run_result`) from 4 actors, and
+    real Ray, results as a survivor answers (packed: :mod:`elastictrain.worker_reply`) from 4 actors, and
     unpacked as the controller reads them. The simulator stands in for both calls (``SimWorld.get``, its
     run watch); this says what they would cost on Ray."""
     import ray
 
-    from elastictrain import run_result
+    from elastictrain import worker_reply
     from elastictrain.controller.runtime import RAY, get_each
 
     @ray.remote(num_cpus=0)
     class Answers:
         def run(self, slot: int) -> bytes:
-            return run_result.pack("peer_failed", 50, None, slot)
+            return worker_reply.pack("peer_failed", 50, None, slot)
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -175,7 +175,7 @@ def _ray_get_cost(n: int, reps: int = 3) -> None:
             ray.wait(refs, num_returns=n, timeout=0)
             waited = time.thread_time() - t
             t = time.thread_time()
-            [run_result.unpack(packed) for packed, _ in get_each(RAY, refs)]
+            [worker_reply.unpack(packed) for packed, _ in get_each(RAY, refs)]
             taken = time.thread_time() - t
             print(f"ray: {n} ready results: wait {waited * 1e3:.1f} ms, get_each {taken * 1e3:.1f} ms "
                   f"({taken / n * 1e6:.1f} us per result) of driver CPU; load {os.getloadavg()[0]:.1f}", flush=True)

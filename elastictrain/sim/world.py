@@ -25,7 +25,7 @@ from typing import Any
 
 import ray.exceptions
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 from elastictrain.sim import machine
 from elastictrain.worker.loop import StepRecord
 
@@ -397,7 +397,7 @@ class SimWorld:
             return dict(ref.value)
         end, status, step = w.tl.run_end()
         w.held = step
-        return run_result.pack(status, step, None, w.slot)  # as a worker answers (elastictrain/run_result.py)
+        return worker_reply.pack(status, step, None, w.slot)  # as a worker answers (elastictrain/worker_reply.py)
 
     def wait(self, refs: Sequence[Any], *, num_returns: int = 1,
              timeout: float | None = None) -> tuple[list[Any], list[Any]]:
