@@ -9,9 +9,9 @@ sleeps until the next thing can happen, so the controller sees real time pass. T
 the driver's thread, and their answers count as the driver's CPU: building a poll's step records stands
 for what deserializing them costs a Ray driver (timing each answer apart cost more than the answers, at
 half a millisecond a ``thread_time`` call on a loaded machine). The two calls a failed step makes the
-driver pay per rank are charged below Ray's: :meth:`SimWorld.get` ~1.5 us per result where ``ray.get``
-costs ~8.5 us (``benchmarks/scale.py --ray-get 10000``, loaded), the run watch's scan ~0.7 us per call
-like ``ray.wait``'s ~0.5 us: the simulated decision is a lower bound of the one on Ray.
+driver pay per rank (:meth:`SimWorld.get`, the run watch's scan) are charged no more than Ray's
+(``benchmarks/scale.py --ray-get 10000``; the figures: docs/perf/2026-11-24-control-plane-scale.md): the
+simulated decision is a lower bound of the one on Ray.
 """
 
 from __future__ import annotations
