@@ -47,9 +47,8 @@ FILE]``
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
-blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); the defaults (3 rounds) take 9-10 min at load ~4 (the benchmark's own processes; the
-calibration ~1.5 min of it); one round took ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
+blocks leave the peak. The defaults are sized so that the model's bytes of a ddp rank exceed the runtime's;
+their running time on 2 cores is in docs/perf/2026-11-24-code-figures.md. Under load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
