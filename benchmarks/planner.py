@@ -200,8 +200,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    # large enough that the model's bytes (params, grads, Adam, activations: ~480 MiB per ddp rank) are not
-    # noise beside the runtime's (~365 MiB), small enough for minutes on 2 cores
+    # large enough that the model's bytes (params, grads, Adam, activations) are not noise beside the
+    # runtime's, small enough for minutes on 2 cores (docs/perf/2026-11-24-code-figures.md)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
-    # measured in turns: the VM's drift from one run to the next (up to ~12% here) is larger than a run's noise
+    # measured in turns: the VM's drift from one run to the next is larger than a run's noise
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")
     ap.add_argument("--save-calibration", default=None, help="write the calibration measured here to this file")

@@ -82,9 +82,9 @@ from elastictrain.sim.scenarios import SCENARIOS, run_scenario  # noqa: E402
 
 SIM_STEPS = 100
 # The Ray variant's replacement for the killed actor is a new Ray worker process (Python, Ray's import,
-# its registration), started once the survivors train again: 2-6 s on this machine beside 127 running
-# actors. The policy grows back once it is ready; 100 steps of 50 ms ended 4 s after the kill, before
-# it was in 3 of 8 runs (world history [128, 126]). 400 steps leave ~19 s.
+# its registration), started once the survivors train again, and the policy grows back once it is ready:
+# a run must outlast that start (100 steps were too short on the development machine, 400 are enough:
+# docs/perf/2026-11-25-ray-actors-recovery.md, "Growth back").
 RAY_STEPS = 400
 
 
