@@ -48,7 +48,7 @@ with the same model, data and global batch; printed after the table, each beside
   under tp2 x dp2; rank 1 is killed after step 3, steps 2-3 give the steady step before the kill.) On the
   tiny job the ratio is bounded by tp's own step (DTensor's dispatch and ~25 collectives per micro-batch on
   2 layers of d_model 64), so only the big model speaks to the target. Figures:
-  ``docs/perf/2026-11-24-parallel-cpu.md``.
+  ``docs/perf/2026-11-23-parallel-cpu.md``.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -60,7 +60,7 @@ sequence parallel splits T ways, and the rest; target: sequence parallel's below
 
 The train peak ratio tp2/ddp2 is bounded by the runtime before the model (torch, DTensor/FSDP/DCP, this
 package), which no layout shards; the ``peak-base`` column leaves it out. Figures, and where the peak
-goes: ``docs/perf/2026-11-24-parallel-cpu.md``.
+goes: ``docs/perf/2026-11-23-parallel-cpu.md``.
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
@@ -70,7 +70,7 @@ batch, data and seed for every plan.
 
 Why not the 25M the issue names as a floor: there the part no layout shards (the runtime, the dataset,
 the activations) is about half of ddp's peak, so the ratio measures the runtime, not sharding (figures:
-``docs/perf/2026-11-24-parallel-cpu.md``).
+``docs/perf/2026-11-23-parallel-cpu.md``).
 
 Figures per plan:
 * samples/s: ``(steps - warmup) * global_batch / elapsed`` on rank 0 (steady state);

@@ -48,7 +48,7 @@ Machine note: CPU processes share the machine's cores; on a loaded machine the s
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
 blocks leave the peak. The defaults are sized so that the model's bytes of a ddp rank exceed the runtime's;
-their running time on 2 cores is in docs/perf/2026-11-24-code-figures.md. Under load the calibration's
+their running time on 2 cores is in docs/perf/2026-11-23-code-figures.md. Under load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
@@ -201,7 +201,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     # large enough that the model's bytes (params, grads, Adam, activations) are not noise beside the
-    # runtime's, small enough for minutes on 2 cores (docs/perf/2026-11-24-code-figures.md)
+    # runtime's, small enough for minutes on 2 cores (docs/perf/2026-11-23-code-figures.md)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--seq-len", type=int, default=128)

@@ -84,7 +84,7 @@ SIM_STEPS = 100
 # The Ray variant's replacement for the killed actor is a new Ray worker process (Python, Ray's import,
 # its registration), started once the survivors train again, and the policy grows back once it is ready:
 # a run must outlast that start (100 steps were too short on the development machine, 400 are enough:
-# docs/perf/2026-11-25-ray-actors-recovery.md, "Growth back").
+# docs/perf/2026-11-24-ray-actors-recovery.md, "Growth back").
 RAY_STEPS = 400
 
 

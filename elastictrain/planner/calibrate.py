@@ -55,7 +55,7 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   same thing), the mean of those within 3 median absolute deviations of their median
   (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped: one
   process's median of a few wall-clock rounds was not stable between quiet runs, see
-  ``docs/perf/2026-11-24-code-figures.md``);
+  ``docs/perf/2026-11-23-code-figures.md``);
 * ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null

@@ -28,7 +28,7 @@ from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
 # `--calibrate` measured over pairs of gloo processes on the development machine). gloo_byte_s: the CPU a
 # gloo process spends per byte it moves (the CPU default likewise `--calibrate`'s, 4 MiB all-reduces between
 # computes); GPUs: none (NCCL's work is not the host's). Where the CPU defaults came from:
-# docs/perf/2026-11-24-code-figures.md.
+# docs/perf/2026-11-23-code-figures.md.
 GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                     runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, call_s=0.0,
                     dtensor_op_s=20e-6, fsdp_param_s=20e-6, gloo_byte_s=None, optimizer_s_per_param=1e-11,

@@ -31,7 +31,7 @@ def seed_micro_batch(seed: int, step: int, chunk: int) -> None:
 
     Not ``torch.manual_seed``: in a process that has not initialized CUDA (or XPU, MTIA) it queues a
     lazy seed call per backend with a formatted stack trace each time, a visible share of a tiny-GPT step
-    (docs/perf/2026-11-24-code-figures.md)."""
+    (docs/perf/2026-11-23-code-figures.md)."""
     value = micro_batch_seed(seed, step, chunk)
     torch.default_generator.manual_seed(value)
     if torch.cuda.is_initialized():
