@@ -139,7 +139,7 @@ def _train(rank: int, world: int, kind: str, cp: int, tp: int, dropout: float, p
     from torch.distributed.tensor.parallel import loss_parallel
 
     from elastictrain.models.gpt import per_sample_loss
-    from elastictrain.parallel.context import cp_sample_loss, enable_context_parallel, shard_sequence
+    from elastictrain.parallel.context import cp_group_of, cp_sample_loss, enable_context_parallel, shard_sequence
     from elastictrain.parallel.tensor import average_grads, parallelize_tp, settle_grads
 
     torch.set_num_threads(1)
@@ -166,6 +166,7 @@ def _train(rank: int, world: int, kind: str, cp: int, tp: int, dropout: float, p
             parallelize_tp(model, mesh["tp"], None)  # sequence parallel on (its default)
         cp_group = mesh["cp"].get_group()
         enable_context_parallel(model, cp_group)
+        assert cp_group_of(model) is cp_group and cp_group_of(base) is None
         cp_rank = mesh["cp"].get_local_rank()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
         for step in range(STEPS):

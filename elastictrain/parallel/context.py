@@ -24,6 +24,14 @@ torchtitan's rule: FSDP shards over ``dp x cp``) gives one process's gradient, w
 A model takes part through a hook: modules with a ``cp_group`` attribute (the built-in GPT's blocks and
 root, the built-in Llama's attention) and a forward taking ``positions``. :func:`enable_context_parallel`
 sets the group on them; :func:`context_parallel_refusal` names what a model lacks.
+
+Wiring (what the step loop does): after the layout is applied, ``enable_context_parallel(model, cp_group)``
+(``cp_group``: the mesh's ``cp`` axis group); each loaded micro-batch goes through
+``shard_sequence(batch, cp, cp_rank)`` before the loss function (the per-sample seeds are unchanged); the
+loss function calls ``model(inputs, seeds, positions=batch["positions"])`` and, when
+:func:`cp_group_of` ``(model)`` is set, :func:`cp_sample_loss` instead of the one-process per-sample loss;
+the gradients are reduced (averaged) over the ``dp x cp`` ranks; only cp coordinate 0 adds the losses to
+the (loss, stop) word and the sample ids to the audit (every cp rank holds the same per-sample values).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "cp_attention",
     "cp_grad_scale",
+    "cp_group_of",
     "cp_positions",
     "cp_sample_loss",
     "context_parallel_refusal",
@@ -91,6 +100,12 @@ def kv_positions(seq_len: int, cp: int, device: torch.device | str | None = None
     """The global positions of the keys :func:`gather_sequence` returns: every rank's
     :func:`cp_positions`, in rank order."""
     _check_split(seq_len, cp)
+    return _kv_positions(seq_len, cp, torch.device(device or "cpu")).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_positions(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    # cached per device: every attention layer of every forward asks (read only; no copy per layer)
     return torch.cat([_positions(seq_len, cp, r) for r in range(cp)]).to(device)
 
 
@@ -161,7 +176,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     cp = dist.get_world_size(group)
     k, v = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
     if kv_pos is None:
-        kv_pos = kv_positions(q.shape[2] * cp, cp, q.device)
+        _check_split(q.shape[2] * cp, cp)
+        kv_pos = _kv_positions(q.shape[2] * cp, cp, q.device)
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     mask = q_pos.to(q.device)[:, None] >= kv_pos.to(q.device)[None, :]
@@ -199,6 +215,12 @@ def cp_sample_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> t
     dist.all_reduce(total, group=group)
     scaled = partial * cp_grad_scale(cp)
     return total + (scaled - scaled.detach())  # value: total (exactly); gradient: cp x partial
+
+
+def cp_group_of(model: nn.Module) -> Any:
+    """The context-parallel group set on ``model`` by :func:`enable_context_parallel` (None when off): what a
+    loss function asks to pick :func:`cp_sample_loss` over the one-process per-sample loss."""
+    return next((m.cp_group for m in model.modules() if getattr(m, "cp_group", None) is not None), None)
 
 
 def _hooked(model: nn.Module) -> list[nn.Module]:
