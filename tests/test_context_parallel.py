@@ -5,21 +5,25 @@ naming the valid values; a batch is sliced to a rank's positions. On 2 (cp2) and
 parallel on) processes: every rank trains the built-in GPT (dropout on) or Llama for STEPS AdamW steps
 both ways: whole in its own process (the reference, no collective) and context-parallel on its slice of
 each sample, gradients averaged over the cp ranks as DDP/FSDP would over ``dp x cp`` (the gradient rule),
-and the test compares every step's per-sample losses, the cp logits against the reference's rows, and the
-final parameters.
+and the test compares every step's per-sample losses, the cp logits against the reference's rows, every
+step's gradients (after the rule) and the final parameters.
 
 Tolerance (and why): cp computes the same attention as one process with the keys in another order (the
 gathered ranks' chunks) under an explicit mask, the loss as a sum of per-rank token sums, a parameter's
-gradient as a sum over ranks: fp32 sums in another order. Measured on this machine (2026-11-28): losses
-within 2.3e-7 relative, logits within 7.5e-8, parameters within 1.2e-7 absolute after 3 AdamW steps (cp2
-and cp2 x tp2, GPT and Llama), except the GPT's key biases (6e-6 .. 1.5e-5): a key bias adds the same
-q.b to every score of a query, which softmax ignores, so its gradient is zero in exact arithmetic and
-rounding noise in practice, which AdamW normalises into updates of up to lr (3e-3) whatever the layout; it
-is left out of the comparison (the key path is checked by the key weights, the logits and the losses). We
-allow LOSS_RTOL = 1e-5 and PARAM_ATOL = 1e-6, far below what a cp bug does.
+gradient as a sum over ranks: fp32 sums in another order. Measured on this machine (2026-11-28, cp2 and
+cp2 x tp2, GPT and Llama): losses within 2.3e-7 relative, logits within 7.5e-8, gradients within 1.5e-7
+absolute (|g| up to 0.62), parameters within 1.2e-7 absolute after 3 AdamW steps, except the GPT's key
+biases (6e-6 .. 1.5e-5): a key bias adds the same q.b to every score of a query, which softmax ignores, so
+its gradient is zero in exact arithmetic and rounding noise in practice, which AdamW normalises into
+updates of up to lr (3e-3) whatever the layout. Their values are left out of the parameter comparison
+(their gradients are compared; the key path is checked by the key weights, the logits and the losses). We
+allow LOSS_RTOL = 1e-5 and GRAD_ATOL = PARAM_ATOL = 1e-6, far below what a cp bug does.
 
-Broken builds, each failing these tests (measured): positions not offset (every rank uses 0..t-1), the causal mask off by one (``>`` for ``>=``), dropout masks drawn for the
-local slice's shape, the gradient scale left at 1 instead of cp, the key gradient not summed to its owner.
+Broken builds, each failing the gloo tests (measured): positions not offset (every rank uses 0..t-1: all
+4 fail), the causal mask letting a query see one key ahead (all 4), the gradient scale left at 1 instead of
+cp (all 4, by the gradients: AdamW alone hides it to ~1e-6), the key/value gradient kept by the gathering
+rank instead of summed to its owner (all 4), the GPT's dropout masks drawn for the local slice's shape (the
+2 GPT tests).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tests.ranks import run_ranks
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-6
+GRAD_ATOL = 1e-6
 STEPS = 3
 B, T = 2, 16
 
@@ -147,13 +152,15 @@ def _train(rank: int, world: int, kind: str, cp: int, tp: int, dropout: float, p
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         base = _model(kind, dropout)
-        ref, res = copy.deepcopy(base), {"losses": [], "logits": [], "ref_losses": [], "ref_logits": []}
+        ref, res = copy.deepcopy(base), {"losses": [], "logits": [], "ref_losses": [], "ref_logits": [],
+                                     "grads": [], "ref_grads": []}
         opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
         for step in range(STEPS):
             batch, seeds = _batch(step)
             logits = ref(batch["input"], seeds)
             loss = per_sample_loss(logits, batch["target"])
             loss.sum().backward()
+            res["ref_grads"].append({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
             opt.step()
             opt.zero_grad()
             res["ref_losses"].append(loss.detach())
@@ -178,6 +185,7 @@ def _train(rank: int, world: int, kind: str, cp: int, tp: int, dropout: float, p
                 loss.sum().backward()
             settle_grads(list(model.parameters()))
             average_grads(list(model.parameters()), cp_group)  # DDP/FSDP's mean over dp x cp (dp = 1)
+            res["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad()
             res["losses"].append(loss.detach())
@@ -202,6 +210,9 @@ def _assert_same_trajectory(res: dict[str, Any]) -> None:
         positions, logits = res["logits"][step]
         want_logits = res["ref_logits"][step][:, positions]
         assert torch.allclose(logits, want_logits, rtol=0, atol=1e-5), (step, (logits - want_logits).abs().max())
+        for name, want in res["ref_grads"][step].items():
+            diff = (res["grads"][step][name] - want).abs().max().item()
+            assert diff <= GRAD_ATOL, (step, name, diff)
     for name, want in res["ref_params"].items():
         if name.endswith(".k.bias"):  # zero gradient in exact arithmetic: see the module doc
             continue
