@@ -193,7 +193,12 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query causal attention. Runs on however many heads this rank's projections hold (tensor
     parallelism splits ``wq`` and ``wk``/``wv`` by heads; ``head_dim`` and the query heads per kv head are
-    fixed), so the same code runs whole or tensor-parallel."""
+    fixed), so the same code runs whole or tensor-parallel. With ``cp_group`` set (context parallelism,
+    :func:`elastictrain.parallel.context.enable_context_parallel`) ``x`` holds the global ``positions`` of
+    each sample and the attention is :func:`~elastictrain.parallel.context.cp_attention` (the kv heads
+    gathered over the group, then repeated)."""
+
+    cp_group: Any = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -211,6 +216,14 @@ class Attention(nn.Module):
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         cos, sin = rope(t, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cp_group is not None:
+            from elastictrain.parallel.context import cp_attention
+
+            if positions is None:
+                raise ValueError("context parallel (cp_group set) needs the tokens' global positions: pass "
+                                 "positions= (elastictrain.parallel.context.shard_sequence adds them to the batch)")
+            y = cp_attention(q, k, v, positions, None, self.cp_group, n_rep=self.n_rep)
+            return self.wo(y.transpose(1, 2).reshape(b, t, width))
         if self.n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep - 1
             k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -303,7 +316,8 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, sample_seeds: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for ``input_ids`` ``(B, T)``. ``positions`` (``[T]``, default
-        ``0..T-1``): the global positions the rotary embedding uses. ``sample_seeds`` is ignored (no
+        ``0..T-1``): the global positions the rotary embedding uses, required under context parallelism
+        (``input_ids`` is then this rank's part of the sequence). ``sample_seeds`` is ignored (no
         dropout). Rows never interact."""
         _check_inputs(input_ids)
         x = self.tok_embeddings(input_ids)
@@ -324,7 +338,8 @@ class LlamaStage(nn.Module):
     .weight`` keeps its name, so a checkpoint of any split loads under any other layout); every stage holds
     the rotary tables (buffers, no parameters). A tied model cannot be split (the embedding and the head
     would be two copies on two stages): :class:`ValueError`. ``forward(x, seeds=None)``: ``x`` is the token
-    ids (first stage) or the previous stage's activations; returns the logits on the last stage."""
+    ids (first stage) or the previous stage's activations; returns the logits on the last stage.
+    ``positions``: as :meth:`Llama.forward`'s (pass it to every stage under context parallelism)."""
 
     def __init__(self, model: Llama, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -340,12 +355,13 @@ class LlamaStage(nn.Module):
         if last:
             self.norm, self.output = model.norm, model.output
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
             _check_inputs(x)
             x = self.tok_embeddings(x)
         for layer in self.layers.values():
-            x = layer(x, rope=self.rope)
+            x = layer(x, rope=self.rope, positions=positions)
         return self.output(self.norm(x)) if self.last else x
 
     def reset_buffers(self) -> None:
