@@ -221,7 +221,8 @@ def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
 
 def _state_by_name(rank: int, model: torch.nn.Module, ref: torch.nn.Module, ckpt: str) -> None:
     """The ep2 model's state under DCP (saved by name, expert DTensors with their global offsets) loads
-    into a one-process model; a seeded init by name gives this rank the slice of the whole model's values."""
+    into a one-process model; a meta build made expert-parallel, then given memory and a seeded init by name,
+    holds this rank's slice of the whole model's values."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,8 +237,11 @@ def _state_by_name(rank: int, model: torch.nn.Module, ref: torch.nn.Module, ckpt
         dcp.load(whole, checkpoint_id=ckpt, no_dist=True)
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(whole[k], v, atol=0, rtol=0, msg=lambda m, k=k: f"{k} after load: {m}")
-    seeded, sharded = GPT(_GPT), GPT(_GPT)
+    seeded = GPT(_GPT)
+    with torch.device("meta"):  # the meta build a sharded start uses: sharded before it has memory
+        sharded = GPT(_GPT)
     enable_expert_parallel(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    sharded.to_empty(device="cpu")
     init_by_name(seeded, seeded, seed=5)
     init_by_name(sharded, sharded, seed=5)
     _compare_params(sharded, seeded, "param")
