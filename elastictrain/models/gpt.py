@@ -155,7 +155,8 @@ class SampleDropout(nn.Module):
 
 
 class _Block(nn.Module):
-    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))).
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))); with ``moe`` the MLP is a
+    :class:`~elastictrain.models.moe.MoEFeedForward` of the same expert shape (attribute ``moe``).
 
     Queries, keys and values are three projections (``q``, ``k``, ``v``), so that tensor parallelism can
     split each column-wise by heads; the attention runs on however many heads this rank's projections
