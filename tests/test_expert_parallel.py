@@ -215,8 +215,37 @@ def _ep2(rank: int, port: int, kind: str, ckpt: str) -> None:
         _compare_params(model, ref, "grad")
         if kind == "gpt":
             _state_by_name(rank, model, ref, ckpt)
+            _all_slots_to_one_rank(rank, model, ref, inputs, targets)
     finally:
         dist.destroy_process_group()
+
+
+def _all_slots_to_one_rank(rank, model, ref, inputs, targets) -> None:
+    """Zero routers: every token ties, so every slot goes to experts 0 and 1 (rank 0's); rank 1 receives
+    no rows and sends all of its own. Losses and gradients still equal one process's."""
+    import torch.distributed as dist
+
+    from elastictrain.parallel.expert import expert_parameter_names, reduce_expert_grads
+
+    for m in (model, ref):
+        m.zero_grad()
+        with torch.no_grad():
+            for layer in (x for x in m.modules() if isinstance(x, MoEFeedForward)):
+                layer.router.weight.zero_()
+    ref_losses = _losses(ref, inputs, targets)
+    ref_losses.mean().backward()
+    mine = slice(3 * rank, 3 * rank + 3)
+    losses = _losses(model, inputs[mine], targets[mine])
+    assert all(c[2:].sum() == 0 for c in moe_token_counts(model).values())
+    torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL)
+    losses.mean().backward()
+    experts = set(expert_parameter_names(model))
+    for name, p in model.named_parameters():
+        if name not in experts:
+            dist.all_reduce(p.grad)
+            p.grad.div_(2)
+    reduce_expert_grads(model, None, scale=1 / 2)
+    _compare_params(model, ref, "grad")
 
 
 def _state_by_name(rank: int, model: torch.nn.Module, ref: torch.nn.Module, ckpt: str) -> None:
