@@ -805,6 +805,9 @@ class Controller(WorkerMonitor):
             else:
                 root = self.final_model_root
         outs = self.rt.get([s.actor.finish.remote(root) for s in members], timeout=t)
+        for s, o in zip(members, outs):  # the end's peaks (the digest, the final write) join the run's
+            if o.get("peak") and s.rank is not None:
+                self.ledger.note_memory(s.rank, o["peak"])
         self.final_digest = {"step": step, "sha256": combine([o["digest"] for o in outs])}
         if root is not None:
             from elastictrain.checkpoint.store import CheckpointStore
