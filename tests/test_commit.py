@@ -12,7 +12,7 @@ import pytest
 
 from elastictrain import build_config
 from elastictrain.task import builtin_task
-from tests.commit_fixtures import ALLOC_STEP as _ALLOC_STEP, AllocatingLoss
+from tests.commit_fixtures import ALLOC_STEP as _ALLOC_STEP, FINISH_MIB, AllocatingLoss, AllocatingStateDict
 from tests.conftest import job, run_job
 
 STEPS = 8
@@ -125,6 +125,23 @@ def test_every_step_reports_peak_memory_and_a_transient_allocation_shows_in_its_
     assert steps[_ALLOC_STEP]["memory"]["host_mib"] >= steps[_ALLOC_STEP + 2]["memory"]["host_mib"] + 150
     memory = run.summary["memory"]
     assert set(memory["by_rank"]) == {"0", "1"} and memory["host_mib"] >= 200 and memory["host_rank"] == 0
+
+
+def test_the_runs_per_rank_peaks_include_the_end_of_the_run(tmp_path, ray_local) -> None:
+    """What a rank holds after its last step (the digest, the final model's write) is in ``summary.json``'s
+    per-rank peaks: 600 MiB every rank holds for a moment while its final model's state is read show there,
+    above every step's figure (the first one's holds the set-up) and well above the last step's (the share
+    rule is "at every moment to the last step", the end included)."""
+    spec = job(train={"steps": 3}, workers={"min": 2, "max": 2})
+    task = builtin_task(build_config(spec))
+    task = dataclasses.replace(task, model_fn=AllocatingStateDict(task.model_fn))
+    run = run_job(tmp_path, spec, task=task)
+    assert run.result.exit_code == 0, run.summary["error"]
+    steps = [e["memory"]["host_mib"] for e in run.of("step")]
+    by_rank = run.summary["memory"]["by_rank"]
+    assert set(by_rank) == {"0", "1"}
+    assert all(p["host_mib"] >= max(max(steps) + 100, steps[-1] + FINISH_MIB / 2)
+               for p in by_rank.values()), (by_rank, steps)
 
 
 def test_the_step_events_memory_is_the_highest_peak_since_the_previous_one(tmp_path) -> None:
