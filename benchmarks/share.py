@@ -16,7 +16,8 @@ and the final model's write. It is set against: the share (params + grads + Adam
 part, 16 bytes per parameter, from the planner's memory model, planner/memory.py), the planner's
 activations and FSDP's gathered weights, and the floor (the RSS of an idle Ray worker that imported torch
 and this package, measured here). The rule holds when measured / (share + activations + floor) <= 1.1.
-The whole-model row is the planner's figure for one rank holding everything (ddp on 1 process).
+The ``ddp1`` row is one process holding the whole model (the planner's figure; measured with
+``--layouts ddp1``: about 7 GB).
 
 Figures: docs/perf/2026-11-28-share-rule.md.
 """
@@ -34,11 +35,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MIB = 2 ** 20
-LAYOUTS = {  # name -> the job's parallel section (4 processes each)
-    "fsdp4": {"plan": "fsdp"},
-    "pp4": {"plan": "ddp", "pp": 4, "pp_schedule": "1f1b"},
-    "tp4": {"plan": "ddp", "tp": 4},
-    "pp2xtp2": {"plan": "ddp", "pp": 2, "tp": 2, "pp_schedule": "1f1b"},
+LAYOUTS = {  # name -> (processes, the job's parallel section)
+    "fsdp4": (4, {"plan": "fsdp", "meta_init": True}),
+    "pp4": (4, {"plan": "ddp", "pp": 4, "pp_schedule": "1f1b", "meta_init": True}),
+    "tp4": (4, {"plan": "ddp", "tp": 4, "meta_init": True}),
+    "pp2xtp2": (4, {"plan": "ddp", "pp": 2, "tp": 2, "pp_schedule": "1f1b", "meta_init": True}),
+    "ddp1": (1, {"plan": "ddp"}),  # the whole model on one process: what the share rule saves
 }
 # a step of a 400M model on 4 processes sharing 2 cores takes minutes: wide bounds, kept in their order
 TIMEOUTS = {"collective_s": 600, "step_watchdog_cap_s": 1200, "watchdog_floor_s": 600, "poll_s": 1800,
@@ -46,8 +48,8 @@ TIMEOUTS = {"collective_s": 600, "step_watchdog_cap_s": 1200, "watchdog_floor_s"
 RULE = 1.1
 
 
-def job(args: argparse.Namespace, layout: str, world: int = 4) -> dict:
-    parallel = {**LAYOUTS[layout], "meta_init": True} if layout in LAYOUTS else {"plan": "ddp"}
+def job(args: argparse.Namespace, layout: str) -> dict:
+    world, parallel = LAYOUTS[layout]
     return {"name": f"share-{layout}",
             "task": {"model": {"seq_len": args.seq_len, "n_layer": args.layers, "n_head": args.heads,
                                "d_model": args.d_model, "dropout": 0.0}},
@@ -56,7 +58,7 @@ def job(args: argparse.Namespace, layout: str, world: int = 4) -> dict:
             "checkpoint": {"memory_every_steps": 0}, "parallel": parallel, "timeouts": TIMEOUTS}
 
 
-def predict(args: argparse.Namespace, layout: str, world: int) -> dict:
+def predict(args: argparse.Namespace, layout: str) -> dict:
     """The planner's bytes for the worst rank of ``layout`` (planner/memory.py): the share (params, grads and
     optimizer state of its part, plain: what it owns, 16 bytes per parameter), activations and gathered."""
     from elastictrain import build_config
@@ -66,7 +68,8 @@ def predict(args: argparse.Namespace, layout: str, world: int) -> dict:
     from elastictrain.planner.job import model_shape, training
     from elastictrain.planner.memory import memory, stage_params
 
-    cfg = build_config(job(args, layout, world))
+    world = LAYOUTS[layout][0]
+    cfg = build_config(job(args, layout))
     lay = resolve(spec_from_config(cfg), world)
     d = lay.dims
     c = Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, schedule=lay.pp_schedule,
@@ -118,17 +121,18 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     floor = next((r["floor_mib"] for r in rows if "floor_mib" in r), None)
-    layouts = [r for r in rows if "layout" in r]
+    layouts = [r for r in rows if "layout" in r and r["layout"] != "ddp1"]
+    one = next((r for r in rows if r.get("layout") == "ddp1"), None)
     if floor is None or not layouts:
         print("nothing to print: run a layout first")
         return
-    whole = predict(args, "ddp1", 1)
+    whole = predict(args, "ddp1")
     print(f"model {whole['params'] / 1e6:.0f}M params; floor (idle Ray worker, torch imported) {floor:.0f} MiB; "
           f"MiB per rank; rule: measured <= {RULE} x (share + act + floor)")
     print(f"{'layout':8} {'share':>7} {'act+gath':>8} {'floor':>6} {'bound':>7} {'measured by rank':>28} "
           f"{'max':>7} {'ratio':>6}  verdict")
     for r in layouts:
-        p = predict(args, r["layout"], 4)
+        p = predict(args, r["layout"])
         extra = (p["activations"] + p["gathered"]) / MIB
         bound = p["share"] / MIB + extra + floor
         worst = max(r["by_rank"].values())
@@ -137,8 +141,11 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
               f"{worst:7.0f} {worst / bound:6.2f}  {'holds' if worst / bound <= RULE else 'BROKEN'}"
               f"{'' if r['exit_code'] == 0 else ' (run exit ' + str(r['exit_code']) + ')'}")
     extra = (whole["activations"] + whole["gathered"]) / MIB
-    print(f"{'whole':8} {whole['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} "
-          f"{whole['share'] / MIB + extra + floor:7.0f} {'(predicted: ddp on 1 process)':>28}")
+    bound = whole["share"] / MIB + extra + floor
+    peak = max(one["by_rank"].values()) if one else 0.0
+    got = f"{peak:28.0f} {peak:7.0f} {peak / bound:6.2f}" if one else \
+        f"{'(not run: --layouts ddp1)':>28}"
+    print(f"{'ddp1':8} {whole['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {got}  the whole model")
 
 
 def main() -> None:
