@@ -5,7 +5,9 @@ Run (one layout per command keeps the machine's memory safe; each appends its ro
 
     python benchmarks/share.py --layouts fsdp4 --out /tmp/share.jsonl
     python benchmarks/share.py --layouts pp4,tp4,pp2xtp2 --out /tmp/share.jsonl
-    python benchmarks/share.py --table /tmp/share.jsonl
+    python benchmarks/share.py --layouts fsdp4,pp4,tp4,pp2xtp2 --layers 4 --d-model 64 --heads 4 \
+        --steps 2 --out /tmp/tiny.jsonl   # the same jobs on a ~0-parameter model: the runtime per layout
+    python benchmarks/share.py --table /tmp/share.jsonl [--tiny /tmp/tiny.jsonl]
 
 Each layout is a real job (``Trainer`` on a local Ray, 4 worker processes over gloo, ``parallel.meta_init``
 on, the peer memory tier off, the final model written by the workers) on the built-in GPT (default 32
@@ -119,7 +121,9 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict:
             "wall_s": round(time.time() - t0, 1), "run_dir": str(run_dir), "load1": os.getloadavg()[0]}
 
 
-def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+def print_table(rows: list[dict], args: argparse.Namespace, tiny: dict[str, float] | None = None) -> None:
+    """The table; with ``tiny`` (layout -> the highest peak of the same job on a model of ~0 parameters:
+    the framework's own runtime under that layout), also the measured peak less it against share + act."""
     floor = next((r["floor_mib"] for r in rows if "floor_mib" in r), None)
     layouts = [r for r in rows if "layout" in r and r["layout"] != "ddp1"]
     one = next((r for r in rows if r.get("layout") == "ddp1"), None)
@@ -130,7 +134,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"model {whole['params'] / 1e6:.0f}M params; floor (idle Ray worker, torch imported) {floor:.0f} MiB; "
           f"MiB per rank; rule: measured <= {RULE} x (share + act + floor)")
     print(f"{'layout':8} {'share':>7} {'act+gath':>8} {'floor':>6} {'bound':>7} {'measured by rank':>28} "
-          f"{'max':>7} {'ratio':>6}  verdict")
+          f"{'max':>7} {'ratio':>6}  verdict" + ("  [max - tiny job's peak] / (share + act+gath)" if tiny else ""))
     for r in layouts:
         p = predict(args, r["layout"])
         extra = (p["activations"] + p["gathered"]) / MIB
@@ -139,7 +143,9 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         ranks = " ".join(f"{r['by_rank'][k]:.0f}" for k in sorted(r["by_rank"]))
         print(f"{r['layout']:8} {p['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {ranks:>28} "
               f"{worst:7.0f} {worst / bound:6.2f}  {'holds' if worst / bound <= RULE else 'BROKEN'}"
-              f"{'' if r['exit_code'] == 0 else ' (run exit ' + str(r['exit_code']) + ')'}")
+              f"{'' if r['exit_code'] == 0 else ' (run exit ' + str(r['exit_code']) + ')'}"
+              + (f"  [{worst - tiny[r['layout']]:.0f} - {tiny[r['layout']]:.0f}] / {bound - floor:.0f} = "
+                 f"{(worst - tiny[r['layout']]) / (bound - floor):.2f}" if tiny and r["layout"] in tiny else ""))
     extra = (whole["activations"] + whole["gathered"]) / MIB
     bound = whole["share"] / MIB + extra + floor
     peak = max(one["by_rank"].values()) if one else 0.0
@@ -148,11 +154,21 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"{'ddp1':8} {whole['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {got}  the whole model")
 
 
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _tiny_peaks(path: Path) -> dict[str, float]:
+    return {r["layout"]: max(r["by_rank"].values()) for r in _rows(path) if "layout" in r}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", default="", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--out", default=None, help="append each row (JSON lines) here; --table reads it")
     ap.add_argument("--table", default=None, help="print the table of the rows in this file and exit")
+    ap.add_argument("--tiny", default=None, help="with --table: rows of the same layouts on a ~0-parameter "
+                    "model (e.g. --layers 4 --d-model 64 --heads 4): the framework's runtime under each layout")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=1024)
@@ -162,7 +178,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     args = ap.parse_args()
     if args.table:
-        print_table([json.loads(x) for x in Path(args.table).read_text().splitlines() if x.strip()], args)
+        tiny = _tiny_peaks(Path(args.tiny)) if args.tiny else None
+        print_table(_rows(Path(args.table)), args, tiny)
         return
     # freed blocks over 128 KiB go back to the OS at once (as in benchmarks/parallel.py): the peak is live memory
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
