@@ -144,7 +144,7 @@ def print_table(rows: list[dict], args: argparse.Namespace, tiny: dict[str, floa
         print(f"{r['layout']:8} {p['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {ranks:>28} "
               f"{worst:7.0f} {worst / bound:6.2f}  {'holds' if worst / bound <= RULE else 'BROKEN'}"
               f"{'' if r['exit_code'] == 0 else ' (run exit ' + str(r['exit_code']) + ')'}"
-              + (f"  [{worst - tiny[r['layout']]:.0f} - {tiny[r['layout']]:.0f}] / {bound - floor:.0f} = "
+              + (f"  [{worst:.0f} - {tiny[r['layout']]:.0f}] / {bound - floor:.0f} = "
                  f"{(worst - tiny[r['layout']]) / (bound - floor):.2f}" if tiny and r["layout"] in tiny else ""))
     extra = (whole["activations"] + whole["gathered"]) / MIB
     bound = whole["share"] / MIB + extra + floor
