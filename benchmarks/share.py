@@ -9,17 +9,14 @@ Run (one layout per command keeps the machine's memory safe; each appends its ro
         --steps 2 --out /tmp/tiny.jsonl   # the same jobs on a ~0-parameter model: the runtime per layout
     python benchmarks/share.py --table /tmp/share.jsonl [--tiny /tmp/tiny.jsonl]
 
-Each layout is a real job (``Trainer`` on a local Ray, 4 worker processes over gloo, ``parallel.meta_init``
-on, the peer memory tier off, the final model written by the workers) on the built-in GPT (default 32
-layers of d_model 1024: 403M parameters, 6.4 GB of fp32 training state). The measured figure is
-``summary.json``'s per-rank host peak (``VmHWM``, worker/memory_peak.py), which covers everything from the
-worker's start (imports, mesh, the meta build, materialising and initialising the shards) to the last step
-and the final model's write. It is set against: the share (params + grads + AdamW moments of the rank's
-part, 16 bytes per parameter, from the planner's memory model, planner/memory.py), the planner's
-activations and FSDP's gathered weights, and the floor (the RSS of an idle Ray worker that imported torch
-and this package, measured here). The rule holds when measured / (share + activations + floor) <= 1.1.
-The ``ddp1`` row is one process holding the whole model (the planner's figure; measured with
-``--layouts ddp1``: about 7 GB).
+Each layout is a real job (``Trainer`` on a local Ray, 4 workers over gloo, ``parallel.meta_init`` on, the
+peer memory tier off, the final model written by the workers) on the built-in GPT (default 32 layers of
+d_model 1024: 404M parameters, 16 bytes each of fp32 training state). Measured: ``summary.json``'s per-rank
+host peak (worker/memory_peak.py), from the worker's start to the final model's write. Bound: the rank's
+share (params + grads + AdamW moments it owns, planner/memory.py), the planner's activations and gathered
+weights, and a floor (an idle Ray worker that imported torch and this package, measured here); the rule
+holds at measured / bound <= 1.1. ``ddp1``: one process holding the whole model (predicted; measured
+with ``--layouts ddp1``).
 
 Figures: docs/perf/2026-11-28-share-rule.md.
 """
