@@ -792,7 +792,7 @@ class Controller(WorkerMonitor):
         """The end of a finished run without gathering the model: every member hashes its own part (the
         digest is combined here from per-parameter sums) and, unless the committed final checkpoint already
         holds the model, writes its part of the final model into ``final_model_root`` (a run root of one
-        committed step, checkpoint/final.py). Only hashes and file names come back."""
+        committed step, checkpoint/final.py). Only hashes, file names and each rank's peak memory come back."""
         if not members:
             return
         from elastictrain.parallel.digest import combine
