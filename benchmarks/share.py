@@ -49,6 +49,8 @@ RULE = 1.1
 
 def job(args: argparse.Namespace, layout: str) -> dict:
     world, parallel = LAYOUTS[layout]
+    if getattr(args, "no_meta_init", False) and "meta_init" in parallel:  # every rank builds the whole model first
+        parallel = {**parallel, "meta_init": False}
     return {"name": f"share-{layout}",
             "task": {"model": {"seq_len": args.seq_len, "n_layer": args.layers, "n_head": args.heads,
                                "d_model": args.d_model, "dropout": 0.0}},
@@ -130,7 +132,7 @@ def print_table(rows: list[dict], args: argparse.Namespace, tiny: dict[str, floa
     whole = predict(args, "ddp1")
     print(f"model {whole['params'] / 1e6:.0f}M params; floor (idle Ray worker, torch imported) {floor:.0f} MiB; "
           f"MiB per rank; rule: measured <= {RULE} x (share + act + floor)")
-    print(f"{'layout':8} {'share':>7} {'act+gath':>8} {'floor':>6} {'bound':>7} {'measured by rank':>28} "
+    print(f"{'layout':11} {'share':>7} {'act+gath':>8} {'floor':>6} {'bound':>7} {'measured by rank':>28} "
           f"{'max':>7} {'ratio':>6}  verdict" + ("  [max - tiny job's peak] / (share + act+gath)" if tiny else ""))
     for r in layouts:
         p = predict(args, r["layout"])
@@ -138,7 +140,7 @@ def print_table(rows: list[dict], args: argparse.Namespace, tiny: dict[str, floa
         bound = p["share"] / MIB + extra + floor
         worst = max(r["by_rank"].values())
         ranks = " ".join(f"{r['by_rank'][k]:.0f}" for k in sorted(r["by_rank"]))
-        print(f"{r['layout']:8} {p['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {ranks:>28} "
+        print(f"{r['layout'] + r.get('variant', ''):11} {p['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {ranks:>28} "
               f"{worst:7.0f} {worst / bound:6.2f}  {'holds' if worst / bound <= RULE else 'BROKEN'}"
               f"{'' if r['exit_code'] == 0 else ' (run exit ' + str(r['exit_code']) + ')'}"
               + (f"  [{worst:.0f} - {tiny[r['layout']]:.0f}] / {bound - floor:.0f} = "
@@ -148,7 +150,7 @@ def print_table(rows: list[dict], args: argparse.Namespace, tiny: dict[str, floa
     peak = max(one["by_rank"].values()) if one else 0.0
     got = f"{peak:28.0f} {peak:7.0f} {peak / bound:6.2f}" if one else \
         f"{'(not run: --layouts ddp1)':>28}"
-    print(f"{'ddp1':8} {whole['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {got}  the whole model")
+    print(f"{'ddp1':11} {whole['share'] / MIB:7.0f} {extra:8.0f} {floor:6.0f} {bound:7.0f} {got}  the whole model")
 
 
 def _rows(path: Path) -> list[dict]:
@@ -166,6 +168,8 @@ def main() -> None:
     ap.add_argument("--table", default=None, help="print the table of the rows in this file and exit")
     ap.add_argument("--tiny", default=None, help="with --table: rows of the same layouts on a ~0-parameter "
                     "model (e.g. --layers 4 --d-model 64 --heads 4): the framework's runtime under each layout")
+    ap.add_argument("--no-meta-init", action="store_true",
+                    help="parallel.meta_init off: every rank builds the whole fp32 model before its layout splits it")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=1024)
@@ -184,9 +188,10 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = [{"floor_mib": round(measure_floor(), 1)}]
+    label = "-nometa" if args.no_meta_init else ""
     print(f"floor: {rows[0]['floor_mib']:.0f} MiB", flush=True)
     for layout in [x for x in args.layouts.split(",") if x]:
-        rows.append(run_layout(args, layout))
+        rows.append({**run_layout(args, layout), "variant": label})
         r = rows[-1]
         print(f"{layout}: exit {r['exit_code']} in {r['wall_s']} s; peak MiB by rank {r['by_rank']}; per step "
               f"{[(s['step'], s['host_mib'], s['rank']) for s in r['steps']]}; {r['run_dir']}", flush=True)
