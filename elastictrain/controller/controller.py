@@ -792,7 +792,7 @@ class Controller(WorkerMonitor):
         """The end of a finished run without gathering the model: every member hashes its own part (the
         digest is combined here from per-parameter sums) and, unless the committed final checkpoint already
         holds the model, writes its part of the final model into ``final_model_root`` (a run root of one
-        committed step, checkpoint/final.py). Only hashes and file names come back."""
+        committed step, checkpoint/final.py). Only hashes, file names and each rank's peak memory come back."""
         if not members:
             return
         from elastictrain.parallel.digest import combine
@@ -805,6 +805,9 @@ class Controller(WorkerMonitor):
             else:
                 root = self.final_model_root
         outs = self.rt.get([s.actor.finish.remote(root) for s in members], timeout=t)
+        for s, o in zip(members, outs):  # the end's peaks (the digest, the final write) join the run's
+            if o.get("peak") and s.rank is not None:
+                self.ledger.note_memory(s.rank, o["peak"])
         self.final_digest = {"step": step, "sha256": combine([o["digest"] for o in outs])}
         if root is not None:
             from elastictrain.checkpoint.store import CheckpointStore

@@ -646,8 +646,12 @@ class Worker:
         """The end of a finished run (fault point ``finish``): this rank's part of the model digest
         (parallel/digest.py) and, with ``final_root``, its part of the final model written through DCP into
         ``<final_root>/step_<N>/`` (checkpoint/final.py; collective: call on every member). Returns
-        ``{"rank", "step", "digest", "report"}``: hashes and file names only, never the model."""
+        ``{"rank", "step", "digest", "report", "peak"}``: hashes and file names only, never the model;
+        ``peak`` is this rank's peak memory since its last step (worker/memory_peak.py), so the run's
+        per-rank peaks cover the end of the run too."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from elastictrain.worker import memory_peak
 
         r = self.runner
         r.faults.fire(rank=r.rank, step=r.step, point="finish", generation=r.generation)
@@ -657,6 +661,7 @@ class Worker:
 
             out["report"] = write_final_model(get_model_state_dict(r.state.model), r.step, r.rank, final_root,
                                               storage_options)
+        out["peak"] = memory_peak.read_and_reset(r.device)
         return out
 
     def shutdown(self) -> None:
