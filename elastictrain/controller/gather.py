@@ -93,7 +93,7 @@ def slot_step(slot: Slot) -> int:
 
 def _split(layout: Layout) -> bool:
     """No rank of ``layout`` holds the whole state as a DDP replica (sharded, staged or tensor-parallel)."""
-    return layout.plan != "ddp" or layout.dims.pp > 1 or layout.dims.tp > 1
+    return not layout.dims.holds_whole_state
 
 
 class SourceGatherer:
