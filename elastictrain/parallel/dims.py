@@ -184,15 +184,24 @@ class MeshDims:
         any survivor can restore a joiner."""
         return not self.state_shard_axes and all(getattr(self, n) == 1 for n in self.model_axes)
 
-    def holder_key(self, rank: int) -> tuple[int, ...]:
-        """What part of the state ``rank`` holds, as its coordinate on the model and shard axes: two ranks
-        with the same key are replicas of each other."""
-        c = self.coord(rank)
-        return tuple(c[n] for n in AXES if n in self.model_axes or n in self.state_shard_axes)
-
     def holder_axes(self) -> tuple[str, ...]:
-        """The axes of :meth:`holder_key`, in its order."""
-        return tuple(n for n in AXES if n in self.model_axes or n in self.state_shard_axes)
+        """The axes on which a different coordinate means a different part of the state: the model axes,
+        then the shard axes (``dp_shard`` always: at size 1 it tells no rank apart), in that order."""
+        shard = ("dp_shard",) + tuple(a for a in self.state_shard_axes if a != "dp_shard")
+        return self.model_axes + shard
+
+    def holder_key(self, rank: int) -> tuple[int, ...]:
+        """What part of the state ``rank`` holds, as its coordinate on :meth:`holder_axes`: two ranks with
+        the same key are replicas of each other (either can restore the other)."""
+        c = self.coord(rank)
+        return tuple(c[n] for n in self.holder_axes())
+
+    def holder_keys(self) -> list[tuple[int, ...]]:
+        """Every :meth:`holder_key` of the layout, in lexicographic order."""
+        keys = [()]
+        for a in self.holder_axes():
+            keys = [(*k, i) for k in keys for i in range(getattr(self, a))]
+        return keys
 
     def snapshot_coord(self, rank: int) -> dict[str, int]:
         """``rank``'s coordinate on the axes its snapshot records (pp, cp, tp; data-parallel shards are in
