@@ -105,7 +105,8 @@ class MeshDims:
         return tuple(getattr(self, n) for n in self.names)
 
     # ------------------------------------------------------------------ ranks and coordinates
-    def _stride(self, name: str) -> int:
+    def stride(self, name: str) -> int:
+        """How many ranks apart two neighbours on axis ``name`` are (the product of the axes inside it)."""
         return prod(getattr(self, n) for n in AXES[AXES.index(name) + 1:])
 
     def _check_rank(self, rank: int) -> None:
@@ -115,7 +116,7 @@ class MeshDims:
     def coord(self, rank: int) -> dict[str, int]:
         """``rank``'s coordinate on every world axis (row-major, outermost first)."""
         self._check_rank(rank)
-        return {n: (rank // self._stride(n)) % getattr(self, n) for n in AXES}
+        return {n: (rank // self.stride(n)) % getattr(self, n) for n in AXES}
 
     def rank(self, coord: Mapping[str, int]) -> int:
         """The rank at ``coord`` (axes left out are 0). Raises ValueError for an unknown axis or a
@@ -128,7 +129,7 @@ class MeshDims:
             c = coord.get(n, 0)
             if not 0 <= c < getattr(self, n):
                 raise ValueError(f"coordinate {n}={c} is outside the axis of size {getattr(self, n)}")
-            out += c * self._stride(n)
+            out += c * self.stride(n)
         return out
 
     def group_ranks(self, rank: int, axes: Iterable[str]) -> list[int]:

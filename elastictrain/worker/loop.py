@@ -577,6 +577,7 @@ def parallel_of(layout: Layout, base: ParallelConfig) -> ParallelConfig:
     d = layout.dims
     return base.model_copy(update={
         "plan": d.plan, "shard_size": d.dp_shard if d.plan == "hsdp" else base.shard_size, "pp": d.pp, "tp": d.tp,
+        "cp": d.cp, "ep": d.ep,
         "pp_schedule": layout.pp_schedule if d.pp > 1 else base.pp_schedule,
         "stages_per_rank": layout.stages_per_rank if d.pp > 1 else base.stages_per_rank,
         "sequence_parallel": layout.sp if d.tp > 1 else None})
