@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastictrain.data.cursor import CursorError, check_layout
-from elastictrain.parallel.dims import AXES, MeshDims  # noqa: F401 - re-exported: plan.MeshDims
+from elastictrain.parallel.dims import MeshDims  # (re-exported: plan.MeshDims, used by every caller)
 
 PlanName = Literal["ddp", "fsdp", "hsdp"]
 PLANS: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
