@@ -164,3 +164,28 @@ def test_cp_and_ep_are_refused_until_the_step_loop_runs_them(key):
     with pytest.raises(ConfigError, match=rf"parallel.{key} > 1 is not wired into the step loop yet \(got "
                                           rf"parallel.{key}=2\); set parallel.{key}=1"):
         build_config(job(workers={"min": 2, "max": 2}, parallel={key: 2}))
+
+
+def test_placement_keeps_a_cp_x_tp_group_on_one_node():
+    from elastictrain.parallel.placement import place, unit_size
+
+    dims = MeshDims(dp_replicate=2, cp=2, tp=2, plan="ddp")
+    assert unit_size(dims) == 4
+    got = place([("a", 2), ("b", 4), ("c", 2)], dims)  # the 4-slot node takes one group whole
+    assert got.nodes[:4] == ("b",) * 4 and len(got.warnings) == 1 and "CP x TP group of ranks 4-7" in got.warnings[0]
+    assert "parallel.cp=2 x parallel.tp=2" in got.warnings[0]
+
+
+def test_recovery_coverage_is_by_coordinate_on_the_shard_axes():
+    """Under fsdp the state is sharded over dp_shard x cp: a survivor covers only its own (dp_shard, cp)
+    coordinate; under ddp a cp rank is a replica."""
+    from elastictrain.controller.sources import rank_sources
+
+    fsdp = MeshDims(dp_shard=2, cp=2, plan="fsdp")  # ranks: (shard, cp) = 0:(0,0) 1:(0,1) 2:(1,0) 3:(1,1)
+    lost = rank_sources(dp_replicate=1, dp_shard=1, dims=fsdp, survivors={0: 4, 1: 4, 2: 4}, memory={},
+                        durable_step=None, last_step=4)
+    assert lost.chosen.kind == "scratch" and "lack (shard coordinate, cp coordinate) [(1, 1)] of 2 x 2" in lost.reason
+    ddp = MeshDims(dp_replicate=2, cp=2, plan="ddp")
+    kept = rank_sources(dp_replicate=1, dp_shard=1, dims=ddp, survivors={3: 4}, memory={}, durable_step=None,
+                        last_step=4)
+    assert kept.chosen.kind == "peer" and kept.chosen.ranks == (3,)
