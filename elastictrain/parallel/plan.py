@@ -250,9 +250,9 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
     """Why ``seq_len`` cannot be split over ``cp`` context-parallel ranks (None when it can): causal load
     balance cuts each sample into ``2 * cp`` chunks (head-tail), so ``seq_len % (2 * cp)`` must be 0. The
     message names the valid ``cp`` values."""
-    if seq_len % (2 * cp) == 0:
+    if cp == 1 or seq_len % (2 * cp) == 0:  # (cp 1 splits nothing: any length)
         return None
-    valid = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+    valid = [1] + [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
     return (f"parallel.cp={cp} needs the sequence length to be a multiple of 2 x cp = {2 * cp} (head-tail "
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
