@@ -22,8 +22,7 @@ with the same model, data and global batch; printed after the table, each beside
   ``schedule.step``, mean over ranks and timed steps) against the schedule's timeline at unit costs
   (``elastictrain/parallel/bubble.py``; target: within 5 points at p = 2, m = 8). On CPU the measured
   share also holds the p2p waits and the schedule's Python time between chunks: on a tiny model
-  (``--layers 4 --d-model 64``) they dominate (0.5-0.7 measured on a loaded 2-core machine), so only a
-  model whose micro-batch compute dwarfs them (the default) speaks to the target;
+  (``--layers 4 --d-model 64``) they dominate, so only a model whose micro-batch compute dwarfs them (the default) speaks to the target;
 * the timeline bubble of every schedule at the same p and m (targets: interleaved_1f1b below 1f1b, zbv below
   interleaved_1f1b);
 * kill -> next step under pp2 x dp2 against ddp (``--kill-pp``; target <= 2x): the kill runs below, the
@@ -40,36 +39,16 @@ with the same model, data and global batch; printed after the table, each beside
   The issue states its target on a >= 50M-parameter GPT: ``--kill-model big`` (the throughput rows'
   model, ``--layers`` x ``--d-model``: 50.7M by default) runs the kill rows on it, which is the figure
   the target is read on (the verdict is printed only there); the default ``--kill-model tiny`` keeps the
-  tiny job's rows. The command for the target (8.7 min on a quiet 2-core machine; 13 min at load
-  14-18)::
+  tiny job's rows. The command for the target::
 
       python benchmarks/parallel.py --plans '' --pp 0 --tp 0 --kill-tp --kill-model big \
           --kill-steps 12 --kill-batch 16,4 --kill-repeats 3
 
   (16 samples a step, 4 a micro-batch: one micro-batch per rank under ddp4, two per data-parallel rank
   under tp2 x dp2; rank 1 is killed after step 3, steps 2-3 give the steady step before the kill.) On the
-  tiny job the ratio is bounded by tp's step: 2 layers of d_model 64, four micro-batches per rank at
-  tp2 x dp1 after the shrink, wait on ~25 collectives per micro-batch (profiled: 700 over 28) besides
-  DTensor's dispatch of every op, 4-8x ddp's step on CPU, so tp2's first step alone, with no recovery in
-  it, is close to 2x ddp's whole kill -> next step (measured loaded: 2.2-3.9x). On the 50.7M model the
-  step is mostly compute, the same per rank under both layouts, but tp2 x dp2's step is still ~1.45x
-  ddp's on CPU (DTensor dispatch, ~25 collectives per micro-batch, half-width matmuls). Measured loaded,
-  so indicative only: 1 run each (load 14-18): tp2 x dp2 20.3 s vs ddp 11.9 s, 1.71x; 3 runs each (load
-  15-37): 21.0 s [25.8, 15.5, 21.0] vs 10.5 s [10.5, 9.4, 141.8 (a survivor waited out collective_s, then
-  120 s, see ``BIG_TIMEOUTS``)], 2.01x; 3 runs each with collective_s 60 (load 14-18, the command below
-  in 13 min): 18.7 s [15.2, 25.9, 18.7] vs 8.1 s [6.1, 65.6 (collective_s again), 8.1], 2.31x, tp's
-  steady step 9.9 s vs ddp's 5.4 s at 4 processes, 8.5 vs 3.7 at 2. Median phases tp vs ddp (the 3 runs
-  with collective_s 120): detect 4.7 vs 2.9 s (the kill to the failure event:
-  under tp2 x dp2 replica 1's ranks only meet the dead rank in the data-parallel gradient average after
-  their last backward, a whole step's compute later), regroup 3.6 vs 1.4 s (a tp re-mesh rebuilds the
-  model from its meta copy and loads its shards from the survivors; ddp re-wraps the model it kept),
-  first step 12.7 vs 6.3 s (steady step there 7.3 vs 5.0 s: the rest is the new mesh's first DTensor
-  step beside the replacement's start-up), steady step before the kill 7.6 vs 5.2 s. The recovery source
-  is ``peer`` in every tp2 x dp2 run (survivors [0, 3]: rank 3 serves rank 1's shard). Quiet (load
-  0.3 at the start, nothing else running), the command above: tp2 x dp2 11.59 s [11.59, 11.63, 10.77]
-  vs ddp 6.40 s [5.76, 8.43, 6.40] = 1.81x (target <= 2x: met); median phases tp vs ddp: detect 2.86 vs
-  1.37 s, regroup 2.04 vs 0.94 s, first step 6.67 vs 4.07 s; steady step 6.03 vs 4.00 s at 4 processes,
-  4.58 vs 3.48 s at 2; no run waited out collective_s.
+  tiny job the ratio is bounded by tp's own step (DTensor's dispatch and ~25 collectives per micro-batch on
+  2 layers of d_model 64), so only the big model speaks to the target. Figures:
+  ``docs/perf/2026-11-23-parallel-cpu.md``.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -79,31 +58,9 @@ split of one micro-batch (MiB autograd keeps for backward on one rank: the norm 
 sequence parallel splits T ways, and the rest; target: sequence parallel's below plain TP's). Under
 ``tpT`` the tiny GPT needs ``n_head`` (8 here), ``4 x d_model`` and the vocabulary (256) to divide by T.
 
-Where tp2's training peak goes (50.7M, 2 processes, measured by sampling RSS through a step): the runtime
-before the model (279 MiB: torch 219, DTensor/FSDP/DCP 47, this package ~10), ~74 MiB of the rest of the
-process (dataset, Python objects of the model, allocator), then 97 MiB of parameters (exactly half of
-ddp's 194), 194 of Adam state (half of 387), 97 of gradients (allocated in backward, freed after the
-step) and ~40 of activations and collective buffers at the backward's peak; nothing is held twice (no
-full copy of the weights after the split: ``distribute_tensor`` clones each shard; the full logits are
-never gathered; the whole model built before the split is gone before the first step, below the
-training peak). ddp2: the same runtime, 60 MiB of the rest, parameters, bucketed gradients and Adam
-state (775 MiB), ~70 of activations. The ratio is therefore bounded by the runtime, which no layout
-shards: train peak tp2/ddp2 0.668 at 50.7M and 0.628 at 75.7M (``--layers 24``) before pyarrow left the
-workers' imports (29 MiB less for every layout), 0.660 and 0.621 after (SP on; without SP 0.670 and 0.630
-before, 0.662 and 0.624 after). ddp2 at 75.7M: 1633 MiB before, 1603 after; tp2 1025 and 995.
-Minus the runtime baseline (the ``peak-base`` column: state, data and activations only) 0.55 and 0.54.
-Larger models (``--layers 14 --d-model 768``: 99.7M; ``--layers 12 --d-model 1024``: 151.7M; ``--plans ''
---pp 0 --steps 4 --warmup 2``, measured loaded, which RSS does not mind): train peak ddp2 1957 and 2771
-MiB, tp2 1168 and 1576: 0.597 and 0.569 (without SP 0.599 and 0.570), peak-base 0.53 and 0.52 (state
-alone would be 0.5); 50.7M in the same run 1184 / 782 MiB, 0.660, peak-base 0.55. The activation split of
-one micro-batch (micro batch 2, seq_len 64; norm/dropout regions + the rest), SP vs plain TP: 4.14 + 32.35
-vs 8.28 + 32.35 MiB at 50.7M, 5.45 + 42.47 vs 10.90 + 42.47 at 99.7M, 6.26 + 48.59 vs 12.52 + 48.59 at
-151.7M: sequence parallel halves the norm/dropout regions exactly; the rest (attention, projections,
-embeddings, head, loss) is the same. Nothing is held that need not be: counting every live tensor's
-storage once after three steps of a 3.3M-parameter GPT (gc), a tp2 rank holds its parameters, the two Adam
-moments and the dataset's token tensor (3.56x its local parameters, the dataset 0.56x), ddp2 the same plus
-its bucketed gradients (4.28x); right after the split, parameters and dataset only (the seeded whole
-model is gone).
+The train peak ratio tp2/ddp2 is bounded by the runtime before the model (torch, DTensor/FSDP/DCP, this
+package), which no layout shards; the ``peak-base`` column leaves it out. Figures, and where the peak
+goes: ``docs/perf/2026-11-23-parallel-cpu.md``.
 
 Each plan runs the framework's own step loop (``StepRunner``: the real ``parallelize_fn``, accumulation,
 clipping, AdamW) in ``--world`` spawned processes over gloo, on the built-in GPT (default 16 layers of
@@ -111,14 +68,9 @@ d_model 512, 50.7M parameters, so that the training state -- 16 bytes per parame
 Adam moments, 811 MB -- dominates what every process holds whatever the plan). Same global batch, micro
 batch, data and seed for every plan.
 
-Why not the 25M the issue names as a floor: there the part no layout shards is half of ddp's peak.
-Measured per process (4 ranks, 25.5M parameters, ``--layers 8``): 309 MiB once torch, DTensor/FSDP and
-the data code are imported (279 since the data code no longer imports pyarrow) (the baseline before the model is built), ~35 MiB of dataset and ~37 MiB of
-activations at the end of the forward (micro batch 2); ddp adds 408 MiB of state (peak 794 MiB), fsdp
-102 MiB of sharded state and ~48 MiB of FSDP2's per-block buffers (peak 546 MiB, 0.69x). Even with no
-per-block buffers at all fsdp would sit at (309 + 35 + 37 + 102) / 794 = 0.61x, so at 25M the figure
-measures the runtime, not sharding. At 50.7M: ddp 1213 MiB, fsdp 678 MiB, 0.56x (same machine, same run
-settings); a bigger model moves the ratio further towards 0.25x plus the fixed part.
+Why not the 25M the issue names as a floor: there the part no layout shards (the runtime, the dataset,
+the activations) is about half of ddp's peak, so the ratio measures the runtime, not sharding (figures:
+``docs/perf/2026-11-23-parallel-cpu.md``).
 
 Figures per plan:
 * samples/s: ``(steps - warmup) * global_batch / elapsed`` on rank 0 (steady state);
@@ -143,21 +95,16 @@ Figures per plan:
   without the first step itself, which under fsdp costs more than a ddp step: every micro-batch all-gathers
   and reduce-scatters each block; the killed rank's replacement starts once the survivors regrouped, and on
   this 2-core machine its start-up (imports, model build: a whole core for seconds) runs beside that first
-  step). More accumulation makes that first step dearer: ``--kill-batch 16,2`` (4 micro-batches per rank
-  at world 2, the kill runs' batch before it was the tiny job's) measured fsdp 0.54 s against ddp 0.24 s
-  (2.25x; [0.30] against [0.16] to the ``recovered`` event), where the tiny job's batch measured 0.39 s
-  against 0.25 s (1.56x), same machine, same hour.
-  The median of ``--kill-repeats`` runs (default 5; one run varies by +-30% on a shared 2-core machine,
-  and a plan's first run in the process now and then by +80%: with 3 runs one such outlier moved the
-  median from 0.39 to 0.55 s), each run's figure listed below the table. This is not the memory runs' model: the kill column
+  step). More accumulation makes that first step dearer (``--kill-batch``).
+  The median of ``--kill-repeats`` runs (default 5: one run varies a lot on a shared machine, and a plan's
+  first run in the process more), each run's figure listed below the table. This is not the memory runs'
+  model: the kill column
   measures detection and the recovery path (survivors / peer tier), which the issue bounds on the tiny job
   (< 2 s; fsdp <= 2x ddp).
 
 Memory note: glibc keeps freed heap memory and raises its mmap threshold as large blocks come and go, so
 FSDP2's per-block transient buffers (gathered parameters, unsharded gradients) inflate ``ru_maxrss`` far
-above what is live (measured at 25.5M parameters against the ddp plan before its gradients became views
-of DDP's buckets, 890 MiB: fsdp 1.07x ddp without the setting below, 0.61x with it). The benchmark sets
-``MALLOC_MMAP_THRESHOLD_=131072`` (unless set) for its processes, for every plan alike, so blocks over
+above what is live. The benchmark sets ``MALLOC_MMAP_THRESHOLD_=131072`` (unless set) for its processes, for every plan alike, so blocks over
 128 KiB are mmapped and returned at once and the peak reflects live memory.
 
 Machine note: on a shared 2-core machine four processes contend for CPU; compare plans within one run only.

@@ -47,9 +47,8 @@ FILE]``
 Machine note: CPU processes share the machine's cores; on a loaded machine the step times measure the load.
 The figures that count come from a quiet machine (the calibration then measures the same machine).
 ``MALLOC_MMAP_THRESHOLD_=131072`` is set for the processes (as in benchmarks/parallel.py) so that freed
-blocks leave the peak. With the defaults the model's bytes of a ddp rank (~480 MiB) exceed the runtime's
-(~365 MiB); the defaults (3 rounds) take 9-10 min at load ~4 (the benchmark's own processes; the
-calibration ~1.5 min of it); one round took ~20 min at load 26-35 on 2 shared CPUs. Under such load the calibration's
+blocks leave the peak. The defaults are sized so that the model's bytes of a ddp rank exceed the runtime's;
+their running time on 2 cores is in docs/perf/2026-11-23-code-figures.md. Under load the calibration's
 differences (a call against compute alone) can drown: a figure that does not come out is null and the
 planner's default is used (the calibration line says so).
 """
@@ -201,8 +200,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    # large enough that the model's bytes (params, grads, Adam, activations: ~480 MiB per ddp rank) are not
-    # noise beside the runtime's (~365 MiB), small enough for minutes on 2 cores
+    # large enough that the model's bytes (params, grads, Adam, activations) are not noise beside the
+    # runtime's, small enough for minutes on 2 cores (docs/perf/2026-11-23-code-figures.md)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -210,7 +209,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
-    # measured in turns: the VM's drift from one run to the next (up to ~12% here) is larger than a run's noise
+    # measured in turns: the VM's drift from one run to the next is larger than a run's noise
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", default=None, help="a file of `elastictrain plan --calibrate` instead")
     ap.add_argument("--save-calibration", default=None, help="write the calibration measured here to this file")

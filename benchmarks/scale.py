@@ -82,9 +82,9 @@ from elastictrain.sim.scenarios import SCENARIOS, run_scenario  # noqa: E402
 
 SIM_STEPS = 100
 # The Ray variant's replacement for the killed actor is a new Ray worker process (Python, Ray's import,
-# its registration), started once the survivors train again: 2-6 s on this machine beside 127 running
-# actors. The policy grows back once it is ready; 100 steps of 50 ms ended 4 s after the kill, before
-# it was in 3 of 8 runs (world history [128, 126]). 400 steps leave ~19 s.
+# its registration), started once the survivors train again, and the policy grows back once it is ready:
+# a run must outlast that start (100 steps were too short on the development machine, 400 are enough:
+# docs/perf/2026-11-24-ray-actors-recovery.md, "Growth back").
 RAY_STEPS = 400
 
 
@@ -152,18 +152,18 @@ def _window(w: dict | None) -> str:
 def _ray_get_cost(n: int, reps: int = 3) -> None:
     """The driver thread's CPU for one ``ray.wait`` over ``n`` ready results and for taking them with
     ``get_each`` (chunks of 1,024), as the controller takes a failed step's survivors' ``run`` results:
-    real Ray, results as a survivor answers (packed: :mod:`elastictrain.run_result`) from 4 actors, and
+    real Ray, results as a survivor answers (packed: :mod:`elastictrain.worker_reply`) from 4 actors, and
     unpacked as the controller reads them. The simulator stands in for both calls (``SimWorld.get``, its
     run watch); this says what they would cost on Ray."""
     import ray
 
-    from elastictrain import run_result
+    from elastictrain import worker_reply
     from elastictrain.controller.runtime import RAY, get_each
 
     @ray.remote(num_cpus=0)
     class Answers:
         def run(self, slot: int) -> bytes:
-            return run_result.pack("peer_failed", 50, None, slot)
+            return worker_reply.pack("peer_failed", 50, None, slot)
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -175,7 +175,7 @@ def _ray_get_cost(n: int, reps: int = 3) -> None:
             ray.wait(refs, num_returns=n, timeout=0)
             waited = time.thread_time() - t
             t = time.thread_time()
-            [run_result.unpack(packed) for packed, _ in get_each(RAY, refs)]
+            [worker_reply.unpack(packed) for packed, _ in get_each(RAY, refs)]
             taken = time.thread_time() - t
             print(f"ray: {n} ready results: wait {waited * 1e3:.1f} ms, get_each {taken * 1e3:.1f} ms "
                   f"({taken / n * 1e6:.1f} us per result) of driver CPU; load {os.getloadavg()[0]:.1f}", flush=True)

@@ -28,6 +28,29 @@ class _Section(BaseModel):
 BYTE_VOCAB = 256
 
 
+class MoESection(_Section):
+    """``task.model.moe``: the built-in GPT's / Llama's mixture-of-experts feed-forward
+    (elastictrain/models/moe.py): ``experts`` per MoE layer, ``top_k`` per token, every ``every``-th block."""
+
+    experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    every: int = Field(1, ge=1)
+    aux_coef: float = Field(0.01, ge=0, description="weight of the per-sample load-balancing loss (0: off)")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> MoESection:
+        if self.top_k > self.experts:
+            raise ValueError(f"task.model.moe.top_k={self.top_k} exceeds task.model.moe.experts={self.experts} "
+                             f"(each token picks top_k distinct experts); set top_k to at most {self.experts}")
+        return self
+
+    def to_moe(self) -> Any:
+        """The model's :class:`elastictrain.models.moe.MoEConfig`."""
+        from elastictrain.models.moe import MoEConfig  # imports torch: not on the --help path
+
+        return MoEConfig(**self.model_dump())
+
+
 class ModelConfig(_Section):
     """Built-in GPT size (``seq_len`` and ``vocab_size`` are the built-in Llama's too). Ignored by user tasks
     that bring their own module."""
@@ -39,6 +62,7 @@ class ModelConfig(_Section):
     n_head: int = Field(2, ge=1)
     d_model: int = Field(64, ge=8)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    moe: MoESection | None = Field(None, description="a mixture-of-experts feed-forward (GPT and Llama); None: dense")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -99,8 +99,8 @@ def ray_endpoint(address: str) -> tuple[str, int] | None:
 
 def check_ray_address(address: str, where: str, timeout_s: float = 5.0) -> None:
     """Raise ConfigError when nothing answers at a Ray cluster ``address`` (given by ``where``: the option
-    or variable). Ray's own connect waits without end for a refused local port (measured: over 10 minutes
-    for ``127.0.0.1:<closed>``, Ray 2.60); a TCP connect says it in at most ``timeout_s``."""
+    or variable). Ray's own connect waits without end for a refused local port (``127.0.0.1:<closed>``,
+    Ray 2.60); a TCP connect says it in at most ``timeout_s``."""
     endpoint = ray_endpoint(address)
     if endpoint is None:
         return

@@ -126,8 +126,9 @@ class _GPTModel:
         from elastictrain.models.gpt import GPT, GPTConfig
 
         m = self.cfg
+        moe = m.moe.to_moe() if getattr(m, "moe", None) is not None else None
         return GPT(GPTConfig(vocab_size=self.vocab_size or m.vocab_size or 256, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-                             d_model=m.d_model, dropout=m.dropout))
+                             d_model=m.d_model, dropout=m.dropout, moe=moe))
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class _LlamaModel:
         """``vocab``: the vocabulary resolved with the data (a prepared corpus's manifest); None = the config's."""
         shape = task.llama.shape()
         shape.update(vocab_size=vocab if vocab is not None else task.vocab_size, max_seq_len=task.model.seq_len)
+        if task.model.moe is not None:
+            shape["moe"] = task.model.moe.to_moe()
         return cls(tuple(sorted(shape.items())))
 
     @property
@@ -157,10 +160,16 @@ class _LlamaModel:
 
 
 def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean next-token cross-entropy, plus in training mode (not in evaluation) the sum over the
+    model's mixture-of-experts layers of that sample's load-balancing loss (a function of the sample alone,
+    elastictrain/models/moe.py), so the per-sample loss contract holds with MoE."""
     from elastictrain.models.gpt import per_sample_loss
+    from elastictrain.models.moe import moe_aux_loss
 
     logits = model(batch["input"], sample_seeds=sample_seeds)
-    return per_sample_loss(logits, batch["target"])
+    loss = per_sample_loss(logits, batch["target"])
+    aux = moe_aux_loss(model) if model.training else None
+    return loss if aux is None else loss + aux.to(loss.dtype)
 
 
 @dataclass(frozen=True)
@@ -293,6 +302,7 @@ def builtin_task(config: JobConfig) -> Task:
     warm-up + cosine schedule."""
     t = config.task
     llama = t.kind == "llama"
+    _check_moe_layout(config)
     vocab, prepared = model_vocab_size(config)
     evaluate = None
     if config.train.eval_every:
@@ -315,6 +325,29 @@ def builtin_task(config: JobConfig) -> Task:
 
         task = from_source(task, config)
     return task
+
+
+def _check_moe_layout(config: JobConfig) -> None:
+    """``task.model.moe`` runs with data parallelism (and, once wired, expert parallelism) only: pipeline
+    stages would drop the earlier stages' load-balancing losses and the tensor-parallel plans name the dense
+    MLP, so pp > 1 or tp > 1 is a ConfigError naming the fix; so are ``parallel.compile`` and
+    ``task.init_from`` (dense Hugging Face weights)."""
+    from elastictrain.config import ConfigError
+
+    p, t = config.parallel, config.task
+    if t.model.moe is None:
+        return
+    if p.pp > 1 or p.tp > 1:
+        raise ConfigError(f"task.model.moe is set with parallel.pp={p.pp}, parallel.tp={p.tp}: a mixture-of-experts "
+                          "model runs with data (and expert) parallelism only for now; set parallel.pp=1 and "
+                          "parallel.tp=1, or remove task.model.moe")
+    if p.compile:  # the routing reads split sizes on the host (.tolist()): no fullgraph block
+        raise ConfigError("task.model.moe is set with parallel.compile=true: the MoE routing reads its split sizes "
+                          "on the host, which a fullgraph compile of the block refuses; set parallel.compile=false "
+                          "or remove task.model.moe")
+    if t.init_from is not None:
+        raise ConfigError(f"task.model.moe is set with task.init_from={t.init_from!r}: Hugging Face Llama weights "
+                          "have dense feed-forwards; remove task.model.moe or task.init_from")
 
 
 def _check_validation_split(config: JobConfig, prepared: bool) -> None:

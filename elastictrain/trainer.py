@@ -21,7 +21,7 @@ from elastictrain.task_loader import task_from_config
 
 
 # What a Ray worker process imports before it takes work (Ray's ``preload_python_modules``): the worker
-# actor's module, i.e. torch, DTensor and DCP, most of a worker's start (3.6 s of ~4 s measured on 2 cores).
+# actor's module, i.e. torch, DTensor and DCP, most of a worker's start (docs/perf/2026-11-23-code-figures.md).
 # Ray pre-starts idle worker processes (as many as the node's CPUs, for its first driver), and an actor
 # placed on one of them then starts in well under a second. Ray 2.60 does not start new idle workers to
 # replace used ones, so this speeds up the workers that find a pre-started process (the first ones), not
@@ -35,7 +35,7 @@ def local_ray_system_config() -> dict[str, Any]:
 
     ``enable_worker_prestart`` off: Ray then pre-starts its idle processes when the first driver connects
     (as many as the node's CPUs, the same ones as with it on) but starts no extra ones when requests for
-    workers queue up. On a small machine those extra ones were waste: each imports the preload (~2.5 s of
+    workers queue up. On a small machine those extra ones were waste: each imports the preload (seconds of
     CPU beside the training processes) and most are killed unused a second later as over Ray's idle limit
     (tests/test_controller_paths.py: 11 processes that never ran anything with it on, 5 with it off)."""
     return {"preload_python_modules": list(WORKER_PRELOAD_MODULES), "enable_worker_prestart": False}

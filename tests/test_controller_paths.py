@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from elastictrain import build_config, run_result
+from elastictrain import build_config, worker_reply
 from elastictrain.controller.controller import Controller
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
 from elastictrain.controller.state import State
@@ -64,7 +64,7 @@ class ScriptedWorker:
         if status == "exit":  # the process dies mid-step
             os._exit(1)
         time.sleep(self.script.get("run_s", 0.0))
-        return run_result.pack(status, self.step, self.script.get("error") if status != "done" else None,
+        return worker_reply.pack(status, self.step, self.script.get("error") if status != "done" else None,
                                self.slot)
 
     def poll(self, after: int | None = None) -> dict[str, Any]:

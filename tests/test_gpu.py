@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 from tests.conftest import _ensure_local_ray, job, run_job
 
 pytestmark = pytest.mark.skipif(
@@ -74,11 +74,11 @@ def test_nccl_abort_then_the_next_generation_trains_on(tmp_path):
         host, port = ray.get(worker.open_store.remote(0))
         ray.get(worker.join.remote(0, 0, 1, host, port), timeout=60)
         ray.get(worker.sync.remote(0), timeout=60)
-        assert run_result.unpack(ray.get(worker.run.remote(5), timeout=120))["status"] == "done"
+        assert worker_reply.unpack(ray.get(worker.run.remote(5), timeout=120))["status"] == "done"
         assert ray.get(worker.abort_group.remote(), timeout=30) == "aborted"
         host, port = ray.get(worker.open_store.remote(1))
         ray.get(worker.join.remote(1, 0, 1, host, port), timeout=60)
-        result = run_result.unpack(ray.get(worker.run.remote(10), timeout=120))
+        result = worker_reply.unpack(ray.get(worker.run.remote(10), timeout=120))
         assert result["status"] == "done" and result["step"] == 10, result
     finally:
         ray.kill(worker)

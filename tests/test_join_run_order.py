@@ -13,7 +13,7 @@ import threading
 import pytest
 import ray
 
-from elastictrain import build_config, run_result
+from elastictrain import build_config, worker_reply
 from elastictrain.task import builtin_task
 from elastictrain.worker.actor import Worker, worker_actor_class
 from tests.conftest import job
@@ -38,10 +38,10 @@ def test_a_run_sent_behind_a_join_still_waiting_for_its_peer_starts_after_it_and
         assert ray.wait([joined, ran], num_returns=1, timeout=1.0)[0] == []
         assert peer.join(1, 1, 2, host, port, sync_src=0) == 0
         got: dict = {}
-        trains = threading.Thread(target=lambda: got.update(run_result.unpack(peer.run(3))))
+        trains = threading.Thread(target=lambda: got.update(worker_reply.unpack(peer.run(3))))
         trains.start()
         assert ray.get(joined) == 0
-        mine = run_result.unpack(ray.get(ran))
+        mine = worker_reply.unpack(ray.get(ran))
         trains.join()
         assert (mine["status"], mine["step"]) == ("done", 3), mine
         assert (got["status"], got["step"]) == ("done", 3), got
@@ -63,6 +63,6 @@ def test_a_run_whose_join_failed_fails_with_its_error_and_never_starts(ray_local
         assert (view["status"], view["step"], view["records"]) == ("ready", 0, []), view  # the loop never ran
         # the worker is fine: the next generation joins and trains
         joined = actor.join.remote(2, 0, 1, host, port, sync_src=0)
-        assert run_result.unpack(ray.get(actor.run.remote(2, joined)))["step"] == 2
+        assert worker_reply.unpack(ray.get(actor.run.remote(2, joined)))["step"] == 2
     finally:
         ray.kill(actor)

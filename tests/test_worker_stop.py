@@ -4,14 +4,14 @@ Worker in this process, a real world-1 gloo group per generation (issue #21 item
 
 from __future__ import annotations
 
-from elastictrain import build_config, run_result
+from elastictrain import build_config, worker_reply
 from elastictrain.task import builtin_task
 from elastictrain.worker.actor import Worker
 from tests.conftest import job
 
 
 def _run(w: Worker, target_step: int) -> dict:
-    return run_result.unpack(w.run(target_step))  # the bytes the controller takes (elastictrain/run_result.py)
+    return worker_reply.unpack(w.run(target_step))  # the bytes the controller takes (elastictrain/worker_reply.py)
 
 
 def _join(w: Worker, generation: int) -> None:

@@ -54,8 +54,8 @@ def _host(src: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     if isinstance(src, DTensor):
         # The host copy of the shard, with the source's global layout (its spec). Not DTensor.from_local: it
         # moves a local tensor to the mesh's device type, i.e. copies a CUDA mesh's staged shard straight
-        # back to the GPU (measured on an H100: the whole state twice in GPU memory, staging at 22 GB/s
-        # instead of 53). DCP's writer reads the local tensor where it is.
+        # back to the GPU (the whole state twice in GPU memory, and slower staging:
+        # docs/perf/2026-11-23-code-figures.md). DCP's writer reads the local tensor where it is.
         return DTensor(buf, src._spec, requires_grad=False)
     return buf
 

@@ -1,4 +1,5 @@
-"""Models: a tiny GPT whose dropout depends only on (seed, step, global sample id), and Llama 3 (``llama``)."""
+"""Models: a tiny GPT whose dropout depends only on (seed, step, global sample id), Llama 3 (``llama``), and
+the mixture-of-experts feed-forward either can use (``moe``)."""
 
 from elastictrain.models.gpt import (
     GPT,
@@ -11,6 +12,7 @@ from elastictrain.models.gpt import (
     sample_seeds,
 )
 from elastictrain.models.llama import LLAMA_PRESETS, Llama, LlamaConfig, LlamaStage
+from elastictrain.models.moe import MoEConfig, MoEFeedForward
 
 __all__ = [
     "GPT",
@@ -19,6 +21,8 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "LlamaStage",
+    "MoEConfig",
+    "MoEFeedForward",
     "SampleDropout",
     "dropout_seed",
     "param_count",

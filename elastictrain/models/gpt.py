@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from elastictrain.models.moe import MoEConfig, MoEFeedForward
+
 __all__ = [
     "GPT",
     "GPTConfig",
@@ -85,7 +87,8 @@ def dropout_seed(sample_seed_value: int, site: int) -> int:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the model. ``seq_len`` is the longest input accepted (learned positions)."""
+    """Shape of the model. ``seq_len`` is the longest input accepted (learned positions). ``moe``: every
+    ``moe.every``-th block's MLP is a mixture of experts of the dense MLP's shape (None: all dense)."""
 
     vocab_size: int = 256
     seq_len: int = 64
@@ -93,6 +96,7 @@ class GPTConfig:
     n_head: int = 2
     d_model: int = 64
     dropout: float = 0.1
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -114,6 +118,11 @@ class SampleDropout(nn.Module):
     float32 on the input's device, so they do not depend on the activation dtype (they do depend on
     the device type: CPU and CUDA generators produce different streams).
 
+    ``positions`` (``[t]`` global positions of ``x``'s rows, context parallelism) and ``seq_len`` (the whole
+    sequence's length): the mask of the whole ``seq_len`` sequence is drawn and its rows at ``positions``
+    kept, so a position gets the same mask whichever cp rank holds it (the price: every cp rank draws the
+    whole mask, as tensor-parallel ranks do under sequence parallelism).
+
     A DTensor input (a sequence-parallel region, where this rank holds a slice of the positions) gets the
     mask of the WHOLE sample, as a replicated DTensor that the multiplication slices to the positions this
     rank holds (a local slice, no communication): the mask stays a function of (seed, step, sample id,
@@ -126,28 +135,40 @@ class SampleDropout(nn.Module):
         self.p = p
         self.site = site
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
         if not self.training or self.p == 0.0 or seeds is None:
             return x
+        shape = x.shape[1:] if positions is None else (seq_len, *x.shape[2:])
         masks = []
         for row_seed in seeds.tolist():
             gen = torch.Generator(device=x.device)
             gen.manual_seed(dropout_seed(row_seed, self.site))
-            masks.append(torch.rand(x.shape[1:], generator=gen, device=x.device) >= self.p)
-        keep = torch.stack(masks).to(x.dtype)
+            masks.append(torch.rand(shape, generator=gen, device=x.device) >= self.p)
+        keep = torch.stack(masks)
+        if positions is not None:  # the whole sequence's mask, this rank's rows
+            keep = keep.index_select(1, positions.to(x.device))
+        keep = keep.to(x.dtype)
         if isinstance(x, DTensor):  # global shape above; the product keeps this rank's positions
             keep = DTensor.from_local(keep, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
         return x * keep / (1.0 - self.p)
 
 
 class _Block(nn.Module):
-    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))).
+    """Pre-LN transformer block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))); with ``moe`` the MLP is a
+    :class:`~elastictrain.models.moe.MoEFeedForward` of the same expert shape (attribute ``moe``).
 
     Queries, keys and values are three projections (``q``, ``k``, ``v``), so that tensor parallelism can
     split each column-wise by heads; the attention runs on however many heads this rank's projections
-    hold (``head_dim`` is fixed), so the same code runs whole or tensor-parallel."""
+    hold (``head_dim`` is fixed), so the same code runs whole or tensor-parallel.
 
-    def __init__(self, cfg: GPTConfig, first_site: int) -> None:
+    Context parallelism: with ``cp_group`` set (:func:`elastictrain.parallel.context.enable_context_parallel`)
+    ``x`` holds the positions ``positions`` of each sample and the attention is
+    :func:`~elastictrain.parallel.context.cp_attention` (keys and values gathered over the group)."""
+
+    cp_group: Any = None
+
+    def __init__(self, cfg: GPTConfig, first_site: int, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         self.ln_attn = nn.LayerNorm(cfg.d_model)
@@ -157,23 +178,34 @@ class _Block(nn.Module):
         self.attn_out = nn.Linear(cfg.d_model, cfg.d_model)
         self.drop_attn = SampleDropout(cfg.dropout, first_site)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
-        self.mlp_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.mlp_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        if moe is not None:  # the experts have the dense MLP's shape (d -> 4d -> d, GELU)
+            self.moe = MoEFeedForward(cfg.d_model, 4 * cfg.d_model, moe, "gelu")
+        else:
+            self.mlp_in = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+            self.mlp_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.drop_mlp = SampleDropout(cfg.dropout, first_site + 1)
 
-    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)
         b, t, width = q.shape  # width: this rank's heads x head_dim (all heads without tensor parallelism)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        # dropout_p=0: SDPA's internal dropout uses the global RNG, which would break determinism.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        if self.cp_group is not None:
+            from elastictrain.parallel.context import cp_attention
+
+            y = cp_attention(q, k, v, positions, None, self.cp_group)
+        else:
+            # dropout_p=0: SDPA's internal dropout uses the global RNG, which would break determinism.
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
         return self.attn_out(y.transpose(1, 2).reshape(b, t, width))
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None) -> torch.Tensor:
-        # seeds by keyword: a tensor-parallel style's input hook rewrites the positional input only
-        x = x + self.drop_attn(self._attention(self.ln_attn(x)), seeds=seeds)
-        h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
-        return x + self.drop_mlp(h, seeds=seeds)
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None, *, positions: torch.Tensor | None = None,
+                seq_len: int | None = None) -> torch.Tensor:
+        # seeds by keyword: a tensor-parallel style's input hook rewrites the positional input only.
+        # positions/seq_len: None, or this rank's global positions and the whole length (context parallel)
+        where = {"positions": positions, "seq_len": seq_len}
+        x = x + self.drop_attn(self._attention(self.ln_attn(x), positions), seeds=seeds, **where)
+        h = self.moe(self.ln_mlp(x)) if hasattr(self, "moe") else self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
+        return x + self.drop_mlp(h, seeds=seeds, **where)
 
 
 class GPT(nn.Module):
@@ -183,7 +215,10 @@ class GPT(nn.Module):
     Parameters are initialised from torch's default generator: call ``torch.manual_seed`` first
     for reproducible weights. The framework re-initialises them module by module instead
     (:meth:`init_module`, elastictrain/parallel/init.py), so that any rank can build just its own.
+    ``cp_group``: the context-parallel group (:mod:`elastictrain.parallel.context`), None without.
     """
+
+    cp_group: Any = None
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -191,17 +226,22 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop_emb = SampleDropout(cfg.dropout, 0)
-        self.blocks = nn.ModuleList(_Block(cfg, 1 + 2 * layer) for layer in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(_Block(cfg, 1 + 2 * layer, cfg.moe if cfg.moe and cfg.moe.is_moe(layer) else None)
+                                    for layer in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(_init_weights)
 
-    def forward(self, input_ids: torch.Tensor, sample_seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, sample_seeds: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for ``input_ids`` ``(B, T)`` with ``T <= cfg.seq_len``.
 
         ``sample_seeds`` (int64, shape ``(B,)``, see ``sample_seed``) enables dropout in training mode;
         without it the forward is deterministic. Rows never interact, so a row's output does not
-        depend on the rest of the batch.
+        depend on the rest of the batch. ``positions`` (int64 ``[T]``): the global positions of the tokens
+        (the learned position embedding's rows, the dropout masks' rows); required under context
+        parallelism (``cp_group`` set: ``input_ids`` is this rank's part of a ``T * cp`` sequence),
+        default ``0..T-1``.
         """
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(
@@ -218,10 +258,11 @@ class GPT(nn.Module):
                 f"sample_seeds must be an int64 tensor of shape ({b},), got {sample_seeds.dtype} "
                 f"{tuple(sample_seeds.shape)}"
             )
-        positions = torch.arange(t, device=input_ids.device)
-        x = self.drop_emb(self.tok_emb(input_ids) + self.pos_emb(positions), seeds=sample_seeds)
+        where = _where(positions, t, self.cp_group, input_ids.device)
+        pos = torch.arange(t, device=input_ids.device) if positions is None else where["positions"]
+        x = self.drop_emb(self.tok_emb(input_ids) + self.pos_emb(pos), seeds=sample_seeds, **where)
         for block in self.blocks:
-            x = block(x, sample_seeds)
+            x = block(x, sample_seeds, **where)
         return self.head(self.ln_f(x))
 
     def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
@@ -249,7 +290,10 @@ class GPTStage(nn.Module):
     qualified name (``blocks.3.q.weight``) and a checkpoint of any split loads under any other layout.
     ``forward(x, seeds=None)``: ``x`` is the token ids (first stage) or the previous stage's activations;
     ``seeds`` (the per-sample seeds, passed to every stage) drive dropout exactly as in the whole model.
-    Returns the logits on the last stage, the activations elsewhere."""
+    Returns the logits on the last stage, the activations elsewhere. ``positions``: as :meth:`GPT.forward`'s
+    (pass it to every stage under context parallelism)."""
+
+    cp_group: Any = None
 
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -260,12 +304,14 @@ class GPTStage(nn.Module):
         if last:
             self.ln_f, self.head = model.ln_f, model.head
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        where = _where(positions, x.shape[1], self.cp_group, x.device)
         if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.drop_emb(self.tok_emb(x) + self.pos_emb(positions), seeds=seeds)
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else where["positions"]
+            x = self.drop_emb(self.tok_emb(x) + self.pos_emb(pos), seeds=seeds, **where)
         for block in self.blocks.values():
-            x = block(x, seeds)
+            x = block(x, seeds, **where)
         return self.head(self.ln_f(x)) if self.last else x
 
     def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
@@ -273,6 +319,24 @@ class GPTStage(nn.Module):
         from elastictrain.models.gpt_tp import gpt_tp_plan
 
         return gpt_tp_plan(self, sequence_parallel)
+
+
+def _where(positions: torch.Tensor | None, t: int, cp_group: Any, device: torch.device) -> dict[str, Any]:
+    """The ``positions``/``seq_len`` keywords of the blocks and dropout: both None on the default path (no
+    positions given, no cp: unchanged math); else the global positions and the whole sequence's length
+    (``t`` times the cp degree)."""
+    if positions is None:
+        if cp_group is not None:
+            raise ValueError("context parallel (cp_group set) needs the tokens' global positions: pass "
+                             "positions= (elastictrain.parallel.context.shard_sequence adds them to the batch)")
+        return {"positions": None, "seq_len": None}
+    if positions.shape != (t,):
+        raise ValueError(f"positions must be a [T] tensor of the {t} tokens' global positions, got "
+                         f"{tuple(positions.shape)}")
+    import torch.distributed as dist
+
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    return {"positions": positions.to(device), "seq_len": t * cp}
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -284,7 +348,8 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sample: shape ``(B,)`` from ``(B, T, V)`` and ``(B, T)``."""
+    """Mean next-token cross-entropy of each sample: shape ``(B,)`` from ``(B, T, V)`` and ``(B, T)``. A
+    mixture-of-experts model's load-balancing term is added by the task (``_gpt_loss``), not here."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(
             f"expected logits (B, T, V) and targets (B, T), got {tuple(logits.shape)} and "

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastictrain.models.moe import MoEConfig, MoEFeedForward
+
 __all__ = [
     "LLAMA_PRESETS",
     "Llama",
@@ -71,6 +73,7 @@ class LlamaConfig:
     rope_scaling: dict[str, float] | None = field(default=None, hash=False)
     max_seq_len: int = 64
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # every moe.every-th layer's feed-forward: SwiGLU experts of ffn_hidden
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len"):
@@ -190,7 +193,12 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query causal attention. Runs on however many heads this rank's projections hold (tensor
     parallelism splits ``wq`` and ``wk``/``wv`` by heads; ``head_dim`` and the query heads per kv head are
-    fixed), so the same code runs whole or tensor-parallel."""
+    fixed), so the same code runs whole or tensor-parallel. With ``cp_group`` set (context parallelism,
+    :func:`elastictrain.parallel.context.enable_context_parallel`) ``x`` holds the global ``positions`` of
+    each sample and the attention is :func:`~elastictrain.parallel.context.cp_attention` (the kv heads
+    gathered over the group, then repeated)."""
+
+    cp_group: Any = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -208,6 +216,14 @@ class Attention(nn.Module):
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         cos, sin = rope(t, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.cp_group is not None:
+            from elastictrain.parallel.context import cp_attention
+
+            if positions is None:
+                raise ValueError("context parallel (cp_group set) needs the tokens' global positions: pass "
+                                 "positions= (elastictrain.parallel.context.shard_sequence adds them to the batch)")
+            y = cp_attention(q, k, v, positions, None, self.cp_group, n_rep=self.n_rep)
+            return self.wo(y.transpose(1, 2).reshape(b, t, width))
         if self.n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep - 1
             k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -230,12 +246,13 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(attention_norm(x))``, then ``x + feed_forward(ffn_norm(x))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module = (FeedForward(cfg) if moe is None
+                                        else MoEFeedForward(cfg.dim, cfg.ffn_hidden, moe, "swiglu"))
 
     def forward(self, x: torch.Tensor, *, rope: RotaryEmbedding, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -263,7 +280,8 @@ class Llama(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.rope = RotaryEmbedding(cfg)
-            self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(TransformerBlock(cfg, cfg.moe if cfg.moe and cfg.moe.is_moe(i) else None)
+                                        for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()
@@ -287,7 +305,7 @@ class Llama(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
                 seen.add(id(module.weight))
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, MoEFeedForward)):  # MoE: the experts (its router is a Linear)
                 module.reset_parameters()
         self.reset_buffers()
 
@@ -298,7 +316,8 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, sample_seeds: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab_size)`` for ``input_ids`` ``(B, T)``. ``positions`` (``[T]``, default
-        ``0..T-1``): the global positions the rotary embedding uses. ``sample_seeds`` is ignored (no
+        ``0..T-1``): the global positions the rotary embedding uses, required under context parallelism
+        (``input_ids`` is then this rank's part of the sequence). ``sample_seeds`` is ignored (no
         dropout). Rows never interact."""
         _check_inputs(input_ids)
         x = self.tok_embeddings(input_ids)
@@ -319,7 +338,8 @@ class LlamaStage(nn.Module):
     .weight`` keeps its name, so a checkpoint of any split loads under any other layout); every stage holds
     the rotary tables (buffers, no parameters). A tied model cannot be split (the embedding and the head
     would be two copies on two stages): :class:`ValueError`. ``forward(x, seeds=None)``: ``x`` is the token
-    ids (first stage) or the previous stage's activations; returns the logits on the last stage."""
+    ids (first stage) or the previous stage's activations; returns the logits on the last stage.
+    ``positions``: as :meth:`Llama.forward`'s (pass it to every stage under context parallelism)."""
 
     def __init__(self, model: Llama, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -335,12 +355,13 @@ class LlamaStage(nn.Module):
         if last:
             self.norm, self.output = model.norm, model.output
 
-    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
             _check_inputs(x)
             x = self.tok_embeddings(x)
         for layer in self.layers.values():
-            x = layer(x, rope=self.rope)
+            x = layer(x, rope=self.rope, positions=positions)
         return self.output(self.norm(x)) if self.last else x
 
     def reset_buffers(self) -> None:

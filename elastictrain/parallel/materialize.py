@@ -51,8 +51,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
     This is ``model.to_empty(device=device)`` for the parameters, without its DTensor dispatch:
     ``empty_like`` of a DTensor decides the output's sharding afresh for every parameter shape on a new mesh
-    (DTensor's sharding caches are cleared per membership generation, see ``parallel.mesh``), measured
-    20-40 ms of a recovering rank's rebuild for the tiny GPT; the empty local shard is wrapped with the
+    (DTensor's sharding caches are cleared per membership generation, see ``parallel.mesh``; the cost:
+    docs/perf/2026-11-23-code-figures.md); the empty local shard is wrapped with the
     parameter's own mesh, placements, global shape and stride instead (what the dispatch decides for an
     elementwise op). FSDP2's ``_apply`` override then re-registers the sharded parameters as it does for
     ``to_empty``."""

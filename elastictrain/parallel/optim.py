@@ -7,7 +7,7 @@ arithmetic on each rank's local shard as on the DTensor, whose elementwise ops r
 anyway. :func:`step` therefore runs them on the local tensors (same storage, so the DTensors see every
 update): the result is bitwise the same, without a DTensor dispatch per optimizer op per parameter. The
 first step of every membership generation is where that dispatch costs most (its mesh is new, so every op
-decides its sharding afresh: measured 0.22 s of a 0.5 s first fsdp step of the tiny GPT on CPU); later
+decides its sharding afresh; docs/perf/2026-11-23-code-figures.md); later
 steps pay the dispatch only. Any other optimizer (one that reduces over a parameter, keeps factored state,
 or is not torch.optim's) steps on the DTensors as they are.
 
@@ -15,7 +15,7 @@ or is not torch.optim's) steps on the DTensors as they are.
 gradient shards, one all-reduce per set of sharded mesh dimensions adds them up (replicated dimensions hold
 the same values and are not added), and every local shard is scaled. torch's DTensor clipping computes the
 same norm (in another order of fp32 sums) through one DTensor op per gradient, which after a re-mesh costs
-each op its sharding decision: measured 0.14 s of the first fsdp step of the tiny GPT on CPU.
+each op its sharding decision (docs/perf/2026-11-23-code-figures.md).
 
 :func:`init_state` gives a fresh optimizer its state tensors without changing a parameter, the way
 ``torch.distributed.checkpoint.state_dict`` prepares one before a load (a ``step()`` with zero gradients

@@ -67,8 +67,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None
 def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
     """Replicate: DistributedDataParallel over the mesh's (only) group. State is assumed equal on every rank
     already (set by the restore step), so DDP's init broadcast is skipped. Gradients are views of DDP's
-    reduction buckets (``gradient_as_bucket_view``): no second copy of every gradient (measured on the
-    25M-parameter GPT of ``benchmarks/parallel.py``: peak 793 MiB per process instead of 890). The step
+    reduction buckets (``gradient_as_bucket_view``): no second copy of every gradient
+    (docs/perf/2026-11-23-code-figures.md). The step
     loop zeroes them in place rather than dropping them (:attr:`ParallelModel.grads_in_buckets`), or each
     step's first backward would allocate them afresh beside the buckets."""
     device = next(model.parameters()).device

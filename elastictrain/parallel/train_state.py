@@ -117,14 +117,14 @@ class TrainingState:
         """Fill this state from any DCP ``StorageReader`` (durable checkpoint, in-memory snapshots): DCP
         reshards into this rank's layout. Collective-free: a load's global plan is each rank's own
         (``create_default_global_load_plan`` leaves the local plans as they are), so DCP's two rounds of
-        pickled plans over the group add nothing but their latency (measured 20-40 ms of a recovery on 2
-        CPU ranks). A rank's read error is raised on that rank. Returns the restored step.
+        pickled plans over the group add nothing but their latency (docs/perf/2026-11-23-code-figures.md).
+        A rank's read error is raised on that rank. Returns the restored step.
 
         DCP loads into the state dict's tensors in place, and those alias the live parameters, buffers and
         optimizer state (:func:`aliases_live_state`): then only the optimizer's hyperparameters are put
         back, not every tensor copied onto itself through ``set_state_dict`` (one DTensor dispatch per
-        tensor, each deciding its sharding afresh on a new mesh: measured 35-55 ms of a recovering fsdp
-        rank's load for the tiny GPT). Where anything does not alias, ``set_state_dict`` loads it all."""
+        tensor, each deciding its sharding afresh on a new mesh: docs/perf/2026-11-23-code-figures.md).
+        Where anything does not alias, ``set_state_dict`` loads it all."""
         target = self.state_dict()
         # asked first: a refused .metadata raises its own one-line error here, where inside dcp.load DCP
         # would log a traceback per rank and retry with rank-local metadata (a durable reader reads it once)

@@ -38,9 +38,8 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   node ``s`` times its CPU);
 * ``dtensor_op_s``: on CPU with a built-in job, the host time DTensor's dispatch adds per op: the job's
   model cut to one block (full width: at the job's width an op under DTensor also pays for copies a plain
-  one does not make, measured ~2x the per-op cost of a narrow block), forward and backward
-  tensor-parallel on a mesh of this process alone (no peer to wait for)
-  against the same model plain, in CPU time, the difference over the DTensor ops counted in it: a
+  one does not make), forward and backward tensor-parallel on a mesh of this process alone (no peer to
+  wait for) against the same model plain, in CPU time, the difference over the DTensor ops counted in it: a
   process's own figure, which the model shares out with the node's cores like compute;
 * ``fsdp_param_s``: on CPU with a built-in job, the host time FSDP2 adds per parameter tensor and
   micro-batch: the job's model cut to :data:`FSDP_PROBE_BLOCKS` blocks and narrowed to
@@ -54,8 +53,9 @@ model shares out again for the world it plans (:mod:`.steptime`), the collective
   all three after warm-up rounds (DTensor's sharding caches, the allocator, the code paths in the CPU's caches),
   from :data:`TP_ROUNDS` rounds in every process at once, pooled over the processes (they all measure the
   same thing), the mean of those within 3 median absolute deviations of their median
-  (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped); one
-  process's median of 7 wall-clock rounds before moved 1.7x between two quiet runs;
+  (:func:`steady_figure`: a round that other work, a collection or a page fault inflated is dropped: one
+  process's median of a few wall-clock rounds was not stable between quiet runs, see
+  ``docs/perf/2026-11-23-code-figures.md``);
 * ``cores_per_node``: on CPU, this machine's cores in workers' worth (``cpu_count / threads``);
 * ``inter_node_bw``: the same between two Ray actors on two different nodes (one GPU each with
   ``workers.use_gpu``: NCCL), when the Ray cluster this process is connected to has several (null

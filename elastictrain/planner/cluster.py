@@ -24,10 +24,11 @@ from elastictrain.planner.inputs import GB, GIB, Cluster, PlannerInputError
 # loop and the gradient norm of one thread. call_s on CPU: a gloo call among processes that share cores.
 # dtensor_op_s: DTensor's dispatch of one op (its C++ fast path with a cached sharding, tens of us of host
 # time; an assumption until `--calibrate` measures it on CPU). fsdp_param_s: FSDP2's host work per parameter
-# tensor and micro-batch (on GPUs an assumption, tens of us of Python per tensor; on CPU what `--calibrate`
-# measured over pairs of gloo processes here: 0.2 ms, 4 processes on 2 cores). gloo_byte_s: the CPU a gloo
-# process spends per byte it moves (what `--calibrate` measured here, 4 MiB all-reduces between computes,
-# 4 processes on 2 cores: 0.75 ns); GPUs: none (NCCL's work is not the host's).
+# tensor and micro-batch (on GPUs an assumption, tens of us of Python per tensor; on CPU the default is what
+# `--calibrate` measured over pairs of gloo processes on the development machine). gloo_byte_s: the CPU a
+# gloo process spends per byte it moves (the CPU default likewise `--calibrate`'s, 4 MiB all-reduces between
+# computes); GPUs: none (NCCL's work is not the host's). Where the CPU defaults came from:
+# docs/perf/2026-11-23-code-figures.md.
 GPU_DEFAULTS = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB,
                     runtime_bytes=1.5 * GIB, fragmentation=0.10, overlap=0.8, latency_s=20e-6, call_s=0.0,
                     dtensor_op_s=20e-6, fsdp_param_s=20e-6, gloo_byte_s=None, optimizer_s_per_param=1e-11,

@@ -133,9 +133,9 @@ def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -
     (never resharded after its forward, parallel/parallelize.py) and the one prefetched for the next
     backward; all of the stage's weights when ``reshard_after_forward`` is off (always inside a pipeline
     stage). The last block's unsharded gradient and the reduce-scatter's flat input appear while its
-    backward frees its own activations, so only what they exceed those by adds to the peak (measured:
-    benchmarks/planner.py; pricing the gathered weights, the all-gather outputs and the gradients all at the
-    activation peak over-predicted FSDP's model bytes by ~25%)."""
+    backward frees its own activations, so only what they exceed those by adds to the peak
+    (benchmarks/planner.py: pricing the gathered weights, the all-gather outputs and the gradients all at the
+    activation peak over-predicted FSDP's model bytes; docs/perf/2026-11-23-code-figures.md)."""
     _, g, _ = PRECISIONS[train.precision]
     block = model.block_params * model.scale / c.tp
     blocks = math.ceil(model.layers / c.pp)

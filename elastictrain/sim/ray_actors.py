@@ -2,7 +2,7 @@
 ``join``, ``sync``, ``run``, ``poll``, ``request_stop``, ...) and "train" by completing a step every
 ``step_s`` seconds: the Ray variant of the simulation (:mod:`elastictrain.sim.ray_run` drives them with the
 real controller). No torch: this module imports the standard library, Ray and the result's wire format
-(:mod:`elastictrain.run_result`) only, and an actor process imports nothing else (:meth:`SimActor.imported` lets a test check ``sys.modules``).
+(:mod:`elastictrain.worker_reply`) only, and an actor process imports nothing else (:meth:`SimActor.imported` lets a test check ``sys.modules``).
 
 A generation's "collective" is a star of plain TCP connections to a hub in its rank 0's process (opened by
 ``open_store``, as the real rank 0 hosts the TCPStore): ``join`` is a rendezvous (every member says hello
@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 
 
 @dataclass
@@ -283,7 +283,7 @@ class SimActor:
 
     def _result(self, status: str) -> bytes:
         self.status = "joined"
-        return run_result.pack(status, self.step, None, self.slot)  # as a worker answers
+        return worker_reply.pack(status, self.step, None, self.slot)  # as a worker answers
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
         records = []

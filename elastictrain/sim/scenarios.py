@@ -123,7 +123,7 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float =
             # steady state as the driver processes it: from its step-5 event to its last one before the
             # fault (a driver that falls behind processes the same steps later, not fewer of them) -- and
             # before the fault happened: steps 41-49 reach the driver with rank 0's last records, taken
-            # after the fault while it already handles it (O(N) at 10,000 ranks: 2 ms/step counted)
+            # after the fault while it already handles it (O(N): at 10,000 ranks it would count as steady CPU)
             if (r["event"] == "step" and 5 <= r["step"] < FAULT_STEP and r.get("complete", True)
                     and all(f.at is None for f in world.faults)):
                 marks.append((time.thread_time(), time.time(), events.path.stat().st_size, r["step"]))

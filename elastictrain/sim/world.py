@@ -9,9 +9,9 @@ sleeps until the next thing can happen, so the controller sees real time pass. T
 the driver's thread, and their answers count as the driver's CPU: building a poll's step records stands
 for what deserializing them costs a Ray driver (timing each answer apart cost more than the answers, at
 half a millisecond a ``thread_time`` call on a loaded machine). The two calls a failed step makes the
-driver pay per rank are charged below Ray's: :meth:`SimWorld.get` ~1.5 us per result where ``ray.get``
-costs ~8.5 us (``benchmarks/scale.py --ray-get 10000``, loaded), the run watch's scan ~0.7 us per call
-like ``ray.wait``'s ~0.5 us: the simulated decision is a lower bound of the one on Ray.
+driver pay per rank (:meth:`SimWorld.get`, the run watch's scan) are charged no more than Ray's
+(``benchmarks/scale.py --ray-get 10000``; the figures: docs/perf/2026-11-24-control-plane-scale.md): the
+simulated decision is a lower bound of the one on Ray.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import ray.exceptions
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 from elastictrain.sim import machine
 from elastictrain.worker.loop import StepRecord
 
@@ -397,7 +397,7 @@ class SimWorld:
             return dict(ref.value)
         end, status, step = w.tl.run_end()
         w.held = step
-        return run_result.pack(status, step, None, w.slot)  # as a worker answers (elastictrain/run_result.py)
+        return worker_reply.pack(status, step, None, w.slot)  # as a worker answers (elastictrain/worker_reply.py)
 
     def wait(self, refs: Sequence[Any], *, num_returns: int = 1,
              timeout: float | None = None) -> tuple[list[Any], list[Any]]:

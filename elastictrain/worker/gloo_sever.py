@@ -5,9 +5,8 @@ in a collective with it is freed only when its connections close. Destroying the
 reliably. ``ProcessGroupGloo``'s destructor first waits for every collective already queued or running on
 its worker threads, and such a collective can be waiting for a live peer that left the same collective
 when it failed (e.g. a DDP bucket's ring all-reduce blocked sending to a rank whose own copy of that
-bucket failed on the dead rank). Both then wait for ``timeouts.collective_s``: measured on the 50.7M GPT
-(4 DDP ranks, rank 1 SIGKILLed), 2 kill runs of 9 recovered only after ``collective_s``; one survivor's log
-said ``Timed out waiting 60000ms for recv``. ``ProcessGroupGloo.abort`` and ``shutdown`` close nothing
+bucket failed on the dead rank). Both then wait for ``timeouts.collective_s`` (seen in kill runs on the
+50.7M GPT, 4 DDP ranks: docs/perf/2026-11-23-code-figures.md). ``ProcessGroupGloo.abort`` and ``shutdown`` close nothing
 (torch 2.13), and the connections also stay open while any Python reference to a group lingers.
 
 So the connections are closed under gloo: :meth:`Connections.opened_since` notes the TCP connections

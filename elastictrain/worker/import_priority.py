@@ -12,8 +12,8 @@ timer does it after :data:`BOUND_S` seconds if the imports have not finished by 
 
 Why nice 19 and not ``SCHED_IDLE``: an idle-class thread gets no CPU at all while the cores are busy, and
 it holds Python's GIL through the import, so no other thread of the process (the timer included) could run
-either: measured under heavy load, a replacement that took such a standby joined 25-50 s after the death
-against 3-26 s with a normal-priority import. A thread at nice 19 still runs, only less.
+either: under load a replacement that took such a standby joined far later than with a normal-priority
+import (docs/perf/2026-11-23-code-figures.md). A thread at nice 19 still runs, only less.
 
 Going back is a privilege: Linux lets a thread lower its nice value only with ``CAP_SYS_NICE`` or a
 ``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers at). Without either,

@@ -30,8 +30,8 @@ def seed_micro_batch(seed: int, step: int, chunk: int) -> None:
     and every CUDA device's once CUDA is initialized (a GPU worker initializes it at setup).
 
     Not ``torch.manual_seed``: in a process that has not initialized CUDA (or XPU, MTIA) it queues a
-    lazy seed call per backend with a formatted stack trace each time, ~0.8 ms per call on the CPU
-    benchmark machine -- 5% of a tiny-GPT step with two micro-batches."""
+    lazy seed call per backend with a formatted stack trace each time, a visible share of a tiny-GPT step
+    (docs/perf/2026-11-23-code-figures.md)."""
     value = micro_batch_seed(seed, step, chunk)
     torch.default_generator.manual_seed(value)
     if torch.cuda.is_initialized():
