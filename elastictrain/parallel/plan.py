@@ -252,7 +252,9 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
     message names the valid ``cp`` values."""
     if cp == 1 or seq_len % (2 * cp) == 0:  # (cp 1 splits nothing: any length)
         return None
-    valid = [1] + [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+    from elastictrain.parallel.context import valid_cp  # the one list of valid degrees (the attention's)
+
+    valid = valid_cp(seq_len)
     return (f"parallel.cp={cp} needs the sequence length to be a multiple of 2 x cp = {2 * cp} (head-tail "
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
