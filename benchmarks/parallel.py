@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
         per_rank = [0] * world
         dist.all_gather_object(per_rank, params)
         lay = runner.layout
-        params = sum(n for r, n in enumerate(per_rank) if lay.coords(r)[1] == 0 and lay.tp_coord(r) == 0)
+        params = sum(n for r, n in enumerate(per_rank) if lay.dims.dp_rank(r) == 0 and lay.dims.coord(r)["tp"] == 0)
     t0, idle = 0.0, []
     for s in range(args.steps):
         if s == args.warmup:

@@ -295,6 +295,21 @@ class ParallelConfig(_Section):
                                          "data-parallel size x tp; the model's heads must divide by tp")
     sequence_parallel: bool | None = Field(None, description="tp > 1: shard norm and dropout regions on the "
                                                              "sequence; null = on when tp > 1")
+    cp: int = Field(1, ge=1, description="context-parallel ranks (mesh axis between dp_shard and tp): each "
+                                         "sample's sequence is split over them; the world is pp x dp x cp x tp")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep data-parallel ranks that share "
+                                         "tokens and split the experts; must divide the data-parallel size")
+
+    @model_validator(mode="after")
+    def _ep_composes(self) -> ParallelConfig:
+        if self.ep == 1:
+            return self
+        from elastictrain.parallel.plan import ep_rule  # imports torch: not on the --help path
+
+        why = ep_rule(self.cp, self.tp, self.ep)
+        if why:
+            raise ValueError(why)
+        return self
 
     @model_validator(mode="after")
     def _sequence_parallel_needs_tp(self) -> ParallelConfig:
@@ -461,6 +476,7 @@ class JobConfig(_Section):
         from elastictrain.parallel.plan import is_valid, spec_from_config, valid_world_sizes
 
         if self.parallel.plan == "auto":  # the planner picks a layout valid at workers.min/max at start
+            self._axes_rules()
             self._speed_rules()
             self._faults_exist()
             return self
@@ -479,14 +495,32 @@ class JobConfig(_Section):
                     f"workers.min/max: world size {w} is not usable: {why}; valid world sizes up to "
                     f"workers.max={self.workers.max}: {valid or 'none'} (parallel.plan={self.parallel.plan}"
                     + (f", pp={self.parallel.pp}" if self.parallel.pp > 1 else "")
-                    + (f", tp={self.parallel.tp}" if self.parallel.tp > 1 else "") + "); "
+                    + "".join(f", {k}={getattr(self.parallel, k)}" for k in ("cp", "tp", "ep")
+                              if getattr(self.parallel, k) > 1) + "); "
                     "change workers.min/max, the batch sizes or parallel.shard_size"
                 )
+        self._axes_rules()
         self._speed_rules()
         if self.task.kind != "python":
             self._builtin_model_splits()
         self._faults_exist()
         return self
+
+    def _axes_rules(self) -> None:
+        """``parallel.cp`` against the sequence length (head-tail chunks), then the one refusal of axes the
+        step loop does not run yet (:func:`elastictrain.parallel.plan.unwired_axes`)."""
+        p = self.parallel
+        if p.cp == 1 and p.ep == 1:
+            return
+        from elastictrain.parallel.plan import cp_rule, unwired_axes
+
+        if p.cp > 1 and self.task.kind != "python":  # a python task's sequence length is its dataset's
+            why = cp_rule(p.cp, self.task.model.seq_len)
+            if why:
+                raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
+        why = unwired_axes(p.cp, p.ep)
+        if why:
+            raise ValueError(why)
 
     def _builtin_model_splits(self, llama: dict[str, Any] | None = None, vocab: int | None = None) -> None:
         """The built-in model fills the pipeline stages and divides over the tensor-parallel ranks. ``llama``

@@ -160,7 +160,7 @@ def test_coverage_needs_every_pipeline_stage_of_one_pipeline_size() -> None:
         chunks = [C(torch.Size([o, 0]), torch.Size([n, 2])) for o, n in rows]
         tensors = {f"blocks.{pp_rank}.w": T(P(), torch.Size([4, 2]), chunks),
                    "progress.step": T(P(), torch.Size([]), [C(torch.Size([]), torch.Size([]))])}
-        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, pp_rank=pp_rank, pp_size=pp_size)
+        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, coord={"pp": pp_rank}, sizes={"pp": pp_size})
 
     replicas = coverage([meta(0, 0), meta(1, 0)])  # pp2 x dp2: both replicas of stage 0, none of stage 1
     assert not replicas.complete and replicas.missing == ("no snapshot of pipeline stage(s) [1] of pp_size 2",)
@@ -175,7 +175,7 @@ def test_coverage_needs_every_pipeline_stage_of_one_pipeline_size() -> None:
     assert coverage([meta(0, 0, pp_size=1)]).complete  # no pipeline: as before
     # the coordinate travels in the meta's compact pickled form
     back = pickle.loads(pickle.dumps(meta(3, 1)))
-    assert (back.pp_rank, back.pp_size) == (1, 2) and back == meta(3, 1)
+    assert (back.at("pp"), back.size("pp")) == (1, 2) and back == meta(3, 1)
 
 
 def test_stage_snapshots_load_by_name_into_another_pipeline_split() -> None:
@@ -192,9 +192,9 @@ def test_stage_snapshots_load_by_name_into_another_pipeline_split() -> None:
     def stage(keep):  # a stage keeps the blocks it owns under their original keys
         return torch.nn.ModuleDict({k: m for k, m in full.items() if k in keep})
 
-    snaps = [take_snapshot({"model": stage(keep).state_dict()}, rank=p, step=2, pp_rank=p, pp_size=2)
+    snaps = [take_snapshot({"model": stage(keep).state_dict()}, rank=p, step=2, coord={"pp": p}, sizes={"pp": 2})
              for p, keep in enumerate((("0", "1"), ("2", "3")))]
-    assert [(s.meta.pp_rank, s.meta.pp_size) for s in snaps] == [(0, 2), (1, 2)]
+    assert [(s.meta.at("pp"), s.meta.size("pp")) for s in snaps] == [(0, 2), (1, 2)]
     assert coverage([s.meta for s in snaps]).complete and not coverage([snaps[1].meta]).complete
     fresh = torch.nn.ModuleDict({str(i): torch.nn.Linear(3, 3) for i in range(4)})
     target = {"model": fresh.state_dict()}
@@ -319,8 +319,8 @@ def test_coverage_needs_every_tp_coordinate_of_each_stage() -> None:
         tensors = {f"s{pp_rank}.w": T(P(), torch.Size([4, 4]), [C(torch.Size([0, tp_rank * cols]),
                                                                    torch.Size([4, cols]))]),
                    f"s{pp_rank}.norm": T(P(), torch.Size([4]), [C(torch.Size([0]), torch.Size([4]))])}
-        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, pp_rank=pp_rank, pp_size=pp_size,
-                            tp_rank=tp_rank, tp_size=tp_size)
+        return SnapshotMeta(rank, 5, tensors, frozenset(), {}, 0, 1, coord={"pp": pp_rank, "tp": tp_rank},
+                            sizes={"pp": pp_size, "tp": tp_size})
 
     # tp2 x dp2: ranks 0,1 are replica 0's tp coordinates 0,1; ranks 2,3 replica 1's
     assert coverage([meta(0, 0), meta(3, 1)]).complete  # a replica of each tp coordinate
@@ -336,4 +336,4 @@ def test_coverage_needs_every_tp_coordinate_of_each_stage() -> None:
                                         "s1.w (stage 1): offsets [0, 2] sizes [4, 2] of [4, 4]")
     assert coverage([*stages, meta(3, 1, pp_rank=1, pp_size=2)]).complete
     back = pickle.loads(pickle.dumps(meta(3, 1)))
-    assert (back.tp_rank, back.tp_size) == (1, 2) and back == meta(3, 1)
+    assert (back.at("tp"), back.size("tp")) == (1, 2) and back == meta(3, 1)

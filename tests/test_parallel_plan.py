@@ -67,11 +67,11 @@ def test_pp_is_an_outer_factor_of_the_mesh():
     layout = resolve(spec, 4)
     assert layout.dims.names == ("pp", "dp_replicate") and layout.dims.shape == (2, 2)
     assert (layout.dims.dp, layout.accum, layout.n_stages, layout.stages_per_rank) == (2, 4, 2, 1)
-    assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(layout.dims.coord(r)["pp"], layout.dims.dp_rank(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert not layout.replicated  # a stage rank never holds the whole model
     hsdp = resolve(PlanSpec("hsdp", 16, 2, shard_size=2, pp=2), 8)
     assert hsdp.dims.names == ("pp", "dp_replicate", "dp_shard") and hsdp.dims.shape == (2, 2, 2)
-    assert [hsdp.coords(r) for r in (3, 4, 7)] == [(0, 3), (1, 0), (1, 3)]
+    assert [(hsdp.dims.coord(r)["pp"], hsdp.dims.dp_rank(r)) for r in (3, 4, 7)] == [(0, 3), (1, 0), (1, 3)]
     assert resolve(PlanSpec("ddp", 16, 2), 4).dims.names == ("dp_replicate",)  # pp=1: mesh unchanged
     with pytest.raises(PlanError, match=r"pp=2 needs a multiple of 2 workers .*usable world sizes .*pp=2 \(1f1b\): "
                                         r"\[2, 4, 8\]"):

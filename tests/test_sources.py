@@ -148,7 +148,7 @@ def test_served_pipeline_snapshots_must_cover_every_stage() -> None:
     def meta(rank: int) -> SnapshotMeta:  # pp2 x dp1: each rank holds its stage's whole block
         md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]),
                                    [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])
-        return SnapshotMeta(rank, 5, {f"blocks.{rank}.w": md}, frozenset(), {}, 8, 3, pp_rank=rank, pp_size=2)
+        return SnapshotMeta(rank, 5, {f"blocks.{rank}.w": md}, frozenset(), {}, 8, 3, coord={"pp": rank}, sizes={"pp": 2})
 
     assert check_served([meta(0), meta(1)], (0, 1), 5, 3) == ""
     assert "stage(s) [1]" in check_served([meta(0)], (0,), 5, 3)
@@ -178,7 +178,7 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
 
         def hold_snapshot(self, expect):
             gen, rank, step = expect
-            return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen, pp_rank=rank // self.d, pp_size=2)
+            return SnapshotMeta(rank, step, {}, frozenset(), {}, 0, gen, coord={"pp": rank // self.d}, sizes={"pp": 2})
 
     actor = Survivor.remote()
 
@@ -195,7 +195,7 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
     assert alone.kind != "peer" and "[(1, 0)]" in alone.reason
     replica = gathered(2, [0, 2, 3])  # pp2 x dp2: rank 1 (stage 0) died, rank 0 holds stage 0
     assert replica.kind == "peer" and isinstance(replica.resume, PeerRestore)
-    assert [(s.meta.rank, s.meta.pp_rank) for s in replica.resume.sources] == [(0, 0), (2, 1)]
+    assert [(s.meta.rank, s.meta.at("pp")) for s in replica.resume.sources] == [(0, 0), (2, 1)]
 
 
 def test_tensor_parallel_peer_needs_every_tp_coordinate() -> None:

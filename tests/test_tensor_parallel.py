@@ -225,13 +225,13 @@ def test_plan_puts_tp_innermost() -> None:
     spec = PlanSpec("hsdp", 16, 1, shard_size=2, pp=2, tp=2)
     layout = resolve(spec, 16)
     assert layout.dims.names == ("pp", "dp_replicate", "dp_shard", "tp") and layout.dims.shape == (2, 2, 2, 2)
-    assert [layout.tp_coord(r) for r in range(4)] == [0, 1, 0, 1]
-    assert [layout.coords(r) for r in (0, 1, 2, 7, 8, 15)] == [(0, 0), (0, 0), (0, 1), (0, 3), (1, 0), (1, 3)]
+    assert [layout.dims.coord(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert [(layout.dims.coord(r)["pp"], layout.dims.dp_rank(r)) for r in (0, 1, 2, 7, 8, 15)] == [(0, 0), (0, 0), (0, 1), (0, 3), (1, 0), (1, 3)]
     assert not layout.replicated and layout.sequence_parallel
     assert valid_world_sizes(spec, 40) == [8, 16, 32]
     assert not resolve(PlanSpec("ddp", 8, 1, tp=2, sequence_parallel=False), 4).sequence_parallel
     plain = resolve(PlanSpec("ddp", 8, 1), 4)  # without tp every formula is today's
-    assert plain.dims.names == ("dp_replicate",) and plain.coords(3) == (0, 3) and plain.replicated
+    assert plain.dims.names == ("dp_replicate",) and plain.dims.dp_rank(3) == 3 and plain.replicated
 
 
 HAS_HF = importlib.util.find_spec("transformers") is not None

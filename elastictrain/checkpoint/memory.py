@@ -232,16 +232,16 @@ class MemoryReplicator:
     copy into memory already faulted in); without ``keep_own``, those of the newest once it is sent (one
     set of host buffers, as the rank's copies would die with the keeper's node anyway).
     :meth:`reports` returns what the keeper said (and the stall seconds) since the last call; :meth:`close`
-    stops the thread. ``pp_rank``/``pp_size`` and ``tp_rank``/``tp_size``: the rank's pipeline stage and
-    tensor-parallel coordinate, recorded in every snapshot.
+    stops the thread. ``coord``/``sizes``: the rank's coordinate on its layout's snapshot axes and their
+    sizes (``MeshDims.snapshot_coord`` / ``snapshot_sizes``), recorded in every snapshot.
     """
 
     def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0,
-                 keep_own: bool = True, pp_rank: int = 0, pp_size: int = 1, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 keep_own: bool = True, coord: dict[str, int] | None = None,
+                 sizes: dict[str, int] | None = None) -> None:
         self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
         # recorded in every snapshot (coverage)
-        self._stage = {"pp_rank": pp_rank, "pp_size": pp_size, "tp_rank": tp_rank, "tp_size": tp_size}
+        self._stage = {"coord": dict(coord or {}), "sizes": dict(sizes or {})}
         self._keep = 2 if keep_own else 1
         self._cv = threading.Condition()
         self._next: Snapshot | None = None

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from elastictrain.checkpoint.host_copy import DONE, PendingCopy, copy_to_host
+from elastictrain.parallel.dims import AXES, MODEL_AXES
 
 Key = tuple[str, tuple[int, ...] | None]  # (fqn, global offsets of the chunk) or (fqn, None) for bytes
 
@@ -56,26 +57,30 @@ class SnapshotMeta:
     mappings: dict[str, Any]                    # DCP's flatten mappings (fqn -> path in the nested dict)
     nbytes: int
     generation: int = 0                         # membership generation that took it (same step, same math)
-    pp_rank: int = 0                            # the rank's pipeline stage coordinate (rank // dp size)
-    pp_size: int = 1                            # pipeline stages of the layout that took it
-    tp_rank: int = 0                            # the rank's tensor-parallel coordinate (rank % tp)
-    tp_size: int = 1                            # tensor-parallel size of the layout that took it
+    coord: dict[str, int] = field(default_factory=dict)  # the rank's coordinate on MeshDims.snapshot_axes
+    sizes: dict[str, int] = field(default_factory=dict)  # those axes' sizes in the layout that took it
+
+    def at(self, axis: str) -> int:
+        """The rank's coordinate on ``axis`` (0 where the snapshot names none)."""
+        return self.coord.get(axis, 0)
+
+    def size(self, axis: str) -> int:
+        """The size of ``axis`` in the layout that took it (1 where the snapshot names none)."""
+        return self.sizes.get(axis, 1)
 
     # Pickled compactly: a meta travels keeper -> controller -> every joining rank (one per old rank in
     # each ``join`` call), and pickling DCP's metadata objects (torch dtypes, layouts, memory formats,
     # torch.Size per chunk) cost ~2-4 ms per meta of the 2-layer GPT, paid again for each joining member.
     def __getstate__(self) -> tuple:
         return (self.rank, self.step, [(fqn, *_pack_tensor_md(md)) for fqn, md in self.tensors.items()],
-                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.pp_rank, self.pp_size,
-                self.tp_rank, self.tp_size)
+                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.coord, self.sizes)
 
     def __setstate__(self, state: tuple) -> None:
-        rank, step, tensors, objects, mappings, nbytes, generation, pp_rank, pp_size, tp_rank, tp_size = state
+        rank, step, tensors, objects, mappings, nbytes, generation, coord, sizes = state
         for name, value in (("rank", rank), ("step", step), ("objects", frozenset(objects)),
                             ("tensors", {t[0]: _unpack_tensor_md(*t[1:]) for t in tensors}),
                             ("mappings", mappings), ("nbytes", nbytes), ("generation", generation),
-                            ("pp_rank", pp_rank), ("pp_size", pp_size), ("tp_rank", tp_rank),
-                            ("tp_size", tp_size)):
+                            ("coord", coord), ("sizes", sizes)):
             object.__setattr__(self, name, value)
 
 
@@ -201,17 +206,17 @@ def start_fetches(requests: Sequence[tuple[Any, Iterable[Key]]]) -> list[Callabl
 
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
-                  pp_rank: int = 0, pp_size: int = 1, tp_rank: int = 0, tp_size: int = 1,
+                  coord: dict[str, int] | None = None, sizes: dict[str, int] | None = None,
                   reuse: Snapshot | None = None) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free. CPU sources are copied
     when this returns, so the caller may mutate them right away (this copy is the whole training stall).
     CUDA sources are copied into pinned host tensors on a side stream and may still be in flight
     (``Snapshot.ready``; see :mod:`elastictrain.checkpoint.host_copy` for who waits where).
 
-    ``pp_rank``/``pp_size``: the rank's pipeline stage coordinate and the layout's stage count (the
-    snapshot of one stage holds that stage's parameters only; :func:`coverage` needs every stage).
-    ``tp_rank``/``tp_size``: its tensor-parallel coordinate and size (a TP rank holds its shard of each
-    TP-sharded parameter, with global offsets; :func:`coverage` needs every coordinate of each stage).
+    ``coord``/``sizes``: the rank's coordinate on the snapshot axes of its layout and their sizes
+    (``MeshDims.snapshot_coord`` / ``snapshot_sizes``; none: one stage, no tp). The snapshot of one stage
+    holds that stage's parameters only and a TP rank its shard of each TP-sharded parameter (global
+    offsets): :func:`coverage` needs every stage and every tp coordinate of each.
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
     same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
     spare = {} if reuse is None else reuse.data
@@ -248,11 +253,15 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             md.chunks.append(td.chunk)
     ready = copy_to_host(pairs)
     meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation,
-                        pp_rank, pp_size, tp_rank, tp_size)
+                        dict(coord or {}), dict(sizes or {}))
     return Snapshot(meta, data, ready)
 
 
 # ---------------------------------------------------------------------------------------------- coverage
+_AXIS_ORDER = AXES
+_NAMED = {"pp": ("pipeline", "stage", "pipeline"), "tp": ("tensor-parallel", "tp coordinate", "group"),
+          "cp": ("context-parallel", "cp coordinate", "group"), "dp_replicate": ("replicate", "replica", "group"),
+          "dp_shard": ("shard", "shard coordinate", "group")}
 @dataclass(frozen=True)
 class Coverage:
     """Whether a set of snapshots holds every element of every entry; ``missing`` says what is not."""
@@ -299,41 +308,45 @@ def coverage(metas: Sequence[SnapshotMeta], expected: Iterable[str] | None = Non
 
     Under tensor parallelism each snapshot holds its TP shard of the sharded parameters (global offsets),
     so a lost TP coordinate leaves holes the element check finds; the set must also agree on one
-    ``tp_size`` and hold every tp coordinate ``0..tp_size-1`` of each stage (named when one lacks)."""
+    ``tp_size`` and hold every tp coordinate ``0..tp_size-1`` of each stage (named when one lacks). The
+    axes are the snapshots' ``coord``/``sizes`` keys (:meth:`MeshDims.snapshot_coord`): every model axis is
+    checked this way; axes that shard through DTensor chunks (dp_shard, cp) are found by the element check."""
     missing: list[str] = []
     steps = sorted({(m.generation, m.step) for m in metas})
     if len(steps) > 1:
         missing.append(f"snapshots of different (generation, step) {steps} cannot be combined")
     if not metas:
         return Coverage(False, ("no snapshot",))
-    sizes = sorted({m.pp_size for m in metas})
-    if len(sizes) > 1:
-        missing.append(f"snapshots of different pipeline sizes (pp_size {sizes}) cannot be combined")
-    tps = sorted({m.tp_size for m in metas})
-    if len(tps) > 1:
-        missing.append(f"snapshots of different tensor-parallel sizes (tp_size {tps}) cannot be combined")
+    axes = sorted({a for m in metas for a in (*m.coord, *m.sizes)} | {"pp"}, key=_AXIS_ORDER.index)
+    for a in axes:
+        got = sorted({m.size(a) for m in metas})
+        if len(got) > 1:
+            missing.append(f"snapshots of different {_NAMED[a][0]} sizes ({a}_size {got}) cannot be combined")
+        strays = sorted({(m.rank, m.at(a), m.size(a)) for m in metas if not 0 <= m.at(a) < m.size(a)})
+        if strays:
+            missing.append(f"snapshots (rank, {a}_rank, {a}_size) {strays} name a {_NAMED[a][1]} outside their "
+                           f"{_NAMED[a][2]}")
+    pp = max(m.size("pp") for m in metas)
     stages: dict[int, list[SnapshotMeta]] = {}
     for m in metas:
-        stages.setdefault(m.pp_rank, []).append(m)
-    strays = sorted({(m.rank, m.pp_rank, m.pp_size) for m in metas if not 0 <= m.pp_rank < m.pp_size})
-    if strays:
-        missing.append(f"snapshots (rank, pp_rank, pp_size) {strays} name a stage outside their pipeline")
-    strays = sorted({(m.rank, m.tp_rank, m.tp_size) for m in metas if not 0 <= m.tp_rank < m.tp_size})
-    if strays:
-        missing.append(f"snapshots (rank, tp_rank, tp_size) {strays} name a tp coordinate outside their group")
-    lacking = [p for p in range(max(sizes)) if p not in stages]
+        stages.setdefault(m.at("pp"), []).append(m)
+    lacking = [p for p in range(pp) if p not in stages]
     if lacking:
-        missing.append(f"no snapshot of pipeline stage(s) {lacking} of pp_size {max(sizes)}")
-    for p, group in sorted(stages.items()):  # a TP rank lost with no replica: its shards are holes below too
-        held = {m.tp_rank for m in group}
-        lacking = [t for t in range(max(tps)) if t not in held]
-        if lacking:
-            where = f" of pipeline stage {p}" if max(sizes) > 1 else ""
-            missing.append(f"no snapshot of tp coordinate(s) {lacking}{where} of tp_size {max(tps)}")
+        missing.append(f"no snapshot of pipeline stage(s) {lacking} of pp_size {pp}")
+    # every coordinate of the other model axes (tp) in each stage: a lost TP rank with no replica is named
+    # (its shards are holes below too); data and context axes shard through DTensor chunks, found below
+    for a in (a for a in axes if a in MODEL_AXES and a != "pp"):
+        n = max(m.size(a) for m in metas)
+        for p, group in sorted(stages.items()):
+            held = {m.at(a) for m in group}
+            lacking = [t for t in range(n) if t not in held]
+            if lacking:
+                where = f" of pipeline stage {p}" if pp > 1 else ""
+                missing.append(f"no snapshot of {_NAMED[a][1]}(s) {lacking}{where} of {a}_size {n}")
     merged: dict[str, Any] = {}
     for p, group in sorted(stages.items()):
         stage = merge_metadata(group)
-        where = f" (stage {p})" if max(sizes) > 1 else ""
+        where = f" (stage {p})" if pp > 1 else ""
         for fqn, md in sorted(stage.items()):
             if isinstance(md, TensorStorageMetadata):
                 hole = _uncovered(tuple(md.size), md.chunks)

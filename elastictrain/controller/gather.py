@@ -30,7 +30,7 @@ from elastictrain.controller import sources
 from elastictrain.controller.detect import blame
 from elastictrain.controller.group import MemberCallFailed, Slot, call_members, describe_remote_error
 from elastictrain.events import EventLog
-from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.plan import Layout, MeshDims
 
 log = logging.getLogger("elastictrain.controller")
 
@@ -93,7 +93,7 @@ def slot_step(slot: Slot) -> int:
 
 def _split(layout: Layout) -> bool:
     """No rank of ``layout`` holds the whole state as a DDP replica (sharded, staged or tensor-parallel)."""
-    return layout.plan != "ddp" or layout.dims.pp > 1 or layout.dims.tp > 1
+    return not layout.dims.holds_whole_state
 
 
 class SourceGatherer:
@@ -239,7 +239,7 @@ class SourceGatherer:
         next generation's, when it may differ from the previous one's family (``parallel.plan: auto``)."""
         old = (prev.layout or self.layout(prev.world)) if prev.world else None
         dims = old.dims if old is not None else None
-        rep, shard, pp, tp = (dims.dp_replicate, dims.dp_shard, dims.pp, dims.tp) if dims else (1, 1, 1, 1)
+        mesh = dims or MeshDims()
         # a sharded layout's survivors always serve snapshots (even at dp_shard 1: their parameters are
         # DTensors, which the replicated broadcast path does not move); so do a pipeline's, whose ranks
         # each hold one stage, and a tensor-parallel one's, whose ranks each hold one tp shard: loaded by
@@ -261,11 +261,11 @@ class SourceGatherer:
                 survivors[r] = int(s.info.get("step", 0))  # (slot_step, inlined: 10,000 calls)
         if not survivors and not sharded and any(s.has_state for s in chosen):  # state, no rank: replica 0
             survivors = {0: max(slot_step(s) for s in chosen if s.has_state)}
-            rep, shard = max(1, prev.world), 1
+            mesh = MeshDims(dp_replicate=max(1, prev.world))  # (not sharded: a whole-state layout)
         # the newest completed step anyone knows of (records and survivors run ahead of the polls): the
         # same count the ``recovered`` event reports as ``lost_steps``
         last_step = max([*known_steps, *survivors.values()])
-        args = dict(dp_replicate=rep, dp_shard=shard, pp=pp, tp=tp, survivors=survivors, last_step=last_step)
+        args = dict(dp_replicate=1, dp_shard=1, dims=mesh, survivors=survivors, last_step=last_step)
         decision = sources.rank_sources(memory={}, durable_step=None, **args)
         if decision.chosen.kind == "peer" and sharded:  # the covering survivors serve their shards to everyone
             try:

@@ -2,14 +2,13 @@
 
 Three kinds of source, in this order of preference at equal step:
 
-* ``peer`` -- live survivors (replicas on the replicate dimension). The mesh of the failed generation is
-  ``(pp, dp_replicate, dp_shard, tp)`` in row-major rank order: with ``D = dp_replicate * dp_shard`` and
-  ``T = tp``, rank ``r`` is in pipeline stage ``r // (D * T)``, on tp coordinate ``r % T``, and holds
-  shard ``(r // T) % dp_shard`` of that stage's tp shard. Survivors at the newest step that cover every
-  (stage, tp coordinate, shard coordinate) hold everything (DDP has ``pp == dp_shard == T == 1``: any
-  survivor; HSDP needs one survivor per shard coordinate; pure FSDP needs all; a pipeline needs that for
-  each of its stages, so pp alone with ``D == 1`` needs every rank; tensor parallel for each tp
-  coordinate, so a lost rank of tp2 x dp2 is covered by the data-parallel replica of its coordinate).
+* ``peer`` -- live survivors (replicas on the replicate dimension). Which part of the state a rank of the
+  failed generation holds is its :meth:`MeshDims.holder_key`: its coordinate on the model axes (pp, tp)
+  and the shard axes (dp_shard, and cp under fsdp/hsdp). Survivors at the newest step that cover every
+  key hold everything (DDP: any survivor; HSDP: one survivor per shard coordinate; pure FSDP: all; a
+  pipeline: that for each of its stages, so pp alone with one data rank needs every rank; tensor parallel:
+  for each tp coordinate, so a lost rank of tp2 x dp2 is covered by the data-parallel replica of its
+  coordinate).
   Lost work: the step in flight only.
 * ``memory`` -- the peer memory tier: the newest step whose per-rank snapshots, kept on other nodes,
   cover every element (see :func:`elastictrain.checkpoint.memory_dcp.coverage`). Lost work <= the
@@ -27,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastictrain.checkpoint.memory_dcp import SnapshotMeta, coverage
+from elastictrain.parallel.dims import MeshDims
 
 KINDS = ("peer", "memory", "checkpoint", "scratch")  # also the ``source`` of the ``recovered`` event
 
@@ -49,47 +49,48 @@ class SourceDecision:
     reason: str
 
 
-def _peer(pp: int, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int],
-          tp: int = 1) -> tuple[Candidate | None, str]:
-    d = dp_replicate * dp_shard
-    world = pp * d * tp
+_NAMED = {"pp": "pipeline stage", "tp": "tp coordinate", "dp_shard": "shard coordinate", "cp": "cp coordinate"}
+_EVERY = {"pp": "every stage's", "tp": "every tp coordinate's", "cp": "every cp coordinate's"}
+
+
+def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
+    world = dims.world_size
     inside = bool(survivors) and min(survivors) >= 0 and max(survivors) < world  # (the usual case: no copy)
     alive = survivors if inside else {r: s for r, s in survivors.items() if 0 <= r < world}
     if not alive:
         return None, "no survivor holds state"
     newest = max(alive.values())
-    need = [(p, t, j) for p in range(pp) for t in range(tp) for j in range(dp_shard)]
-    # (stage, tp coordinate, shard coordinate) -> the lowest survivor holding it (mesh order: pp, dp, tp);
-    # the scan stops once every coordinate has one (a replicated layout: the first newest survivor)
-    holders: dict[tuple[int, int, int], int] = {}
+    need = dims.holder_keys()
+    # holder key (the coordinate on the model and shard axes) -> the lowest survivor holding it; the scan
+    # stops once every key has one (a replicated layout: the first newest survivor)
+    holders: dict[tuple[int, ...], int] = {}
     newest_ranks = [r for r, s in alive.items() if s == newest]
     if len(need) == 1:  # a replicated layout: the lowest newest survivor, no sort
         holders[need[0]] = min(newest_ranks)
     for r in sorted(newest_ranks) if len(need) > 1 else ():
-        holders.setdefault((r // (d * tp), r % tp, (r // tp) % dp_shard), r)
+        holders.setdefault(dims.holder_key(r), r)
         if len(holders) == len(need):
             break
-    missing = [c for c in need if c not in holders]
-    mesh = f"dp_replicate={dp_replicate} x dp_shard={dp_shard}"
-    mesh = (f"pp={pp} x " if pp > 1 else "") + mesh + (f" x tp={tp}" if tp > 1 else "")
-    if missing:  # named by the axes the layout has: (pipeline stage,) (tp coordinate,) shard coordinate
-        axes = [(name, i, n) for name, i, n in (("pipeline stage", 0, pp), ("tp coordinate", 1, tp),
-                                                ("shard coordinate", 2, dp_shard)) if n > 1 or i == 2]
+    missing = [k for k in need if k not in holders]
+    mesh = " x ".join(f"{n}={dims.size(n)}" for n in dims.axes
+                      if n in ("dp_replicate", "dp_shard") or dims.size(n) > 1)
+    if missing:  # named by the axes the layout has (the shard coordinate always)
+        axes = [(i, n) for i, n in enumerate(dims.holder_axes()) if dims.size(n) > 1 or n == "dp_shard"]
         if len(axes) == 1:
-            return None, (f"survivors at step {newest} lack shard coordinates {[c[2] for c in missing]} of "
-                          f"{dp_shard} (mesh {mesh})")
-        lacking = [tuple(c[i] for _, i, _ in axes) for c in missing]
-        return None, (f"survivors at step {newest} lack ({', '.join(a[0] for a in axes)}) {lacking} of "
-                      f"{' x '.join(str(a[2]) for a in axes)} (mesh {mesh})")
-    ranks = tuple(holders[c] for c in need)
-    every = " ".join(w for on, w in ((pp > 1, "every stage's"), (tp > 1, "every tp coordinate's"),
-                                     (True, "every shard")) if on)
+            return None, (f"survivors at step {newest} lack shard coordinates {[k[axes[0][0]] for k in missing]} "
+                          f"of {dims.dp_shard} (mesh {mesh})")
+        lacking = [tuple(k[i] for i, _ in axes) for k in missing]
+        return None, (f"survivors at step {newest} lack ({', '.join(_NAMED[n] for _, n in axes)}) {lacking} of "
+                      f"{' x '.join(str(dims.size(n)) for _, n in axes)} (mesh {mesh})")
+    ranks = tuple(holders[k] for k in need)
+    every = " ".join([_EVERY[n] for n in dims.holder_axes() if n in _EVERY and dims.size(n) > 1] + ["every shard"])
     return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold {every} at step {newest}"), ""
 
 
 def rank_sources(
     *, dp_replicate: int, dp_shard: int, survivors: Mapping[int, int], memory: Mapping[int, bool],
-    durable_step: int | None, last_step: int, storage_asked: bool = True, pp: int = 1, tp: int = 1,
+    durable_step: int | None, last_step: int, storage_asked: bool = True, pp: int = 1, tp: int = 1, cp: int = 1,
+    dims: MeshDims | None = None,
 ) -> SourceDecision:
     """Rank the recovery sources.
 
@@ -98,14 +99,20 @@ def rank_sources(
     checkpoint, or None. ``last_step``: the newest step the group completed (for ``lost_steps``).
     ``storage_asked`` False: storage was not listed (see :func:`storage_needed`), and the reason says so.
     ``pp``: the failed generation's pipeline stages (the outermost mesh axis); ``tp``: its tensor-parallel
-    size (the innermost). Raises ``ValueError`` on mesh dims < 1.
+    size (the innermost); ``cp`` its context-parallel size. ``dims``: the failed generation's
+    :class:`MeshDims` itself (then the sizes above are ignored): a survivor covers the ranks of its
+    :meth:`~MeshDims.holder_key` (same coordinate on every model and shard axis). Raises ``ValueError`` on
+    mesh dims < 1.
     """
-    if dp_replicate < 1 or dp_shard < 1 or pp < 1 or tp < 1:
-        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} "
-                         f"tp={tp}")
+    if dims is None:
+        if min(dp_replicate, dp_shard, pp, tp, cp) < 1:
+            raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} "
+                             f"dp_shard={dp_shard} cp={cp} tp={tp}")
+        plan = "ddp" if dp_shard == 1 else "fsdp" if dp_replicate == 1 else "hsdp"
+        dims = MeshDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, plan=plan)
     found: list[Candidate] = []
     notes: list[str] = []
-    peer, why = _peer(pp, dp_replicate, dp_shard, survivors, tp)
+    peer, why = _peer(dims, survivors)
     if peer is not None:
         found.append(peer)
     else:

@@ -1,19 +1,12 @@
-"""Parallel layouts: plan resolution (pure, :mod:`.plan`), one small ``parallelize_*`` function per layout
-(:mod:`.parallelize`), the per-generation mesh (:mod:`.mesh`) and the layout-agnostic training state
-(:mod:`.train_state`). The step loop asks the parallelized model, never the plan name."""
+"""Parallel layouts: the mesh as data (pure, :mod:`.dims`), plan resolution (pure, :mod:`.plan`), one small
+``parallelize_*`` function per layout (:mod:`.parallelize`), the per-generation mesh (:mod:`.mesh`) and the
+layout-agnostic training state (:mod:`.train_state`). The step loop asks the parallelized model, never the
+plan name.
 
-from elastictrain.parallel.plan import (
-    CPU_DEFAULT_SHARD_SIZE,
-    PLANS,
-    Layout,
-    MeshDims,
-    PlanError,
-    PlanSpec,
-    effective_shard_size,
-    is_valid,
-    resolve,
-    valid_world_sizes,
-)
+The names below are imported on first use: :mod:`.dims` is pure and torch-free, and the planner imports it
+without importing torch (plan resolution does, through the data cursor)."""
+
+from typing import Any
 
 __all__ = [
     "CPU_DEFAULT_SHARD_SIZE",
@@ -27,3 +20,11 @@ __all__ = [
     "resolve",
     "valid_world_sizes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from elastictrain.parallel import plan
+
+        return getattr(plan, name)
+    raise AttributeError(f"module 'elastictrain.parallel' has no attribute {name!r}")

@@ -243,11 +243,6 @@ class ParallelModel:
         and make the next backward allocate every gradient again beside the buckets."""
         return isinstance(self.module, DistributedDataParallel) and bool(getattr(self.module, "gradient_as_bucket_view", False))
 
-    @property
-    def replicated(self) -> bool:
-        """Every rank holds the whole state (not sharded): a peer's copy is anyone's copy."""
-        return not isinstance(self.model, FSDPModule) and not _has_dtensor(self.model)
-
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Gradients of the backward passes inside stay on this rank (reduced by the next synced one)."""
@@ -288,7 +283,7 @@ def _submesh(mesh: DeviceMesh, drop: tuple[str, ...]) -> DeviceMesh:
     return mesh[names] if names != tuple(mesh.mesh_dim_names or ()) else mesh
 
 
-def _has_dtensor(model: nn.Module) -> bool:
+def _has_dtensor(model: nn.Module) -> bool:  # (the step loop checks a whole-state layout with it)
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())

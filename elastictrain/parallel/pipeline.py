@@ -222,11 +222,6 @@ class PipelineModel(ParallelModel):
         self.counts_loss = tp_first
 
     @property
-    def replicated(self) -> bool:
-        """Never: a stage rank holds only its stages (recovery loads them by name)."""
-        return False
-
-    @property
     def grads_in_buckets(self) -> bool:
         return False
 
@@ -297,7 +292,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
                             "stages); add it to the task or set parallel.pp=1")
     pp, v = layout.dims.pp, layout.stages_per_rank
     n_stages = pp * v
-    pp_rank = layout.coords(rank)[0]
+    pp_rank = layout.dims.coord(rank)["pp"]
     pp_group = mesh.get_group("pp")
     dp_mesh = dp_submesh(mesh)
     tp_mesh = tp_submesh(mesh)

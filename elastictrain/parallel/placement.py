@@ -16,8 +16,9 @@ pipeline across nodes, data parallel outermost):
 3. ties keep the order the nodes were given in (the controller gives its members' order, so a run on one
    node keeps its rank order and survivors keep their ranks where the rules allow).
 
-Rank order is the mesh's (parallel/plan.py): rank ``r`` is in unit ``r // unit`` (:func:`unit_size`: a TP
-group, or an hsdp shard group of TP groups), and unit ``u`` belongs to stage ``u // (units per stage)``.
+Rank order is the mesh's (:class:`~elastictrain.parallel.dims.MeshDims`): rank ``r`` is in unit
+``r // unit`` (:func:`unit_size`: the ranks of :func:`unit_axes`, innermost and so consecutive), and a unit's
+stage is its ranks' ``pp`` coordinate (``MeshDims.coord``).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def place(nodes: Sequence[tuple[str, int]], dims: MeshDims) -> Placement:
     of preference on ties; only as many slots as ranks are used). Raises :class:`PlacementError` when
     the slots are fewer than the ranks or a node is malformed."""
     t, p, world = unit_size(dims), dims.pp, dims.world_size
-    d = world // (t * p)  # units per stage
-    group = "shard group" if t > dims.tp else "TP group"
+    stage_units: dict[int, list[int]] = {}  # pipeline coordinate -> its units (a unit's ranks are consecutive)
+    for u in range(world // t):
+        stage_units.setdefault(dims.coord(u * t)["pp"], []).append(u)
+    group = _group_name(dims)
     ids = [n for n, _ in nodes]
     if len(set(ids)) != len(ids):
         raise PlacementError(f"node ids must be unique, got {ids}")
@@ -61,8 +64,8 @@ def place(nodes: Sequence[tuple[str, int]], dims: MeshDims) -> Placement:
     unit_node: dict[int, int] = {}  # TP group -> the node holding it whole
     used: set[int] = set()          # nodes that hold an earlier stage
     for stage in range(p):
-        units = iter(range(stage * d, (stage + 1) * d))
-        need, here = d, set()
+        units = iter(stage_units[stage])
+        need, here = len(stage_units[stage]), set()
         while need:
             cands = [i for i in order if free[i] >= t]
             if not cands:
@@ -103,30 +106,41 @@ def place(nodes: Sequence[tuple[str, int]], dims: MeshDims) -> Placement:
     return Placement(placed, tuple(warnings), _describe(placed, dims, warnings))
 
 
+def unit_axes(dims: MeshDims) -> tuple[str, ...]:
+    """The innermost axes whose ranks must share a node: ``cp`` and ``tp`` (collectives every layer), and
+    under ``hsdp`` its shard axis too (FSDP's all-gathers every block; only the replicas' all-reduce
+    crosses nodes)."""
+    return (("dp_shard",) if _hsdp(dims) else ()) + ("cp", "tp")
+
+
 def unit_size(dims: MeshDims) -> int:
-    """The consecutive ranks that must share a node: a TP group, or under ``hsdp`` a shard group (its
-    ``dp_shard`` TP groups)."""
-    return dims.tp * (dims.dp_shard if _hsdp(dims) else 1)
+    """The consecutive ranks that must share a node: a TP (x CP) group, or under ``hsdp`` a shard group."""
+    return len(dims.group_ranks(0, unit_axes(dims)))
 
 
 def _hsdp(dims: MeshDims) -> bool:
     return dims.plan == "hsdp" and dims.dp_shard > 1 and dims.dp_replicate > 1
 
 
+def _group_name(dims: MeshDims) -> str:
+    return "shard group" if _hsdp(dims) else "CP x TP group" if dims.cp > 1 else "TP group"
+
+
 def _unit_rule(dims: MeshDims) -> str:
-    return (f"parallel.shard_size={dims.dp_shard} x parallel.tp={dims.tp}" if _hsdp(dims)
-            else f"parallel.tp={dims.tp}")
+    rule = [f"parallel.shard_size={dims.dp_shard}"] * _hsdp(dims) + [f"parallel.cp={dims.cp}"] * (dims.cp > 1)
+    return " x ".join(rule + [f"parallel.tp={dims.tp}"])
 
 
 def _describe(placed: tuple[str, ...], dims: MeshDims, warnings: Sequence[str]) -> str:
     nodes = sorted(set(placed), key=placed.index)
     t = unit_size(dims)
-    kind = "shard groups" if t > dims.tp else "TP groups"
+    kind = _group_name(dims) + "s"
     tp = f"{kind} of {t} on one node each" if not warnings else f"{len(warnings)} {kind[:-1]}(s) span nodes"
     out = f"{len(placed)} ranks on {len(nodes)} node(s): {tp if t > 1 else 'tp=1'}"
     if dims.pp > 1:
-        per = dims.dp * dims.tp
-        stages = [sorted(set(placed[s * per:(s + 1) * per]), key=nodes.index) for s in range(dims.pp)]
+        inner = tuple(a for a in dims.axes if a != "pp")
+        stages = [sorted({placed[r] for r in dims.group_ranks(dims.rank({"pp": s}), inner)}, key=nodes.index)
+                  for s in range(dims.pp)]
         out += "; " + ", ".join(f"stage {s} on {v}" for s, v in enumerate(stages))
     return out
 

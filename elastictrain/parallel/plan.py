@@ -6,10 +6,10 @@ validator, the controller's membership policy and the worker's step loop all ask
 
 Rules, checked together:
 
-* the mesh is ``pp x dp_replicate x dp_shard x tp`` (outermost first; ``tp`` innermost, so the ranks of one
-  tensor-parallel group are consecutive). ``W = pp * D * T`` with ``T = tp`` and ``D = dp_replicate *
-  dp_shard`` the data-parallel size of each (pipeline stage, tp coordinate): ``W`` must be a multiple of
-  ``pp * tp``;
+* the mesh is ``pp x dp_replicate x dp_shard x cp x tp`` (:class:`~elastictrain.parallel.dims.MeshDims`,
+  outermost first). ``W = pp * D * cp * tp`` with ``D = dp_replicate * dp_shard`` the data-parallel size of
+  each (pipeline stage, cp, tp coordinate): ``W`` must be a multiple of ``pp * cp * tp`` (a shrink or grow
+  moves whole blocks of them); ``parallel.ep`` must divide ``D`` (:func:`ep_rule` for what it composes with);
 * ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
   ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
   be a positive multiple of ``shard_size``);
@@ -20,10 +20,9 @@ Rules, checked together:
   and ``zero_bubble`` need ``n_microbatches`` to be a multiple of their round count ``max(1, n // pp)``;
   ``gpipe`` and ``zbv`` take any count (:func:`schedule_rule`).
 
-Rank order is row-major over ``(pp, dp_replicate, dp_shard, tp)``: rank ``r`` has tp coordinate ``r % T``
-(:meth:`Layout.tp_coord`), data-parallel rank ``(r // T) % D`` and pipeline coordinate ``r // (D * T)``
-(:meth:`Layout.coords`); stage 0's ranks are ``0..D*T-1``. With ``T = 1`` these are the formulas of every
-layout without tensor parallelism. The model's own divisibility rules under ``tp`` (heads, hidden sizes) are
+Rank order is row-major over the axes (tp innermost); which rank holds what is :class:`MeshDims`'s answer
+(``coord``, ``rank``, ``group_ranks``, the role queries), asked everywhere, never written out. The sequence
+rule of ``cp`` is :func:`cp_rule`; the model's own divisibility rules under ``tp`` (heads, hidden sizes) are
 the model's: :func:`tp_rule` for the built-in GPT.
 """
 
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastictrain.data.cursor import CursorError, check_layout
+from elastictrain.parallel.dims import MeshDims  # (re-exported: plan.MeshDims, used by every caller)
 
 PlanName = Literal["ddp", "fsdp", "hsdp"]
 PLANS: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
@@ -65,42 +65,8 @@ class PlanSpec:
     stages_per_rank: int | None = None  # None: what the schedule needs (default_stages_per_rank)
     tp: int = 1
     sequence_parallel: bool | None = None  # None: on when tp > 1
-
-
-@dataclass(frozen=True)
-class MeshDims:
-    """Sizes of the mesh axes. ``names``/``shape`` give the DeviceMesh to build (axes of a plan only)."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    plan: str = "ddp"
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many ranks see different samples."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Mesh axes, outermost first: ``pp`` only when ``pp > 1``, ``tp`` (innermost) only when ``tp > 1``
-        (ddp/fsdp/hsdp meshes are unchanged)."""
-        dp = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",)}.get(self.plan, ("dp_replicate", "dp_shard"))
-        return ("pp",) * (self.pp > 1) + dp + ("tp",) * (self.tp > 1)
-
-    @property
-    def dp_names(self) -> tuple[str, ...]:
-        """The data-parallel axes of :attr:`names` (what ``parallel.plan`` lays out)."""
-        return tuple(n for n in self.names if n.startswith("dp_"))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, n) for n in self.names)
+    cp: int = 1
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -120,24 +86,14 @@ class Layout:
 
     @property
     def replicated(self) -> bool:
-        """Every rank holds the whole training state (no shard axis, no pipeline stages, no tensor
-        parallelism): any survivor can restore a joiner. False under ``pp > 1`` or ``tp > 1``: such a rank
-        never holds the whole model (recovery loads its parameters by name)."""
-        return self.dims.dp_shard == 1 and self.dims.pp == 1 and self.dims.tp == 1
+        """Every rank holds the whole training state: :attr:`MeshDims.holds_whole_state` (the one
+        predicate; any survivor can restore a joiner)."""
+        return self.dims.holds_whole_state
 
     @property
     def n_stages(self) -> int:
         """Virtual pipeline stages in all: ``pp * stages_per_rank`` (1 without pipelining)."""
         return self.dims.pp * self.stages_per_rank if self.dims.pp > 1 else 1
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """``(pp coordinate, data-parallel rank)`` of ``rank`` (row-major mesh order, see the module doc)."""
-        t = self.dims.tp
-        return rank // (self.dims.dp * t), (rank // t) % self.dims.dp
-
-    def tp_coord(self, rank: int) -> int:
-        """The tensor-parallel coordinate of ``rank`` (0 without tensor parallelism)."""
-        return rank % self.dims.tp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -196,27 +152,33 @@ def effective_shard_size(shard_size: int | None, use_gpu: bool, gpus_per_node: i
 
 def _dims(spec: PlanSpec, world_size: int) -> MeshDims | str:
     """Mesh dims for ``world_size``, or the reason the plan cannot use it."""
-    pp, tp = spec.pp, spec.tp
-    for name, v in (("pp", pp), ("tp", tp)):
+    block = {"pp": spec.pp, "cp": spec.cp, "tp": spec.tp}  # the axes a shrink or grow moves whole
+    for name, v in (*block.items(), ("ep", spec.ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             return f"parallel.{name} must be a positive int, got {v!r}"
-    if world_size % (pp * tp):
-        what = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1)
-        whole = {(True, False): "whole pipelines", (False, True): "whole TP groups"}.get(
-            (pp > 1, tp > 1), "whole pipelines of whole TP groups")
-        return f"{what} needs a multiple of {pp * tp} workers ({whole}), got {world_size}"
-    d = world_size // (pp * tp)
+    n = spec.pp * spec.cp * spec.tp
+    if world_size % n:
+        what = " x ".join(f"{k}={v}" for k, v in block.items() if v > 1)
+        groups = [w for k, w in (("pp", "pipelines"), ("cp", "CP groups"), ("tp", "TP groups")) if block[k] > 1]
+        whole = "whole " + " of whole ".join(groups)
+        return f"{what} needs a multiple of {n} workers ({whole}), got {world_size}"
+    d = world_size // n
+    if d % spec.ep:
+        valid = [e for e in range(1, d + 1) if d % e == 0]
+        return (f"parallel.ep={spec.ep} does not divide the data-parallel size {d} (world {world_size} / "
+                f"{n}); valid parallel.ep values there: {valid}")
+    axes = dict(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep)
     if spec.plan == "ddp":
-        return MeshDims(dp_replicate=d, tp=tp, pp=pp, plan="ddp")
+        return MeshDims(dp_replicate=d, plan="ddp", **axes)
     if spec.plan == "fsdp":
-        return MeshDims(dp_shard=d, tp=tp, pp=pp, plan="fsdp")
+        return MeshDims(dp_shard=d, plan="fsdp", **axes)
     if spec.plan == "hsdp":
         s = spec.shard_size
         if d % s:
-            per = (f" data-parallel ranks (world {world_size} / pp={pp} / tp={tp})" if pp * tp > 1
-                   else " workers")
+            per = (f" data-parallel ranks (world {world_size} / {' / '.join(f'{k}={v}' for k, v in block.items() if v > 1)})"
+                   if n > 1 else " workers")
             return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
-        return MeshDims(dp_replicate=d // s, dp_shard=s, tp=tp, pp=pp, plan="hsdp")
+        return MeshDims(dp_replicate=d // s, dp_shard=s, plan="hsdp", **axes)
     return f"parallel.plan={spec.plan!r} is not one of {list(PLANS)}"
 
 
@@ -270,7 +232,7 @@ def resolve(spec: PlanSpec, world_size: int) -> Layout:
         return got
     usable = valid_world_sizes(spec, _LISTED)
     what = (f"parallel.plan={spec.plan}" + (f", pp={spec.pp} ({spec.pp_schedule})" if spec.pp > 1 else "")
-            + (f", tp={spec.tp}" if spec.tp > 1 else ""))
+            + "".join(f", {k}={getattr(spec, k)}" for k in ("cp", "tp", "ep") if getattr(spec, k) > 1))
     raise PlanError(f"{got}; usable world sizes (1..{_LISTED}) for {what}: "
                     f"{usable or 'none'}; change the worker count, the batch sizes or the plan")
 
@@ -281,7 +243,39 @@ def spec_from_config(config: object, gpus_per_node: int | None = None) -> PlanSp
     return PlanSpec(p.plan, t.global_batch, t.micro_batch,
                     effective_shard_size(p.shard_size, w.use_gpu, gpus_per_node),
                     pp=p.pp, pp_schedule=p.pp_schedule, stages_per_rank=p.stages_per_rank, tp=p.tp,
-                    sequence_parallel=p.sequence_parallel)
+                    sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
+
+
+def cp_rule(cp: int, seq_len: int) -> str | None:
+    """Why ``seq_len`` cannot be split over ``cp`` context-parallel ranks (None when it can): causal load
+    balance cuts each sample into ``2 * cp`` chunks (head-tail), so ``seq_len % (2 * cp)`` must be 0. The
+    message names the valid ``cp`` values."""
+    if cp == 1 or seq_len % (2 * cp) == 0:  # (cp 1 splits nothing: any length)
+        return None
+    from elastictrain.parallel.context import valid_cp  # the one list of valid degrees (the attention's)
+
+    valid = valid_cp(seq_len)
+    return (f"parallel.cp={cp} needs the sequence length to be a multiple of 2 x cp = {2 * cp} (head-tail "
+            f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
+
+
+def ep_rule(cp: int, tp: int, ep: int) -> str | None:
+    """Why ``ep`` cannot compose with ``cp``/``tp`` yet (None when it can): expert parallel factors the
+    data-parallel ranks only for now (torchtitan's ``dp_shard * cp * tp = efsdp * ep`` is the later rule)."""
+    if ep > 1 and (cp > 1 or tp > 1):
+        return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
+                "data-parallel ranks only for now; set parallel.cp=1 and parallel.tp=1, or parallel.ep=1")
+    return None
+
+
+def unwired_axes(cp: int, ep: int) -> str | None:
+    """The ONE refusal of axes that plan resolution knows but the step loop does not run yet (delete this
+    function, and its one call in config.py, when cp/ep are wired into the step loop)."""
+    for name, v in (("cp", cp), ("ep", ep)):
+        if v > 1:
+            return (f"parallel.{name} > 1 is not wired into the step loop yet (got parallel.{name}={v}); "
+                    f"set parallel.{name}=1")
+    return None
 
 
 def tp_rule(tp: int, sizes: dict[str, int]) -> str | None:

@@ -45,11 +45,6 @@ def p2p_s(nbytes: float, bw: float, latency_s: float = 0.0) -> float:
 
 
 def group_links(cluster: Cluster, c: Candidate) -> dict[str, float]:
-    """The bandwidth of each axis's group: ``tp`` (stride 1), ``dp_shard`` (stride tp), ``dp_replicate``
-    (stride dp_shard x tp), ``pp`` (stride dp x tp)."""
-    return {
-        "tp": link_bw(cluster, 1, c.tp),
-        "dp_shard": link_bw(cluster, c.tp, c.dp_shard),
-        "dp_replicate": link_bw(cluster, c.tp * c.dp_shard, c.dp_replicate),
-        "pp": link_bw(cluster, c.tp * c.dp, c.pp),
-    }
+    """The bandwidth of each axis's group: its ranks are ``MeshDims.stride(axis)`` apart (``tp`` 1,
+    ``cp`` tp, ``dp_shard`` cp x tp, ``dp_replicate`` dp_shard x cp x tp, ``pp`` dp x cp x tp)."""
+    return {n: link_bw(cluster, c.dims.stride(n), c.dims.size(n)) for n in c.dims.axes}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastictrain.parallel.dims import MeshDims
+
 GB = 1e9
 GIB = 1 << 30
 
@@ -236,34 +238,76 @@ class Cluster:
         return max(1.0, min(world, self.devices_per_node) / self.cores_per_node)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Candidate:
-    """One layout: the mesh ``pp x dp_replicate x dp_shard x tp`` (tp innermost: a TP group is consecutive
-    ranks), the pipeline schedule and its virtual stages per rank, the micro-batch size and activation
-    checkpointing. ``sequence_parallel`` applies when ``tp > 1``."""
+    """One layout: its mesh (:class:`~elastictrain.parallel.dims.MeshDims`, ``pp x dp_replicate x dp_shard x
+    cp x tp``, tp innermost: a TP group is consecutive ranks), the pipeline schedule and its virtual stages
+    per rank, the micro-batch size and activation checkpointing. ``sequence_parallel`` applies when
+    ``tp > 1``. Built from ``dims`` or from the axis sizes (``Candidate(dp_replicate=2, tp=2)``); the axis
+    sizes read through to ``dims``."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    micro_batch: int = 1
-    activation_checkpointing: bool | str = False  # False / True (= "full") / "full" / "selective"
-    sequence_parallel: bool = True
-    reshard_after_forward: bool = True
+    dims: MeshDims
+    schedule: str
+    stages_per_rank: int
+    micro_batch: int
+    activation_checkpointing: bool | str  # False / True (= "full") / "full" / "selective"
+    sequence_parallel: bool
+    reshard_after_forward: bool
 
-    def __post_init__(self) -> None:
-        _positive("candidate", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
-                  stages_per_rank=self.stages_per_rank, micro_batch=self.micro_batch)
+    def __init__(self, dims: MeshDims | None = None, *, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
+                 pp: int = 1, cp: int = 1, ep: int = 1, schedule: str = "1f1b", stages_per_rank: int = 1,
+                 micro_batch: int = 1, activation_checkpointing: bool | str = False,
+                 sequence_parallel: bool = True, reshard_after_forward: bool = True) -> None:
+        if dims is not None:  # the planner names a layout by its sizes: the plan follows dp_shard (equality)
+            dp_replicate, dp_shard, tp, pp, cp, ep = (dims.size(n) for n in ("dp_replicate", "dp_shard", "tp", "pp",
+                                                                             "cp", "ep"))
+        _positive("candidate", dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                  stages_per_rank=stages_per_rank, micro_batch=micro_batch)
+        plan = "ddp" if dp_shard == 1 else "fsdp" if dp_replicate == 1 else "hsdp"
+        try:
+            dims = MeshDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep, plan=plan)
+        except ValueError as e:
+            raise PlannerInputError(f"candidate: {e}") from None
+        for name, value in (("dims", dims), ("schedule", schedule), ("stages_per_rank", stages_per_rank),
+                            ("micro_batch", micro_batch), ("activation_checkpointing", activation_checkpointing),
+                            ("sequence_parallel", sequence_parallel),
+                            ("reshard_after_forward", reshard_after_forward)):
+            object.__setattr__(self, name, value)
+
+    def with_dims(self, **sizes: int) -> Candidate:
+        """This candidate with some axis sizes changed (the plan name follows ``dp_shard``)."""
+        now = {n: self.dims.size(n) for n in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")}
+        return Candidate(**{**now, **sizes}, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+                         micro_batch=self.micro_batch, activation_checkpointing=self.activation_checkpointing,
+                         sequence_parallel=self.sequence_parallel, reshard_after_forward=self.reshard_after_forward)
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.dims.world_size
 
     @property
     def recompute(self) -> str:

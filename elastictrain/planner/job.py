@@ -94,6 +94,17 @@ def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None
     return ranked
 
 
+def candidate_of(layout: Any, config: Any) -> Candidate:
+    """The planner's view of a resolved :class:`~elastictrain.parallel.plan.Layout` (its ``MeshDims`` as
+    they are), with the job's settings a layout does not carry (the one Layout -> Candidate converter)."""
+    d, p = layout.dims, config.parallel
+    return Candidate(d, schedule=layout.pp_schedule if d.pp > 1 else "1f1b",
+                     stages_per_rank=layout.stages_per_rank if d.pp > 1 else 1,
+                     micro_batch=config.train.micro_batch, activation_checkpointing=p.activation_checkpointing,
+                     sequence_parallel=p.sequence_parallel is not False,
+                     reshard_after_forward=p.reshard_after_forward)
+
+
 def configured(config: Any, cluster: Cluster, world: int, shape: str | None = None) -> Estimate | None:
     """The job's own layout at ``world`` priced, or None when it cannot run there (or ``plan: auto``)."""
     from elastictrain.parallel.plan import PlanError, resolve, spec_from_config
@@ -106,11 +117,7 @@ def configured(config: Any, cluster: Cluster, world: int, shape: str | None = No
         layout = resolve(spec_from_config(config, gpus), world)
     except PlanError:
         return None
-    d = layout.dims
-    c = Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp, schedule=layout.pp_schedule,
-                  stages_per_rank=layout.stages_per_rank, micro_batch=config.train.micro_batch,
-                  activation_checkpointing=p.activation_checkpointing,
-                  reshard_after_forward=p.reshard_after_forward)
+    c = candidate_of(layout, config)
     return evaluate(model_shape(config, shape), training(config), cluster, c)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from elastictrain.parallel.plan import Layout, PlanError, PlanSpec, resolve
 from elastictrain.planner import job as planner_job
+from elastictrain.planner.job import candidate_of
 from elastictrain.planner.inputs import Candidate, Cluster
 from elastictrain.planner.replan import Replan, decide
 from elastictrain.planner.search import Estimate, evaluate, plan
@@ -38,24 +39,13 @@ class Replanned:
                                                                                   self.layout.dims.shape))}
 
 
-def candidate_of(layout: Layout, config: Any) -> Candidate:
-    """The planner's view of a running layout, with the job's settings a ``Layout`` does not carry."""
-    d, p = layout.dims, config.parallel
-    return Candidate(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, pp=d.pp,
-                     schedule=layout.pp_schedule if d.pp > 1 else "1f1b",
-                     stages_per_rank=layout.stages_per_rank if d.pp > 1 else 1,
-                     micro_batch=config.train.micro_batch, activation_checkpointing=p.activation_checkpointing,
-                     sequence_parallel=p.sequence_parallel is not False,
-                     reshard_after_forward=p.reshard_after_forward)
-
-
 def spec_of(c: Candidate, base: PlanSpec, sharded_only: bool = False) -> PlanSpec:
     """The :class:`PlanSpec` whose layout at ``c.world_size`` is ``c`` (batch sizes kept from ``base``)."""
     name = c.layout_name if c.dp > 1 else ("fsdp" if sharded_only else "ddp")
     return replace(base, plan=name, shard_size=c.dp_shard if name == "hsdp" else base.shard_size, pp=c.pp,
                    pp_schedule=c.schedule if c.pp > 1 else base.pp_schedule,
                    stages_per_rank=c.stages_per_rank if c.pp > 1 else None, tp=c.tp,
-                   sequence_parallel=base.sequence_parallel if c.tp > 1 else None)
+                   sequence_parallel=base.sequence_parallel if c.tp > 1 else None, cp=c.cp, ep=c.dims.ep)
 
 
 class Replanner:

@@ -16,7 +16,7 @@ formed at another world size) and emits ``replanned`` with :meth:`Replan.as_even
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +66,7 @@ def same_family(old: Candidate, world: int, train: Training) -> Candidate | None
         shard = 1 if old.dp_shard == 1 else d
     if d % shard:
         return None
-    return replace(old, dp_replicate=d // shard, dp_shard=shard)
+    return old.with_dims(dp_replicate=d // shard, dp_shard=shard)
 
 
 def move_seconds(model: ModelShape, train: Training, cluster: Cluster, new: Candidate, rebuild_s: float) -> float:

@@ -17,7 +17,7 @@ are priced where their closed form holds or the timeline is small (:mod:`.pipeli
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from elastictrain.planner.inputs import Candidate, Cluster, ModelShape, Training
 from elastictrain.planner.memory import Memory, memory
@@ -121,7 +121,7 @@ def _shard_choices(model: ModelShape, train: Training, cluster: Cluster, base: C
 
 def _with(c: Candidate, shard: int) -> Candidate:
     """``c`` with its data-parallel ranks laid out as ``dp / shard`` replicas of ``shard``-rank shards."""
-    return replace(c, dp_replicate=c.dp // shard, dp_shard=shard)
+    return c.with_dims(dp_replicate=c.dp // shard, dp_shard=shard)
 
 
 def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int, *,

@@ -481,15 +481,14 @@ class Worker:
         optimizer shards, step and data cursor)."""
         return self.runner.state.state_dict()
 
-    def _stage(self) -> dict[str, int]:
-        """This rank's pipeline and tensor-parallel coordinates in its generation's mesh (``Layout.coords``
-        and ``Layout.tp_coord``; 0 of 1 without them), recorded in its snapshots for
-        :func:`~elastictrain.checkpoint.memory_dcp.coverage`."""
+    def _stage(self) -> dict[str, dict[str, int]]:
+        """This rank's coordinate on its generation's snapshot axes and their sizes
+        (:meth:`MeshDims.snapshot_coord`; none: never joined, the whole model), recorded in its snapshots
+        for :func:`~elastictrain.checkpoint.memory_dcp.coverage`."""
         r = self.runner
-        if r.layout is None:  # never joined a group: the whole model, one stage
-            return {"pp_rank": 0, "pp_size": 1, "tp_rank": 0, "tp_size": 1}
-        return {"pp_rank": r.layout.coords(r.rank)[0], "pp_size": r.layout.dims.pp,
-                "tp_rank": r.layout.tp_coord(r.rank), "tp_size": r.layout.dims.tp}
+        if r.layout is None:
+            return {"coord": {}, "sizes": {}}
+        return {"coord": r.layout.dims.snapshot_coord(r.rank), "sizes": r.layout.dims.snapshot_sizes()}
 
     def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
         """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;

@@ -35,7 +35,7 @@ from elastictrain.parallel.materialize import has_meta_params, load_seeded_init,
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.parallel.mesh import build_mesh
-from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, wrap
+from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
@@ -211,8 +211,9 @@ class StepRunner:
 
     @property
     def replicated(self) -> bool:
-        """Every rank holds the whole state (DDP, or not attached): a peer's broadcast can restore it."""
-        return self.pm is None or self.pm.replicated
+        """Every rank holds the whole state (:attr:`MeshDims.holds_whole_state`, or not attached): a peer's
+        broadcast can restore it."""
+        return self.layout is None or self.layout.dims.holds_whole_state
 
     # ------------------------------------------------------------------ membership
     def attach(self, rank: int, world_size: int, generation: int, layout: Layout) -> bool:
@@ -231,7 +232,7 @@ class StepRunner:
         self._compile_pending = plan.compile  # compiled lazily: in this generation's first step
         if layout.dims.pp > 1:
             return self._attach_pipeline(mesh, layout, plan)
-        whole = layout.plan == "ddp" and layout.dims.tp == 1  # each rank holds the whole model
+        whole = layout.dims.holds_whole_state  # each rank holds the whole model (no tp, no FSDP)
         kept = self.model is not None and self.replicated and whole
         pristine = (self.model is not None and self.pm is None and self.step == 0
                     and not isinstance(self.model, FSDPModule))
@@ -244,6 +245,10 @@ class StepRunner:
             materialize(module, self.device)
             self.uninitialized = True
         self.pm = wrap(module, mesh)
+        if whole and (isinstance(module, FSDPModule) or _has_dtensor(module)):
+            raise RuntimeError(f"layout {layout.reason!r} holds the whole state on every rank, but the "
+                               "parallelize_fn returned sharded parameters (DTensors): under parallel.plan=ddp "
+                               "it must keep plain parameters; use parallel.plan=fsdp or hsdp to shard")
         # (loss, stop) rides in DDP's last gradient bucket; other layouts keep a separate all-reduce
         self.step_stats = StepStats(self.pm.module if isinstance(self.pm.module, DistributedDataParallel) else None)
         if not kept:  # parameters may now be DTensors: the optimizer is built after parallelizing
@@ -268,7 +273,7 @@ class StepRunner:
 
     def detach(self) -> None:
         """Forget the group's wrapper (the model and its state stay)."""
-        if self.pm is not None and self.pm.replicated:
+        if self.replicated:
             self.pm = None
 
     def release_wrappers(self) -> None:
@@ -305,7 +310,7 @@ class StepRunner:
         g, m = self.train.global_batch, self.train.micro_batch
         # the data-parallel ranks: every stage of one pipeline and every tp rank of one group see the same samples
         d = self.layout.dims.dp
-        dp_rank = self.layout.coords(self.rank)[1]
+        dp_rank = self.layout.dims.dp_rank(self.rank)
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self._read_ahead(s, micro, dp_rank, d)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
@@ -488,8 +493,9 @@ class StepRunner:
 
         from elastictrain.parallel.digest import local_part
 
-        along = {"dp": True, "tp": True} if self.layout is None else {
-            "dp": self.layout.coords(self.rank)[1] == 0, "tp": self.layout.tp_coord(self.rank) == 0}
+        coord = {} if self.layout is None else self.layout.dims.coord(self.rank)
+        along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
+                 "tp": coord.get("tp", 0) == 0}
         return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
                           primary_along=along)
 
@@ -571,6 +577,7 @@ def parallel_of(layout: Layout, base: ParallelConfig) -> ParallelConfig:
     d = layout.dims
     return base.model_copy(update={
         "plan": d.plan, "shard_size": d.dp_shard if d.plan == "hsdp" else base.shard_size, "pp": d.pp, "tp": d.tp,
+        "cp": d.cp, "ep": d.ep,
         "pp_schedule": layout.pp_schedule if d.pp > 1 else base.pp_schedule,
         "stages_per_rank": layout.stages_per_rank if d.pp > 1 else base.stages_per_rank,
         "sequence_parallel": layout.sp if d.tp > 1 else None})
