@@ -306,7 +306,7 @@ class ParallelConfig(_Section):
             return self
         from elastictrain.parallel.plan import ep_rule  # imports torch: not on the --help path
 
-        why = ep_rule(self.cp, self.tp, self.ep)
+        why = ep_rule(self.cp, self.tp, self.ep, self.plan, self.pp)
         if why:
             raise ValueError(why)
         return self
@@ -518,6 +518,16 @@ class JobConfig(_Section):
             why = cp_rule(p.cp, self.task.model.seq_len)
             if why:
                 raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
+        if p.ep > 1 and self.task.kind != "python":  # a python task's model is checked at attach
+            moe = self.task.model.moe
+            if moe is None:
+                raise ValueError(f"parallel.ep={p.ep} shards the experts of a mixture-of-experts model, and "
+                                 "task.model.moe is unset; set task.model.moe (e.g. {experts: 8, top_k: 2}) or "
+                                 "parallel.ep=1")
+            if moe.experts % p.ep:
+                valid = [d for d in range(1, moe.experts + 1) if moe.experts % d == 0]
+                raise ValueError(f"parallel.ep={p.ep} does not divide task.model.moe.experts={moe.experts}; "
+                                 f"valid parallel.ep values for it: {valid}")
         why = unwired_axes(p.cp, p.ep)
         if why:
             raise ValueError(why)

@@ -189,6 +189,8 @@ class Ledger:
             fields.update({k: v for k, v in first.pipeline.items() if k != "bubble_measured"})
             fields["bubble_measured"] = round(sum(by_rank.values()) / len(by_rank), 4)
             fields["bubble_by_rank"] = {str(r): v for r, v in by_rank.items()}
+        if first.tokens_per_expert:  # MoE: the router's slots per expert of each layer, over all data ranks
+            fields["tokens_per_expert"] = first.tokens_per_expert
         ids = first.sample_ids  # gathered from every rank of the step (audit mode)
         if ids:
             fields["sample_ids"] = ids

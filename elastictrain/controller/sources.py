@@ -8,7 +8,8 @@ Three kinds of source, in this order of preference at equal step:
   key hold everything (DDP: any survivor; HSDP: one survivor per shard coordinate; pure FSDP: all; a
   pipeline: that for each of its stages, so pp alone with one data rank needs every rank; tensor parallel:
   for each tp coordinate, so a lost rank of tp2 x dp2 is covered by the data-parallel replica of its
-  coordinate).
+  coordinate; expert parallel: for each ep coordinate, so a lost rank of ep2 x dp2 is covered by its expert
+  replica).
   Lost work: the step in flight only.
 * ``memory`` -- the peer memory tier: the newest step whose per-rank snapshots, kept on other nodes,
   cover every element (see :func:`elastictrain.checkpoint.memory_dcp.coverage`). Lost work <= the
@@ -49,8 +50,10 @@ class SourceDecision:
     reason: str
 
 
-_NAMED = {"pp": "pipeline stage", "tp": "tp coordinate", "dp_shard": "shard coordinate", "cp": "cp coordinate"}
-_EVERY = {"pp": "every stage's", "tp": "every tp coordinate's", "cp": "every cp coordinate's"}
+_NAMED = {"pp": "pipeline stage", "tp": "tp coordinate", "dp_shard": "shard coordinate", "cp": "cp coordinate",
+          "ep": "ep coordinate"}
+_EVERY = {"pp": "every stage's", "tp": "every tp coordinate's", "cp": "every cp coordinate's",
+          "ep": "every ep coordinate's"}
 
 
 def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
@@ -73,7 +76,7 @@ def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | Non
             break
     missing = [k for k in need if k not in holders]
     mesh = " x ".join(f"{n}={dims.size(n)}" for n in dims.axes
-                      if n in ("dp_replicate", "dp_shard") or dims.size(n) > 1)
+                      if n in ("dp_replicate", "dp_shard") or dims.size(n) > 1) + (f" (ep={dims.ep})" if dims.ep > 1 else "")
     if missing:  # named by the axes the layout has (the shard coordinate always)
         axes = [(i, n) for i, n in enumerate(dims.holder_axes()) if dims.size(n) > 1 or n == "dp_shard"]
         if len(axes) == 1:

@@ -53,14 +53,18 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
     """Whether this rank's copy of ``t`` is the one counted: a DTensor's at coordinate 0 of every
     replicated axis of its own mesh and, for the layout's axes its mesh does not span
     (``primary_along``: ``{"dp": ..., "tp": ...}``, whether this rank is at coordinate 0 along them; a
-    tensor-parallel DTensor under ddp lives on the tp axis alone and is replicated over dp), at
+    tensor-parallel DTensor under ddp lives on the tp axis alone and is replicated over dp; under expert
+    parallel ``"edp"``: whether this rank is in the first ep group, where an expert DTensor on the ``ep``
+    axis is counted), at
     coordinate 0 there too; a plain tensor's where ``plain_primary`` (the caller's replica 0)."""
     if isinstance(t, DTensor):
         coord = t.device_mesh.get_coordinate()
         if coord is None or any(c != 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate)):
             return False
         names = t.device_mesh.mesh_dim_names or ()
-        spans = {"dp": any(n.startswith("dp") for n in names), "tp": "tp" in names}
+        dp = any(n.startswith("dp") for n in names)
+        # an expert DTensor lives on the ep axis, a factor of the data ranks: replicated over "edp" only
+        spans = {"dp": dp or "ep" in names, "tp": "tp" in names, "edp": dp}
         return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary
 

@@ -187,25 +187,28 @@ class MeshDims:
         """THE predicate: every rank of this layout holds the whole training state as plain tensors (no
         pipeline stages, no tp shards, no FSDP sharding -- FSDP's DTensors count as sharded even on a
         shard axis of size 1, since only plain replicas can be broadcast and kept across a re-mesh). Then
-        any survivor can restore a joiner."""
-        return not self.state_shard_axes and all(getattr(self, n) == 1 for n in self.model_axes)
+        any survivor can restore a joiner. Expert parallel (``ep > 1``) shards the experts: not whole."""
+        return not self.state_shard_axes and self.ep == 1 and all(getattr(self, n) == 1 for n in self.model_axes)
 
     def holder_axes(self) -> tuple[str, ...]:
         """The axes on which a different coordinate means a different part of the state: the model axes,
-        then the shard axes (``dp_shard`` always: at size 1 it tells no rank apart), in that order."""
+        then the shard axes (``dp_shard`` always: at size 1 it tells no rank apart), in that order, then
+        ``ep`` when > 1 (a state-sharding factor of the data ranks: each ep coordinate holds other experts)."""
         shard = ("dp_shard",) + tuple(a for a in self.state_shard_axes if a != "dp_shard")
-        return self.model_axes + shard
+        return self.model_axes + shard + (("ep",) if self.ep > 1 else ())
 
     def holder_key(self, rank: int) -> tuple[int, ...]:
-        """What part of the state ``rank`` holds, as its coordinate on :meth:`holder_axes`: two ranks with
-        the same key are replicas of each other (either can restore the other)."""
+        """What part of the state ``rank`` holds, as its coordinate on :meth:`holder_axes` (``ep``: its
+        :meth:`ep_coord`): two ranks with the same key are replicas of each other (either can restore the
+        other)."""
         if not 0 <= rank < self.world_size:
             self._check_rank(rank)  # raises, naming the mesh
-        return tuple((rank // st) % sz for st, sz in self._holder)
+        key = tuple((rank // st) % sz for st, sz in self._holder)
+        return key + (self.ep_coord(rank),) if self.ep > 1 else key
 
     @cached_property
     def _holder(self) -> tuple[tuple[int, int], ...]:
-        return tuple((self.stride(n), getattr(self, n)) for n in self.holder_axes())
+        return tuple((self.stride(n), getattr(self, n)) for n in self.holder_axes() if n != "ep")
 
     def holder_keys(self) -> list[tuple[int, ...]]:
         """Every :meth:`holder_key` of the layout, in lexicographic order."""

@@ -259,19 +259,28 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
-def ep_rule(cp: int, tp: int, ep: int) -> str | None:
-    """Why ``ep`` cannot compose with ``cp``/``tp`` yet (None when it can): expert parallel factors the
-    data-parallel ranks only for now (torchtitan's ``dp_shard * cp * tp = efsdp * ep`` is the later rule)."""
-    if ep > 1 and (cp > 1 or tp > 1):
+def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
+    """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
+    data-parallel ranks of a ``ddp`` plan only for now (torchtitan's ``dp_shard * cp * tp = efsdp * ep``,
+    FSDP of the dense part over the data ranks and of the experts over the edp ranks, is the later rule)."""
+    if ep == 1:
+        return None
+    if cp > 1 or tp > 1:
         return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
                 "data-parallel ranks only for now; set parallel.cp=1 and parallel.tp=1, or parallel.ep=1")
+    if plan != "ddp":
+        return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp only for now "
+                "(valid with ep > 1: plan ddp); set parallel.plan=ddp, or parallel.ep=1")
+    if pp > 1:
+        return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
+                "now; set parallel.pp=1, or parallel.ep=1")
     return None
 
 
 def unwired_axes(cp: int, ep: int) -> str | None:
     """The ONE refusal of axes that plan resolution knows but the step loop does not run yet (delete this
     function, and its one call in config.py, when cp/ep are wired into the step loop)."""
-    for name, v in (("cp", cp), ("ep", ep)):
+    for name, v in (("cp", cp),):  # (ep is wired: parallel/expert_wiring.py)
         if v > 1:
             return (f"parallel.{name} > 1 is not wired into the step loop yet (got parallel.{name}={v}); "
                     f"set parallel.{name}=1")

@@ -34,6 +34,7 @@ from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
+from elastictrain.parallel.expert_wiring import ExpertParallel, TokenTally, attach_expert_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
 from elastictrain.parallel.plan import Layout
@@ -68,6 +69,7 @@ class StepRecord:
     eval_loss: float | None = None  # mean validation loss after this step (train.eval_every)
     memory: dict[str, float] | None = None  # this rank's peak memory over the step, MiB (worker/memory_peak.py)
     skipped: str | None = None  # the step's update was skipped: why (non-finite loss or gradient norm)
+    tokens_per_expert: dict[str, list[int]] | None = None  # MoE: token slots per expert per layer, all data ranks
 
 
 class StepAborted(dist.DistError):
@@ -110,6 +112,7 @@ class StepRunner:
         # build when the step-0 values come from the task's init_weights (the sync loads them)
         self.uninitialized = task.init_weights is not None
         self.pm: ParallelModel | None = None
+        self.ep: ExpertParallel | None = None  # parallel.ep > 1: this generation's expert-parallel wiring
         self.layout: Layout | None = None
         self.mesh: str | None = None  # what attach built: the plan applied and the mesh's axes
         self.state = TrainingState(self.model, self._optimizer(), self.cursor)
@@ -237,9 +240,12 @@ class StepRunner:
         pristine = (self.model is not None and self.pm is None and self.step == 0
                     and not isinstance(self.model, FSDPModule))
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
-            # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here
-            self.model = self._fresh_model() if whole else self._meta_model()
+            # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here; an
+            # expert-parallel one is built whole (its dense part goes into DDP, which takes no meta tensors)
+            self.model = self._fresh_model() if whole or layout.dims.ep > 1 else self._meta_model()
             self.uninitialized = whole and self.task.init_weights is not None
+        # experts sharded over the ep mesh and hidden from DDP, before parallelize_fn wraps the model
+        self.ep = attach_expert_parallel(self.model, layout.dims, self.device)
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, plan)
         if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
             materialize(module, self.device)
@@ -281,6 +287,7 @@ class StepRunner:
         optimizer: the DDP wrapper and the step-stats handle (see ``Worker._release_groups``)."""
         if self.replicated:
             self.pm = None
+        self.ep = None  # (holds the generation's ep mesh; a sharded model is rebuilt at the next attach)
         self.step_stats = StepStats(None)
 
     def release(self) -> None:
@@ -289,6 +296,7 @@ class StepRunner:
         :meth:`attach` builds a fresh model, which a restore step fills. For a survivor whose step a peer broke under
         a sharded layout, after its state was snapshotted (see ``Worker._release_groups``)."""
         self.pm = None
+        self.ep = None
         self.model = None
         self.state.model = None
         self.state.optimizer = None
@@ -329,6 +337,7 @@ class StepRunner:
             step_s=step_s, compute_s=done.compute_s, finished_at=time.time(),
             sample_ids=self._seen, pipeline=_pipeline_fields(self.layout, done), mesh=self.mesh,
             memory=memory_peak.read_and_reset(self.device), skipped=skipped,
+            tokens_per_expert=hooks.tokens_per_expert,
             tokens=self.tokens_per_step, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
             devices=self.layout.dims.world_size, compile_s=compile_s, eval_loss=eval_loss,
         )
@@ -339,7 +348,12 @@ class StepRunner:
         # Waited for BEFORE the optimizer step: a rank that applies step s knows every rank finished its
         # backward, so "completed steps" always matches the parameters.
         with framework_collective():
-            return done, done.word.wait()
+            word = done.word.wait()
+            if self.ep is not None:  # experts: summed over their replicas and scaled, before the clip
+                self.ep.reduce_grads(self.pm.model)
+            if self.layout.dims.tp == 1:  # (tp ranks route the same tokens: their counts are not summed)
+                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
+        return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
                      local_loss: torch.Tensor | None) -> str | None:
@@ -496,6 +510,8 @@ class StepRunner:
         coord = {} if self.layout is None else self.layout.dims.coord(self.rank)
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0}
+        if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
+            along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
         return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
                           primary_along=along)
 
@@ -509,6 +525,8 @@ class _LoopHooks:
         self.r, self.s, self.number, self.micro = runner, s, number, micro
         self.dp_rank, self.d, self.stop_requested = dp_rank, d, stop_requested
         self.loss_sum: torch.Tensor | None = None
+        self.tally = TokenTally()  # MoE token counts of each micro-batch's forward
+        self.tokens_per_expert: dict[str, list[int]] | None = None
 
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
@@ -524,6 +542,7 @@ class _LoopHooks:
 
     def forwarded(self, k: int) -> None:
         r = self.r
+        self.tally.add(r.pm.model)
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
             time.sleep(delay)

@@ -1,0 +1,103 @@
+"""Expert parallelism in the step loop: the ep mesh of a generation, the model made expert-parallel before
+its data-parallel wrapper, the expert gradients reduced after the backward, and the router's token counts.
+
+The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, one function per concern:
+
+* :func:`attach_expert_parallel` (in ``StepRunner.attach``, before ``parallelize_fn``): the data ranks
+  factored as ``(edp, ep)``, ep innermost (:meth:`MeshDims.ep_group_ranks` gives the rows), built per
+  generation over the current default group like the other axes (parallel/mesh.py); the model's experts
+  sharded over ``mesh["ep"]``; DDP told to ignore them (they are not replicated: their gradients are
+  reduced by :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
+* :meth:`ExpertParallel.reduce_grads` (after the last backward, before the clip, inside the framework's
+  collective phase).
+* :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
+  per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
+
+Supported: ``parallel.plan=ddp`` with ``pp = cp = tp = 1`` (:func:`elastictrain.parallel.plan.ep_rule`
+refuses the rest at config time), so the data ranks are the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from elastictrain.models.moe import moe_layers, moe_token_counts
+from elastictrain.parallel.dims import MeshDims
+from elastictrain.parallel.expert import (
+    enable_expert_parallel,
+    expert_parameter_names,
+    reduce_expert_grads,
+    step_token_counts,
+)
+
+__all__ = ["ExpertParallel", "TokenTally", "attach_expert_parallel", "ep_mesh_rows"]
+
+
+def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
+    """The ``(edp, ep)`` mesh as rows of ranks: one row per ep group (the ranks that exchange tokens),
+    ordered by their first rank; column ``j`` holds the ranks of ep coordinate ``j`` (expert replicas)."""
+    firsts = sorted({dims.ep_group_ranks(r)[0] for r in range(dims.world_size)})
+    return [dims.ep_group_ranks(r) for r in firsts]
+
+
+@dataclass
+class ExpertParallel:
+    """A generation's expert-parallel wiring: its ``(edp, ep)`` mesh and the gradient scale ``1 / D``."""
+
+    mesh: DeviceMesh
+    scale: float
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.mesh["ep"]
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts (None with one ep group: nothing to reduce over)."""
+        return self.mesh["edp"].get_group() if self.mesh.size(0) > 1 else None
+
+    def reduce_grads(self, model: nn.Module) -> None:
+        """Expert gradients -> those of the mean loss over the data ranks (collective over the replicas):
+        :func:`elastictrain.parallel.expert.reduce_expert_grads`. Call after the last backward."""
+        reduce_expert_grads(model, self.replica_group, self.scale)
+
+
+def attach_expert_parallel(model: nn.Module, dims: MeshDims, device: torch.device) -> ExpertParallel | None:
+    """Make ``model`` (plain, not yet wrapped) expert-parallel for ``dims``; None when ``dims.ep == 1``.
+
+    Collective over the default group (builds the ``(edp, ep)`` mesh: every rank calls it, in the same order
+    relative to other group creations). Shards every MoE layer's experts over ``mesh["ep"]`` (the slice of
+    the values the model holds now) and marks them for a DistributedDataParallel to ignore. Raises
+    ValueError when the model has no MoE layer or its expert count does not divide by ``ep``."""
+    if dims.ep == 1:
+        return None
+    if not moe_layers(model):
+        raise ValueError(f"parallel.ep={dims.ep} needs a mixture-of-experts model (no MoEFeedForward layer "
+                         "found); set task.model.moe or parallel.ep=1")
+    mesh = DeviceMesh(device.type, torch.tensor(ep_mesh_rows(dims), dtype=torch.int), mesh_dim_names=("edp", "ep"))
+    enable_expert_parallel(model, mesh["ep"])
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
+    return ExpertParallel(mesh, 1.0 / dims.dp)
+
+
+@dataclass
+class TokenTally:
+    """One step's per-expert token counts of this rank, taken after each micro-batch's forward."""
+
+    parts: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, model: nn.Module) -> None:
+        counts = moe_token_counts(model)
+        if counts:
+            self.parts.append(dict(counts))
+
+    def total(self, group: dist.ProcessGroup | None) -> dict[str, list[int]] | None:
+        """``{layer: [slots per expert]}`` summed over ``group`` (the data ranks; one all-reduce, every
+        rank of it calls this), None without MoE layers."""
+        return step_token_counts(self.parts, group) or None
