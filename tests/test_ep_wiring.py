@@ -68,3 +68,54 @@ def test_ep_matches_one_process(tmp_path, ray_local, one_process, world) -> None
     assert run.of("step")[0]["mesh"].startswith("ddp"), run.of("step")[0]
     _token_counts(run)
     assert_same_numbers(run, one_process)
+
+
+# ------------------------------------------------------------------------------------------ gloo ranks
+
+def _ep2_dp2_clip(rank: int, port: int) -> None:
+    """The framework's wiring on 4 gloo ranks (ep2 x dp2): experts sharded and hidden from DDP, the backward
+    through DDP, the expert gradients reduced, then the framework's clip (parallel/optim.py) at a max norm
+    that clips: the norm and every clipped gradient equal one process's ``clip_grad_norm_``."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.parallel import optim
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.expert_wiring import attach_expert_parallel
+    from elastictrain.parallel.parallelize import parallelize_ddp
+    from tests.test_expert_parallel import _build, _compare_params, _data, _losses
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_replicate",))
+        ref, model = _build("gpt"), _build("gpt")
+        ep = attach_expert_parallel(model, MeshDims(dp_replicate=4, ep=2), torch.device("cpu"))
+        assert ep is not None and ep.replica_group is not None
+        ddp = parallelize_ddp(model, mesh, ParallelConfig())
+        inputs, targets = _data(8)
+        _losses(ref, inputs, targets).mean().backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=False)
+        mine = slice(2 * rank, 2 * rank + 2)
+        # the step loop's scale: sum of this rank's per-sample losses x D / G (DDP then averages over D)
+        (_losses(ddp, inputs[mine], targets[mine]).sum() * 4 / 8).backward()
+        ep.reduce_grads(model)
+        got = optim.clip_grad_norm(model.parameters(), 0.05, foreach=False)
+        assert float(want) > 0.05, float(want)  # it clipped
+        torch.testing.assert_close(got, want, atol=0, rtol=1e-5)
+        _compare_params(model, ref, "grad")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_dp2_clip_norm_over_dense_and_sharded_expert_grads() -> None:
+    from tests.checkpoint_fixtures import free_port
+    from tests.ranks import run_ranks
+
+    run_ranks(_ep2_dp2_clip, (free_port(),), nprocs=4)
