@@ -4,7 +4,8 @@ network, no external file) and a PNG of it, from ``events.jsonl`` and ``summary.
 The page shows, on one shared time axis: loss, throughput, the world size, a lane per worker slot (running,
 starting, failures with their kind, replacements), checkpoints (staged when their step completed, committed
 when the manifest was written), failure/resize/preemption markers; above it the figures of ``summary.json``
-and the goodput breakdown as one bar. The page's data (what it drew, and the summary it read) is embedded as
+and the goodput breakdown as one bar; for a mixture-of-experts model, a table of the router's load per
+expert of each MoE layer (:func:`expert_load`, from the step events' ``tokens_per_expert``). The page's data (what it drew, and the summary it read) is embedded as
 JSON in ``<script id="report-data" type="application/json">`` so tools and tests can check it.
 
 The PNG is a screenshot of the page by a headless Chromium when one is installed (``chromium``,
@@ -92,7 +93,27 @@ def build_view(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[st
         "goodput": {k: float(goodput.get(k) or 0.0) for k in BUCKETS},
         "notable": [{"t": t(e), "event": e["event"], "text": _notable_text(e)} for e in events
                     if e["event"] not in ("step", "run_started", "worker_started")][:60],
+        "experts": expert_load(steps),
     }
+
+
+def expert_load(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per MoE layer, from the step events' ``tokens_per_expert``: ``total`` (token slots per expert over the
+    run), ``share`` (each expert's fraction of them) and ``worst`` (the highest max/mean ratio of one step:
+    1.0 is a perfect balance, E means one expert took every slot), with ``worst_step``. Empty without MoE."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in steps:
+        for layer, counts in (e.get("tokens_per_expert") or {}).items():
+            acc = out.setdefault(layer, {"total": [0] * len(counts), "worst": 0.0, "worst_step": None})
+            acc["total"] = [a + int(c) for a, c in zip(acc["total"], counts)]
+            mean = sum(counts) / max(1, len(counts))
+            ratio = max(counts) / mean if mean else 0.0
+            if ratio > acc["worst"]:
+                acc["worst"], acc["worst_step"] = round(ratio, 4), int(e["step"])
+    for acc in out.values():
+        n = sum(acc["total"])
+        acc["share"] = [round(c / n, 4) if n else 0.0 for c in acc["total"]]
+    return out
 
 
 def _marker_label(e: dict[str, Any]) -> str:

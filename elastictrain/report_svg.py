@@ -41,12 +41,38 @@ def timeline_height(view: dict[str, Any]) -> int:
 
 def page_height(view: dict[str, Any]) -> int:
     """Pixels the page needs (a little more than it uses), for the screenshot's window size."""
-    return 330 + timeline_height(view) + 40 + 21 * len(view["notable"]) + 60
+    experts = view.get("experts") or {}
+    moe = (40 + sum(21 * (len(v["total"]) + 2) for v in experts.values())) if experts else 0
+    return 330 + timeline_height(view) + 40 + 21 * len(view["notable"]) + 60 + moe
 
 
 def render_page(view: dict[str, Any], width: int) -> str:
     return "".join([_header(view), "<h2>Where the time went (goodput)</h2>", _goodput_bar(view),
-                    "<h2>Timeline</h2>", _timeline(view), "<h2>Events</h2>", _table(view)])
+                    "<h2>Timeline</h2>", _timeline(view), _experts(view), "<h2>Events</h2>", _table(view)])
+
+
+def _experts(view: dict[str, Any]) -> str:
+    """The router's load per expert of each MoE layer: slots over the run, share, and a bar against the even
+    share 1/E (the dashed line). Nothing without MoE layers."""
+    experts = view.get("experts") or {}
+    if not experts:
+        return ""
+    out = ["<h2>Load per expert (token slots routed, over the run)</h2>"]
+    for layer, v in experts.items():
+        n = len(v["total"])
+        even = 1.0 / max(1, n)
+        top = max(max(v["share"]), even) or 1.0
+        rows = []
+        for i, (c, sh) in enumerate(zip(v["total"], v["share"])):
+            w, ex = 300 * sh / top, 300 * even / top
+            bar = (f"<svg width='310' height='12'><rect x='0' y='1' width='{w:.1f}' height='10' fill='{COLORS['run']}'/>"
+                   f"<line x1='{ex:.1f}' x2='{ex:.1f}' y1='0' y2='12' stroke='{COLORS['text']}' stroke-dasharray='2,2'/></svg>")
+            rows.append(f"<tr><td class='t'>{i}</td><td>{c}</td><td>{100 * sh:.1f}%</td><td>{bar}</td></tr>")
+        out.append(f"<table class='experts' id='experts-{esc(layer)}'><tr><td class='e' colspan='4'>{esc(layer)}: "
+                   f"worst step {esc(v['worst_step'])} at {_fmt(v['worst'], 3)}x the mean</td></tr>"
+                   f"<tr><td class='t'>expert</td><td>slots</td><td>share</td><td>vs even 1/{n}</td></tr>"
+                   + "".join(rows) + "</table>")
+    return "".join(out)
 
 
 def _count(v: Any) -> Any:

@@ -68,6 +68,12 @@ def test_ep_matches_one_process(tmp_path, ray_local, one_process, world) -> None
     assert run.of("step")[0]["mesh"].startswith("ddp"), run.of("step")[0]
     _token_counts(run)
     assert_same_numbers(run, one_process)
+    if world == 2:  # the report tables the load per expert from the same events
+        from elastictrain.report import write_report
+
+        page = write_report(run.dir, png=False)["html"].read_text()
+        total = [sum(c) for c in zip(*(e["tokens_per_expert"]["blocks.0.moe"] for e in run.of("step")))]
+        assert "id='experts-blocks.0.moe'" in page and f"<td>{total[0]}</td>" in page, total
 
 
 # ------------------------------------------------------------------------------------------ gloo ranks

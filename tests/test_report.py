@@ -145,3 +145,16 @@ def test_report_renders_in_headless_chromium(raised_run, tmp_path: Path) -> None
     for name, rgb in colors.items():
         n = int((np.abs(img - np.array(rgb)).sum(axis=2) < 12).sum())
         assert n > 20, f"no {name} pixels in the screenshot"
+
+
+def test_expert_load_sums_the_token_counts_and_the_page_tables_them() -> None:
+    ev = _events()
+    for e, counts in zip([e for e in ev if e["event"] == "step"], ([4, 4, 4, 4], [10, 2, 2, 2], [4, 4, 4, 4], [1, 1, 1, 1])):
+        e["tokens_per_expert"] = {"blocks.0.moe": counts}
+    view = build_view(ev, {"wall_s": 20.0})
+    load = view["experts"]["blocks.0.moe"]
+    assert load["total"] == [19, 11, 11, 11] and load["share"] == [0.3654, 0.2115, 0.2115, 0.2115]
+    assert (load["worst"], load["worst_step"]) == (2.5, 2)  # 10 of 16 slots: 2.5x the mean of 4
+    page = render_html(view)
+    assert "id='experts-blocks.0.moe'" in page and "19</td><td>36.5%" in page
+    assert "Load per expert" not in render_html(build_view(_events(), {"wall_s": 20.0}))  # dense: no table
