@@ -125,3 +125,27 @@ def test_ep2_dp2_clip_norm_over_dense_and_sharded_expert_grads() -> None:
     from tests.ranks import run_ranks
 
     run_ranks(_ep2_dp2_clip, (free_port(),), nprocs=4)
+
+
+def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local) -> None:
+    """ep2 for 4 steps with a durable checkpoint every 2 (the experts saved as DTensor shards, by name); one
+    worker (ep1: whole experts) resumes its step-4 checkpoint to 6 steps: every step's loss and the final
+    parameters of 6 uninterrupted one-process steps."""
+    ckpt = str(tmp_path / "ckpt")
+    ep = run_job(tmp_path, _spec(2, 4, "ep-resume", ckpt, ep=2), name="ep2")
+    _audited(ep, 4)
+    one = run_job(tmp_path, _spec(1, 6, "ep-resume", ckpt), name="ep1")
+    assert one.result.exit_code == 0, one.summary
+    (resumed,) = one.of("resumed")
+    assert resumed["step"] == 4, resumed
+    ref = InProcessRun(_spec(1, 6))
+
+    class Both:  # the two runs' step events as one run's, the final parameters ep1's
+        events = ep.events + one.events
+
+        def of(self, name):
+            return [e for e in self.events if e["event"] == name]
+
+        final_params = one.final_params
+
+    assert_same_numbers(Both(), ref)
