@@ -45,10 +45,11 @@ def one_process() -> InProcessRun:
 
 
 def _audited(run, steps: int) -> None:
+    """Finished, and every step 1..steps saw exactly its global-cursor samples (tests/audit.py)."""
+    from tests.audit import assert_cursor_audit
+
     assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
-    for e in run.of("step"):
-        ids = e["sample_ids"]
-        assert sorted(ids) == sorted(set(ids)) and len(ids) == TRAIN["global_batch"], e
+    assert_cursor_audit(run, steps, TASK["model"]["seq_len"], TRAIN["global_batch"])
 
 
 def _token_counts(run) -> None:
@@ -149,3 +150,29 @@ def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_lo
         final_params = one.final_params
 
     assert_same_numbers(Both(), ref)
+
+
+@pytest.mark.slow
+def test_ep2_dp2_rank_killed_recovers_from_its_expert_replica(tmp_path, ray_local) -> None:
+    """ep2 x dp2 on 4 (ep groups {0, 1} and {2, 3}; ranks 0, 2 hold experts 0-1, ranks 1, 3 experts 2-3), the
+    peer tier every step: rank 1 is SIGKILLed mid-step with no spare. Rank 3 holds rank 1's experts, so the
+    survivors serve every part of the state (source peer, lost steps <= 1); the 3 left shrink to a whole
+    ep group (2) and the run finishes with every step's loss (a redone one too) and the final parameters of
+    the uninterrupted run, each step's samples seen once."""
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL
+    from tests.test_pp_recovery import TIMEOUTS, _slow
+
+    steps = 10
+    kill = {"rank": 1, "step": 5, "point": "mid_step", "kind": "kill"}
+    spec = _spec(4, steps, "ep-kill", ep=2)
+    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill], timeouts=dict(TIMEOUTS),
+                recovery={"min_workers_wait_s": 240}, checkpoint={**spec["checkpoint"], "memory_every_steps": 1})
+    run = run_job(tmp_path, spec, name="ep2dp2kill")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
+    assert "every ep coordinate's" in rec["reason"], rec
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes[0] == (4, 2), sizes  # whole ep groups only: 3 workers run one
+    _audited(run, steps)
+    assert_same_numbers(run, InProcessRun(_spec(1, steps)), param_atol=RECOVERY_PARAM_ATOL)
