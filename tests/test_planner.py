@@ -119,7 +119,7 @@ def test_only_runnable_axes_are_chosen(monkeypatch):
 
     cl = Cluster(nodes=2, devices_per_node=8, **H100)
     train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
-    assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp"}
+    assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp", "ep"}
     everything = plan(LLAMA70, train, cl)
     assert any(e.candidate.tp > 1 for e in everything) and all(e.runnable for e in everything)
     no_tp = frozenset({"dp_replicate", "dp_shard", "pp"})
@@ -530,7 +530,7 @@ def test_gloos_cpu_per_byte_is_every_ranks_host_work_on_shared_cores():
     two_d, ddp = Candidate(dp_shard=2, tp=2, micro_batch=4), Candidate(dp_replicate=4, micro_batch=4)
     fast = Cluster(**{**CPU4, "intra_node_bw": 1e12}, cores_per_node=2)  # the wire alone: nearly free
     moved = moved_bytes(SMALL, train, fast, two_d)
-    assert set(moved) == {"tp", "pp", "dp_shard", "dp_replicate"} and moved["tp"] > 0 and moved["dp_shard"] > 0
+    assert set(moved) == {"tp", "pp", "dp_shard", "dp_replicate", "ep"} and moved["ep"] == 0 and moved["tp"] > 0 and moved["dp_shard"] > 0
     t0 = step_time(SMALL, train, fast, two_d)
     assert t0.tp_s == pytest.approx(moved["tp"] / 1e12)  # seconds on a link: its bytes over its bandwidth
     # DDP: one ring all-reduce of the rank's gradients, 2 (N-1)/N of their bytes

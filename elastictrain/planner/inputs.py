@@ -52,6 +52,9 @@ class ModelShape:
     arch: str = "gpt"
     kv_heads: int | None = None
     ffn_hidden: int | None = None
+    experts: int = 0  # mixture of experts (task.model.moe): experts per MoE layer; 0: every MLP dense
+    top_k: int = 1  # experts per token
+    moe_every: int = 1  # every moe_every-th block's MLP is an MoE
 
     def __post_init__(self) -> None:
         _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
@@ -63,6 +66,10 @@ class ModelShape:
         for name in ("kv_heads", "ffn_hidden"):
             if getattr(self, name) is not None:
                 _positive("model", **{name: getattr(self, name)})
+        if self.experts:
+            _positive("model", experts=self.experts, top_k=self.top_k, moe_every=self.moe_every)
+            if self.top_k > self.experts:
+                raise PlannerInputError(f"model.top_k={self.top_k} exceeds model.experts={self.experts}")
 
     @property
     def ffn(self) -> float:
@@ -84,6 +91,28 @@ class ModelShape:
         return 4 * h * h + 4 * h + 2 * f * h + f + h + 4 * h
 
     @property
+    def mlp_params(self) -> float:
+        """One dense MLP (= one expert): GPT ``2 F h + F + h``, Llama's SwiGLU ``3 F h``."""
+        h, f = self.hidden, self.ffn
+        return 3 * f * h if self.arch == "llama" else 2 * f * h + f + h
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (blocks ``every-1, 2 every-1, ...``)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def expert_params(self) -> float:
+        """Every expert of every MoE layer (shape-derived; :attr:`scale` applies): what ``ep`` shards."""
+        return self.moe_layers * self.experts * self.mlp_params
+
+    @property
+    def moe_extra_params(self) -> float:
+        """What the MoE layers add to :attr:`block_params` (which counts one dense MLP per block): the other
+        ``E - 1`` experts and the router (``h x E``) of each MoE layer."""
+        return self.moe_layers * ((self.experts - 1) * self.mlp_params + self.hidden * self.experts)
+
+    @property
     def first_stage_params(self) -> float:
         """Around the blocks on the first stage: the token embedding (and the GPT's learned positions)."""
         return self.vocab * self.hidden + (0 if self.arch == "llama" else self.seq_len * self.hidden)
@@ -103,12 +132,12 @@ class ModelShape:
     def total_params(self) -> float:
         if self.params is not None:
             return float(self.params)
-        return self.layers * self.block_params + self.embedding_params
+        return self.layers * self.block_params + self.embedding_params + self.moe_extra_params
 
     @property
     def scale(self) -> float:
         """``params / shape-derived count``: a published count scales every per-layer figure alike."""
-        derived = self.layers * self.block_params + self.embedding_params
+        derived = self.layers * self.block_params + self.embedding_params + self.moe_extra_params
         return self.total_params / derived
 
     @classmethod
@@ -302,6 +331,10 @@ class Candidate:
         return self.dims.cp
 
     @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
     def dp(self) -> int:
         return self.dims.dp
 
@@ -330,6 +363,8 @@ class Candidate:
             parts[0] += f" {self.dp}"
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.pp > 1:
             v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")

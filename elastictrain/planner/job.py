@@ -69,8 +69,15 @@ def model_shape(config: Any, shape: str | None = None) -> ModelShape:
             s = {**t.llama.shape(), "vocab_size": t.vocab_size}
         return ModelShape(layers=s["n_layers"], hidden=s["dim"], heads=s["n_heads"], seq_len=m.seq_len,
                           vocab=s["vocab_size"], tied_embeddings=bool(s.get("tie_embeddings")), arch="llama",
-                          kv_heads=s["n_kv_heads"], ffn_hidden=s["ffn_hidden"])
-    return ModelShape(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq_len=m.seq_len, vocab=t.vocab_size)
+                          kv_heads=s["n_kv_heads"], ffn_hidden=s["ffn_hidden"], **_moe(m))
+    return ModelShape(layers=m.n_layer, hidden=m.d_model, heads=m.n_head, seq_len=m.seq_len, vocab=t.vocab_size,
+                      **_moe(m))
+
+
+def _moe(m: Any) -> dict[str, int]:
+    """The ``task.model.moe`` fields of :class:`ModelShape` (none for a dense model)."""
+    moe = getattr(m, "moe", None)
+    return {} if moe is None else {"experts": moe.experts, "top_k": moe.top_k, "moe_every": moe.every}
 
 
 def training(config: Any) -> Training:

@@ -25,6 +25,10 @@ the last one the output head: the larger of the two is taken):
   rest while it is recomputed. A pipeline rank holds
   :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
   the logits (and their gradient) of one micro-batch in fp32 on the last stage;
+* **experts** (mixture of experts, :attr:`ModelShape.experts`): the parameter counts include every expert;
+  under expert parallel each rank holds ``1 / ep`` of them (weights, gradients and optimizer state:
+  :func:`rank_params`); an MoE block's MLP activations are those of ``top_k`` token slots plus the slots'
+  dispatch buffers (:func:`moe_block_extra_bytes`);
 * **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
   (:attr:`Cluster.fragmentation` of everything else).
 """
@@ -72,7 +76,31 @@ def stage_params(model: ModelShape, c: Candidate) -> float:
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
-    return (blocks * model.block_params + max(model.first_stage_params, model.last_stage_params)) * model.scale
+    moe = model.moe_extra_params * blocks / model.layers
+    return (blocks * model.block_params + moe + max(model.first_stage_params, model.last_stage_params)) * model.scale
+
+
+def stage_expert_params(model: ModelShape, c: Candidate) -> float:
+    """The experts among :func:`stage_params` (0 for a dense model), before expert parallel shards them."""
+    share = 1.0 if c.pp == 1 else math.ceil(model.layers / c.pp) / model.layers
+    return model.expert_params * model.scale * share
+
+
+def rank_params(model: ModelShape, c: Candidate) -> float:
+    """Parameters one rank holds before data-parallel sharding: its stage's, over ``tp``, with the experts
+    over ``ep`` too (expert parallel: each rank of an ep group holds ``E / ep`` experts of every layer)."""
+    return (stage_params(model, c) - stage_expert_params(model, c) * (1 - 1 / c.ep)) / c.tp
+
+
+def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """What an MoE block's activations add to a dense block's for one micro-batch: its MLP runs on ``top_k``
+    slots per token (Korthikanti's 19 of the 34 ``s b h`` units are the MLP's: ``19 (k - 1)`` more), and
+    the slots pass through ``6 k`` more ``s b h`` units of dispatch buffers (the repeated token rows, their
+    expert order, the rows received, the outputs regrouped, sent back and put in slot order). 0 if dense."""
+    if not model.experts:
+        return 0.0
+    k = model.top_k
+    return model.seq_len * c.micro_batch * model.hidden * (19 * (k - 1) + 6 * k) * train.activation_bytes / 2
 
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
@@ -120,8 +148,14 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
         extra = full - per_block
     else:
         per_block, extra = full, 0.0
+    moe_extra = moe_block_extra_bytes(model, train, c)
+    moe_blocks = math.ceil(model.moe_layers / c.pp)
+    if c.recompute == "none":
+        per_stage = per_block * blocks + moe_extra * moe_blocks
+    else:  # a recomputed MoE block holds its slots' buffers while it runs again
+        per_stage, extra = per_block * blocks, extra + moe_extra
     held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
-    stage = held * per_block * blocks / c.stages_per_rank
+    stage = held * per_stage / c.stages_per_rank
     logits = 2 * s * b * model.vocab * 4 / c.tp
     return stage + extra + logits
 
@@ -173,7 +207,7 @@ def _microbatches(train: Training, c: Candidate) -> int:
 
 def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> Memory:
     """The worst rank's memory of candidate ``c`` (module docstring)."""
-    n = stage_params(model, c) / c.tp
+    n = rank_params(model, c)
     w, g, master = PRECISIONS[train.precision]
     shard = c.dp_shard
     params, grads = n * w / shard, n * g / shard

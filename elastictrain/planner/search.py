@@ -1,7 +1,8 @@
 """Candidate layouts for a world size, each priced by the cost model, ranked best first. Pure.
 
 **What is priced** covers every factor of the cost model (dp_replicate, dp_shard, tp, pp, schedule,
-micro-batch size, activation checkpointing). **What may be chosen** to run is the subset the code base
+micro-batch size, activation checkpointing; for a mixture-of-experts model every expert-parallel degree
+that divides the data-parallel size and the experts). **What may be chosen** to run is the subset the code base
 runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
 and a new axis is one more name there). ``plan(..., runnable_only=False)`` ranks everything, marking each
 candidate ``runnable``.
@@ -37,11 +38,15 @@ def runnable_axes() -> frozenset[str]:
     axes = {"dp_replicate", "dp_shard", "pp"}
     if "tp" in ParallelConfig.model_fields:
         axes.add("tp")
+    axes.add("ep")  # (under ddp without pp/tp/cp: is_runnable, parallel.plan.ep_rule)
     return frozenset(axes)
 
 
 def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
-    return all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp"))
+    from elastictrain.parallel.plan import ep_rule
+
+    ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
+    return ep_ok and all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp"))
 
 
 @dataclass(frozen=True)
@@ -62,14 +67,15 @@ class Estimate:
         c, mem, t = self.candidate, self.memory, self.time
         return {
             "layout": c.layout_name, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
-            "pp": c.pp, "schedule": c.schedule if c.pp > 1 else None,
+            "ep": c.ep, "pp": c.pp, "schedule": c.schedule if c.pp > 1 else None,
             "stages_per_rank": c.stages_per_rank if c.pp > 1 else None, "micro_batch": c.micro_batch,
             "n_microbatches": self.n_microbatches, "activation_checkpointing": c.activation_checkpointing,
             "memory_per_gpu_bytes": int(mem.total), "fits": mem.fits, "shortfall_bytes": int(mem.shortfall),
             "memory": {k: int(getattr(mem, k)) for k in
                        ("params", "grads", "optimizer", "gathered", "activations", "runtime", "fragmentation")},
             "step_time_s": t.total_s, "compute_s": t.compute_s, "bubble": t.bubble, "tp_comm_s": t.tp_s,
-            "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s, "optimizer_s": t.optimizer_s,
+            "ep_comm_s": t.ep_s, "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s,
+            "optimizer_s": t.optimizer_s,
             "collective_calls": t.calls, "calls_s": t.calls_s, "dispatch_s": t.dispatch_s,
             "dispatch_exposed_s": t.dispatch_exposed_s, "fsdp_host_s": t.fsdp_host_s,
             "fsdp_host_exposed_s": t.fsdp_host_exposed_s, "comm_cpu_s": t.comm_cpu_s, "core_share": t.share,
@@ -130,7 +136,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them)."""
-    allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp")) if axes is None else axes
+    allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "ep")) if axes is None else axes
     mbs = sorted(set(micro_batches or [train.micro_batch]))
     for tp in _divisors(world):
         if tp > 1 and ("tp" not in allowed or tp > cluster.devices_per_node or cluster.devices_per_node % tp
@@ -161,6 +167,16 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                                                                          and "dp_replicate" not in allowed):
                                 continue
                             yield c
+                            yield from _with_ep(model, c, allowed)
+
+
+def _with_ep(model: ModelShape, c: Candidate, allowed: frozenset[str]) -> Iterator[Candidate]:
+    """``c`` with each expert-parallel degree > 1 that divides both its data-parallel size and the experts."""
+    if not model.experts or "ep" not in allowed:
+        return
+    for ep in _divisors(c.dp):
+        if ep > 1 and model.experts % ep == 0:
+            yield c.with_dims(ep=ep)
 
 
 def _schedule_priced(schedule: str, pp: int, m: int, v: int) -> bool:

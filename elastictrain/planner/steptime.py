@@ -40,6 +40,13 @@
   :attr:`Cluster.fsdp_param_s` (host work apart from the bytes, which the copies and collectives above
   price). Host work like DTensor's dispatch: on CPU on the critical path and shared with the node's other
   ranks like compute; on GPUs only what the two together exceed the device's compute by;
+* **expert parallel** (``ep > 1``, :mod:`elastictrain.parallel.expert`): per MoE layer and micro-batch an
+  all-to-all of the token slots to their experts and one back (``2 x top_k x tokens x hidden`` bytes
+  forward, ``(ep-1)/ep`` of them leaving the rank), the same backward (and forward again under activation
+  checkpointing), on the critical path like TP's; each forward first exchanges the per-expert counts and
+  reads them on the host (the uneven split sizes): a device-to-host sync per MoE layer and forward on GPUs
+  (:data:`EP_SPLIT_SYNC_S`). DDP all-reduces the dense gradients over every data rank; the experts' over
+  their ``dp / ep`` replicas. Compute counts the active parameters: each token runs ``top_k`` experts;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
@@ -68,7 +75,7 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import stage_params
+from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -94,21 +101,22 @@ class StepTime:
     # compute)
     comm_cpu_s: float = 0.0  # CPU: gloo's host work moving the rank's bytes (Cluster.gloo_byte_s; 0: not priced)
     dp_calls_s: float = 0.0  # the data-parallel calls' fixed costs (in dp_s)
+    ep_s: float = 0.0  # expert parallel's all-to-all bytes and split-size syncs (on the critical path, like TP's)
 
     @property
     def comm_s(self) -> float:
-        return self.tp_s + self.pp_s + self.dp_s + self.calls_s
+        return self.tp_s + self.ep_s + self.pp_s + self.dp_s + self.calls_s
 
     @property
     def exposed_comm_s(self) -> float:
         """Communication that compute does not hide (TP's stretched by the bubble like compute)."""
-        return self.tp_s / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.calls_s
+        return (self.tp_s + self.ep_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.calls_s
 
     @property
     def path_s(self) -> float:
         """The critical path of a rank computing on its own core or device."""
         host = self.dispatch_exposed_s + self.fsdp_host_exposed_s
-        return ((self.compute_s + self.tp_s + host) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
+        return ((self.compute_s + self.tp_s + self.ep_s + host) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
                 + self.optimizer_s)
 
     @property
@@ -122,7 +130,7 @@ class StepTime:
         if self.share <= 1:
             return 0.0
         work = self.compute_s + self.dispatch_s + self.fsdp_host_s + self.optimizer_s
-        wire = self.tp_s + self.pp_s + self.dp_s - self.dp_calls_s
+        wire = self.tp_s + self.ep_s + self.pp_s + self.dp_s - self.dp_calls_s
         return self.share * work + self.dp_calls_s + max(wire, self.share * self.comm_cpu_s)
 
     @property
@@ -138,7 +146,9 @@ def microbatches(train: Training, c: Candidate) -> int:
 def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
     """FLOPs of one optimizer step on the worst rank (module docstring)."""
     tokens = train.global_batch * model.seq_len / c.dp
-    n = stage_params(model, c) / c.tp
+    # the active parameters: each token runs top_k of the E experts of an MoE layer
+    experts = stage_expert_params(model, c)
+    n = (stage_params(model, c) - experts * (1 - model.top_k / max(1, model.experts))) / c.tp
     blocks = math.ceil(model.layers / c.pp)
     attn = 12 * blocks * model.hidden * model.seq_len / c.tp
     # selective recomputation re-runs only the elementwise ops around the saved matmul and attention outputs:
@@ -216,13 +226,18 @@ TP_EDGE_CALLS = 6  # per micro-batch around the blocks (sequence parallel: embed
 # calibrated tp_call_s, a call's CPU times the ranks per core; GPUs: by
 # default the ring steps' latency only).
 TP_PARTIAL_GRADS = {True: (4, 2), False: (0, 0)}
+# Expert parallel: the host waits for each MoE layer's per-expert counts before the all-to-all of the rows
+# (their split sizes; ``.tolist()`` on GPUs syncs the device): a fixed latency per MoE layer and forward.
+EP_SPLIT_SYNC_S = 30e-6
+EP_FORWARD_CALLS, EP_BACKWARD_CALLS = 3, 2  # counts, rows out, rows back; the rows' two again in backward
+EXPERT_TENSORS = {"gpt": 4, "llama": 3}  # stacked expert parameters of one MoE layer (their replica all-reduces)
 LLAMA_TP_PARTIAL_GRADS = {True: (2, 1), False: (0, 0)}  # the Llama's RMSNorms: a weight each, no bias
 
 
 @dataclass(frozen=True)
 class Calls:
     """Collective calls of one step on the worst rank, each as ``(what, count, ranks, ring steps per call)``;
-    ``what``: ``tp``, ``pp``, ``fsdp`` (gathers and reductions), ``replicate`` (DDP's buckets, HSDP's
+    ``what``: ``tp``, ``ep`` (the all-to-alls), ``pp``, ``fsdp`` (gathers and reductions), ``replicate`` (DDP's buckets, HSDP's
     all-reduces) or ``step`` (the step loop's own)."""
 
     groups: tuple[tuple[str, float, int, int], ...]
@@ -267,17 +282,25 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
             groups.append(("tp", m * (blocks * per_block + edge) if c.dp_shard > 1 else 1.0, c.tp, ar(c.tp)))
     if c.pp > 1:
         groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
+    if c.ep > 1 and model.experts:
+        moe = math.ceil(model.moe_layers / c.pp)
+        forwards = 2 if c.recompute != "none" else 1
+        groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
+        if c.dp > c.ep:  # the experts' gradients over their replicas, one all-reduce per stacked tensor
+            groups.append(("replicate", moe * EXPERT_TENSORS.get(model.arch, 4), c.dp // c.ep, ar(c.dp // c.ep)))
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1
         groups += [("fsdp", m * gathers * blocks, c.dp_shard, c.dp_shard - 1),
                    ("fsdp", m * (blocks + 1), c.dp_shard, rs(c.dp_shard))]
         if c.dp_replicate > 1:  # HSDP: each unit's reduced shard is all-reduced across the replicas
             groups.append(("replicate", blocks + 1, c.dp_replicate, ar(c.dp_replicate)))
-    elif c.dp_replicate > 1:
-        n = stage_params(model, c) / c.tp * _grad_bytes(train)
+    elif c.dp_replicate > 1:  # (the experts under ep: over their replicas, above)
+        n = (stage_params(model, c) - (stage_expert_params(model, c) if c.ep > 1 else 0.0)) / c.tp * _grad_bytes(train)
         groups.append(("replicate", math.ceil(n / DDP_BUCKET_BYTES), c.dp_replicate, ar(c.dp_replicate)))
     world = c.world_size
     groups.append(("step", 1.0, world, ar(world)))  # the step loop's stop word
+    if model.experts:  # the step's token counts per expert (one all-reduce)
+        groups.append(("step", 1.0, world, ar(world)))
     if c.dp_shard > 1 or c.tp > 1 or c.pp > 1:  # the gradient norm of sharded or staged gradients
         groups.append(("step", 1.0, world, ar(world)))
     return Calls(tuple(groups))
@@ -288,19 +311,20 @@ def _grad_bytes(train: Training) -> int:
 
 
 def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> dict[str, float]:
-    """Bytes one step moves on the worst rank, per group (``tp``, ``pp``, ``dp_shard``, ``dp_replicate``),
+    """Bytes one step moves on the worst rank, per group (``tp``, ``pp``, ``dp_shard``, ``dp_replicate``, ``ep``),
     as :mod:`.comm` prices them (a ring's bus bytes: ``2 (N-1)/N`` of an all-reduce's, ``(N-1)/N`` of a
     gather's; a send's once; on CPU FSDP's copies into and out of its unsharded buffers too: module
     docstring). Seconds on a link are these over its bandwidth."""
     m, blocks = microbatches(train, c), math.ceil(model.layers / c.pp)
     act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
     moved = dict(tp=(6 if c.recompute != "none" else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m,
-                 pp=0.0, dp_shard=0.0)
+                 pp=0.0, dp_shard=0.0, ep=ep_bytes(model, train, c))
     if c.pp > 1:
         send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
         moved["pp"] = 2 * m * c.stages_per_rank * comm.p2p_s(send, 1.0)
-    n = stage_params(model, c) / c.tp
-    grad_bytes = n * _grad_bytes(train)
+    n = rank_params(model, c)
+    experts = stage_expert_params(model, c) / (c.tp * c.ep) if c.ep > 1 else 0.0  # reduced over replicas only
+    grad_bytes = (n - experts) * _grad_bytes(train)
     reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
@@ -310,7 +334,21 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
             # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
             moved["dp_shard"] += m * (gathers * n * train.compute_param_bytes + grad_bytes)
     moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, 1.0)
+    if experts:
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp // c.ep, 1.0)
     return moved
+
+
+def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """Bytes a rank's all-to-alls send in one step (0 without expert parallel): per MoE layer of its stage,
+    ``2 x top_k x tokens x hidden`` activation bytes forward (dispatch and combine), the same backward and,
+    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank."""
+    if c.ep == 1 or not model.experts:
+        return 0.0
+    tokens = train.global_batch * model.seq_len / c.dp
+    passes = 3 if c.recompute != "none" else 2
+    per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
+    return math.ceil(model.moe_layers / c.pp) * per_layer * (c.ep - 1) / c.ep
 
 
 def comm_cpu_s(moved: dict[str, float], cluster: Cluster) -> float:
@@ -330,8 +368,11 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     links = comm.group_links(cluster, c)
     moved = moved_bytes(model, train, cluster, c)
     tp_s, pp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"]
+    ep_s = moved["ep"] / _ep_link(cluster, c)
+    if c.ep > 1 and model.experts and cluster.kind != "cpu":  # the split sizes' device-to-host sync
+        ep_s += m * math.ceil(model.moe_layers / c.pp) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
     fsdp, final = moved["dp_shard"] / links["dp_shard"], moved["dp_replicate"] / links["dp_replicate"]
-    n = stage_params(model, c) / c.tp
+    n = rank_params(model, c)
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
     dp_calls = calls.cost_s(cluster, "fsdp", "replicate")
@@ -346,7 +387,13 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     fsdp_exposed = fsdp_host if cluster.kind == "cpu" else max(0.0, dispatch + fsdp_host - compute) - dispatch_exposed
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
                     fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
-                    calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "pp", "step"),
+                    calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "ep", "pp", "step"),
                     share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed,
                     fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed,
-                    comm_cpu_s=comm_cpu_s(moved, cluster), dp_calls_s=dp_calls)
+                    comm_cpu_s=comm_cpu_s(moved, cluster), dp_calls_s=dp_calls, ep_s=ep_s)
+
+
+def _ep_link(cluster: Cluster, c: Candidate) -> float:
+    """An ep group's link: ``ep`` consecutive data ranks, the innermost data axis's stride apart."""
+    axis = "dp_shard" if c.dp_shard > 1 else "dp_replicate"
+    return comm.link_bw(cluster, c.dims.stride(axis), c.ep)

@@ -1,0 +1,104 @@
+"""The planner prices expert parallel (issue 39): the parameter counts include the experts (equal to the
+built-in models' own), each rank holds ``1 / ep`` of the experts' weights, gradients and optimizer state, the
+all-to-all moves ``2 x top_k x tokens x hidden`` bytes per MoE layer forward and the same backward, a GPU pays
+a split-size sync per MoE layer and forward, and ``--all-axes`` searches ep. Pure arithmetic, no process."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from elastictrain.planner import GIB, Candidate, Cluster, ModelShape, Training, memory, plan, step_time
+from elastictrain.planner.memory import moe_block_extra_bytes, rank_params
+from elastictrain.planner.steptime import EP_SPLIT_SYNC_S, moved_bytes, step_flops
+
+GPU = dict(device_memory=80 * GIB, flops=400e12, intra_node_bw=450e9, inter_node_bw=50e9)
+MOE = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000, experts=8, top_k=2)
+DENSE = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000)
+TRAIN = Training(global_batch=32, micro_batch=2)  # fp32, Adam: 4 + 4 + 8 bytes per parameter
+
+
+@pytest.mark.parametrize("kind, moe", [("tiny_gpt", {"experts": 8, "top_k": 2}),
+                                       ("tiny_gpt", {"experts": 4, "top_k": 1, "every": 2}),
+                                       ("llama", {"experts": 4, "top_k": 2})])
+def test_parameter_counts_include_the_experts(kind, moe) -> None:
+    from elastictrain import build_config
+    from elastictrain.planner.job import model_shape
+    from elastictrain.task import builtin_task
+
+    model = ({"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 32, "moe": moe} if kind == "tiny_gpt"
+             else {"seq_len": 32, "moe": moe})
+    task = {"kind": kind, "model": model}
+    if kind == "llama":
+        task["llama"] = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 48}
+    cfg = build_config({"task": task})
+    built = builtin_task(cfg).model_fn()
+    assert model_shape(cfg).total_params == sum(p.numel() for p in built.parameters())
+
+
+def test_each_rank_holds_its_share_of_the_experts_and_their_state() -> None:
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    experts = MOE.expert_params
+    assert experts == 4 * 8 * (2 * 1024 * 256 + 1024 + 256)
+    one, two = (memory(MOE, TRAIN, cl, Candidate(dp_replicate=4, ep=e, micro_batch=2)) for e in (1, 2))
+    assert rank_params(MOE, Candidate(dp_replicate=4, ep=2)) == MOE.total_params - experts / 2
+    for kind, per in (("params", 4), ("grads", 4), ("optimizer", 8)):  # 1/ep of the experts' bytes of each kind
+        assert getattr(one, kind) - getattr(two, kind) == pytest.approx(experts / 2 * per), kind
+    assert one.activations == two.activations  # ep moves tokens, not activations
+    # an MoE block's activations: top_k slots through the MLP and the dispatch buffers
+    sbh = MOE.seq_len * 2 * MOE.hidden
+    assert moe_block_extra_bytes(MOE, TRAIN, Candidate(micro_batch=2)) == sbh * (19 + 12) * 4 / 2
+    assert moe_block_extra_bytes(DENSE, TRAIN, Candidate(micro_batch=2)) == 0
+
+
+def test_all_to_all_volume_and_the_split_size_sync() -> None:
+    gpu = Cluster(nodes=1, devices_per_node=8, **GPU)
+    cpu = Cluster(nodes=1, devices_per_node=8, kind="cpu", **GPU)
+    c = Candidate(dp_replicate=4, ep=2, micro_batch=2)
+    tokens = TRAIN.global_batch * MOE.seq_len / 4
+    # forward: dispatch + combine (2 x top_k x tokens x hidden x 4 bytes), backward the same; half leaves
+    want = MOE.moe_layers * 2 * (2 * 2 * tokens * 256 * 4) * (2 - 1) / 2
+    assert moved_bytes(MOE, TRAIN, gpu, c)["ep"] == want
+    assert moved_bytes(MOE, TRAIN, gpu, Candidate(dp_replicate=4, micro_batch=2))["ep"] == 0
+    m = TRAIN.global_batch // (4 * 2)
+    gpu_ep, cpu_ep = step_time(MOE, TRAIN, gpu, c).ep_s, step_time(MOE, TRAIN, cpu, c).ep_s
+    assert gpu_ep == pytest.approx(want / gpu.intra_node_bw + m * MOE.moe_layers * EP_SPLIT_SYNC_S)
+    assert cpu_ep == pytest.approx(want / cpu.intra_node_bw)  # no device to sync with
+    # compute counts the active parameters: top_k of the E experts per token
+    dense_part = MOE.total_params - MOE.expert_params
+    active = dense_part + MOE.expert_params * 2 / 8
+    attn = 12 * 4 * 256 * 128
+    assert step_flops(MOE, TRAIN, c) == pytest.approx(tokens * (6 * active + attn))
+    # DDP reduces the dense gradients over 4; the experts' over their 2 replicas
+    ddp_bytes = moved_bytes(MOE, TRAIN, gpu, c)["dp_replicate"]
+    assert ddp_bytes == pytest.approx(2 * 3 / 4 * dense_part * 4 + 2 * 1 / 2 * MOE.expert_params / 2 * 4)
+
+
+def test_all_axes_search_prices_ep_and_marks_what_runs() -> None:
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    ranked = plan(MOE, TRAIN, cl, runnable_only=False)
+    eps = {e.candidate.ep for e in ranked}
+    assert eps == {1, 2, 4, 8}, eps
+    for e in ranked:  # ep runs under ddp without tp/pp/cp only (parallel.plan.ep_rule)
+        c = e.candidate
+        assert e.runnable == (c.ep == 1 or (c.dp_shard == 1 and c.tp == 1 and c.pp == 1)), c.describe()
+    assert {e.candidate.ep for e in plan(DENSE, TRAIN, cl, runnable_only=False)} == {1}
+    assert any(e.candidate.ep > 1 for e in plan(MOE, TRAIN, cl))  # and runnable ones are chosen from
+
+
+def test_plan_all_axes_cli_lists_ep(monkeypatch) -> None:
+    from pathlib import Path
+
+    from elastictrain.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    out = CliRunner().invoke(main, ["plan", "jobs/tiny_gpt.yaml", "--json", "--all-axes", "--nodes", "1",
+                                    "--gpus-per-node", "4", "--set", "task.model.moe={experts: 4, top_k: 2}"],
+                             catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert {r["ep"] for r in rows} == {1, 2, 4} and all(r["ep_comm_s"] > 0 for r in rows if r["ep"] > 1)
+    assert all(math.isfinite(r["step_time_s"]) for r in rows)
