@@ -34,6 +34,7 @@ from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
+from elastictrain.models.moe import moe_layers
 from elastictrain.parallel.expert_wiring import ExpertParallel, TokenTally, attach_expert_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
@@ -113,6 +114,7 @@ class StepRunner:
         self.uninitialized = task.init_weights is not None
         self.pm: ParallelModel | None = None
         self.ep: ExpertParallel | None = None  # parallel.ep > 1: this generation's expert-parallel wiring
+        self.moe = False  # the model has MoE layers (set by attach)
         self.layout: Layout | None = None
         self.mesh: str | None = None  # what attach built: the plan applied and the mesh's axes
         self.state = TrainingState(self.model, self._optimizer(), self.cursor)
@@ -251,6 +253,7 @@ class StepRunner:
             materialize(module, self.device)
             self.uninitialized = True
         self.pm = wrap(module, mesh)
+        self.moe = bool(moe_layers(self.pm.model))  # token counts per expert go into the step events
         if whole and (isinstance(module, FSDPModule) or _has_dtensor(module)):
             raise RuntimeError(f"layout {layout.reason!r} holds the whole state on every rank, but the "
                                "parallelize_fn returned sharded parameters (DTensors): under parallel.plan=ddp "
@@ -351,7 +354,7 @@ class StepRunner:
             word = done.word.wait()
             if self.ep is not None:  # experts: summed over their replicas and scaled, before the clip
                 self.ep.reduce_grads(self.pm.model)
-            if self.layout.dims.tp == 1:  # (tp ranks route the same tokens: their counts are not summed)
+            if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
                 hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
         return done, word
 
@@ -542,7 +545,8 @@ class _LoopHooks:
 
     def forwarded(self, k: int) -> None:
         r = self.r
-        self.tally.add(r.pm.model)
+        if r.moe:
+            self.tally.add(r.pm.model)
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
             time.sleep(delay)
