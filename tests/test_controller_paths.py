@@ -251,12 +251,14 @@ def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray
     recovery.max_failures=10), not 16 that end the run; a worker of a lost node found by a later recovery
     is not counted again. Every lost worker still gets its own ``failure`` event (#21 item 8)."""
     from elastictrain.controller.detect import Failure
+    from elastictrain.controller.kinds import FailureKind
 
     c, group = _controller(tmp_path, {}, workers={"min": 1, "max": 16}, train={"global_batch": 16, "micro_batch": 1})
     now = time.time()
 
-    def lost(node: str, slots: range) -> list[tuple[Failure, str, str]]:
-        return [(Failure(i, i, "process_died", "worker process died", now, now, 30, 30, 0), "node_lost", node)
+    def lost(node: str, slots: range) -> list[tuple[Failure, FailureKind, str]]:
+        return [(Failure(i, i, FailureKind.PROCESS_DIED, "worker process died", now, now, 30, 30, 0),
+                 FailureKind.NODE_LOST, node)
                 for i in slots]
 
     c._account_failures(lost("node-a", range(0, 8)))

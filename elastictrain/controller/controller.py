@@ -26,6 +26,7 @@ from elastictrain.controller.gather import (CheckpointLoadFailed, PeerRestore, P
                                             SurvivorLost, slot_step)
 from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
                                            call_outcomes, describe_remote_error)
+from elastictrain.controller.kinds import FailureKind
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.detect import Failure, FailureDetector
 from elastictrain.controller.monitor import POLL_INTERVAL_S, WorkerMonitor
@@ -687,9 +688,9 @@ class Controller(WorkerMonitor):
         if self.sm.terminal:
             return
         self.ledger.failures += 1
-        self.events.emit("failure", kind="setup_failed", rank=None, slot=slot.index, node_id=None,
+        self.events.emit("failure", kind=FailureKind.SETUP_FAILED, rank=None, slot=slot.index, node_id=None,
                          detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, "setup_failed", slot.info["error"], 0))
+        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, FailureKind.SETUP_FAILED, slot.info["error"], 0))
         if verdict:
             return self._fail(verdict)
         self.group.spawn(slot.index)
@@ -719,9 +720,9 @@ class Controller(WorkerMonitor):
         run ended."""
         self.ledger.failures += 1
         progress = max(0, self.ledger.last_step - self.generation_start_step)
-        self.events.emit("failure", kind="group_failed", rank=None, slot=None, node_id=None, pid=None,
+        self.events.emit("failure", kind=FailureKind.GROUP_FAILED, rank=None, slot=None, node_id=None, pid=None,
                          detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
-        verdict = self._judge(policy.FailureRecord(time.time(), None, "group_failed", reason, progress))
+        verdict = self._judge(policy.FailureRecord(time.time(), None, FailureKind.GROUP_FAILED, reason, progress))
         if verdict:
             self._fail(verdict)
         return verdict is not None

@@ -21,6 +21,7 @@ from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.kinds import OUTCOME_KIND, FailureKind
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.runtime import RunWatch, Runtime, get_each
 from elastictrain.events import EventLog
@@ -235,7 +236,7 @@ class WorkerMonitor:
         taken = [(ref, slot) for ref in ended if (slot := run_refs.get(ref)) is not None and slot.state is not dead]
         for (ref, slot), (packed, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
             if error is not None:  # the actor died
-                self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(error)}")
+                self._add_failure(slot, FailureKind.PROCESS_DIED, f"worker process died: {describe_remote_error(error)}")
                 continue
             res = run_result.unpack(packed)
             step, status = res["step"], res["status"]
@@ -253,7 +254,7 @@ class WorkerMonitor:
             # is explained and the scan over every member (a /proc read each on this node) is not made
             for peer in self.run_refs.values():
                 if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
-                    self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
+                    self._add_failure(peer, FailureKind.PROCESS_DIED, "worker process died (seen by its peers)")
 
     def _failure_known(self) -> bool:
         """A member of this generation failed (pending, or already killed and dropped from the calls):
@@ -406,10 +407,10 @@ class WorkerMonitor:
             node = slot.info.get("node_id") if slot else None
             self.events.emit("straggler", rank=rank, node_id=node, evicted=r.evict_stragglers, reason=reason)
             if r.evict_stragglers and slot is not None and self.world_size > self.config.workers.min:
-                self._add_failure(slot, "straggler", reason)
+                self._add_failure(slot, FailureKind.STRAGGLER, reason)
 
     # ------------------------------------------------------------------ failures
-    def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
+    def _add_failure(self, slot: Slot, kind: FailureKind, reason: str) -> None:
         self.detector.report(self._view(slot), kind, reason, now=time.time(), **self._when())
 
     def _detect_dead(self, slots: list[Slot], reason: str, outcomes: Sequence[CallOutcome] = ()) -> None:
@@ -427,19 +428,18 @@ class WorkerMonitor:
                 except Exception:  # noqa: BLE001
                     ok = False
             if not ok:
-                self._add_failure(slot, "process_died", reason)
+                self._add_failure(slot, FailureKind.PROCESS_DIED, reason)
         if self.pending_failures or not slots:
             return
         by_index = {s.index: s for s in slots}
         culprits = [o for o in blame(outcomes) if o.slot in by_index]
-        kinds = {"dead": "process_died", "own": "exception", "pending": "hang"}
         for o in culprits:
             why = o.error or "did not return from the call while its peers did"
-            self._add_failure(by_index[o.slot], kinds[o.status], f"{reason}: {why}")
+            self._add_failure(by_index[o.slot], OUTCOME_KIND[o.status], f"{reason}: {why}")
         if not culprits:
-            self._add_failure(slots[0], "exception", reason)
+            self._add_failure(slots[0], FailureKind.EXCEPTION, reason)
 
-    def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
+    def _kill_failed(self) -> list[tuple[Failure, FailureKind, str | None]]:
         """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
         Returns (failure, kind, node) for accounting once the survivors' last records are in."""
         failures = self.detector.take()
@@ -449,7 +449,7 @@ class WorkerMonitor:
             slot = self.group.slots[f.slot]
             node = slot.info.get("node_id")
             lost = node is not None and node not in alive_nodes
-            kind = "node_lost" if lost and f.kind in ("process_died", "hang") else f.kind
+            kind = f.kind.seen_on(node_alive=not lost)
             pid = slot.info.get("pid")
             self.group.kill(slot)
             slot.info.update(pid=pid, node_id=node)  # kept for the event
@@ -461,7 +461,7 @@ class WorkerMonitor:
                 del self.run_refs[ref]
         return out
 
-    def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
+    def _account_failures(self, killed: list[tuple[Failure, FailureKind, str | None]]) -> None:
         """Emit the failure events (timed from the true last progress, now that the survivors' records
         are in), apply the failure budget, and queue the replacements (:meth:`_start_replacements`)."""
         for f, kind, node in killed:
@@ -485,7 +485,7 @@ class WorkerMonitor:
         if verdict:
             return self._fail(verdict)
         for f, kind, _ in killed:
-            if kind == "node_lost":  # before the actor: it goes into the slot's new group
+            if kind is FailureKind.NODE_LOST:  # before the actor: it goes into the slot's new group
                 self.group.replace_lost_placement(f.slot)
             self.replacements_due.append(f.slot)
 
@@ -521,7 +521,7 @@ class WorkerMonitor:
         for ref in pending:
             slot = self.run_refs[ref]
             if ref not in self.runs_ended and slot.state is SlotState.MEMBER:
-                self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
+                self._add_failure(slot, FailureKind.HANG, f"did not leave the failed step within {timeout:g}s")
         # the decision waits on this: with rank 0 alive, its records say which steps completed (a
         # dead rank 0's steps are in the survivors' records: then every member is asked)
         alive = self.reporter is not None and self.reporter.state is SlotState.MEMBER
