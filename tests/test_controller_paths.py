@@ -197,19 +197,18 @@ def test_preempted_while_recovering_checkpoints_and_exits_75(tmp_path, ray_local
     group.shutdown()
 
 
-def test_the_controller_provides_everything_the_monitor_declares(tmp_path, ray_local) -> None:
-    """WorkerMonitor uses its host only through MonitorHost: a name missing on the controller (renamed,
-    removed) would fail at the first poll of a real run; here it fails at once."""
-    import typing
-
-    from elastictrain.controller.monitor import MonitorHost
+def test_the_monitor_is_an_object_the_controller_owns_not_a_mixin(tmp_path, ray_local) -> None:
+    """WorkerMonitor is composed: built from what it observes with, it holds no reference to the
+    controller, and the controller's state (the machine, the budget, the recovery) is not in it."""
+    from elastictrain.controller.monitor import WorkerMonitor
 
     c, group = _controller(tmp_path, {})
-    declared = set(typing.get_type_hints(MonitorHost)) | {
-        n for n, v in vars(MonitorHost).items() if callable(v) and not n.startswith("__")}
-    assert declared >= {"group", "ledger", "detector", "_judge", "request_preemption"}
-    missing = sorted(n for n in declared if not hasattr(c, n))
-    assert not missing, missing
+    assert not isinstance(c, WorkerMonitor) and isinstance(c.monitor, WorkerMonitor)
+    assert all(v is not c for v in vars(c.monitor).values())
+    assert not any(hasattr(c.monitor, n) for n in ("sm", "budget", "open_failure", "_fail", "request_preemption"))
+    c.step()  # STARTING -> RUNNING: the generation it watches is the controller's
+    assert c.sm.state is State.RUNNING
+    assert (c.monitor.generation, c.monitor.world_size) == (c.generation, c.world_size) == (0, 2)
     group.shutdown()
 
 
@@ -264,8 +263,8 @@ def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray
     c._account_failures(lost("node-a", range(0, 8)))
     c._account_failures(lost("node-b", range(8, 14)) + lost("node-a", range(14, 16)))  # a straggler of node-a
     assert not c.sm.terminal, c.final_error
-    assert [(r.kind, r.node) for r in c.failure_log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
-    assert "lost with 8 workers" in c.failure_log[0].reason
+    assert [(r.kind, r.node) for r in c.budget.log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
+    assert "lost with 8 workers" in c.budget.log[0].reason
     events = [e for e in read_events(tmp_path) if e["event"] == "failure"]
     assert len(events) == 16 and c.ledger.failures == 16  # each lost worker is reported
     group.shutdown()
@@ -308,7 +307,7 @@ def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_
     members = group.members()
     got = c._recovery_source(members, 2, members)
     assert got is None and c.recovery_source == "scratch", (got, c.recovery_source)
-    assert not c.pending_failures
+    assert not c.monitor.pending_failures
     warning = [e for e in read_events(tmp_path) if e["event"] == "warning" and e["source"] == "recovery"][0]
     assert "served generation 1 rank 0 step 0, not generation 0 rank 0 step 5" in warning["reason"]
     group.shutdown()
@@ -318,7 +317,7 @@ def test_a_survivor_refusing_to_serve_is_not_charged_a_failure(tmp_path, ray_loc
     c, group = _sharded_after_start(tmp_path, {1: {"hold_error": "slot 1 holds generation 1 rank 0 step 0"}})
     members = group.members()
     assert c._recovery_source(members, 2, members) is None and c.recovery_source == "scratch"
-    assert not c.pending_failures
+    assert not c.monitor.pending_failures
     group.shutdown()
 
 

@@ -21,6 +21,7 @@ import ray
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.admission import admit
+from elastictrain.controller.budget import FailureBudget
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.gather import (CheckpointLoadFailed, PeerRestore, Previous, SourceGatherer,
                                             SurvivorLost, slot_step)
@@ -28,8 +29,8 @@ from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, Wo
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.kinds import FailureKind
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.detect import Failure, FailureDetector
-from elastictrain.controller.monitor import POLL_INTERVAL_S, WorkerMonitor
+from elastictrain.controller.detect import Failure
+from elastictrain.controller.monitor import POLL_INTERVAL_S, Killed, WorkerMonitor
 from elastictrain.controller.state import State, StateMachine
 from elastictrain.parallel.placement import arrange
 from elastictrain.parallel.plan import Layout, resolve, spec_from_config
@@ -40,7 +41,7 @@ log = logging.getLogger("elastictrain.controller")
 _RANK, _INDEX = operator.attrgetter("rank"), operator.attrgetter("index")  # sort keys without tuples
 
 
-class Controller(WorkerMonitor):
+class Controller:
     def __init__(self, config: JobConfig, task: Task, events: EventLog, store: Any = None,
                  resume_manifest: Any = None, group: WorkerGroup | None = None, resume_plan: Any = None,
                  planned: Any = None) -> None:
@@ -67,18 +68,12 @@ class Controller(WorkerMonitor):
         self.committer = Committer(config, events, store, self._checkpoint_meta())
         self.generation = -1
         self.world_size = 0
-        self.failure_log: list[policy.FailureRecord] = []  # what the failure budget judges
-        self.any_setup_ok = False
-        self.detector = FailureDetector(config.timeouts)  # observations in, Failures out (no Ray)
-        self.run_refs: dict[Any, Slot] = {}
-        self.poll_refs: dict[int, tuple[Any, float]] = {}
+        self.budget = FailureBudget(config.recovery, len(self.group.slots))
         self.waiting_since: float | None = None
         self.open_failure: Failure | None = None
-        self.replacements_due: list[int] = []
         self.preempt_reason: str | None = None
         self.final_error: str | None = None
         self.exit_code = 0
-        self.reported_stragglers: set[int] = set()
         # where the workers write the final model when no committed checkpoint holds it (the Trainer sets
         # RUN_DIR/final_model); where it is once the run finished (None: not saved)
         self.final_model_root: str | None = None
@@ -87,8 +82,6 @@ class Controller(WorkerMonitor):
         self.recovery_source = "peer"
         self.recovery_reason = ""
         self.recovery_last_step = 0  # newest completed step known when the recovery source was chosen
-        self.memory_stall_s, self.memory_snapshots = 0.0, 0
-        self.generation_started_at, self.generation_start_step = 0.0, 0
         self.plan_spec = spec_from_config(config, gpus_per_node() if config.workers.use_gpu else None)
         self.generation_layout: Layout | None = None  # the last generation formed runs this (and generation_spec)
         self.generation_spec = self.plan_spec
@@ -104,7 +97,7 @@ class Controller(WorkerMonitor):
         branch = m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
         self.sources = SourceGatherer(config, events, store, self.committer, self.lineage, branch, self.layout)
         self.sources.start_keepers()
-        self.drains = self.rt.drain_watcher()
+        self.monitor = WorkerMonitor(config, self.group, self.ledger, self.committer, events, self.rt.drain_watcher())
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -183,14 +176,14 @@ class Controller(WorkerMonitor):
         self.sm.to(State.RUNNING, f"{decision.world_size} workers joined generation {self.generation}")
 
     def _running(self) -> None:
-        self._pump(POLL_INTERVAL_S)
+        self._observe()
         if self._nonfinite_verdict():
             return
-        if self.ledger.last_step > self.generation_start_step:  # trained a step: the first standby may start
+        if self.ledger.last_step > self.monitor.start_step:  # trained a step: the first standby may start
             self.group.start_first_standby()
-        if self.pending_failures:
-            return self.sm.to(State.RECOVERING, self.pending_failures[0].reason)
-        results = self._finished_runs()
+        if self.monitor.pending_failures:
+            return self.sm.to(State.RECOVERING, self.monitor.pending_failures[0].reason)
+        results = self.monitor.finished_runs()
         if results is not None:
             if all(r["status"] == "done" for r in results):
                 return self._finish(State.FINISHED, f"reached step {self.config.train.steps}")
@@ -207,12 +200,12 @@ class Controller(WorkerMonitor):
             self.sm.to(State.RESIZING, "replacement workers are ready: growing at the next step boundary")
 
     def _resizing(self) -> None:
-        self._pump(POLL_INTERVAL_S)
+        self._observe()
         if self._nonfinite_verdict():
             return
-        if self.pending_failures:
-            return self.sm.to(State.RECOVERING, self.pending_failures[0].reason)
-        results = self._finished_runs()
+        if self.monitor.pending_failures:
+            return self.sm.to(State.RECOVERING, self.monitor.pending_failures[0].reason)
+        results = self.monitor.finished_runs()
         if results is None:
             return
         if all(r["status"] == "done" for r in results):
@@ -224,25 +217,46 @@ class Controller(WorkerMonitor):
             self.sm.to(State.RECOVERING, "growing had to wait for workers")
 
     def _recovering(self) -> None:
-        killed = self._kill_failed()
+        killed = self.monitor.kill_failed()
         if killed:
             self._abort_survivors()
             self.sources.ask_peer_tier(self.generation)
         # Survivors come back from `run` at the failed step's boundary (their collectives fail fast).
-        self._drain_runs(timeout=self.config.timeouts.collective_s)
+        self.monitor.drain_runs(timeout=self.config.timeouts.collective_s)
         self._account_failures(killed)
         try:
-            if self.sm.state is not State.RECOVERING or self.pending_failures:
+            if self.sm.state is not State.RECOVERING or self.monitor.pending_failures:
                 return  # failed, or a survivor failed as well: handled in the next iteration
             for slot in self.group.collect_ready(timeout=0):
                 self._on_setup_done(slot)
-            self._check_drains()  # a drain notice while recovering (or waiting for workers) preempts too
+            drain = self.monitor.check_drains()  # a drain notice while recovering (or waiting for workers) preempts too
+            if drain:
+                self.request_preemption(drain)
             if self.preempt_reason:
                 return self.sm.to(State.CHECKPOINTING, self.preempt_reason)
             self._regroup(reason="recover")
         finally:  # the survivors train again (or wait, or regroup once more): now the replacements start
             if not self.sm.terminal:
-                self._start_replacements()
+                self.monitor.start_replacements()
+
+    def _observe(self) -> None:
+        """One poll interval of the monitor; act on what it saw (set-ups ended, a drain notice)."""
+        seen = self.monitor.pump(POLL_INTERVAL_S)
+        for slot in seen.ready:
+            self._on_setup_done(slot)
+        if seen.drain:
+            self.request_preemption(seen.drain)
+
+    def _account_failures(self, killed: list[Killed]) -> None:
+        """The killed workers' failures: reported (events), charged to the budget (the run fails when it
+        is spent), their replacements queued (started by ``monitor.start_replacements``)."""
+        records = self.monitor.report_failures(killed)
+        if killed and self.open_failure is None:
+            self.open_failure = killed[0][0]
+        verdict = self.budget.charge(records)
+        if verdict:
+            return self._fail(verdict)
+        self.monitor.queue_replacements(killed)
 
     def _abort_survivors(self) -> None:
         """A member died: survivors abort their communicators (NCCL) so blocked collectives fail now, and
@@ -260,7 +274,7 @@ class Controller(WorkerMonitor):
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
         Preempted while recovering (or waiting for workers), the survivors left their process groups and
         hold no writer: they first regroup -- with whoever is ready -- to save (``_regroup_to_save``)."""
-        self._drain_runs(timeout=self.config.timeouts.collective_s)
+        self.monitor.drain_runs(timeout=self.config.timeouts.collective_s)
         save = self.config.checkpoint.on_preempt and self.store is not None
         if save and self.sm.history and self.sm.history[-1][0] is State.RECOVERING:
             save = self._regroup_to_save()
@@ -355,7 +369,7 @@ class Controller(WorkerMonitor):
         if decision.action == "fail":
             return self._fail(decision.reason)
         if decision.action == "wait":
-            self._start_replacements()  # nothing trains until workers come: no reason to hold them back
+            self.monitor.start_replacements()  # nothing trains until workers come: no reason to hold them back
             if self.waiting_since is None:
                 self.waiting_since = time.time()
                 self.events.emit("worker_lost", world_size=len(survivors), reason=decision.reason)
@@ -370,7 +384,7 @@ class Controller(WorkerMonitor):
         try:
             resume = self._recovery_source(chosen, old, survivors)
         except SurvivorLost as e:  # a survivor serving its shards died: recorded as its failure
-            self._detect_dead(e.holders, str(e), e.outcomes)
+            self.monitor.detect_dead(e.holders, str(e), e.outcomes)
             if self.sm.state is not State.RECOVERING:
                 self.sm.to(State.RECOVERING, "a survivor failed while serving its state")
             return
@@ -410,23 +424,6 @@ class Controller(WorkerMonitor):
                 s.has_state = False
         return got.resume
 
-    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
-        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused,
-        that could not be sent, or that was dropped (replaced unsent, evicted) -- an event and a log line
-        each, never silent."""
-        self.memory_stall_s += report["stall_s"]
-        self.memory_snapshots += report["snapshots"]
-        for r in report["rejected"]:
-            log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
-            self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
-                             reason=r["reason"])
-        for d in report.get("dropped", ()):
-            log.warning("peer memory tier: snapshot of rank %s step %s dropped (%s): %s", d["rank"], d["step"],
-                        d["cause"], d["reason"])
-            self.events.emit("memory_snapshot_dropped", rank=d["rank"], slot=slot.index, step=d["step"],
-                             generation=d["generation"], cause=d["cause"], bound_holds=d["bound_holds"],
-                             reason=d["reason"])
-
     def _choose_members(self, survivors: list[Slot], ready: list[Slot], world: int) -> list[Slot]:
         if self.config.recovery.mode == "strict":
             # Keep ranks: survivors keep theirs, joiners take the ranks of the dead.
@@ -454,7 +451,7 @@ class Controller(WorkerMonitor):
         it is loaded, so ``sync`` is a round of its own and ``run`` follows it; with the peer memory tier
         on, ``run`` follows the keepers' attachment (``attach_keeper`` reads the joined rank)."""
         chosen = self._place(chosen)
-        asked = self._ask_members(self._last_poll_targets())  # taken while the members join
+        asked = self.monitor.ask_members(self.monitor.last_poll_targets())  # taken while the members join
         self.generation += 1
         gen, world = self.generation, len(chosen)
         self.committer.new_generation(gen, world)
@@ -505,13 +502,13 @@ class Controller(WorkerMonitor):
             self._fail_checkpoint(str(e))
             return False
         except Exception as e:  # noqa: BLE001 - any member failing here is a failure like any other
-            self.stray_runs = [ref for _, ref in runs or ()]  # drained by the recovery (_drain_runs), not judged
+            self.monitor.stray_runs = [ref for _, ref in runs or ()]  # drained by the recovery (_drain_runs), not judged
             self._take_last_polls(asked)  # before _detect_dead polls again: a slot's records stay in order
             # charged to the member whose part failed (its own error quoted), not to whoever comes first
             if isinstance(e, MemberCallFailed):
-                self._detect_dead(chosen, f"failed during rendezvous of generation {gen} ({e.what})", e.outcomes)
+                self.monitor.detect_dead(chosen, f"failed during rendezvous of generation {gen} ({e.what})", e.outcomes)
             else:
-                self._detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
+                self.monitor.detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             return False
         self.prev_ranks, self.prev_generation = {s.index: r for r, s in enumerate(chosen)}, gen
         self.generation_layout, self.generation_spec = layout, self.plan_spec
@@ -524,7 +521,7 @@ class Controller(WorkerMonitor):
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"),
                                  device=s.info.get("device"), standby=s.info.get("standby", False))
         self.world_size = world
-        self.generation_started_at, self.generation_start_step = time.time(), steps[0]
+        self.monitor.new_generation(gen, world, time.time(), steps[0])
         accum = layout.accum
         self.ledger.new_generation(gen, world, accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])
@@ -548,8 +545,7 @@ class Controller(WorkerMonitor):
                                  f"generation {gen} failed: {describe_remote_error(e)}")
         if runs is None:
             runs = [(s, s.actor.run.remote(self.config.train.steps)) for s in chosen]
-        self.run_refs = {ref: s for s, ref in runs}
-        self._watch_runs(chosen, aggregate=layout.dims.pp == 1)
+        self.monitor.watch_runs(runs, aggregate=layout.dims.pp == 1)
         return True
 
     def _run_after(self, joins: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
@@ -567,7 +563,7 @@ class Controller(WorkerMonitor):
         """Take the previous members' last polls (:meth:`_ask_members`) and keep the steps only some
         survivor completed (``Ledger.flush_partial``); returns the empty list of polls still to take."""
         if asked:
-            self._take_members(asked)
+            self.monitor.take_members(asked)
         self.ledger.flush_partial()
         return []
 
@@ -683,23 +679,17 @@ class Controller(WorkerMonitor):
             if self.sm.terminal:
                 return
         if slot.state is not SlotState.DEAD or "error" not in slot.info:
-            self.any_setup_ok = True
+            self.budget.any_setup_ok = True
             return
         if self.sm.terminal:
             return
         self.ledger.failures += 1
         self.events.emit("failure", kind=FailureKind.SETUP_FAILED, rank=None, slot=slot.index, node_id=None,
                          detected_after_s=0.0, step=self.ledger.last_step, reason=slot.info["error"])
-        verdict = self._judge(policy.FailureRecord(time.time(), slot.index, FailureKind.SETUP_FAILED, slot.info["error"], 0))
+        verdict = self.budget.judge(policy.FailureRecord(time.time(), slot.index, FailureKind.SETUP_FAILED, slot.info["error"], 0))
         if verdict:
             return self._fail(verdict)
         self.group.spawn(slot.index)
-
-    def _judge(self, record: policy.FailureRecord) -> str | None:
-        """Add ``record`` to the failure log; a reason to stop the run, or None (see policy.failure_verdict)."""
-        self.failure_log.append(record)
-        return (policy.setup_verdict(self.failure_log, len(self.group.slots), self.any_setup_ok)
-                or policy.failure_verdict(self.failure_log, record.at, self.config.recovery))
 
     def _nonfinite_verdict(self) -> bool:
         """``recovery.max_nonfinite_steps`` steps in a row had their update skipped (non-finite loss or
@@ -719,10 +709,10 @@ class Controller(WorkerMonitor):
         peer's, or a collective timeout): a failure of the group, counted against the budget. True if the
         run ended."""
         self.ledger.failures += 1
-        progress = max(0, self.ledger.last_step - self.generation_start_step)
+        progress = max(0, self.ledger.last_step - self.monitor.start_step)
         self.events.emit("failure", kind=FailureKind.GROUP_FAILED, rank=None, slot=None, node_id=None, pid=None,
                          detected_after_s=0.0, step=self.ledger.last_step, reason=reason)
-        verdict = self._judge(policy.FailureRecord(time.time(), None, FailureKind.GROUP_FAILED, reason, progress))
+        verdict = self.budget.judge(policy.FailureRecord(time.time(), None, FailureKind.GROUP_FAILED, reason, progress))
         if verdict:
             self._fail(verdict)
         return verdict is not None
@@ -767,7 +757,7 @@ class Controller(WorkerMonitor):
         try:
             self._collect_reports(members)
             for s in members:
-                self._take_poll(s, self.rt.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
+                self.monitor.take_poll(s, self.rt.get(s.actor.poll.remote(), timeout=self.config.timeouts.poll_s))
             self.committer.drain(timeout=self.config.timeouts.poll_s)
         except Exception as e:  # noqa: BLE001
             self.events.emit("checkpoint_failed", step=self.ledger.last_step, reason=f"final drain: {e}")
@@ -842,7 +832,8 @@ class Controller(WorkerMonitor):
             "checkpoints_committed": self.committer.committed_steps,
             "final_model_sha256": (self.final_digest or {}).get("sha256"),
             "final_model": self.final_model_uri,
-            "memory_snapshots": self.memory_snapshots, "memory_snapshot_stall_s": round(self.memory_stall_s, 6),
+            "memory_snapshots": self.monitor.memory_snapshots,
+            "memory_snapshot_stall_s": round(self.monitor.memory_stall_s, 6),
         })
 
 

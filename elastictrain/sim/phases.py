@@ -24,9 +24,9 @@ from typing import Any
 import ray
 
 # the controller's recovery methods timed (their start and end), in the order they run
-TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "_check_drains", "_kill_failed",
-         "_drain_runs", "_poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
-         "_take_last_polls", "_run_after")
+TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "check_drains", "kill_failed",
+         "drain_runs", "poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
+         "_take_last_polls", "_run_after")  # the controller's, or its monitor's
 LINES = {"-> RECOVERING": "state_recovering", "recovery source:": "decision", "-> RUNNING": "state_running"}
 
 
@@ -114,12 +114,13 @@ class Phases(logging.Handler):
         """Time the controller's recovery methods (their start and end, after the kill only) and its
         run watch's returns."""
         for name in TIMED:
-            setattr(controller, name, self._timed(name, getattr(controller, name)))
+            owner = controller if hasattr(controller, name) else controller.monitor
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
         logger = logging.getLogger("elastictrain.controller")
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
         watch = controller.rt.watch
-        controller.rt = _Rt(controller.rt, lambda refs: _Watch(watch(refs), self))
+        controller.rt = controller.monitor.rt = _Rt(controller.rt, lambda refs: _Watch(watch(refs), self))
         from elastictrain.controller import controller as module
 
         self._module, self._call_members = module, module.call_members
