@@ -95,7 +95,8 @@ class Controller:
         self.prev_generation = -1  # the generation prev_ranks describes (the last one formed)
         m = resume_manifest  # the branch point: a recovery source until the run commits its own
         branch = m if m is not None and not isinstance(m, dict) and hasattr(m, "step") else None
-        self.sources = SourceGatherer(config, events, store, self.committer, self.lineage, branch, self.layout)
+        self.sources = SourceGatherer(config, events, store, self.committer, self.lineage, branch, self.layout,
+                                      self.rt)
         self.sources.start_keepers()
         self.monitor = WorkerMonitor(config, self.group, self.ledger, self.committer, events, self.rt.drain_watcher())
 
