@@ -306,7 +306,7 @@ def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_
     c, group = _sharded_after_start(tmp_path, {0: {"holds": (1, 0, 0)}, 1: {"holds": (1, 1, 0)}})
     members = group.members()
     got = c._recovery_source(members, 2, members)
-    assert got is None and c.recovery_source == "scratch", (got, c.recovery_source)
+    assert got is None and c.recovery.source == "scratch", (got, c.recovery.source)
     assert not c.monitor.pending_failures
     warning = [e for e in read_events(tmp_path) if e["event"] == "warning" and e["source"] == "recovery"][0]
     assert "served generation 1 rank 0 step 0, not generation 0 rank 0 step 5" in warning["reason"]
@@ -316,7 +316,7 @@ def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_
 def test_a_survivor_refusing_to_serve_is_not_charged_a_failure(tmp_path, ray_local) -> None:
     c, group = _sharded_after_start(tmp_path, {1: {"hold_error": "slot 1 holds generation 1 rank 0 step 0"}})
     members = group.members()
-    assert c._recovery_source(members, 2, members) is None and c.recovery_source == "scratch"
+    assert c._recovery_source(members, 2, members) is None and c.recovery.source == "scratch"
     assert not c.monitor.pending_failures
     group.shutdown()
 
@@ -351,7 +351,7 @@ def test_sharded_recovery_does_not_ask_storage_when_the_memory_tier_covers_the_s
     c.sources.peer_tier = lambda holders, generation: {4: (True, ["snapshot sources of step 4"])}
     got = c._recovery_source([survivor], 2, [survivor])
     assert (got.kind, got.step, got.sources) == ("memory", 4, ["snapshot sources of step 4"])
-    assert store.asked == 0 and "storage not asked" in c.recovery_reason
+    assert store.asked == 0 and "storage not asked" in c.recovery.reason
     c.committer.committed_steps.append(5)  # a newer committed step than the tier's: storage is asked
     c._recovery_source([survivor], 2, [survivor])
     assert store.asked == 1

@@ -160,7 +160,7 @@ class SourceGatherer:
         self._early_catalogs = (None, {})
         for keeper in keepers:
             try:
-                self.rt.kill(keeper)
+                self.rt.stop_keeper(keeper)
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
 

@@ -41,8 +41,8 @@ class Runtime(Protocol):
         """A peer-tier keeper (``ShardKeeper``'s calls: ``set_budget``, ``catalog``...) bound to ``node``
         (it dies with its node), keeping up to ``budget`` bytes."""
 
-    def kill(self, actor: Any) -> None:
-        """End an actor this run started (a keeper); raises if it is gone already."""
+    def stop_keeper(self, keeper: Any) -> None:
+        """End a keeper this run started (:meth:`start_keeper`); raises if it is gone already."""
 
     def free_memory(self, nodes: set[str]) -> list[int]:
         """The memory each alive node among ``nodes`` offers (bytes; nodes that do not say are left out)."""
@@ -113,8 +113,8 @@ class RayRuntime:
         return ShardKeeper.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
 
-    def kill(self, actor: Any) -> None:
-        ray.kill(actor, no_restart=True)
+    def stop_keeper(self, keeper: Any) -> None:
+        ray.kill(keeper, no_restart=True)
 
     def free_memory(self, nodes: set[str]) -> list[int]:
         return [int(n["Resources"]["memory"]) for n in ray.nodes()

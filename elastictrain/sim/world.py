@@ -470,8 +470,8 @@ class SimWorld:
         self.keepers.append(keeper)
         return keeper
 
-    def kill(self, actor: Any) -> None:
-        actor.killed = True
+    def stop_keeper(self, keeper: SimKeeper) -> None:
+        keeper.killed = True
 
     def free_memory(self, nodes: set[str]) -> list[int]:
         return []  # simulated nodes do not say: the budget is checkpoint.memory_budget_gib's

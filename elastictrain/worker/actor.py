@@ -318,7 +318,7 @@ class Worker:
         """Run steps until ``target_step`` completed steps, a stop request, or a failure.
 
         ``joined``: the controller passes this generation's ``join`` call (its ref) here when it sends
-        ``run`` before the join answered (``Controller._run_after``): Ray starts this call only once that
+        ``run`` before the join answered (``GenerationFormer._run_after``): Ray starts this call only once that
         join returned (its value, unused, arrives here), and a failed join fails this call with the join's
         error before it starts. The order is Ray's, not a wait in here: Ray does not order a threaded
         actor's calls, and a run waiting on the one state thread for its join would hold the thread the
