@@ -5,6 +5,7 @@ FAILED, and a preemption that arrives while RECOVERING."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ class ScriptedWorker:
 
     def __init__(self, slot: int, script: dict[str, Any]) -> None:
         self.slot, self.script, self.step = slot, script, 0
+        self.released = threading.Event()  # ``script["hold_run"]``: ``run`` answers once released
 
     def setup(self) -> dict[str, Any]:
         if self.script.get("setup_error"):
@@ -63,9 +65,14 @@ class ScriptedWorker:
         status = self.script.get("run", "done")
         if status == "exit":  # the process dies mid-step
             os._exit(1)
-        time.sleep(self.script.get("run_s", 0.0))
+        if self.script.get("hold_run") and not self.released.wait(timeout=120):
+            raise TimeoutError("the test never released this run")
         return run_result.pack(status, self.step, self.script.get("error") if status != "done" else None,
                                self.slot)
+
+    def release(self) -> None:
+        """Let a held ``run`` answer (a survivor whose step fails once its peer's death is known)."""
+        self.released.set()
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
@@ -216,8 +223,9 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     """Elastic: a failed worker's replacement is started once the survivors' next generation is formed --
     a starting worker takes a core for seconds and would slow the recovery it cannot join. (Strict mode,
     which must wait for it, starts it at once: test_own_errors_in_a_row_fail_the_run_as_a_crash_loop.)"""
-    # slot 1's process dies in its step; slot 0's step then fails on the dead peer (after the death is seen)
-    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "run_s": 1.0}, 1: {"run": "exit"}},
+    # slot 1's process dies in its step; slot 0's step fails on the dead peer once the controller knows of
+    # the death (released at RECOVERING: an event, not a second's sleep that a loaded machine outlasts)
+    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "hold_run": True}, 1: {"run": "exit"}},
                            workers={"min": 1, "max": 2})
     order: list[tuple[str, int]] = []
     spawn, form = group.spawn, c._form_generation
@@ -238,6 +246,7 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
         if c.sm.state is State.RECOVERING:
             break
     assert c.sm.state is State.RECOVERING
+    group.slots[0].actor.release.remote()  # the death is known: the survivor's step fails now
     before = len(order)
     c.step()  # RECOVERING: the failure is accounted, the survivor regroups alone, then the replacement starts
     assert c.world_size == 1, (order, c.sm.history)
