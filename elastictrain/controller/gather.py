@@ -37,7 +37,7 @@ log = logging.getLogger("elastictrain.controller")
 
 class SurvivorLost(RuntimeError):
     """A survivor chosen as a recovery source died before serving its state (``outcomes``: whose part
-    failed, for :meth:`WorkerMonitor._detect_dead`)."""
+    failed, for :meth:`WorkerMonitor.detect_dead`)."""
 
     def __init__(self, reason: str, holders: list[Slot], outcomes: list[Any]) -> None:
         super().__init__(reason)
