@@ -34,7 +34,7 @@ class WorkerView:
     slot: int
     rank: int | None
     joined_step: int | None = None  # the step at which this incarnation joined; None: never joined
-    phase: str = "idle"              # idle | compute | collective (from its last poll)
+    phase: str = "idle"              # idle | data | compute | collective (from its last poll)
     phase_since: float = 0.0
     poll_sent_at: float | None = None  # an unanswered poll, sent then
     dead: bool = False
@@ -102,6 +102,13 @@ class FailureDetector:
         why = f"no progress for {now - progress_at:.1f}s (bound {bound:.1f}s from observed step times)"
         found = [self.report(w, FailureKind.HANG, why, now=now, **at) for w in suspects]
         return [f for f in found if f is not None]
+
+    @staticmethod
+    def find_data_stalls(members: Sequence[WorkerView], *, now: float, bound: float) -> list[WorkerView]:
+        """Members waiting on their dataset's reads (phase ``data``: storage, not the worker) for longer than
+        the hang bound. Never a failure: a replacement would wait on the same storage. :meth:`find_hangs`
+        blames none of them (they neither compute nor answer late) and none of the peers waiting for them."""
+        return [w for w in members if w.phase == "data" and now - w.phase_since > bound]
 
     def take(self) -> list[Failure]:
         """The pending failures, handed over once."""

@@ -102,6 +102,7 @@ class WorkerMonitor:
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
     reporter_now = 0.0  # rank 0's clock when it last answered a poll
     stall_aborted_at: float | None = None  # the progress time of the stall the fallback last aborted
+    data_stalls_named: frozenset[tuple[int, float]] = frozenset()  # (slot, phase_since) already named
     taken_at = 0.0  # when the answered polls were last taken
 
     def watch_runs(self, runs: list[tuple[Slot, Any]], aggregate: bool) -> None:
@@ -360,12 +361,33 @@ class WorkerMonitor:
             # a phase from before the stall would blame a healthy rank
             return
         views = [self._view(s, now) for s in self.group.members()]
+        for view in self.detector.find_data_stalls(views, now=now, bound=bound):
+            self._name_data_stall(view, now, bound)
         found = self.detector.find_hangs(views, now=now, progress_at=progress, step_times=times, **self._when())
         if found or self.pending_failures or self.stall_aborted_at == progress:
             return
-        # a member computing is a slow step (a first step compiling), not a stall: only waiting ones are aborted
-        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(v.phase == "compute" for v in views):
+        # a member computing is a slow step (a first step compiling), not a stall, and a member reading its
+        # data waits on storage (named above): only members that all wait on each other are aborted
+        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(
+                v.phase in ("compute", "data") for v in views):
             self._abort_stall(now - progress, bound, progress)
+
+    def _name_data_stall(self, view: WorkerView, now: float, bound: float) -> None:
+        """Say once per stall that a member waits on its dataset's reads (``data_stalled``): storage, not
+        the worker, so nobody is replaced and the step goes on when the reads return. Past
+        ``timeouts.collective_s`` the peers' collective times out and the group regroups (nothing lost)."""
+        key = (view.slot, view.phase_since)
+        if key in self.data_stalls_named:
+            return
+        self.data_stalls_named = self.data_stalls_named | {key}
+        waited = now - view.phase_since
+        reason = (f"rank {view.rank} has waited {waited:.1f}s on its dataset's reads (hang bound {bound:.1f}s): "
+                  f"storage is slow or stalled, not the worker, so it is not replaced; the step goes on when the "
+                  f"reads return (past timeouts.collective_s={self.config.timeouts.collective_s:g}s the peers' "
+                  f"collective times out and the group regroups from memory)")
+        self.events.emit("data_stalled", step=self.ledger.last_step, rank=view.rank, waited_s=round(waited, 3),
+                         bound_s=round(bound, 3), reason=reason)
+        log.warning("%s", reason)
 
     def _abort_stall(self, stalled_s: float, bound: float, progress: float) -> None:
         """A stall nobody is blamed for (every member answers and none computes: each waits in a collective

@@ -117,7 +117,7 @@ class StepRunner:
         self.rank = 0
         self.world_size = 1
         self.generation = 0
-        self.phase = "idle"  # idle | compute | collective: tells a hung rank from its waiting peers
+        self.phase = "idle"  # idle | data | compute | collective: tells a hung rank from its waiting peers
         self.phase_since = time.time()
         # set by abort() (the controller's abort_group, from another thread) for the generation it names:
         # no step of an aborted generation commits (``_commit_gate``)
@@ -378,7 +378,10 @@ class StepRunner:
             for j in range(self.train.eval_batches):
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
-                    batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
+                    self._set_phase("data")  # storage, not compute (the watchdog names a stall here)
+                    samples = [self.eval_dataset[int(i)] for i in ids]
+                    self._set_phase("compute")
+                    batch = _to(self.collate(samples), self.device)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
                     total += self.task.loss_fn(module, batch, seeds).double().sum()
         self._set_phase("collective")
@@ -512,7 +515,10 @@ class _LoopHooks:
 
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
-        batch = _to(r.collate([r.dataset[int(i)] for i in ids]), r.device)
+        r._set_phase("data")  # waiting on storage is not computing: the watchdog names it, never replaces it
+        samples = [r.dataset[int(i)] for i in ids]
+        r._set_phase("compute")
+        batch = _to(r.collate(samples), r.device)
         seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
         return MicroBatch([int(i) for i in ids], batch, seeds)
 
