@@ -23,7 +23,7 @@ EVENTS = (
     "run_started", "worker_started", "generation_started", "resumed", "step", "checkpoint_saved",
     "checkpoint_skipped", "checkpoint_failed", "failure", "recovered", "replanned", "resized", "straggler",
     "preempted", "worker_lost", "run_finished", "run_failed", "warning", "peer_tier_short",
-    "memory_snapshot_rejected", "memory_snapshot_dropped", "step_skipped", "stall_aborted", "profile_saved",
+    "memory_snapshot_rejected", "memory_snapshot_dropped", "step_skipped", "stall_aborted", "data_stalled", "profile_saved",
 )
 
 # Events that a person wants on the console even when step lines are thinned out.

@@ -7,7 +7,11 @@ Credentials are dummy values passed through storage_options (never read from or 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -184,3 +188,35 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 10.0) -> Any:
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class MotoProcess:
+    """moto's S3 server in a process of its own, so the test can stall it with SIGSTOP."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                self.proc.poll()
+                assert self.proc.returncode is None, "moto server exited"
+                time.sleep(0.1)
+        raise AssertionError("moto server did not start")
+
+    def options(self) -> dict:
+        # A stalled endpoint: requests hang until read_timeout (a long one, as real clients use).
+        return {"key": DUMMY_KEY, "secret": DUMMY_SECRET, "client_kwargs": {"endpoint_url": self.endpoint},
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 5, "read_timeout": 60},
+                "skip_instance_cache": True}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait(10)

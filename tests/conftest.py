@@ -198,6 +198,8 @@ class BackgroundRun:
                     if predicate(e):
                         return e
             if not self.thread.is_alive():
+                if self.error is not None:
+                    raise AssertionError(f"the run ended with {self.error!r} before a matching event") from self.error
                 break
             self.thread.join(0.05)
         raise AssertionError(f"no matching event within {timeout}s in {self.dir}")

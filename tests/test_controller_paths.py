@@ -5,6 +5,7 @@ FAILED, and a preemption that arrives while RECOVERING."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ class ScriptedWorker:
 
     def __init__(self, slot: int, script: dict[str, Any]) -> None:
         self.slot, self.script, self.step = slot, script, 0
+        self.released = threading.Event()  # ``script["hold_run"]``: ``run`` answers once released
 
     def setup(self) -> dict[str, Any]:
         if self.script.get("setup_error"):
@@ -63,9 +65,14 @@ class ScriptedWorker:
         status = self.script.get("run", "done")
         if status == "exit":  # the process dies mid-step
             os._exit(1)
-        time.sleep(self.script.get("run_s", 0.0))
+        if self.script.get("hold_run") and not self.released.wait(timeout=120):
+            raise TimeoutError("the test never released this run")
         return worker_reply.pack(status, self.step, self.script.get("error") if status != "done" else None,
                                self.slot)
+
+    def release(self) -> None:
+        """Let a held ``run`` answer (a survivor whose step fails once its peer's death is known)."""
+        self.released.set()
 
     def poll(self, after: int | None = None) -> dict[str, Any]:
         return {"slot": self.slot, "status": "joined", "step": self.step, "phase": "idle",
@@ -197,19 +204,18 @@ def test_preempted_while_recovering_checkpoints_and_exits_75(tmp_path, ray_local
     group.shutdown()
 
 
-def test_the_controller_provides_everything_the_monitor_declares(tmp_path, ray_local) -> None:
-    """WorkerMonitor uses its host only through MonitorHost: a name missing on the controller (renamed,
-    removed) would fail at the first poll of a real run; here it fails at once."""
-    import typing
-
-    from elastictrain.controller.monitor import MonitorHost
+def test_the_monitor_is_an_object_the_controller_owns_not_a_mixin(tmp_path, ray_local) -> None:
+    """WorkerMonitor is composed: built from what it observes with, it holds no reference to the
+    controller, and the controller's state (the machine, the budget, the recovery) is not in it."""
+    from elastictrain.controller.monitor import WorkerMonitor
 
     c, group = _controller(tmp_path, {})
-    declared = set(typing.get_type_hints(MonitorHost)) | {
-        n for n, v in vars(MonitorHost).items() if callable(v) and not n.startswith("__")}
-    assert declared >= {"group", "ledger", "detector", "_judge", "request_preemption"}
-    missing = sorted(n for n in declared if not hasattr(c, n))
-    assert not missing, missing
+    assert not isinstance(c, WorkerMonitor) and isinstance(c.monitor, WorkerMonitor)
+    assert all(v is not c for v in vars(c.monitor).values())
+    assert not any(hasattr(c.monitor, n) for n in ("sm", "budget", "open_failure", "_fail", "request_preemption"))
+    c.step()  # STARTING -> RUNNING: the generation it watches is the controller's
+    assert c.sm.state is State.RUNNING
+    assert (c.monitor.generation, c.monitor.world_size) == (c.generation, c.world_size) == (0, 2)
     group.shutdown()
 
 
@@ -217,8 +223,9 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     """Elastic: a failed worker's replacement is started once the survivors' next generation is formed --
     a starting worker takes a core for seconds and would slow the recovery it cannot join. (Strict mode,
     which must wait for it, starts it at once: test_own_errors_in_a_row_fail_the_run_as_a_crash_loop.)"""
-    # slot 1's process dies in its step; slot 0's step then fails on the dead peer (after the death is seen)
-    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "run_s": 1.0}, 1: {"run": "exit"}},
+    # slot 1's process dies in its step; slot 0's step fails on the dead peer once the controller knows of
+    # the death (released at RECOVERING: an event, not a second's sleep that a loaded machine outlasts)
+    c, group = _controller(tmp_path, {0: {"run": "peer_failed", "hold_run": True}, 1: {"run": "exit"}},
                            workers={"min": 1, "max": 2})
     order: list[tuple[str, int]] = []
     spawn, form = group.spawn, c._form_generation
@@ -239,6 +246,7 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
         if c.sm.state is State.RECOVERING:
             break
     assert c.sm.state is State.RECOVERING
+    group.slots[0].actor.release.remote()  # the death is known: the survivor's step fails now
     before = len(order)
     c.step()  # RECOVERING: the failure is accounted, the survivor regroups alone, then the replacement starts
     assert c.world_size == 1, (order, c.sm.history)
@@ -251,19 +259,21 @@ def test_a_lost_node_is_one_failure_of_the_node_not_one_per_worker(tmp_path, ray
     recovery.max_failures=10), not 16 that end the run; a worker of a lost node found by a later recovery
     is not counted again. Every lost worker still gets its own ``failure`` event (#21 item 8)."""
     from elastictrain.controller.detect import Failure
+    from elastictrain.controller.kinds import FailureKind
 
     c, group = _controller(tmp_path, {}, workers={"min": 1, "max": 16}, train={"global_batch": 16, "micro_batch": 1})
     now = time.time()
 
-    def lost(node: str, slots: range) -> list[tuple[Failure, str, str]]:
-        return [(Failure(i, i, "process_died", "worker process died", now, now, 30, 30, 0), "node_lost", node)
+    def lost(node: str, slots: range) -> list[tuple[Failure, FailureKind, str]]:
+        return [(Failure(i, i, FailureKind.PROCESS_DIED, "worker process died", now, now, 30, 30, 0),
+                 FailureKind.NODE_LOST, node)
                 for i in slots]
 
     c._account_failures(lost("node-a", range(0, 8)))
     c._account_failures(lost("node-b", range(8, 14)) + lost("node-a", range(14, 16)))  # a straggler of node-a
     assert not c.sm.terminal, c.final_error
-    assert [(r.kind, r.node) for r in c.failure_log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
-    assert "lost with 8 workers" in c.failure_log[0].reason
+    assert [(r.kind, r.node) for r in c.budget.log] == [("node_lost", "node-a"), ("node_lost", "node-b")]
+    assert "lost with 8 workers" in c.budget.log[0].reason
     events = [e for e in read_events(tmp_path) if e["event"] == "failure"]
     assert len(events) == 16 and c.ledger.failures == 16  # each lost worker is reported
     group.shutdown()
@@ -305,8 +315,8 @@ def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_
     c, group = _sharded_after_start(tmp_path, {0: {"holds": (1, 0, 0)}, 1: {"holds": (1, 1, 0)}})
     members = group.members()
     got = c._recovery_source(members, 2, members)
-    assert got is None and c.recovery_source == "scratch", (got, c.recovery_source)
-    assert not c.pending_failures
+    assert got is None and c.recovery.source == "scratch", (got, c.recovery.source)
+    assert not c.monitor.pending_failures
     warning = [e for e in read_events(tmp_path) if e["event"] == "warning" and e["source"] == "recovery"][0]
     assert "served generation 1 rank 0 step 0, not generation 0 rank 0 step 5" in warning["reason"]
     group.shutdown()
@@ -315,8 +325,8 @@ def test_survivors_that_moved_on_are_not_served_as_the_old_layout(tmp_path, ray_
 def test_a_survivor_refusing_to_serve_is_not_charged_a_failure(tmp_path, ray_local) -> None:
     c, group = _sharded_after_start(tmp_path, {1: {"hold_error": "slot 1 holds generation 1 rank 0 step 0"}})
     members = group.members()
-    assert c._recovery_source(members, 2, members) is None and c.recovery_source == "scratch"
-    assert not c.pending_failures
+    assert c._recovery_source(members, 2, members) is None and c.recovery.source == "scratch"
+    assert not c.monitor.pending_failures
     group.shutdown()
 
 
@@ -350,7 +360,7 @@ def test_sharded_recovery_does_not_ask_storage_when_the_memory_tier_covers_the_s
     c.sources.peer_tier = lambda holders, generation: {4: (True, ["snapshot sources of step 4"])}
     got = c._recovery_source([survivor], 2, [survivor])
     assert (got.kind, got.step, got.sources) == ("memory", 4, ["snapshot sources of step 4"])
-    assert store.asked == 0 and "storage not asked" in c.recovery_reason
+    assert store.asked == 0 and "storage not asked" in c.recovery.reason
     c.committer.committed_steps.append(5)  # a newer committed step than the tier's: storage is asked
     c._recovery_source([survivor], 2, [survivor])
     assert store.asked == 1

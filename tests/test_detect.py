@@ -43,6 +43,17 @@ def test_hang_is_the_one_computing_while_peers_wait_in_a_collective() -> None:
     assert f.slot == 1
 
 
+def test_a_rank_waiting_on_its_data_is_named_a_data_stall_not_a_hang() -> None:
+    """Storage, not the worker: the rank reading its data past the bound is a data stall, and neither it nor
+    its peers waiting in the collective for it are hung."""
+    d = FailureDetector(T)
+    members = [WorkerView(0, 0, phase="collective", phase_since=150.0),
+               WorkerView(1, 1, phase="data", phase_since=150.0)]
+    assert d.find_hangs(members, now=200.0, progress_at=150.0, step_times=[0.5] * 8, **AT) == []
+    assert d.find_data_stalls(members, now=200.0, bound=5.0) == [members[1]]
+    assert d.find_data_stalls(members, now=154.0, bound=5.0) == []  # within the bound: a slow read
+
+
 def test_no_hang_within_the_bound_or_before_warm_up_cap() -> None:
     d = FailureDetector(T)
     members = [WorkerView(0, 0, poll_sent_at=150.0)]

@@ -1,4 +1,4 @@
-"""A generation's ``run`` sent right behind its ``join`` (``Controller._run_after``: one round of calls
+"""A generation's ``run`` sent right behind its ``join`` (``GenerationFormer._run_after``: one round of calls
 instead of two), on the real Worker actor: the run takes its join's call as argument, so Ray starts it only
 once that join returned, and a failed join fails it at once with the join's error, the step loop never
 entered. Both calls share the worker's one state thread: a run that waited inside the actor for its join

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
+from elastictrain.controller.kinds import RULES, Charge, FailureKind
 from elastictrain.controller.policy import (
     FailureRecord,
     decide_membership,
@@ -155,7 +156,8 @@ def test_membership_invariants(layout, available, mode, waited, limit) -> None:
 R = RecoveryConfig(max_failures=5, failure_window_s=100.0, max_failures_per_rank=2, progress_steps=3)
 
 
-def _f(at: float, slot: int | None = 0, progress: int = 10, kind: str = "process_died", reason: str = "boom"):
+def _f(at: float, slot: int | None = 0, progress: int = 10, kind: FailureKind = FailureKind.PROCESS_DIED,
+       reason: str = "boom"):
     return FailureRecord(at=at, slot=slot, kind=kind, reason=reason, progress=progress)
 
 
@@ -179,7 +181,7 @@ def test_old_failures_leave_the_window() -> None:
 
 
 def test_crash_loop_is_failures_in_a_row_without_progress() -> None:
-    loop = [_f(t, slot=3, progress=0, kind="setup_failed", reason="ImportError: no module x") for t in range(3)]
+    loop = [_f(t, slot=3, progress=0, kind=FailureKind.SETUP_FAILED, reason="ImportError: no module x") for t in range(3)]
     why = failure_verdict(loop, 3.0, R)
     assert why is not None and "slot 3" in why and "crash loop" in why and "max_failures_per_rank=2" in why
     assert "without progress" in why and "ImportError: no module x" in why
@@ -225,7 +227,7 @@ def test_the_crash_loop_count_agrees_with_the_streak_lists(seq) -> None:
 
 
 def test_group_failures_count_as_their_own_slot() -> None:
-    seq = [_f(t, slot=None, progress=0, kind="group_failed") for t in range(3)]
+    seq = [_f(t, slot=None, progress=0, kind=FailureKind.GROUP_FAILED) for t in range(3)]
     why = failure_verdict(seq, 3.0, R)
     assert why is not None and "the worker group" in why
 
@@ -236,12 +238,12 @@ def test_crash_loop_reports_lowest_slot_first() -> None:
 
 
 def test_setup_verdict_stops_a_deterministic_setup_failure() -> None:
-    same = [_f(0, s, 0, "setup_failed", "FileNotFoundError: x.parquet") for s in range(3)]
+    same = [_f(0, s, 0, FailureKind.SETUP_FAILED, "FileNotFoundError: x.parquet") for s in range(3)]
     why = setup_verdict(same, slots=3, any_setup_ok=False)
     assert why is not None and "every worker (3)" in why and "FileNotFoundError: x.parquet" in why
     assert setup_verdict(same[:2], slots=3, any_setup_ok=False) is None  # slot 2 may still succeed
     assert setup_verdict(same, slots=3, any_setup_ok=True) is None  # it worked somewhere: not deterministic
-    mixed = same[:2] + [_f(0, 2, 0, "setup_failed", "MemoryError")]
+    mixed = same[:2] + [_f(0, 2, 0, FailureKind.SETUP_FAILED, "MemoryError")]
     assert setup_verdict(mixed, slots=3, any_setup_ok=False) is None
 
 
@@ -309,10 +311,10 @@ def test_save_membership_takes_the_largest_valid_world_whatever_the_mode():
 def test_budget_counts_a_lost_node_once() -> None:
     from elastictrain.controller.policy import FailureRecord, budget_records
 
-    def rec(slot, kind="node_lost", node="n1", progress=0):
-        return FailureRecord(1.0, slot, kind, "died", progress, node if kind == "node_lost" else None)
+    def rec(slot, kind=FailureKind.NODE_LOST, node="n1", progress=0):
+        return FailureRecord(1.0, slot, kind, "died", progress, node if kind is FailureKind.NODE_LOST else None)
 
-    new = [rec(0, progress=2), rec(1, kind="exception"), rec(2, progress=9), rec(3, node="n2")]
+    new = [rec(0, progress=2), rec(1, kind=FailureKind.EXCEPTION), rec(2, progress=9), rec(3, node="n2")]
     got = budget_records(new, [])
     assert [(r.kind, r.slot, r.node) for r in got] == [("node_lost", 0, "n1"), ("exception", 1, None),
                                                        ("node_lost", 3, "n2")]
@@ -342,3 +344,42 @@ def test_elastic_membership_under_tp_keeps_whole_tp_groups_and_pipelines() -> No
     assert decide(tp2, 1, 4) == ("wait", 2)  # not one whole TP group
     assert decide(PlanSpec("ddp", 16, 2, tp=2, pp=2), 7, 8) == ("go", 4)  # one pipeline of TP groups
     assert decide(PlanSpec("fsdp", 16, 2, tp=2), 5, 6) == ("go", 4)
+
+
+# ------------------------------------------------------------------------------------- failure kinds
+def test_failure_kinds_keep_their_words_in_events_and_json(tmp_path) -> None:
+    """A kind is an enum in the code and the same word in events.jsonl, on the console and in JSON."""
+    import json
+
+    from elastictrain.events import EventLog, format_event, read_events
+
+    words = {"process_died", "hang", "exception", "straggler", "node_lost", "setup_failed", "group_failed"}
+    assert {k.value for k in FailureKind} == words and set(RULES) == set(FailureKind)
+    log = EventLog(tmp_path, console=None)
+    for k in FailureKind:
+        log.emit("failure", kind=k, rank=None, slot=None, node_id=None, detected_after_s=0.0, step=0, reason="x")
+    log.close()
+    got = [e["kind"] for e in read_events(tmp_path) if e["event"] == "failure"]
+    assert got == [k.value for k in FailureKind]
+    assert json.dumps({"kind": FailureKind.NODE_LOST}) == '{"kind": "node_lost"}'
+    assert "node_lost" in format_event({"event": "failure", "time": 0.0, "kind": FailureKind.NODE_LOST})
+    assert FailureRecord(0.0, 1, "hang", "x", 0).kind is FailureKind.HANG  # a word from JSON becomes the kind
+    with pytest.raises(ValueError):
+        FailureRecord(0.0, 1, "hung", "x", 0)
+
+
+def test_each_kind_is_charged_by_its_one_rule() -> None:
+    """The budget asks the kind (kinds.RULES), not a list of words: a death or a hang on a gone node is the
+    node's loss, charged once per node; a set-up failure alone feeds the deterministic set-up verdict."""
+    from elastictrain.controller.policy import budget_records, setup_verdict
+
+    assert {k for k in FailureKind if k.seen_on(node_alive=False) is FailureKind.NODE_LOST} == {
+        FailureKind.PROCESS_DIED, FailureKind.HANG, FailureKind.NODE_LOST}
+    assert all(k.seen_on(node_alive=True) is k for k in FailureKind)
+    assert FailureKind.NODE_LOST.charge is Charge.NODE and FailureKind.SETUP_FAILED.charge is Charge.SETUP
+    assert FailureKind.GROUP_FAILED.charge is Charge.GROUP
+    two = [FailureRecord(0.0, s, FailureKind.NODE_LOST, "gone", 0, "n1") for s in (0, 1)]
+    assert len(budget_records(two, [])) == 1
+    same = [FailureRecord(0.0, s, k, "E", 0) for s, k in ((0, FailureKind.SETUP_FAILED), (1, FailureKind.EXCEPTION))]
+    assert setup_verdict(same, 2, False) is None  # an exception is not a set-up failure
+    assert setup_verdict([FailureRecord(0.0, s, FailureKind.SETUP_FAILED, "E", 0) for s in (0, 1)], 2, False)

@@ -353,6 +353,46 @@ def test_training_reads_the_corpus_from_s3(prepared, s3_server, s3_bucket, tmp_p
     _audit(run, 4, len(PreparedWindows(str(prepared / "a"), SEQ)))
 
 
+@pytest.mark.slow  # its own moto server, stalled for a hang bound
+def test_a_stalled_s3_read_is_named_and_costs_no_step(prepared, tmp_path, ray_local, clean_run):
+    """moto's S3 server SIGSTOPped while 2 workers train on the corpus there: the controller names the stall
+    (`data_stalled`: storage, not a worker, past the hang bound) and replaces nobody; once the server runs
+    again the run finishes with every step's samples once and the losses of the run on the local copy."""
+    import os
+    import signal
+
+    import s3fs
+
+    from tests.checkpoint_fixtures import MotoProcess
+    from tests.conftest import BackgroundRun
+
+    moto = MotoProcess()
+    try:
+        opts = moto.options()
+        s3fs.S3FileSystem(**opts).mkdir("stall")
+        fs = s3fs.S3FileSystem(**opts)
+        for rel, data in _files(prepared / "a").items():
+            fs.pipe_file(f"s3://stall/corpus/{rel}", data)
+        spec = _spec("s3://stall/corpus", eval_every=0)  # the training reads stall (evaluation adds none)
+        spec["task"]["data"]["storage_options"] = opts
+        # steps of ~0.3 s (a slow fault on both ranks): a hang bound of ~3 s, and the stall starts mid-run
+        spec["faults"] = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.3, "generation": None} for r in (0, 1)]
+        bg = BackgroundRun(tmp_path, spec, name="stalled")
+        bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2, timeout=180)
+        os.kill(moto.proc.pid, signal.SIGSTOP)
+        try:
+            named = bg.wait_for(lambda e: e["event"] == "data_stalled", timeout=120)
+        finally:
+            os.kill(moto.proc.pid, signal.SIGCONT)
+        run = bg.finish(timeout=180)
+    finally:
+        moto.stop()
+    assert named["rank"] in (0, 1) and named["waited_s"] > named["bound_s"] and "storage" in named["reason"]
+    assert run.result.exit_code == 0 and not run.of("failure") and not run.of("stall_aborted"), run.summary
+    assert run.losses() == clean_run(_spec(str(prepared / "a"))).losses()
+    _audit(run, 8, len(PreparedWindows(str(prepared / "a"), SEQ)))
+
+
 @pytest.mark.slow  # two more runs: fsdp and a 2-stage pipeline
 def test_fsdp_and_pp2_train_on_prepared_data(prepared, tmp_path, ray_local):
     """The same 2-block model on the prepared corpus under fsdp (2 ranks) and a 2-stage pipeline: every

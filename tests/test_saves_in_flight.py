@@ -9,10 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from checkpoint_fixtures import DUMMY_KEY, DUMMY_SECRET, free_port  # noqa: F401
+from checkpoint_fixtures import MotoProcess
 
 from elastictrain.checkpoint import CheckpointStore
 from elastictrain.events import read_events
@@ -20,39 +19,6 @@ from tests.conftest import BackgroundRun, job
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.05, "generation": None} for r in (0, 1)]
-
-
-class MotoProcess:
-    """moto's S3 server in a process of its own, so the test can stall it with SIGSTOP."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        import socket
-
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                self.proc.poll()
-                assert self.proc.returncode is None, "moto server exited"
-                time.sleep(0.1)
-        raise AssertionError("moto server did not start")
-
-    def options(self) -> dict:
-        # A stalled endpoint: requests hang until read_timeout (a long one, as real clients use).
-        return {"key": DUMMY_KEY, "secret": DUMMY_SECRET, "client_kwargs": {"endpoint_url": self.endpoint},
-                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 5, "read_timeout": 60},
-                "skip_instance_cache": True}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.kill()
-        self.proc.wait(10)
 
 
 def test_stalled_s3_save_in_flight_does_not_stall_recovery_and_never_commits(tmp_path, ray_local) -> None:

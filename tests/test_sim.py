@@ -476,3 +476,28 @@ def test_a_poll_answered_before_a_members_run_ended_does_not_describe_it_after(t
     # the case the test is about happened: a poll answered late carried an older step than the one the
     # survivor's run ended at (on a loaded machine the sweep's polls may come later: any older step will do)
     assert answered_late and min(answered_late) < survivors[late], (answered_late, survivors[late])
+
+
+def test_the_peer_tier_runs_in_the_simulator_with_the_worlds_own_keepers(tmp_path) -> None:
+    """The peer tier's keepers are started through the Runtime (controller/runtime.py), so the simulator
+    gives the controller its own (sim/world.py SimKeeper) instead of switching the tier off: one keeper per
+    node, sized, attached to every member of every generation, asked at the failure, killed at the end."""
+    from elastictrain.controller.controller import Controller
+    from elastictrain.sim.group import SimGroup
+    from elastictrain.sim.scenarios import _faults
+    from elastictrain.sim.world import SimWorld
+    from elastictrain.task import builtin_task
+
+    ranks = 64
+    config = sim_config(ranks, 60, STEP_S, memory_every_steps=5)
+    world = SimWorld(step_s=STEP_S, setup_s=5 * STEP_S)
+    world.faults = _faults("kill", ranks, world, random.Random(0))
+    c = Controller(config, builtin_task(config), EventLog(tmp_path, console=None), group=SimGroup(world, ranks))
+    summary = c.run()
+    assert summary["state"] == "finished", c.final_error
+    nodes = {w.node for w in world.workers.values()}
+    assert sorted(k.node for k in world.keepers) == sorted(nodes) and all(k.killed for k in world.keepers)
+    gens = [e for e in read_events(tmp_path) if e["event"] == "generation_started"]
+    assert len(gens) >= 2 and world.calls["attach_keeper"] == sum(g["world_size"] for g in gens)
+    assert world.calls["keeper_set_budget"] == len(nodes) * len(gens)  # sized at each generation
+    assert world.calls["keeper_catalog"] >= len(nodes)  # asked for its snapshots at the failure

@@ -41,7 +41,7 @@ def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(ba
     # the recovery's phases were traced, in the protocol's order (benchmarks/scale.py prints them); the
     # first step may end before the driver has taken every join's answer (the runs were already out)
     p = r.extra["phases"]
-    order = ["state_recovering", "_drain_runs<", "failure_event", "decision", "opening_the_rendezvous_store:answered",
+    order = ["state_recovering", "drain_runs<", "failure_event", "decision", "opening_the_rendezvous_store:answered",
              "join:answered", "generation_started"]
     assert [p[k] for k in order] == sorted(p[k] for k in order), p
     assert p["opening_the_rendezvous_store:answered"] < p["next_step_end"], p

@@ -11,13 +11,14 @@ from typing import Any
 
 from elastictrain.config import TimeoutsConfig
 from elastictrain.controller import policy
+from elastictrain.controller.kinds import FailureKind
 
 
 @dataclass
 class Failure:
     slot: int
     rank: int | None
-    kind: str  # process_died | hang | exception | node_lost | setup_failed | straggler
+    kind: FailureKind
     reason: str
     detected_at: float
     last_progress: float
@@ -33,7 +34,7 @@ class WorkerView:
     slot: int
     rank: int | None
     joined_step: int | None = None  # the step at which this incarnation joined; None: never joined
-    phase: str = "idle"              # idle | compute | collective (from its last poll)
+    phase: str = "idle"              # idle | data | compute | collective (from its last poll)
     phase_since: float = 0.0
     poll_sent_at: float | None = None  # an unanswered poll, sent then
     dead: bool = False
@@ -70,7 +71,7 @@ class FailureDetector:
         self.timeouts = timeouts
         self.pending: list[Failure] = []
 
-    def report(self, w: WorkerView, kind: str, reason: str, *, now: float, last_progress: float,
+    def report(self, w: WorkerView, kind: FailureKind, reason: str, *, now: float, last_progress: float,
                known_step: int) -> Failure | None:
         """Record a failure of ``w`` (ignored if ``w`` is dead already or has one pending)."""
         if w.dead or any(f.slot == w.slot for f in self.pending):
@@ -84,7 +85,7 @@ class FailureDetector:
         """A worker's ``run`` returned: its own error is its failure (quoted); ``peer_failed`` is not (the
         dead peer is found elsewhere); ``done``/``stopped`` are no failure."""
         if result.get("status") == "error":
-            return self.report(w, "exception", result.get("error") or "error (no message)", **at)
+            return self.report(w, FailureKind.EXCEPTION, result.get("error") or "error (no message)", **at)
         return None
 
     def find_hangs(self, members: Sequence[WorkerView], *, now: float, progress_at: float,
@@ -99,8 +100,15 @@ class FailureDetector:
         if not suspects and any(w.phase == "collective" for w in members):
             suspects = [w for w in members if w.phase == "compute" and now - w.phase_since > bound]
         why = f"no progress for {now - progress_at:.1f}s (bound {bound:.1f}s from observed step times)"
-        found = [self.report(w, "hang", why, now=now, **at) for w in suspects]
+        found = [self.report(w, FailureKind.HANG, why, now=now, **at) for w in suspects]
         return [f for f in found if f is not None]
+
+    @staticmethod
+    def find_data_stalls(members: Sequence[WorkerView], *, now: float, bound: float) -> list[WorkerView]:
+        """Members waiting on their dataset's reads (phase ``data``: storage, not the worker) for longer than
+        the hang bound. Never a failure: a replacement would wait on the same storage. :meth:`find_hangs`
+        blames none of them (they neither compute nor answer late) and none of the peers waiting for them."""
+        return [w for w in members if w.phase == "data" and now - w.phase_since > bound]
 
     def take(self) -> list[Failure]:
         """The pending failures, handed over once."""

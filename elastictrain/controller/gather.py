@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 
 from elastictrain.config import JobConfig
 from elastictrain.controller import sources
 from elastictrain.controller.detect import blame
 from elastictrain.controller.group import MemberCallFailed, Slot, call_members, describe_remote_error
+from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.events import EventLog
 from elastictrain.parallel.plan import Layout, MeshDims
 
@@ -37,7 +37,7 @@ log = logging.getLogger("elastictrain.controller")
 
 class SurvivorLost(RuntimeError):
     """A survivor chosen as a recovery source died before serving its state (``outcomes``: whose part
-    failed, for :meth:`WorkerMonitor._detect_dead`)."""
+    failed, for :meth:`WorkerMonitor.detect_dead`)."""
 
     def __init__(self, reason: str, holders: list[Slot], outcomes: list[Any]) -> None:
         super().__init__(reason)
@@ -100,10 +100,11 @@ class SourceGatherer:
     """Finds a generation's recovery source (:meth:`gather`) and keeps the peer memory tier's keepers."""
 
     def __init__(self, config: JobConfig, events: EventLog, store: Any, committer: Any, lineage: str | None,
-                 branch_point: Any, layout: Callable[[int], Layout]) -> None:
+                 branch_point: Any, layout: Callable[[int], Layout], rt: Runtime = RAY) -> None:
         """``branch_point``: the manifest the run started from (a recovery source until the run commits one
-        of its own), or None. ``layout``: world size -> the plan's :class:`Layout`."""
-        self.config, self.events, self.store, self.committer = config, events, store, committer
+        of its own), or None. ``layout``: world size -> the plan's :class:`Layout`. ``rt``: what starts
+        the keepers and takes their answers (the worker group's runtime)."""
+        self.config, self.events, self.store, self.committer, self.rt = config, events, store, committer, rt
         self.lineage, self.branch_point, self.layout = lineage, branch_point, layout
         self.keepers: dict[str, Any] = {}
         self._budget: int | None = None  # sized from the job at the first generation (size_keepers)
@@ -117,17 +118,12 @@ class SourceGatherer:
         are forgotten. Idempotent: called at start and for each generation."""
         if not self.config.checkpoint.memory_every_steps:
             return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from elastictrain.checkpoint import ShardKeeper
-
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = self.rt.alive_nodes()
         for node in [n for n in self.keepers if n not in alive]:
             del self.keepers[node]
         budget = self._budget or max(1, int((self.config.checkpoint.memory_budget_gib or 4.0) * (1 << 30)))
         for node in sorted(alive - set(self.keepers)):
-            self.keepers[node] = ShardKeeper.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
+            self.keepers[node] = self.rt.start_keeper(node, budget)
 
     def size_keepers(self, chosen: list[Slot], layout: Layout) -> None:
         """Size every keeper's budget from the job (checkpoint/tier_budget.py): the state bytes the workers
@@ -143,13 +139,12 @@ class SourceGatherer:
         for s in chosen:
             node = str(s.info.get("node_id"))
             per_node[node] = per_node.get(node, 0) + 1
-        free = [int(n["Resources"].get("memory", 0)) for n in ray.nodes()
-                if n.get("Alive") and n["NodeID"] in per_node and n["Resources"].get("memory")]
+        free = self.rt.free_memory(set(per_node))
         ranks, world = max(per_node.values()), len(chosen)
         ck = self.config.checkpoint
         tier = size_budget(state, world, ranks, min(free) if free else None, ck.memory_budget_gib)
         self._budget = tier.budget
-        ray.get([k.set_budget.remote(tier.budget) for k in self.keepers.values()], timeout=self.config.timeouts.poll_s)
+        self.rt.get([k.set_budget.remote(tier.budget) for k in self.keepers.values()], timeout=self.config.timeouts.poll_s)
         why = tier_shortfall(tier, -(-state // world), ranks, has_replica=layout.dims.dp_replicate > 1,
                              periodic_checkpoint=ck.uri is not None and ck.every_steps > 0)
         if why and not self._short_said:
@@ -165,7 +160,7 @@ class SourceGatherer:
         self._early_catalogs = (None, {})
         for keeper in keepers:
             try:
-                ray.kill(keeper, no_restart=True)
+                self.rt.stop_keeper(keeper)
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
 
@@ -204,7 +199,7 @@ class SourceGatherer:
             asked = {}
         for node, keeper in sorted(self.keepers.items()):
             try:
-                metas = ray.get(asked.get(node) or keeper.catalog.remote(), timeout=t.poll_s)
+                metas = self.rt.get(asked.get(node) or keeper.catalog.remote(), timeout=t.poll_s)
             except Exception as e:  # noqa: BLE001 - a keeper lost with its node: its snapshots are gone
                 log.warning("peer memory tier: keeper on node %s unavailable: %s", node, e)
                 continue
@@ -213,7 +208,7 @@ class SourceGatherer:
                     KeeperSource(keeper, m, timeout_s=t.restart_grace_s, batched=True))
         for slot, ref in own:
             try:
-                metas = ray.get(ref, timeout=t.poll_s)
+                metas = self.rt.get(ref, timeout=t.poll_s)
             except Exception as e:  # noqa: BLE001 - a survivor that died since: the next recovery finds it
                 log.warning("peer memory tier: slot %s's own snapshots unavailable: %s", slot.index, e)
                 continue
@@ -312,7 +307,7 @@ class SourceGatherer:
         gen = prev.generation  # the generation the decision describes them by (not a failed one since)
         try:
             metas = call_members([(s, s.actor.hold_snapshot.remote((gen, r, cand.step)))
-                                  for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot")
+                                  for s, r in zip(holders, cand.ranks)], self.config.timeouts.poll_s, "hold_snapshot", self.rt)
         except MemberCallFailed as e:
             # a holder died or hangs: its failure; live holders that refused (their state moved on) are not.
             # (ray.get fails fast: a refusal can come back while another holder's call is still pending)

@@ -1,11 +1,12 @@
 """How the controller watches its workers: polling progress, noticing deaths, hangs, stragglers and drain
-notices, and turning them into failures; killing failed workers and accounting for them.
+notices, and turning them into failures; killing failed workers and reporting them.
 
-A mixin of :class:`elastictrain.controller.controller.Controller`, kept apart so each module holds one
-concern. What it may use of its host is declared, not reached for: :class:`MonitorHost` lists every
-attribute and method (the controller's group, ledger, committer, detector, events and the few decisions
-that stay with the controller). What counts as a failure is decided by the host's
-:class:`~elastictrain.controller.detect.FailureDetector` (observations in, ``Failure``s out, no Ray).
+An object the controller owns and calls (:class:`WorkerMonitor`), not a mixin: it is given what it
+observes with (the group, the ledger, the committer, the event log, the drain watcher) and reads nothing
+else of the controller. What it observes comes back as return values -- workers whose set-up ended, a
+drain notice, the failures found -- and the controller decides (the failure budget, the state machine).
+What counts as a failure is decided by its :class:`~elastictrain.controller.detect.FailureDetector`
+(observations in, ``Failure``s out, no Ray).
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 from elastictrain.config import JobConfig
 from elastictrain.controller import policy
 from elastictrain.controller.commits import Committer
 from elastictrain.controller.detect import CallOutcome, Failure, FailureDetector, WorkerView, blame
 from elastictrain.controller.group import Slot, SlotState, WorkerGroup, describe_remote_error
+from elastictrain.controller.kinds import OUTCOME_KIND, FailureKind
 from elastictrain.controller.ledger import Ledger
-from elastictrain.controller.runtime import RunWatch, Runtime, get_each
+from elastictrain.controller.runtime import RunWatch, get_each
 from elastictrain.events import EventLog
 
 log = logging.getLogger("elastictrain.controller")
@@ -33,45 +36,43 @@ POLL_SWEEP = 64  # members polled per interval besides the reporting rank (their
 # and feed the hang watchdog (whose bound is >= timeouts.watchdog_floor_s, seconds).
 POLL_INTERVAL_S = 0.5
 
+Killed = tuple[Failure, FailureKind, "str | None"]  # a killed worker's failure, its kind as charged, its node
 
-class MonitorHost(Protocol):
-    """Everything :class:`WorkerMonitor` reads or calls on the object it is mixed into."""
 
-    config: JobConfig
-    group: WorkerGroup
-    rt: Runtime                              # how calls on the workers are waited for (the group's)
-    ledger: Ledger
-    committer: Committer
-    detector: FailureDetector
-    events: EventLog
-    drains: Any                              # DrainWatcher: draining() node ids, take_notice()
-    run_refs: dict[Any, Slot]                # the members' in-flight ``run`` calls
-    poll_refs: dict[int, tuple[Any, float]]  # slot index -> (in-flight ``poll`` ref, sent at)
-    reported_stragglers: set[int]
-    world_size: int
-    generation_started_at: float
-    generation_start_step: int
-    open_failure: Failure | None
-    generation: int
-    replacements_due: list[int]              # slots of failed workers whose replacements are not started yet
-    failure_log: list[policy.FailureRecord]  # what the failure budget judged so far
+@dataclass
+class Observed:
+    """What one :meth:`WorkerMonitor.pump` saw that the controller acts on."""
 
-    def request_preemption(self, reason: str) -> None: ...
-    def _on_setup_done(self, slot: Slot) -> None: ...
-    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None: ...
-    def _judge(self, record: policy.FailureRecord) -> str | None: ...
-    def _fail(self, reason: str) -> None: ...
+    ready: list[Slot] = field(default_factory=list)  # workers whose set-up ended (ready, or failed)
+    drain: str | None = None  # a drain notice for a node hosting members: the preemption's reason
 
 
 class WorkerMonitor:
-    """Observation and failure handling for the controller (see module docstring). What counts as a
-    failure is decided by ``self.detector`` (a :class:`~elastictrain.controller.detect.FailureDetector`);
-    this class only gathers the observations and acts on the failures. Its host must satisfy
-    :class:`MonitorHost` (checked by tests/test_controller_paths.py)."""
+    """Observation and failure detection for the controller (see module docstring). The controller
+    calls :meth:`new_generation` and :meth:`watch_runs` when a generation forms, :meth:`pump` every poll
+    interval, and :meth:`kill_failed` / :meth:`drain_runs` / :meth:`report_failures` in a recovery."""
+
+    def __init__(self, config: JobConfig, group: WorkerGroup, ledger: Ledger, committer: Committer,
+                 events: EventLog, drains: Any) -> None:
+        self.config, self.group, self.rt = config, group, group.rt
+        self.ledger, self.committer, self.events = ledger, committer, events
+        self.drains = drains  # DrainWatcher: draining() node ids, take_notice()
+        self.detector = FailureDetector(config.timeouts)
+        self.run_refs: dict[Any, Slot] = {}  # the members' in-flight ``run`` calls
+        self.poll_refs: dict[int, tuple[Any, float]] = {}  # slot index -> (in-flight ``poll`` ref, sent at)
+        self.reported_stragglers: set[int] = set()
+        self.replacements_due: list[int] = []  # slots of failed workers whose replacements are not started yet
+        self.memory_stall_s, self.memory_snapshots = 0.0, 0  # the peer tier's reports (summary.json)
+        # the generation watched: its number, size, when and at which step it started
+        self.generation, self.world_size, self.started_at, self.start_step = -1, 0, 0.0, 0
 
     @property
     def pending_failures(self) -> list[Failure]:
         return self.detector.pending
+
+    def new_generation(self, generation: int, world_size: int, started_at: float, start_step: int) -> None:
+        self.generation, self.world_size, self.started_at, self.start_step = (
+            generation, world_size, started_at, start_step)
 
     def _view(self, slot: Slot, now: float | None = None) -> WorkerView:
         sent = self.poll_refs.get(slot.index)
@@ -101,23 +102,28 @@ class WorkerMonitor:
     stall_polled_at: float | None = None  # when every member was first polled in the current stall
     reporter_now = 0.0  # rank 0's clock when it last answered a poll
     stall_aborted_at: float | None = None  # the progress time of the stall the fallback last aborted
+    data_stalls_named: frozenset[tuple[int, float]] = frozenset()  # (slot, phase_since) already named
     taken_at = 0.0  # when the answered polls were last taken
 
-    def _watch_runs(self, chosen: list[Slot], aggregate: bool) -> None:
-        """The generation's ``run`` calls were just made (``self.run_refs``): watch them, and choose who
-        reports its steps (``aggregate``: rank 0 for all; else every rank)."""
+    def watch_runs(self, runs: list[tuple[Slot, Any]], aggregate: bool) -> None:
+        """The generation's ``run`` calls (each member's, in rank order) were just made: watch them, and
+        choose who reports its steps (``aggregate``: rank 0 for all; else every rank)."""
+        self.run_refs = {ref: s for s, ref in runs}
+        chosen = [s for s, _ in runs]
         self.run_watch = self.rt.watch(list(self.run_refs))
         self.run_ref_of = {slot.index: ref for ref, slot in self.run_refs.items()}
         self.runs_ended = set()
         self.reporter = chosen[0] if aggregate else None
         self.sweep, self.sweep_next = chosen[1:], 0
-        self.known_step = self.generation_start_step
-        self.reporter_now = self.generation_started_at
+        self.known_step = self.start_step
+        self.reporter_now = self.started_at
 
-    def _pump(self, timeout: float) -> None:
+    def pump(self, timeout: float) -> Observed:
         """Wait a little for run results and take them; unless they tell a failure, poll members, turn
-        records into events, watch for hangs, stragglers and drain notices."""
+        records into events, watch for hangs, stragglers and drain notices. Failures found are pending
+        (:attr:`pending_failures`); what else the controller must act on is returned."""
         new: list[Any] = []
+        seen = Observed()
         if self.run_watch is not None and len(self.runs_ended) < len(self.run_refs):
             # wake at the first run that ends (a death, a failed step) or at `timeout`; once some ranks
             # left the loop the rest follow within a step: don't spin
@@ -129,26 +135,26 @@ class WorkerMonitor:
         # only be waited for before the decision, each a round trip to a member on its way out of the step
         self._check_runs(new)
         if self.pending_failures:
-            return
+            return seen
         self._poll_members()
         if self.group.count(SlotState.STARTING):
-            for slot in self.group.collect_ready(timeout=0):
-                self._on_setup_done(slot)
+            seen.ready = self.group.collect_ready(timeout=0)
         self._watchdog()
         self._check_stragglers()
-        self._check_drains()
+        seen.drain = self.check_drains()
+        return seen
 
     def _progress_at(self) -> float:
         """Progress as any rank reports it, and never before this generation began."""
-        return max(self.ledger.last_progress, self.ledger.latest_record_at, self.generation_started_at)
+        return max(self.ledger.last_progress, self.ledger.latest_record_at, self.started_at)
 
     def _step_times(self) -> list[float]:
         """Recent step times once this generation completed a step (DDP rebuild, warm-up: none before)."""
-        warm = self.ledger.latest_record_step > self.generation_start_step
+        warm = self.ledger.latest_record_step > self.start_step
         return self.ledger.step_times if warm else []
 
     def _poll_targets(self, now: float) -> list[Slot]:
-        """Whom to poll now (see the note above ``_watch_runs``)."""
+        """Whom to poll now (see the note above ``watch_runs``)."""
         progress = self._progress_at()
         bound = policy.suspect_after(self._step_times(), self.config.timeouts, POLL_INTERVAL_S)
         if self.reporter is None:
@@ -191,13 +197,13 @@ class WorkerMonitor:
             idx = refs[ref]
             del self.poll_refs[idx]
             if error is None:  # (a dead actor is found by its run ref)
-                self._take_poll(self.group.slots[idx], result)
+                self.take_poll(self.group.slots[idx], result)
 
     def _reports_all(self, slot: Slot) -> bool:
         """Whether every record of ``slot`` is taken: the reporting rank's, or every rank's without one."""
         return self.reporter is None or slot is self.reporter
 
-    def _take_poll(self, slot: Slot, result: dict[str, Any]) -> None:
+    def take_poll(self, slot: Slot, result: dict[str, Any]) -> None:
         # a poll answered before the member's ``run`` ended can be taken after its result (the interval that
         # learns of a death takes the ended calls first; the recovery takes the polls still out): the
         # result's step is then the newer, and a survivor described by the poll's older one no longer
@@ -222,22 +228,39 @@ class WorkerMonitor:
         for profile in result.get("profiles", ()):
             self.ledger.save_profile(profile)
 
+    def _on_memory_report(self, slot: Slot, report: dict[str, Any]) -> None:
+        """A worker's peer-tier report (from its poll): stall time, and every snapshot a keeper refused,
+        that could not be sent, or that was dropped (replaced unsent, evicted) -- an event and a log line
+        each, never silent."""
+        self.memory_stall_s += report["stall_s"]
+        self.memory_snapshots += report["snapshots"]
+        for r in report["rejected"]:
+            log.warning("peer memory tier: snapshot of rank %s step %s not kept: %s", r["rank"], r["step"], r["reason"])
+            self.events.emit("memory_snapshot_rejected", rank=r["rank"], slot=slot.index, step=r["step"],
+                             reason=r["reason"])
+        for d in report.get("dropped", ()):
+            log.warning("peer memory tier: snapshot of rank %s step %s dropped (%s): %s", d["rank"], d["step"],
+                        d["cause"], d["reason"])
+            self.events.emit("memory_snapshot_dropped", rank=d["rank"], slot=slot.index, step=d["step"],
+                             generation=d["generation"], cause=d["cause"], bound_holds=d["bound_holds"],
+                             reason=d["reason"])
+
     def _check_runs(self, ended: Sequence[Any]) -> None:
         """Take the ``run`` results in ``ended`` (each once): a death, a rank's own error, a peer's.
 
         O(ended): at 10,000 ranks a failed step ends every survivor's call at once, so the loop over them
         does only what each result needs (its step; a look at its status), and a peer's ``peer_failed``
         sends the controller looking for the dead process only while no failure of the generation is known
-        (:meth:`_failure_known`)."""
+        (:meth:`failure_known`)."""
         peer_failed = False
         known = self.known_step
         run_refs, dead = self.run_refs, SlotState.DEAD
         taken = [(ref, slot) for ref in ended if (slot := run_refs.get(ref)) is not None and slot.state is not dead]
         for (ref, slot), (packed, error) in zip(taken, get_each(self.rt, [ref for ref, _ in taken])):
             if error is not None:  # the actor died
-                self._add_failure(slot, "process_died", f"worker process died: {describe_remote_error(error)}")
+                self._add_failure(slot, FailureKind.PROCESS_DIED, f"worker process died: {describe_remote_error(error)}")
                 continue
-            res = run_result.unpack(packed)
+            res = worker_reply.unpack(packed)
             step, status = res["step"], res["status"]
             slot.info["step"] = step
             if step > known:
@@ -247,20 +270,20 @@ class WorkerMonitor:
             elif status == "error":
                 self.detector.on_run_result(self._view(slot), res, now=time.time(), **self._when())
         self.known_step = known
-        if peer_failed and not self._failure_known():
+        if peer_failed and not self.failure_known():
             # a peer broke the step and no failure is known yet: find the dead without waiting for Ray (once,
             # not per survivor); when Ray's notice or this pass already named one, the survivors' failed step
             # is explained and the scan over every member (a /proc read each on this node) is not made
             for peer in self.run_refs.values():
                 if peer.state is SlotState.MEMBER and self.group.process_gone(peer):
-                    self._add_failure(peer, "process_died", "worker process died (seen by its peers)")
+                    self._add_failure(peer, FailureKind.PROCESS_DIED, "worker process died (seen by its peers)")
 
-    def _failure_known(self) -> bool:
+    def failure_known(self) -> bool:
         """A member of this generation failed (pending, or already killed and dropped from the calls):
         what breaks the survivors' step. O(1)."""
         return bool(self.pending_failures) or len(self.run_refs) < len(self.run_ref_of)
 
-    def _finished_runs(self) -> list[dict[str, Any]] | None:
+    def finished_runs(self) -> list[dict[str, Any]] | None:
         """All members' run results, once every one has returned (else None)."""
         if not self.run_refs or len(self.runs_ended) < len(self.run_refs):
             return None
@@ -270,21 +293,21 @@ class WorkerMonitor:
         for packed, error in get_each(self.rt, list(self.run_refs)):
             if error is not None:
                 return None
-            results.append(run_result.unpack(packed))
-        self._poll_members_blocking()
+            results.append(worker_reply.unpack(packed))
+        self.poll_members_blocking()
         self.run_refs = {}
         return results
 
-    def _poll_members_blocking(self, reporter_only: bool = False) -> None:
+    def poll_members_blocking(self, reporter_only: bool = False) -> None:
         """Take every outstanding poll, then poll each live member once more: no record is dropped.
         ``reporter_only``: ask only the generation's reporting rank again (it holds the complete steps; the
         others' last records and reports are taken when the next generation forms)."""
         members = [self.reporter] if reporter_only and self.reporter is not None else self.group.members()
-        self._take_members(self._ask_members(members))
+        self.take_members(self.ask_members(members))
 
-    def _ask_members(self, members: Sequence[Slot]) -> list[tuple[Slot, Any]]:
+    def ask_members(self, members: Sequence[Slot]) -> list[tuple[Slot, Any]]:
         """Send a poll to each live one of ``members`` without waiting: ``(slot, ref)``, after every poll
-        still out, in the order :meth:`_take_members` must take them (a slot's earlier poll first: its
+        still out, in the order :meth:`take_members` must take them (a slot's earlier poll first: its
         records stay in order). Asked all at once: a round trip for all, not one per member."""
         outstanding, self.poll_refs = self.poll_refs, {}
         asked = [(self.group.slots[idx], ref) for idx, (ref, _) in outstanding.items()
@@ -294,7 +317,7 @@ class WorkerMonitor:
                   for slot in members if slot.state is SlotState.MEMBER]
         return asked
 
-    def _last_poll_targets(self) -> list[Slot]:
+    def last_poll_targets(self) -> list[Slot]:
         """The members a generation's formation must poll before the next generation starts (their answers
         are taken while the new members join): all of them while a save of the ending generation waits for
         their reports (:meth:`Committer.waiting`) or when every rank reports its steps (pp); else only a
@@ -308,8 +331,8 @@ class WorkerMonitor:
         known = max(self.ledger.last_step, self.ledger.latest_record_step)
         return [s for s in members if int(s.info.get("step", 0)) > known]
 
-    def _take_members(self, asked: list[tuple[Slot, Any]]) -> None:
-        """Take the answers to :meth:`_ask_members`' polls, in its order, waiting up to ``timeouts.poll_s``
+    def take_members(self, asked: list[tuple[Slot, Any]]) -> None:
+        """Take the answers to :meth:`ask_members`' polls, in its order, waiting up to ``timeouts.poll_s``
         for all of them together (one wait, not one per member). A member dead or not answering is skipped:
         its run ref or the watchdog finds it."""
         refs = [ref for _, ref in asked]
@@ -319,7 +342,7 @@ class WorkerMonitor:
         answered = [(slot, ref) for slot, ref in asked if ref in done]
         for (slot, _), (result, error) in zip(answered, get_each(self.rt, [ref for _, ref in answered])):
             if error is None:  # (else it died after answering nothing)
-                self._take_poll(slot, result)
+                self.take_poll(slot, result)
 
     def _watchdog(self) -> None:
         if not self.run_refs:
@@ -338,12 +361,33 @@ class WorkerMonitor:
             # a phase from before the stall would blame a healthy rank
             return
         views = [self._view(s, now) for s in self.group.members()]
+        for view in self.detector.find_data_stalls(views, now=now, bound=bound):
+            self._name_data_stall(view, now, bound)
         found = self.detector.find_hangs(views, now=now, progress_at=progress, step_times=times, **self._when())
         if found or self.pending_failures or self.stall_aborted_at == progress:
             return
-        # a member computing is a slow step (a first step compiling), not a stall: only waiting ones are aborted
-        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(v.phase == "compute" for v in views):
+        # a member computing is a slow step (a first step compiling), not a stall, and a member reading its
+        # data waits on storage (named above): only members that all wait on each other are aborted
+        if now - progress >= policy.STALL_FALLBACK_FACTOR * bound and not any(
+                v.phase in ("compute", "data") for v in views):
             self._abort_stall(now - progress, bound, progress)
+
+    def _name_data_stall(self, view: WorkerView, now: float, bound: float) -> None:
+        """Say once per stall that a member waits on its dataset's reads (``data_stalled``): storage, not
+        the worker, so nobody is replaced and the step goes on when the reads return. Past
+        ``timeouts.collective_s`` the peers' collective times out and the group regroups (nothing lost)."""
+        key = (view.slot, view.phase_since)
+        if key in self.data_stalls_named:
+            return
+        self.data_stalls_named = self.data_stalls_named | {key}
+        waited = now - view.phase_since
+        reason = (f"rank {view.rank} has waited {waited:.1f}s on its dataset's reads (hang bound {bound:.1f}s): "
+                  f"storage is slow or stalled, not the worker, so it is not replaced; the step goes on when the "
+                  f"reads return (past timeouts.collective_s={self.config.timeouts.collective_s:g}s the peers' "
+                  f"collective times out and the group regroups from memory)")
+        self.events.emit("data_stalled", step=self.ledger.last_step, rank=view.rank, waited_s=round(waited, 3),
+                         bound_s=round(bound, 3), reason=reason)
+        log.warning("%s", reason)
 
     def _abort_stall(self, stalled_s: float, bound: float, progress: float) -> None:
         """A stall nobody is blamed for (every member answers and none computes: each waits in a collective
@@ -377,19 +421,18 @@ class WorkerMonitor:
                 wrote += 1
         return str(folder) if wrote else None
 
-    def _check_drains(self) -> None:
-        """A drain notice for a node that hosts workers is a preemption: stop at a step boundary, write a
-        just-in-time checkpoint, exit 75 (the job is resubmitted and resumes)."""
+    def check_drains(self) -> str | None:
+        """A drain notice for a node that hosts workers is a preemption (the reason returned): stop at a
+        step boundary, write a just-in-time checkpoint, exit 75 (the job is resubmitted and resumes)."""
         draining = self.drains.draining()
         notice = self.drains.take_notice()
         if notice:
             log.warning("drain watcher turned off: %s", notice)
             self.events.emit("warning", source="drain_watcher", reason=notice)
         if not draining:  # the usual case: no member is looked at
-            return
+            return None
         hit = sorted({s.info.get("node_id") for s in self.group.members()} & draining)
-        if hit:
-            self.request_preemption(f"Ray drain notice for node {', '.join(hit)}")
+        return f"Ray drain notice for node {', '.join(hit)}" if hit else None
 
     def _check_stragglers(self) -> None:
         """Once every member's compute times came in again (a sweep, or a poll of all), not every interval."""
@@ -406,13 +449,13 @@ class WorkerMonitor:
             node = slot.info.get("node_id") if slot else None
             self.events.emit("straggler", rank=rank, node_id=node, evicted=r.evict_stragglers, reason=reason)
             if r.evict_stragglers and slot is not None and self.world_size > self.config.workers.min:
-                self._add_failure(slot, "straggler", reason)
+                self._add_failure(slot, FailureKind.STRAGGLER, reason)
 
     # ------------------------------------------------------------------ failures
-    def _add_failure(self, slot: Slot, kind: str, reason: str) -> None:
+    def _add_failure(self, slot: Slot, kind: FailureKind, reason: str) -> None:
         self.detector.report(self._view(slot), kind, reason, now=time.time(), **self._when())
 
-    def _detect_dead(self, slots: list[Slot], reason: str, outcomes: Sequence[CallOutcome] = ()) -> None:
+    def detect_dead(self, slots: list[Slot], reason: str, outcomes: Sequence[CallOutcome] = ()) -> None:
         """After a failed collective call: find which of ``slots`` is dead or unresponsive; if every one
         answers, charge the member(s) whose part of the call failed (``outcomes``, see
         :func:`~elastictrain.controller.detect.blame`), quoting its own error; only when nothing names one,
@@ -427,19 +470,18 @@ class WorkerMonitor:
                 except Exception:  # noqa: BLE001
                     ok = False
             if not ok:
-                self._add_failure(slot, "process_died", reason)
+                self._add_failure(slot, FailureKind.PROCESS_DIED, reason)
         if self.pending_failures or not slots:
             return
         by_index = {s.index: s for s in slots}
         culprits = [o for o in blame(outcomes) if o.slot in by_index]
-        kinds = {"dead": "process_died", "own": "exception", "pending": "hang"}
         for o in culprits:
             why = o.error or "did not return from the call while its peers did"
-            self._add_failure(by_index[o.slot], kinds[o.status], f"{reason}: {why}")
+            self._add_failure(by_index[o.slot], OUTCOME_KIND[o.status], f"{reason}: {why}")
         if not culprits:
-            self._add_failure(slots[0], "exception", reason)
+            self._add_failure(slots[0], FailureKind.EXCEPTION, reason)
 
-    def _kill_failed(self) -> list[tuple[Failure, str, str | None]]:
+    def kill_failed(self) -> list[Killed]:
         """Kill the failed workers at once (a stopped one blocks its peers' collectives until then).
         Returns (failure, kind, node) for accounting once the survivors' last records are in."""
         failures = self.detector.take()
@@ -449,7 +491,7 @@ class WorkerMonitor:
             slot = self.group.slots[f.slot]
             node = slot.info.get("node_id")
             lost = node is not None and node not in alive_nodes
-            kind = "node_lost" if lost and f.kind in ("process_died", "hang") else f.kind
+            kind = f.kind.seen_on(node_alive=not lost)
             pid = slot.info.get("pid")
             self.group.kill(slot)
             slot.info.update(pid=pid, node_id=node)  # kept for the event
@@ -461,9 +503,10 @@ class WorkerMonitor:
                 del self.run_refs[ref]
         return out
 
-    def _account_failures(self, killed: list[tuple[Failure, str, str | None]]) -> None:
+    def report_failures(self, killed: list[Killed]) -> list[policy.FailureRecord]:
         """Emit the failure events (timed from the true last progress, now that the survivors' records
-        are in), apply the failure budget, and queue the replacements (:meth:`_start_replacements`)."""
+        are in) and return them as the failure budget sees them (the controller judges them, then
+        :meth:`queue_replacements`)."""
         for f, kind, node in killed:
             slot = self.group.slots[f.slot]
             f.last_progress = min(f.detected_at, max(f.last_progress, self.ledger.latest_record_at))
@@ -475,21 +518,16 @@ class WorkerMonitor:
             self.events.emit("failure", kind=kind, rank=f.rank, slot=f.slot, node_id=node,
                              pid=slot.info.get("pid"), detected_after_s=round(f.detected_at - f.last_progress, 3),
                              step=max(self.ledger.last_step, self.ledger.latest_record_step), reason=f.reason)
-            if self.open_failure is None:
-                self.open_failure = f
-        # a lost node is one failure of the node, not one per worker it hosted (policy.budget_records)
-        records = policy.budget_records([policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node)
-                                         for f, kind, node in killed], self.failure_log)
-        verdicts = [self._judge(r) for r in records]
-        verdict = next((v for v in verdicts if v), None)
-        if verdict:
-            return self._fail(verdict)
+        return [policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node) for f, kind, node in killed]
+
+    def queue_replacements(self, killed: list[Killed]) -> None:
+        """The budget let the run go on: the killed workers' replacements start at :meth:`start_replacements`."""
         for f, kind, _ in killed:
-            if kind == "node_lost":  # before the actor: it goes into the slot's new group
+            if kind is FailureKind.NODE_LOST:  # before the actor: it goes into the slot's new group
                 self.group.replace_lost_placement(f.slot)
             self.replacements_due.append(f.slot)
 
-    def _start_replacements(self) -> None:
+    def start_replacements(self) -> None:
         """Start the queued replacements of failed workers. The controller calls this once the survivors
         train again (or must wait for workers), not at detection: a starting worker (imports, model build,
         dataset) takes a whole core for seconds, and where it shares a node with the survivors it slowed the
@@ -499,7 +537,7 @@ class WorkerMonitor:
         for index in due:
             self.group.spawn(index)
 
-    def _drain_runs(self, timeout: float) -> None:
+    def drain_runs(self, timeout: float) -> None:
         """Wait for every member's ``run`` to return and take their last records; a member that does not
         return is recorded as hung (handled by the next recovery iteration). The runs of a formation that
         failed (``stray_runs``: sent behind their joins) are waited for as long and taken, not judged: the
@@ -521,10 +559,10 @@ class WorkerMonitor:
         for ref in pending:
             slot = self.run_refs[ref]
             if ref not in self.runs_ended and slot.state is SlotState.MEMBER:
-                self._add_failure(slot, "hang", f"did not leave the failed step within {timeout:g}s")
+                self._add_failure(slot, FailureKind.HANG, f"did not leave the failed step within {timeout:g}s")
         # the decision waits on this: with rank 0 alive, its records say which steps completed (a
         # dead rank 0's steps are in the survivors' records: then every member is asked)
         alive = self.reporter is not None and self.reporter.state is SlotState.MEMBER
-        self._poll_members_blocking(reporter_only=alive)
+        self.poll_members_blocking(reporter_only=alive)
         self.run_refs = {}
 

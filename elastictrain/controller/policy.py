@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
+from elastictrain.controller.kinds import Charge, FailureKind
 from elastictrain.parallel.plan import CPU_DEFAULT_SHARD_SIZE, PlanSpec, is_valid, valid_world_sizes
 
 
@@ -106,10 +107,13 @@ class FailureRecord:
 
     at: float
     slot: int | None
-    kind: str
+    kind: FailureKind  # how it is charged: FailureKind.charge (controller/kinds.py)
     reason: str
     progress: int
     node: str | None = None  # the lost node, for ``node_lost`` (one failure of the node: budget_records)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FailureKind(self.kind))  # an unknown kind raises here, not later
 
 
 def budget_records(new: Sequence[FailureRecord], log: Sequence[FailureRecord]) -> list[FailureRecord]:
@@ -118,22 +122,22 @@ def budget_records(new: Sequence[FailureRecord], log: Sequence[FailureRecord]) -
     record of a node (Ray never reuses a node id) stands for all, with the most progress any of them made;
     every other failure counts as it is. Without this one 8-GPU node lost twice in an hour was 16 failures
     and ended a run under the default budget."""
-    charged = {r.node for r in log if r.kind == "node_lost" and r.node}
+    charged = {r.node for r in log if r.kind.charge is Charge.NODE and r.node}
     lost: dict[str, list[FailureRecord]] = {}
     out: list[FailureRecord] = []
     for r in new:
-        if r.kind != "node_lost" or not r.node:
+        if r.kind.charge is not Charge.NODE or not r.node:
             out.append(r)
         elif r.node not in charged:
             if r.node not in lost:
                 out.append(r)  # its place in the order; replaced by the node's record below
             lost.setdefault(r.node, []).append(r)
     merged = {rs[0].node: FailureRecord(
-        rs[0].at, rs[0].slot, "node_lost",
+        rs[0].at, rs[0].slot, rs[0].kind,
         rs[0].reason if len(rs) == 1 else f"node {rs[0].node} lost with {len(rs)} workers (slots "
         f"{sorted(x.slot for x in rs if x.slot is not None)}): {rs[0].reason}",
         max(x.progress for x in rs), rs[0].node) for rs in lost.values()}
-    return [merged[r.node] if r.kind == "node_lost" and r.node in merged else r for r in out]
+    return [merged[r.node] if r.kind.charge is Charge.NODE and r.node in merged else r for r in out]
 
 
 def failure_verdict(records: Sequence[FailureRecord], now: float, cfg: RecoveryConfig) -> str | None:
@@ -175,7 +179,7 @@ def setup_verdict(records: Sequence[FailureRecord], slots: int, any_setup_ok: bo
     ``slots`` slots failed its set-up with the same error (respawning would only repeat it)."""
     if any_setup_ok:
         return None
-    setup = [r for r in records if r.kind == "setup_failed"]
+    setup = [r for r in records if r.kind.charge is Charge.SETUP]
     failed_slots = {r.slot for r in setup}
     reasons = {r.reason for r in setup}
     if slots and len(failed_slots) >= slots and len(reasons) == 1:

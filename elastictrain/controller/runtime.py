@@ -1,5 +1,5 @@
 """The seam between the controller and what runs its workers: how a call's result is waited for and
-taken, which nodes are alive, where drain notices come from.
+taken, which nodes are alive, where drain notices come from, how the peer tier's keepers are started.
 
 The controller calls its workers as ``slot.actor.<method>.remote(...)`` and gets back a reference; it waits
 for and takes references only through a :class:`Runtime`. :class:`RayRuntime` is Ray itself (the default of
@@ -36,6 +36,16 @@ class Runtime(Protocol):
     def watch(self, refs: Sequence[Any]) -> RunWatch:
         """Watch a generation's in-flight ``run`` calls: how a death (the call fails) or the end of the
         loop is learned without looking at each call every poll interval."""
+
+    def start_keeper(self, node: str, budget: int) -> Any:
+        """A peer-tier keeper (``ShardKeeper``'s calls: ``set_budget``, ``catalog``...) bound to ``node``
+        (it dies with its node), keeping up to ``budget`` bytes."""
+
+    def stop_keeper(self, keeper: Any) -> None:
+        """End a keeper this run started (:meth:`start_keeper`); raises if it is gone already."""
+
+    def free_memory(self, nodes: set[str]) -> list[int]:
+        """The memory each alive node among ``nodes`` offers (bytes; nodes that do not say are left out)."""
 
 
 class RunWatch(Protocol):
@@ -94,6 +104,21 @@ class RayRuntime:
 
     def watch(self, refs: Sequence[Any]) -> RayRunWatch:
         return RayRunWatch(refs)
+
+    def start_keeper(self, node: str, budget: int) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastictrain.checkpoint import ShardKeeper
+
+        return ShardKeeper.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
+
+    def stop_keeper(self, keeper: Any) -> None:
+        ray.kill(keeper, no_restart=True)
+
+    def free_memory(self, nodes: set[str]) -> list[int]:
+        return [int(n["Resources"]["memory"]) for n in ray.nodes()
+                if n.get("Alive") and n["NodeID"] in nodes and n["Resources"].get("memory")]
 
 
 class RayRunWatch:

@@ -1,4 +1,5 @@
-"""The controller's states and the transitions it may take. The setter enforces and logs them."""
+"""The controller's states and the transitions it may take (docs/design.md, "The controller's states").
+The setter enforces and logs them; staying in a state is no transition."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.RUNNING, State.FAILED, State.PREEMPTED, State.RECOVERING}),
     State.RUNNING: frozenset({State.RECOVERING, State.RESIZING, State.CHECKPOINTING, State.FINISHED,
                               State.FAILED}),
-    State.RECOVERING: frozenset({State.RUNNING, State.RECOVERING, State.FAILED, State.CHECKPOINTING}),
+    State.RECOVERING: frozenset({State.RUNNING, State.FAILED, State.CHECKPOINTING}),
     State.RESIZING: frozenset({State.RUNNING, State.RECOVERING, State.FAILED, State.CHECKPOINTING,
                                State.FINISHED}),
     State.CHECKPOINTING: frozenset({State.PREEMPTED, State.FAILED}),

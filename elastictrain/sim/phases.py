@@ -7,7 +7,7 @@ the driver thread's CPU in each, and when each round of calls -- ``open_store``,
 ``_run_after``: the runs sent right behind the joins).
 
 Measurement only: the controller runs unchanged; the timer wraps a few of its methods on the instance and
-the controller module's ``call_members`` until :meth:`Phases.close`. Marks stop at the first step the
+the former module's ``call_members`` until :meth:`Phases.close`. Marks stop at the first step the
 driver saw after the kill (the recovery traced is over).
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 import ray
 
 # the controller's recovery methods timed (their start and end), in the order they run
-TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "_check_drains", "_kill_failed",
-         "_drain_runs", "_poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
-         "_take_last_polls", "_run_after")
+TIMED = ("_poll_members", "_check_runs", "_watchdog", "_check_stragglers", "check_drains", "kill_failed",
+         "drain_runs", "poll_members_blocking", "_account_failures", "_regroup", "_form_generation",
+         "_take_last_polls", "_run_after")  # the controller's, its monitor's or its former's
 LINES = {"-> RECOVERING": "state_recovering", "recovery source:": "decision", "-> RUNNING": "state_running"}
 
 
@@ -114,13 +114,14 @@ class Phases(logging.Handler):
         """Time the controller's recovery methods (their start and end, after the kill only) and its
         run watch's returns."""
         for name in TIMED:
-            setattr(controller, name, self._timed(name, getattr(controller, name)))
+            owner = next(o for o in (controller, controller.monitor, controller.former) if hasattr(o, name))
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
         logger = logging.getLogger("elastictrain.controller")
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
         watch = controller.rt.watch
-        controller.rt = _Rt(controller.rt, lambda refs: _Watch(watch(refs), self))
-        from elastictrain.controller import controller as module
+        controller.rt = controller.monitor.rt = _Rt(controller.rt, lambda refs: _Watch(watch(refs), self))
+        from elastictrain.controller import former as module
 
         self._module, self._call_members = module, module.call_members
         module.call_members = self._answered

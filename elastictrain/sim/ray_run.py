@@ -166,7 +166,7 @@ def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_a
                 slot = group.slots[victim]
                 marks["kill"] = time.time()
                 os.kill(slot.info["pid"], signal.SIGKILL)
-                phases.killed(slot.info["pid"], c.run_ref_of.get(victim), marks["kill"])
+                phases.killed(slot.info["pid"], c.monitor.run_ref_of.get(victim), marks["kill"])
             elif r["event"] == "failure" and "kill" in marks and "failure" not in marks:
                 marks["failure"] = now
                 phases.mark("failure_event", now)

@@ -35,7 +35,8 @@ BACK_STEP = 75  # a lost node comes back (growth back)
 DECISION_MARKS = ("recovery source:", "-> CHECKPOINTING")  # the controller's lines that say it decided
 
 
-def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float = 60, **recovery: Any) -> JobConfig:
+def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float = 60, memory_every_steps: int = 0,
+               **recovery: Any) -> JobConfig:
     """A job for ``ranks`` simulated workers: ddp, one sample per rank and step (every world size that
     divides the global batch is valid: ``ranks`` and many sizes below it), timeouts scaled to the simulated
     step time. ``restart_grace_s``: also how long the start waits for every worker (the Ray variant's
@@ -45,7 +46,10 @@ def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float 
         "train": {"steps": steps, "seed": 0, "global_batch": math.lcm(ranks, 720720),
                   "micro_batch": 1, "log_every": 10 ** 9},
         "workers": {"min": 1, "max": ranks, "standby": False},
-        "checkpoint": {"memory_every_steps": 0},  # no peer memory tier: its keepers are Ray actors
+        # the peer memory tier: off unless asked (the scale figures are without it); on, the controller
+        # starts its keepers through the runtime, and the simulated world's keepers (sim/world.py SimKeeper)
+        # take their budget and answer their catalogs -- empty: simulated workers hold no state
+        "checkpoint": {"memory_every_steps": memory_every_steps},
         "timeouts": {"collective_s": 2, "step_watchdog_cap_s": 5, "watchdog_floor_s": max(0.5, 10 * step_s),
                      "poll_s": 10, "restart_grace_s": restart_grace_s},
         "recovery": {"max_failures": 10 ** 6, "max_failures_per_rank": 10, **recovery},

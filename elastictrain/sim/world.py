@@ -231,12 +231,42 @@ class SimWorker:
     def _own_snapshots(self) -> SimRef:
         return self._now([])
 
+    def _attach_keeper(self, keeper: Any, elsewhere: bool = False) -> SimRef:
+        return self._now(None)
+
     def _finish(self, final_root: str | None = None, storage_options: Any = None) -> SimRef:
         # no model: an empty digest part, and nothing written (the simulator's controller has no run dir)
         return self._now({"rank": self.rank, "step": self._step_now(), "digest": {}, "report": None})
 
     def _shutdown(self) -> SimRef:
         return self._now(None)
+
+
+class SimKeeper:
+    """The peer memory tier's keeper of one simulated node (``SimWorld.start_keeper``): it takes its budget
+    and answers its catalog like a ``ShardKeeper``; it keeps nothing (simulated workers hold no state and
+    send no snapshots), so a recovery asks it and goes on to the survivors."""
+
+    def __init__(self, world: SimWorld, node: str, budget: int) -> None:
+        self.world, self.node, self.budget, self.killed = world, node, budget, False
+
+    def __getattr__(self, name: str) -> _KeeperCall:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _KeeperCall(self, name)
+
+
+class _KeeperCall:
+    __slots__ = ("keeper", "name")
+
+    def __init__(self, keeper: SimKeeper, name: str) -> None:
+        self.keeper, self.name = keeper, name
+
+    def remote(self, *args: Any) -> SimRef:
+        self.keeper.world.calls["keeper_" + self.name] += 1
+        if self.name == "set_budget":
+            self.keeper.budget = int(args[0])
+        return SimRef("value", None, [] if self.name == "catalog" else None)
 
 
 @dataclass
@@ -285,6 +315,7 @@ class SimWorld:
         self.calls: Counter[str] = Counter()  # calls made on the workers, by method
         self.slept_s = 0.0  # the driver's waits for calls to resolve (asked, not as long as the OS made them)
         self.crashed: list[SimWorker] = []  # in the order they died (what Ray's death notices tell)
+        self.keepers: list[SimKeeper] = []  # the peer tier keepers the controller started (start_keeper)
 
     def own_clock(self) -> float:
         """The driver's time as if it had a core of its own: its thread's CPU plus its waits for the cluster."""
@@ -433,6 +464,17 @@ class SimWorld:
 
     def watch(self, refs: Sequence[Any]) -> SimRunWatch:
         return SimRunWatch(self, refs)
+
+    def start_keeper(self, node: str, budget: int) -> SimKeeper:
+        keeper = SimKeeper(self, node, budget)
+        self.keepers.append(keeper)
+        return keeper
+
+    def stop_keeper(self, keeper: SimKeeper) -> None:
+        keeper.killed = True
+
+    def free_memory(self, nodes: set[str]) -> list[int]:
+        return []  # simulated nodes do not say: the budget is checkpoint.memory_budget_gib's
 
 
 class SimRunWatch:

@@ -28,7 +28,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from elastictrain import run_result
+from elastictrain import worker_reply
 from elastictrain.config import JobConfig
 from elastictrain.logs import configure_worker_logging, one_line, set_worker_rank
 from elastictrain.parallel.mesh import worker_device
@@ -318,19 +318,19 @@ class Worker:
         """Run steps until ``target_step`` completed steps, a stop request, or a failure.
 
         ``joined``: the controller passes this generation's ``join`` call (its ref) here when it sends
-        ``run`` before the join answered (``Controller._run_after``): Ray starts this call only once that
+        ``run`` before the join answered (``GenerationFormer._run_after``): Ray starts this call only once that
         join returned (its value, unused, arrives here), and a failed join fails this call with the join's
         error before it starts. The order is Ray's, not a wait in here: Ray does not order a threaded
         actor's calls, and a run waiting on the one state thread for its join would hold the thread the
         join needs.
 
         Returns ``{"status": done|stopped|peer_failed|error, "step": completed steps, "error": text,
-        "slot": slot}`` packed (:mod:`elastictrain.run_result`: at a failed step the controller takes every
-        survivor's result, and Ray hands bytes over for a third of a dict's cost; ``run_result.unpack``
+        "slot": slot}`` packed (:mod:`elastictrain.worker_reply`: at a failed step the controller takes every
+        survivor's result, and Ray hands bytes over for a third of a dict's cost; ``worker_reply.unpack``
         reads it). A failed step is discarded: gradients dropped, no optimizer step applied on this rank.
         """
         res = self._run_steps(target_step)
-        return run_result.pack(res["status"], res["step"], res["error"], res["slot"])
+        return worker_reply.pack(res["status"], res["step"], res["error"], res["slot"])
 
     def _run_steps(self, target_step: int) -> dict[str, Any]:
         r = self.runner

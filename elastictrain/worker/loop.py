@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, eval_sample_ids, rank_micro_batches
-from elastictrain.models.gpt import sample_seed
+from elastictrain.models.gpt import sample_seeds
 from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
@@ -122,7 +122,7 @@ class StepRunner:
         self.rank = 0
         self.world_size = 1
         self.generation = 0
-        self.phase = "idle"  # idle | compute | collective: tells a hung rank from its waiting peers
+        self.phase = "idle"  # idle | data | compute | collective: tells a hung rank from its waiting peers
         self.phase_since = time.time()
         # set by abort() (the controller's abort_group, from another thread) for the generation it names:
         # no step of an aborted generation commits (``_commit_gate``)
@@ -325,7 +325,8 @@ class StepRunner:
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self._read_ahead(s, micro, dp_rank, d)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
-        self.pm.module.train()
+        if not self.pm.module.training:  # (evaluation leaves it in eval mode; train() walks every module)
+            self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
         with self.profiler.around(self.rank, number):
             done, stats = self._forward_backward(micro, hooks, d / g)
@@ -395,7 +396,10 @@ class StepRunner:
             for j in range(self.train.eval_batches):
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
-                    batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
+                    self._set_phase("data")  # storage, not compute (the watchdog names a stall here)
+                    samples = [self.eval_dataset[int(i)] for i in ids]
+                    self._set_phase("compute")
+                    batch = _to(self.collate(samples), self.device)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
                     total += self.task.loss_fn(module, batch, seeds).double().sum()
         self._set_phase("collective")
@@ -533,8 +537,11 @@ class _LoopHooks:
 
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
-        batch = _to(r.collate([r.dataset[int(i)] for i in ids]), r.device)
-        seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
+        r._set_phase("data")  # waiting on storage is not computing: the watchdog names it, never replaces it
+        samples = [r.dataset[int(i)] for i in ids]
+        r._set_phase("compute")
+        batch = _to(r.collate(samples), r.device)
+        seeds = sample_seeds(r.train.seed, self.s, ids)
         return MicroBatch([int(i) for i in ids], batch, seeds)
 
     def phase(self, name: str) -> None:
