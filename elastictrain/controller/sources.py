@@ -76,7 +76,8 @@ def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | Non
             break
     missing = [k for k in need if k not in holders]
     mesh = " x ".join(f"{n}={dims.size(n)}" for n in dims.axes
-                      if n in ("dp_replicate", "dp_shard") or dims.size(n) > 1) + (f" (ep={dims.ep})" if dims.ep > 1 else "")
+                      if n in ("dp_replicate", "dp_shard") or dims.size(n) > 1)
+    mesh += f" (ep={dims.ep})" if dims.ep > 1 else ""
     if missing:  # named by the axes the layout has (the shard coordinate always)
         axes = [(i, n) for i, n in enumerate(dims.holder_axes()) if dims.size(n) > 1 or n == "dp_shard"]
         if len(axes) == 1:

@@ -237,8 +237,8 @@ LLAMA_TP_PARTIAL_GRADS = {True: (2, 1), False: (0, 0)}  # the Llama's RMSNorms: 
 @dataclass(frozen=True)
 class Calls:
     """Collective calls of one step on the worst rank, each as ``(what, count, ranks, ring steps per call)``;
-    ``what``: ``tp``, ``ep`` (the all-to-alls), ``pp``, ``fsdp`` (gathers and reductions), ``replicate`` (DDP's buckets, HSDP's
-    all-reduces) or ``step`` (the step loop's own)."""
+    ``what``: ``tp``, ``ep`` (the all-to-alls), ``pp``, ``fsdp`` (gathers and reductions), ``replicate`` (DDP's
+    buckets, HSDP's all-reduces) or ``step`` (the step loop's own)."""
 
     groups: tuple[tuple[str, float, int, int], ...]
 
