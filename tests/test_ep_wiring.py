@@ -39,6 +39,26 @@ def _spec(world: int, steps: int = STEPS, run_id: str = "ep", ckpt: str | None =
     return spec
 
 
+@pytest.mark.parametrize("parallel, moe, needle", [
+    ({"ep": 2, "plan": "fsdp"}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.plan=fsdp: .*set parallel\.plan=ddp"),
+    ({"ep": 2, "plan": "hsdp"}, {"experts": 4, "top_k": 2}, r"parallel\.plan=hsdp: .*set parallel\.plan=ddp"),
+    ({"ep": 2, "tp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.cp=1 and parallel\.tp=2"),
+    ({"ep": 2, "pp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.pp=2: .*set parallel\.pp=1"),
+    ({"ep": 2}, None, r"parallel\.ep=2 .* task\.model\.moe is unset; set task\.model\.moe"),
+    ({"ep": 4}, {"experts": 6, "top_k": 2}, r"parallel\.ep=4 does not divide task\.model\.moe\.experts=6; valid "
+                                            r"parallel\.ep values for it: \[1, 2, 3, 6\]"),
+    ({"ep": 3}, {"experts": 6, "top_k": 2}, r"parallel\.ep=3 does not divide the data-parallel size 4 .*valid "
+                                            r"parallel\.ep values there: \[1, 2, 4\]"),
+])
+def test_bad_ep_configs_name_the_rule_and_the_fix(parallel, moe, needle) -> None:
+    from elastictrain.config import ConfigError, build_config
+
+    task = copy.deepcopy(TASK)
+    task["model"]["moe"] = moe
+    with pytest.raises(ConfigError, match=needle):
+        build_config(job(task=task, train=TRAIN, workers={"min": 4, "max": 4}, parallel=parallel))
+
+
 @pytest.fixture(scope="module")
 def one_process() -> InProcessRun:
     return InProcessRun(_spec(1))
