@@ -40,7 +40,8 @@ def _spec(world: int, steps: int = STEPS, run_id: str = "ep", ckpt: str | None =
 
 
 @pytest.mark.parametrize("parallel, moe, needle", [
-    ({"ep": 2, "plan": "fsdp"}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.plan=fsdp: .*set parallel\.plan=ddp"),
+    ({"ep": 2, "plan": "fsdp"}, {"experts": 4, "top_k": 2},
+     r"parallel\.ep=2 with parallel\.plan=fsdp: .*set parallel\.plan=ddp"),
     ({"ep": 2, "plan": "hsdp"}, {"experts": 4, "top_k": 2}, r"parallel\.plan=hsdp: .*set parallel\.plan=ddp"),
     ({"ep": 2, "tp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.cp=1 and parallel\.tp=2"),
     ({"ep": 2, "pp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.pp=2: .*set parallel\.pp=1"),
