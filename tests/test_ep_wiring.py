@@ -212,3 +212,26 @@ def test_ep2_dp2_rank_killed_recovers_from_its_expert_replica(tmp_path, ray_loca
     assert sizes[0] == (4, 2), sizes  # whole ep groups only: 3 workers run one
     _audited(run, steps)
     assert_same_numbers(run, InProcessRun(_spec(1, steps)), param_atol=RECOVERY_PARAM_ATOL)
+
+
+def test_recovery_coverage_needs_every_ep_coordinate() -> None:
+    """Pure: the experts are state that ep shards (MeshDims.holder_key ends with the ep coordinate), so a
+    peer restore needs a survivor of every ep coordinate; ep2 x dp2 losing rank 1 is covered by rank 3 (its
+    expert replica); losing ranks 1 and 3, or rank 1 of ep2 alone, is not: the peer tier, else the checkpoint."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+
+    dims = MeshDims(dp_replicate=4, ep=2)
+    assert [dims.holder_key(r)[-1] for r in range(4)] == [0, 1, 0, 1] and not dims.holds_whole_state
+
+    def decide(d, survivors, memory=None):
+        return rank_sources(dp_replicate=d.dp_replicate, dp_shard=1, survivors=survivors, memory=memory or {},
+                            durable_step=2, last_step=5, dims=d)
+
+    got = decide(dims, {0: 5, 2: 5, 3: 5})
+    assert (got.chosen.kind, got.chosen.ranks, got.lost_steps) == ("peer", (0, 3), 0), got.reason
+    got = decide(dims, {0: 5, 2: 5}, {4: True})
+    assert got.chosen.kind == "memory" and "lack (shard coordinate, ep coordinate) [(0, 1)]" in got.reason, got.reason
+    got = decide(MeshDims(dp_replicate=2, ep=2), {0: 5})
+    assert got.chosen.kind == "checkpoint" and got.lost_steps == 3, got.reason
+    assert MeshDims(dp_replicate=4).holder_keys() == [(0, 0, 0)]  # ddp without ep: any survivor holds it all

@@ -231,6 +231,7 @@ class StepRunner:
             host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
         self.aborted.clear()  # a new generation's group: an abort of an earlier one is not about it
+        self.ep, self.moe = None, False  # (set again below for this generation's layout)
         mesh = build_mesh(layout.dims, self.device)
         plan = parallel_of(layout, self.parallel)
         self.mesh = f"{plan.plan}: " + " x ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape))
