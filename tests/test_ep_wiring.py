@@ -85,6 +85,11 @@ def _token_counts(run) -> None:
 
 @pytest.mark.parametrize("world", [2, 4], ids=["ep2", "ep2xdp2"])
 def test_ep_matches_one_process(tmp_path, ray_local, one_process, world) -> None:
+    """ep2 (2 workers) and ep2 x dp2 (4): every step's loss, the final parameters, the sample audit, the token
+    counts (and, under ep2, the report's table of them). Against broken builds: the expert gradients not
+    reduced (no sum over replicas, no 1/D): final blocks.0.moe.w_out off by 8e-5 > 1e-5 in both (AdamW
+    normalises most of a scale error away; the parameters still catch it); DDP not told to ignore the experts:
+    the run fails at step 1 (DDP mixes DTensor and Tensor)."""
     run = run_job(tmp_path, _spec(world, ep=2), name=f"ep2-{world}")
     _audited(run, STEPS)
     assert run.of("step")[0]["mesh"].startswith("ddp"), run.of("step")[0]
@@ -118,7 +123,9 @@ def _report_tables_the_load(run, tmp_path) -> None:
 def _ep2_dp2_clip(rank: int, port: int) -> None:
     """The framework's wiring on 4 gloo ranks (ep2 x dp2): experts sharded and hidden from DDP, the backward
     through DDP, the expert gradients reduced, then the framework's clip (parallel/optim.py) at a max norm
-    that clips: the norm and every clipped gradient equal one process's ``clip_grad_norm_``."""
+    that clips: the norm and every clipped gradient equal one process's ``clip_grad_norm_``. Against broken
+    builds: the expert gradients not reduced, or the clip not summing the expert shards' squared norms over
+    the ep group (the DTensor grads counted as replicated): the norm differs ("Scalars are not close")."""
     import datetime
     import os
 
@@ -167,7 +174,9 @@ def test_ep2_dp2_clip_norm_over_dense_and_sharded_expert_grads() -> None:
 def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local) -> None:
     """ep2 for 4 steps with a durable checkpoint every 2 (the experts saved as DTensor shards, by name); one
     worker (ep1: whole experts) resumes its step-4 checkpoint to 6 steps: every step's loss and the final
-    parameters of 6 uninterrupted one-process steps."""
+    parameters of 6 uninterrupted one-process steps. Against a build that treats an ep layout as holding the
+    whole state (``holds_whole_state`` ignoring ep, the whole-state guard removed): the ep2 run fails (the
+    replicated broadcast restore meets DTensor experts)."""
     ckpt = str(tmp_path / "ckpt")
     ep = run_job(tmp_path, _spec(2, 4, "ep-resume", ckpt, ep=2), name="ep2")
     _audited(ep, 4)
@@ -194,7 +203,9 @@ def test_ep2_dp2_rank_killed_recovers_from_its_expert_replica(tmp_path, ray_loca
     peer tier every step: rank 1 is SIGKILLed mid-step with no spare. Rank 3 holds rank 1's experts, so the
     survivors serve every part of the state (source peer, lost steps <= 1); the 3 left shrink to a whole
     ep group (2) and the run finishes with every step's loss (a redone one too) and the final parameters of
-    the uninterrupted run, each step's samples seen once."""
+    the uninterrupted run, each step's samples seen once. Against a build whose holder key leaves the ep
+    coordinate out (any survivor "holds everything", as under plain ddp): the recovery does not come from the
+    expert replica (source ``memory``, not ``peer``)."""
     from tests.parallel_fixtures import RECOVERY_PARAM_ATOL
     from tests.test_pp_recovery import TIMEOUTS, _slow
 
