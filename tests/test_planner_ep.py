@@ -1,7 +1,9 @@
 """The planner prices expert parallel (issue 39): the parameter counts include the experts (equal to the
 built-in models' own), each rank holds ``1 / ep`` of the experts' weights, gradients and optimizer state, the
 all-to-all moves ``2 x top_k x tokens x hidden`` bytes per MoE layer forward and the same backward, a GPU pays
-a split-size sync per MoE layer and forward, and ``--all-axes`` searches ep. Pure arithmetic, no process."""
+a split-size sync per MoE layer and forward, and ``--all-axes`` searches ep. Pure arithmetic, no process.
+Against broken builds: a rank's parameters not dividing the experts by ep fails the memory test (and the
+search's); an all-to-all priced once per direction instead of dispatch + combine fails the volume test."""
 
 from __future__ import annotations
 
