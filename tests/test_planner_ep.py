@@ -104,3 +104,19 @@ def test_plan_all_axes_cli_lists_ep(monkeypatch) -> None:
     rows = json.loads(out.stdout)
     assert {r["ep"] for r in rows} == {1, 2, 4} and all(r["ep_comm_s"] > 0 for r in rows if r["ep"] > 1)
     assert all(math.isfinite(r["step_time_s"]) for r in rows)
+
+
+def test_plan_auto_runs_the_ep_it_priced() -> None:
+    """``parallel.plan: auto`` on an MoE job: the chosen candidate's ep is what the concrete config runs (the
+    job's own ep does not survive the choice), and a valid config (ep under ddp)."""
+    from elastictrain import build_config
+    from elastictrain.planner.job import choose
+
+    cfg = build_config({"task": {"model": {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64,
+                                           "moe": {"experts": 8, "top_k": 2}}},
+                        "train": {"global_batch": 16, "micro_batch": 2}, "workers": {"min": 4, "max": 4},
+                        "parallel": {"plan": "auto"}})
+    cl = Cluster(nodes=1, devices_per_node=4, **GPU)
+    concrete, choice = choose(cfg, cl, [4])
+    assert concrete.parallel.ep == choice.estimate.candidate.ep == choice.parallel["ep"]
+    assert concrete.parallel.ep == 1 or concrete.parallel.plan == "ddp"
