@@ -507,17 +507,21 @@ class JobConfig(_Section):
         return self
 
     def _axes_rules(self) -> None:
-        """``parallel.cp`` against the sequence length (head-tail chunks), then the one refusal of axes the
-        step loop does not run yet (:func:`elastictrain.parallel.plan.unwired_axes`)."""
+        """``parallel.cp`` against the sequence length (head-tail chunks) and the layout
+        (:func:`elastictrain.parallel.plan.cp_layout_rule`), then the one refusal of axes the step loop does
+        not run yet (:func:`elastictrain.parallel.plan.unwired_axes`: ep)."""
         p = self.parallel
         if p.cp == 1 and p.ep == 1:
             return
-        from elastictrain.parallel.plan import cp_rule, unwired_axes
+        from elastictrain.parallel.plan import cp_layout_rule, cp_rule, unwired_axes
 
         if p.cp > 1 and self.task.kind != "python":  # a python task's sequence length is its dataset's
             why = cp_rule(p.cp, self.task.model.seq_len)
             if why:
                 raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
+        why = cp_layout_rule(p.cp, p.pp, self.task.kind != "python" and self.task.model.moe is not None)
+        if why:
+            raise ValueError(why)
         why = unwired_axes(p.cp, p.ep)
         if why:
             raise ValueError(why)

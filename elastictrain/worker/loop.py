@@ -34,6 +34,8 @@ from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
+from elastictrain.parallel.context_wiring import cp_coord, shard_batch
+from elastictrain.parallel.context_wiring import wire_model as wire_context_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
 from elastictrain.parallel.plan import Layout
@@ -245,6 +247,7 @@ class StepRunner:
             materialize(module, self.device)
             self.uninitialized = True
         self.pm = wrap(module, mesh)
+        wire_context_parallel(self.pm, mesh, layout.dims, rank)  # cp group on the hooks; who counts (cp 0)
         if whole and (isinstance(module, FSDPModule) or _has_dtensor(module)):
             raise RuntimeError(f"layout {layout.reason!r} holds the whole state on every rank, but the "
                                "parallelize_fn returned sharded parameters (DTensors): under parallel.plan=ddp "
@@ -367,7 +370,9 @@ class StepRunner:
         """The mean ``loss_fn`` over ``train.eval_batches`` global batches of the validation split (ids:
         ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (one
         all-reduce of the loss sum). The same value on every rank and at every world size (to float
-        summation order). Needs pp = tp = 1 (the config refuses eval under them)."""
+        summation order). Needs pp = tp = 1 (the config refuses eval under them). Under cp each rank scores
+        its positions of the samples (the loss function sums them over cp) and cp coordinate 0 alone adds the
+        per-sample losses, which every cp rank holds."""
         g, m = self.train.global_batch, self.train.micro_batch
         n = len(self.eval_dataset)
         module = self.pm.module
@@ -379,8 +384,10 @@ class StepRunner:
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
                     batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
+                    batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
-                    total += self.task.loss_fn(module, batch, seeds).double().sum()
+                    loss = self.task.loss_fn(module, batch, seeds).double().sum()
+                    total += loss if cp_coord(self.layout.dims, self.rank) == 0 else 0.0 * loss
         self._set_phase("collective")
         dist.all_reduce(total)
         self._set_phase("idle")
@@ -513,6 +520,7 @@ class _LoopHooks:
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
         batch = _to(r.collate([r.dataset[int(i)] for i in ids]), r.device)
+        batch = shard_batch(batch, r.layout.dims, r.rank)  # cp: this rank's positions (seeds unchanged)
         seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
         return MicroBatch([int(i) for i in ids], batch, seeds)
 
