@@ -52,7 +52,7 @@ def global_indices(t: DTensor) -> list[torch.Tensor]:
 def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] | None = None) -> bool:
     """Whether this rank's copy of ``t`` is the one counted: a DTensor's at coordinate 0 of every
     replicated axis of its own mesh and, for the layout's axes its mesh does not span
-    (``primary_along``: ``{"dp": ..., "tp": ...}``, whether this rank is at coordinate 0 along them; a
+    (``primary_along``: ``{"dp": ..., "tp": ..., "cp": ...}``, whether this rank is at coordinate 0 along them; a
     tensor-parallel DTensor under ddp lives on the tp axis alone and is replicated over dp), at
     coordinate 0 there too; a plain tensor's where ``plain_primary`` (the caller's replica 0)."""
     if isinstance(t, DTensor):
@@ -60,7 +60,9 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
         if coord is None or any(c != 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate)):
             return False
         names = t.device_mesh.mesh_dim_names or ()
-        spans = {"dp": any(n.startswith("dp") for n in names), "tp": "tp" in names}
+        # (a flattened dimension spans its parts: "dp_shard_cp" is a data-parallel and a cp dimension)
+        spans = {"dp": any(n.startswith("dp") for n in names), "tp": "tp" in names,
+                 "cp": any("cp" in n.split("_") for n in names)}
         return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary
 

@@ -502,7 +502,7 @@ class StepRunner:
 
         coord = {} if self.layout is None else self.layout.dims.coord(self.rank)
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
-                 "tp": coord.get("tp", 0) == 0}
+                 "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
                           primary_along=along)
 
