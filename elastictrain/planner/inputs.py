@@ -330,6 +330,8 @@ class Candidate:
             parts[0] += f" {self.dp}"
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.pp > 1:
             v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")

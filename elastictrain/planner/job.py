@@ -146,6 +146,7 @@ def parallel_settings(e: Estimate, sharded_only: bool = False) -> dict[str, Any]
     if c.pp > 1:
         out.update(pp_schedule=c.schedule, stages_per_rank=c.stages_per_rank)
     out["tp"] = c.tp  # always: a job's own tp (and sequence_parallel) must not survive a choice of tp 1
+    out["cp"] = c.cp
     if c.tp == 1:
         out["sequence_parallel"] = None
     return out
