@@ -140,3 +140,57 @@ def test_cp2_x_dp2_rank_killed_recovers_shrinks_to_one_cp_group_and_grows_back(t
     assert_cursor_audit(run, GROW_STEPS, TASK["model"]["seq_len"], TRAIN["global_batch"])
     clean = job(task=copy.deepcopy(TASK), train=train, workers={"min": 1, "max": 1})
     assert_same_numbers(run, _clean(clean), param_atol=RECOVERY_PARAM_ATOL)
+
+
+def _eval_rank(rank: int, world: int, cp: int, port: int, out: str) -> None:
+    """One rank: 2 steps of the built-in task with a held-out evaluation after each (the training windows
+    as the validation split: what is scored does not matter, only that every layout scores the same),
+    ``cp`` context-parallel; rank 0 saves the step records' (loss, eval_loss)."""
+    import dataclasses
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from elastictrain.config import build_config
+    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        cfg = build_config(_spec(world, steps=2, cp=cp))
+        task = builtin_task(cfg)
+        task = dataclasses.replace(task, eval_dataset_fn=task.dataset_fn)
+        train = cfg.train.model_copy(update={"eval_every": 1, "eval_batches": 1})
+        runner = StepRunner(task, train, FaultInjector(()), parallel=cfg.parallel)
+        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+        if runner.uninitialized:
+            runner.init_from_seed()
+        records = [runner.run_step(False)[0] for _ in range(2)]
+        if rank == 0:
+            torch.save([(r.loss, r.eval_loss) for r in records], out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eval_under_cp_scores_the_numbers_of_one_process(tmp_path) -> None:
+    """train.eval_every under cp2 (2 processes) and cp2 x dp2 (4): each rank scores its positions of the
+    validation samples, the loss is summed over cp, cp coordinate 0 alone adds it: the held-out losses of
+    one process (and the training losses with them). Broken (every cp rank adding its eval loss): doubled."""
+    from tests.checkpoint_fixtures import free_port
+    from tests.ranks import run_ranks
+
+    got = {}
+    for world, cp in ((1, 1), (2, 2), (4, 2)):
+        out = str(tmp_path / f"w{world}.pt")
+        run_ranks(_eval_rank, (world, cp, free_port(), out), nprocs=world)
+        got[world] = __import__("torch").load(out)
+    for world in (2, 4):
+        for (loss, ev), (ref_loss, ref_ev) in zip(got[world], got[1], strict=True):
+            assert ev is not None and abs(ev - ref_ev) <= 1e-5 * ref_ev, (world, ev, ref_ev)
+            assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (world, loss, ref_loss)

@@ -386,8 +386,9 @@ class StepRunner:
                     batch = _to(self.collate([self.eval_dataset[int(i)] for i in ids]), self.device)
                     batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
-                    loss = self.task.loss_fn(module, batch, seeds).double().sum()
-                    total += loss if cp_coord(self.layout.dims, self.rank) == 0 else 0.0 * loss
+                    loss = self.task.loss_fn(module, batch, seeds).double().sum()  # (collective under cp)
+                    if cp_coord(self.layout.dims, self.rank) == 0:
+                        total += loss
         self._set_phase("collective")
         dist.all_reduce(total)
         self._set_phase("idle")
