@@ -641,7 +641,7 @@ def test_context_parallel_is_priced_activations_over_cp_and_kv_all_gathers():
     cp; the K/V all-gather moves 2 (C-1)/C B T kv_width bytes per block forward, again backward (a
     reduce-scatter of their gradient), again when checkpointing recomputes the forward; compute per rank
     is 1/C; and `plan` searches cp only when every axis is asked for (--all-axes)."""
-    from elastictrain.planner.memory import activation_bytes, cp_attention_bytes, state_shards
+    from elastictrain.planner.memory import activation_bytes, cp_attention_bytes, cp_mask_bytes, state_shards
     from elastictrain.planner.steptime import collective_calls, cp_bytes, moved_bytes, step_flops
 
     model = ModelShape(layers=4, hidden=1024, heads=8, seq_len=2048, vocab=256)
@@ -650,7 +650,8 @@ def test_context_parallel_is_priced_activations_over_cp_and_kv_all_gathers():
     one, two = Candidate(dp_replicate=2, micro_batch=1), Candidate(dp_replicate=2, cp=2, micro_batch=1)
     kv = 2 * 1 * 2048 * 1024 * train.activation_bytes  # K and V of the whole sequence, all heads
     assert cp_attention_bytes(model, train, one) == 0
-    assert cp_attention_bytes(model, train, two) == pytest.approx(kv / 2 + 1024 * 2048)  # (C-1)/C of K/V + mask
+    assert cp_attention_bytes(model, train, two) == pytest.approx(kv / 2)  # (C-1)/C of K and V, per block
+    assert cp_mask_bytes(model, train, two) == 1024 * 2048 * 4 and cp_mask_bytes(model, train, one) == 0
     assert block_activation_bytes(model, train, two) == pytest.approx(
         block_activation_bytes(model, train, one) / 2 + cp_attention_bytes(model, train, two))
     ratio = activation_bytes(model, train, two) / activation_bytes(model, train, one)

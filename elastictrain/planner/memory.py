@@ -26,8 +26,9 @@ the last one the output head: the larger of the two is taken):
   :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
   the logits (and their gradient) of one micro-batch in fp32 on the last stage. Context parallel (``cp =
   C``) holds ``T / C`` positions of each sample: every term above at ``s = T / C``, plus per block the
-  keys and values gathered from the other cp ranks and the causal mask of its queries over all keys
-  (:func:`cp_attention_bytes`); FSDP shards the state over ``dp_shard x cp`` (:func:`state_shards`);
+  keys and values gathered from the other cp ranks (:func:`cp_attention_bytes`), and once the causal mask
+  of its queries over all keys (:func:`cp_mask_bytes`); FSDP shards the state over ``dp_shard x cp``
+  (:func:`state_shards`);
 * **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
   (:attr:`Cluster.fragmentation` of everything else).
 """
@@ -94,13 +95,18 @@ def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, 
 def cp_attention_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """What context parallelism adds to one block's activations for one micro-batch (0 without cp): the
     keys and values gathered from the other cp ranks, saved for the attention's backward (``2 (C-1)/C b T
-    kv_width`` elements, this rank's heads), and the boolean causal mask of this rank's ``T / C`` queries
-    over all ``T`` keys (parallel/context.py's ``cp_attention``)."""
+    kv_width`` elements, this rank's heads)."""
     if c.cp == 1:
         return 0.0
     t, b = model.seq_len, c.micro_batch
-    kv = 2 * (c.cp - 1) / c.cp * b * t * model.kv_width / c.tp * train.activation_bytes
-    return kv + t // c.cp * t
+    return 2 * (c.cp - 1) / c.cp * b * t * model.kv_width / c.tp * train.activation_bytes
+
+
+def cp_mask_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """The causal mask of this rank's ``T / C`` queries over all ``T`` keys, an additive bias in the compute
+    dtype that every layer's attention saves: one cached tensor per rank (parallel/context.py's ``_bias``),
+    0 without cp."""
+    return 0.0 if c.cp == 1 else model.seq_len // c.cp * model.seq_len * train.activation_bytes
 
 
 def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -138,7 +144,7 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
     stage = held * per_block * blocks / c.stages_per_rank
     logits = 2 * s * b * model.vocab * 4 / c.tp
-    return stage + extra + logits
+    return stage + extra + logits + cp_mask_bytes(model, train, c)
 
 
 def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -> float:
