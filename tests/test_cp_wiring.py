@@ -4,7 +4,9 @@ tests/parallel_fixtures.py): cp2 on 2, cp2 x dp2 (ddp) on 4, cp2 x fsdp2 and cp2
 step's loss and the final parameters of one process, and every step saw exactly its samples (the audit);
 a rank SIGKILLed under cp2 x dp2 with the peer tier every step recovers with at most one lost step, the
 world shrinks to one whole cp group and grows back, and every loss equals the uninterrupted run's.
-Refusals: cp x pp, cp x MoE, and a user model without the hook (before any Ray resource).
+Refusals: cp x pp, cp x MoE, and a user model without the hook (before any Ray resource). On gloo
+processes without Ray (the worker's step path): train.eval_every under cp2 and cp2 x dp2 scores one
+process's held-out losses; a cp2 x fsdp2 checkpoint resumes under cp2 x ddp2 and one process.
 
 Tolerance: cp computes one process's math with fp32 sums in another order (the gathered keys' order, the
 loss as a sum of rank partial sums, the gradient averaged over dp x cp): tests/test_context_parallel.py
@@ -194,3 +196,18 @@ def test_eval_under_cp_scores_the_numbers_of_one_process(tmp_path) -> None:
         for (loss, ev), (ref_loss, ref_ev) in zip(got[world], got[1], strict=True):
             assert ev is not None and abs(ev - ref_ev) <= 1e-5 * ref_ev, (world, ev, ref_ev)
             assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (world, loss, ref_loss)
+
+
+def test_a_cp2_x_fsdp2_checkpoint_resumes_under_cp2_x_ddp2_and_one_process(tmp_path) -> None:
+    """A training state saved with DCP after 2 steps under cp2 x fsdp2 (FSDP shards over dp_shard x cp: 4
+    shards) loads under cp2 x dp2 (ddp) and under one process, each continuing with the uninterrupted
+    run's third step and final model (gloo processes, the worker's step path: tests/test_tensor_parallel.py's
+    harness, dropout on)."""
+    from tests.test_tensor_parallel import _resumed_matches, _run
+
+    ref = _run(tmp_path, 1, [{}])[0]
+    ck = str(tmp_path / "cp2fsdp2")
+    four = _run(tmp_path, 4, [{"cp": 2, "plan": "fsdp", "_steps": 2, "_save": ck}, {"cp": 2, "_load": ck, "_steps": 1}])
+    (one,) = _run(tmp_path, 1, [{"_load": ck, "_steps": 1}])
+    for got in (four[1], one):
+        _resumed_matches(got, ref, 2)
