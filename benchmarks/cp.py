@@ -5,13 +5,14 @@ Run: ``python benchmarks/cp.py [--seq-len 2048] [--d-model 256] [--layers 4] [--
 [--cp 2]``
 
 What it measures: the bytes autograd keeps for backward (``torch.autograd.graph.saved_tensors_hooks``, each
-storage counted once) over one micro-batch's forward and loss of the built-in GPT (dropout on, fp32), on
-rank 0: in one process for cp1, and on ``--cp`` gloo processes for cpC, each holding its head-tail share of
-the sequence (``shard_sequence``), the cp group set on the model (``enable_context_parallel``) and the
-loss the step loop's (``cp_sample_loss`` through the built-in task's loss). These are the activations: what a
-micro-batch adds to a rank's memory between its forward and its backward (the weights a linear saves are
-the parameters' own storage: left out), whatever the runtime, the parameters and the optimizer hold (the same under both; FSDP shards those over dp x cp separately). Counted
-bytes, not timings: load on the machine does not move them.
+storage counted once) over one micro-batch's forward and loss of the built-in GPT (dropout on, fp32), on rank
+0: in one process for cp1, and on ``--cp`` gloo processes for cpC, each holding its head-tail share of the
+sequence (``shard_sequence``), the cp group set on the model (``enable_context_parallel``) and the loss the
+step loop's (``cp_sample_loss`` through the built-in task's loss). These are the activations: what a micro-
+batch adds to a rank's memory between its forward and its backward (the weights a linear saves are the
+parameters' own storage: left out), whatever the runtime, the parameters and the optimizer hold (the same
+under both; FSDP shards those over dp x cp separately). Counted bytes, not timings: load on the machine does
+not move them.
 
 Printed, each beside its target:
 

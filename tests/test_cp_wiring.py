@@ -76,7 +76,8 @@ def test_cp2_x_fsdp2_and_cp2_x_tp2_match_one_process(tmp_path, ray_local, one_pr
 
 
 @pytest.mark.parametrize("sections, needle", [
-    ({"parallel": {"cp": 2, "pp": 2}, "workers": {"min": 4, "max": 4}, "task": {"model": {**TASK["model"], "n_layer": 2}}},
+    ({"parallel": {"cp": 2, "pp": 2}, "workers": {"min": 4, "max": 4},
+      "task": {"model": {**TASK["model"], "n_layer": 2}}},
      "parallel.cp=2 with parallel.pp=2: context parallel does not run inside pipeline stages yet; set "
      "parallel.pp=1 or parallel.cp=1"),
     ({"parallel": {"cp": 2}, "workers": {"min": 2, "max": 2},

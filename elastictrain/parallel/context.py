@@ -166,13 +166,13 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``q`` ``[B, Hq, t, D]``, ``k``/``v`` ``[B, Hkv, t, D]``: this rank's positions ``q_pos`` (``[t]``, global),
-    any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered
-    over ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query
-    attention, as the model does without cp), and every query at position ``p`` attends to the keys at
-    positions ``<= p`` (``F.scaled_dot_product_attention`` with a mask from the positions: for the
-    head-tail layout one cached additive bias, :func:`_bias`; no dropout). ``kv_pos``: the global positions of the gathered keys; None means the head-tail layout's
-    (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be :func:`cp_positions`. Returns
-    ``[B, Hq, t, D]``."""
+    any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered over
+    ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query attention,
+    as the model does without cp), and every query at position ``p`` attends to the keys at positions ``<= p``
+    (``F.scaled_dot_product_attention`` with a mask from the positions: for the head-tail layout one cached
+    additive bias, :func:`_bias`; no dropout). ``kv_pos``: the global positions of the gathered keys; None means
+    the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be
+    :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
     cp = dist.get_world_size(group)
     k, v = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
     if n_rep > 1:
