@@ -507,17 +507,21 @@ class JobConfig(_Section):
         return self
 
     def _axes_rules(self) -> None:
-        """``parallel.cp`` against the sequence length (head-tail chunks), then the one refusal of axes the
-        step loop does not run yet (:func:`elastictrain.parallel.plan.unwired_axes`)."""
+        """``parallel.cp`` against the sequence length (head-tail chunks) and the layout
+        (:func:`elastictrain.parallel.plan.cp_layout_rule`); ``parallel.ep`` against the model's experts (the
+        layout rules of ep: :func:`elastictrain.parallel.plan.ep_rule`)."""
         p = self.parallel
         if p.cp == 1 and p.ep == 1:
             return
-        from elastictrain.parallel.plan import cp_rule, unwired_axes
+        from elastictrain.parallel.plan import cp_layout_rule, cp_rule
 
         if p.cp > 1 and self.task.kind != "python":  # a python task's sequence length is its dataset's
             why = cp_rule(p.cp, self.task.model.seq_len)
             if why:
                 raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
+        why = cp_layout_rule(p.cp, p.pp, self.task.kind != "python" and self.task.model.moe is not None)
+        if why:
+            raise ValueError(why)
         if p.ep > 1 and self.task.kind != "python":  # a python task's model is checked at attach
             moe = self.task.model.moe
             if moe is None:
@@ -528,9 +532,6 @@ class JobConfig(_Section):
                 valid = [d for d in range(1, moe.experts + 1) if moe.experts % d == 0]
                 raise ValueError(f"parallel.ep={p.ep} does not divide task.model.moe.experts={moe.experts}; "
                                  f"valid parallel.ep values for it: {valid}")
-        why = unwired_axes(p.cp, p.ep)
-        if why:
-            raise ValueError(why)
 
     def _builtin_model_splits(self, llama: dict[str, Any] | None = None, vocab: int | None = None) -> None:
         """The built-in model fills the pipeline stages and divides over the tensor-parallel ranks. ``llama``

@@ -163,12 +163,16 @@ class _LlamaModel:
 def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
     """Each sample's mean next-token cross-entropy, plus in training mode (not in evaluation) the sum over the
     model's mixture-of-experts layers of that sample's load-balancing loss (a function of the sample alone,
-    elastictrain/models/moe.py), so the per-sample loss contract holds with MoE."""
+    elastictrain/models/moe.py), so the per-sample loss contract holds with MoE. Under context parallelism
+    (``batch["positions"]``: this rank's part of each sample) the whole sample's loss summed over the cp
+    ranks (:func:`elastictrain.parallel.context.cp_sample_loss`; MoE is refused there)."""
     from elastictrain.models.gpt import per_sample_loss
     from elastictrain.models.moe import moe_aux_loss
+    from elastictrain.parallel.context import cp_group_of, cp_sample_loss
 
-    logits = model(batch["input"], sample_seeds=sample_seeds)
-    loss = per_sample_loss(logits, batch["target"])
+    logits = model(batch["input"], sample_seeds=sample_seeds, positions=batch.get("positions"))
+    group = cp_group_of(model) if "positions" in batch else None
+    loss = per_sample_loss(logits, batch["target"]) if group is None else cp_sample_loss(logits, batch["target"], group)
     aux = moe_aux_loss(model) if model.training else None
     return loss if aux is None else loss + aux.to(loss.dtype)
 

@@ -105,6 +105,10 @@ class Trainer:
                               "would mix its events with the first's: pass a new --run-dir or leave it out "
                               "(default: runs/<name>-<timestamp>)")
         check_job(self.config, builtin_task=self._builtin_task)
+        if not self._builtin_task:  # a user model under parallel.cp needs the hook (the built-in ones have it)
+            from elastictrain.parallel.context_wiring import check_task
+
+            check_task(self.config, self.task)
         if self.config.workers.use_gpu and self._private_local_ray():  # (only then ask CUDA anything here)
             import torch
 

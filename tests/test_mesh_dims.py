@@ -160,11 +160,13 @@ def test_cp_config_errors_name_the_valid_values():
         build_config(job(workers={"min": 3, "max": 4}, parallel={"cp": 2}))
 
 
-@pytest.mark.parametrize("key", ["cp"])  # (ep is wired: tests/test_ep_wiring.py)
-def test_cp_and_ep_are_refused_until_the_step_loop_runs_them(key):
-    with pytest.raises(ConfigError, match=rf"parallel.{key} > 1 is not wired into the step loop yet \(got "
-                                          rf"parallel.{key}=2\); set parallel.{key}=1"):
-        build_config(job(workers={"min": 2, "max": 2}, parallel={key: 2}))
+def test_cp_and_ep_are_wired_no_axis_is_refused_as_unwired():
+    """Both axes run in the step loop now (tests/test_cp_wiring.py, tests/test_ep_wiring.py): a config with
+    either builds (ep with its mixture-of-experts model), and nothing says "not wired"."""
+    assert build_config(job(workers={"min": 2, "max": 2}, parallel={"cp": 2})).parallel.cp == 2
+    moe = job(workers={"min": 2, "max": 2}, parallel={"ep": 2})
+    moe["task"]["model"] = {**moe["task"]["model"], "moe": {"experts": 4, "top_k": 2}}
+    assert build_config(moe).parallel.ep == 2
 
 
 def test_placement_keeps_a_cp_x_tp_group_on_one_node():

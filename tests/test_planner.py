@@ -119,10 +119,11 @@ def test_only_runnable_axes_are_chosen(monkeypatch):
 
     cl = Cluster(nodes=2, devices_per_node=8, **H100)
     train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
-    assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp", "ep"}
+    assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"}
     everything = plan(LLAMA70, train, cl)
     assert any(e.candidate.tp > 1 for e in everything) and all(e.runnable for e in everything)
-    no_tp = frozenset({"dp_replicate", "dp_shard", "pp"})
+    assert all(e.candidate.cp == 1 for e in everything)  # cp is searched when asked (--all-axes) only
+    no_tp = frozenset({"dp_replicate", "dp_shard", "pp", "cp"})
     assert not is_runnable(Candidate(tp=2), no_tp) and is_runnable(Candidate(tp=2, pp=2), runnable_axes())
     assert not is_runnable(Candidate(pp=2), frozenset({"dp_replicate"}))
     monkeypatch.setattr(search, "runnable_axes", lambda: no_tp)
@@ -530,7 +531,8 @@ def test_gloos_cpu_per_byte_is_every_ranks_host_work_on_shared_cores():
     two_d, ddp = Candidate(dp_shard=2, tp=2, micro_batch=4), Candidate(dp_replicate=4, micro_batch=4)
     fast = Cluster(**{**CPU4, "intra_node_bw": 1e12}, cores_per_node=2)  # the wire alone: nearly free
     moved = moved_bytes(SMALL, train, fast, two_d)
-    assert set(moved) == {"tp", "pp", "dp_shard", "dp_replicate", "ep"} and moved["ep"] == 0 and moved["tp"] > 0 and moved["dp_shard"] > 0
+    assert set(moved) == {"tp", "cp", "pp", "dp_shard", "dp_replicate", "ep"} and moved["tp"] > 0 and moved["dp_shard"] > 0
+    assert moved["cp"] == 0 and moved["ep"] == 0  # no context or expert parallel: no K/V gathered, no all-to-all
     t0 = step_time(SMALL, train, fast, two_d)
     assert t0.tp_s == pytest.approx(moved["tp"] / 1e12)  # seconds on a link: its bytes over its bandwidth
     # DDP: one ring all-reduce of the rank's gradients, 2 (N-1)/N of their bytes
@@ -630,3 +632,41 @@ def test_a_gpu_cluster_is_sized_from_rays_accelerator_type_and_an_unknown_one_is
     with pytest.raises(clusters.ClusterError, match="no GPU node"):
         clusters.gpu_cluster([{"CPU": 4}])
     assert lookup("NVIDIA H100 80GB HBM3").bf16_flops == 989e12 and lookup("Tesla T4") is None
+
+
+def test_context_parallel_is_priced_activations_over_cp_and_kv_all_gathers():
+    """cp = C: a rank holds T / C positions, so every activation term is at T / C, plus per block the keys
+    and values gathered from the other cp ranks and the causal mask (the gathered K/V dominate the
+    difference at 2K tokens: cp2's activations are 0.5x cp1's + K/V); FSDP shards the state over dp_shard x
+    cp; the K/V all-gather moves 2 (C-1)/C B T kv_width bytes per block forward, again backward (a
+    reduce-scatter of their gradient), again when checkpointing recomputes the forward; compute per rank
+    is 1/C; and `plan` searches cp only when every axis is asked for (--all-axes)."""
+    from elastictrain.planner.memory import activation_bytes, cp_attention_bytes, cp_mask_bytes, state_shards
+    from elastictrain.planner.steptime import collective_calls, cp_bytes, moved_bytes, step_flops
+
+    model = ModelShape(layers=4, hidden=1024, heads=8, seq_len=2048, vocab=256)
+    train = Training(global_batch=8, micro_batch=1)
+    gpu = Cluster(nodes=1, devices_per_node=8, **H100)
+    one, two = Candidate(dp_replicate=2, micro_batch=1), Candidate(dp_replicate=2, cp=2, micro_batch=1)
+    kv = 2 * 1 * 2048 * 1024 * train.activation_bytes  # K and V of the whole sequence, all heads
+    assert cp_attention_bytes(model, train, one) == 0
+    assert cp_attention_bytes(model, train, two) == pytest.approx(kv / 2)  # (C-1)/C of K and V, per block
+    assert cp_mask_bytes(model, train, two) == 1024 * 2048 * 4 and cp_mask_bytes(model, train, one) == 0
+    assert block_activation_bytes(model, train, two) == pytest.approx(
+        block_activation_bytes(model, train, one) / 2 + cp_attention_bytes(model, train, two))
+    ratio = activation_bytes(model, train, two) / activation_bytes(model, train, one)
+    assert 0.5 < ratio <= 0.6, ratio  # the benchmark's target (benchmarks/parallel.py's cp rows)
+    assert cp_bytes(model, train, gpu, one) == 0
+    assert cp_bytes(model, train, gpu, two) == pytest.approx(2 * (1 / 2) * kv)  # gathered forward, scattered back
+    recomputed = Candidate(dp_replicate=2, cp=2, micro_batch=1, activation_checkpointing=True)
+    assert cp_bytes(model, train, gpu, recomputed) == pytest.approx(3 * (1 / 2) * kv)
+    per_step = model.layers * 4  # blocks x micro-batches (global 8 over 2 data ranks of 1)
+    assert moved_bytes(model, train, gpu, two)["cp"] == pytest.approx(per_step * cp_bytes(model, train, gpu, two))
+    assert step_flops(model, train, two) == pytest.approx(step_flops(model, train, one) / 2)
+    assert state_shards(Candidate(dp_shard=2, cp=2)) == 4 and state_shards(two) == 1
+    groups = {(w, size) for w, _, size, _ in collective_calls(model, train, gpu, two).groups}
+    assert groups >= {("cp", 2), ("replicate", 4)}  # DDP's group: dp_replicate x cp
+    assert step_time(model, train, gpu, two).cp_s > 0 and step_time(model, train, gpu, one).cp_s == 0
+    asked = plan(model, train, gpu, 4, runnable_only=False)
+    assert {e.candidate.cp for e in asked} == {1, 2, 4} and all(e.runnable for e in asked)
+    assert {e.candidate.cp for e in plan(model, train, gpu, 4)} == {1}

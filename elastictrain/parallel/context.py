@@ -166,22 +166,34 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``q`` ``[B, Hq, t, D]``, ``k``/``v`` ``[B, Hkv, t, D]``: this rank's positions ``q_pos`` (``[t]``, global),
-    any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered
-    over ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query
-    attention, as the model does without cp), and every query at position ``p`` attends to the keys at
-    positions ``<= p`` (``F.scaled_dot_product_attention`` with a boolean mask from the positions, no
-    dropout). ``kv_pos``: the global positions of the gathered keys; None means the head-tail layout's
-    (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be :func:`cp_positions`. Returns
-    ``[B, Hq, t, D]``."""
+    any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered over
+    ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query attention,
+    as the model does without cp), and every query at position ``p`` attends to the keys at positions ``<= p``
+    (``F.scaled_dot_product_attention`` with a mask from the positions: for the head-tail layout one cached
+    additive bias, :func:`_bias`; no dropout). ``kv_pos``: the global positions of the gathered keys; None means
+    the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be
+    :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
     cp = dist.get_world_size(group)
     k, v = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
-    if kv_pos is None:
-        _check_split(q.shape[2] * cp, cp)
-        kv_pos = _kv_positions(q.shape[2] * cp, cp, q.device)
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    mask = q_pos.to(q.device)[:, None] >= kv_pos.to(q.device)[None, :]
+    if kv_pos is None:  # the head-tail layout (q_pos: this group rank's cp_positions): its cached mask
+        _check_split(q.shape[2] * cp, cp)
+        mask = _bias(q.shape[2] * cp, cp, dist.get_rank(group), q.dtype, q.device)
+    else:
+        mask = q_pos.to(q.device)[:, None] >= kv_pos.to(q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _bias(seq_len: int, cp: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The head-tail layout's causal mask of cp rank ``rank`` as an additive bias (0 where a query may see a
+    key, -inf elsewhere; ``[T / cp, T]``), cached. SDPA turns a boolean mask into such a bias on every call
+    and saves that copy for backward, one ``T / cp x T`` tensor per layer (of the order of the layer's
+    gathered keys and values at long sequences: docs/perf/2026-11-28-cp.md); the cached one is shared by
+    every layer and step."""
+    keep = _positions(seq_len, cp, rank)[:, None] >= _kv_positions(seq_len, cp, torch.device("cpu"))[None, :]
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).to(device)
 
 
 def cp_grad_scale(cp: int) -> float:

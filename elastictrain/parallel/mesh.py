@@ -29,9 +29,14 @@ def worker_device(use_gpu: bool) -> torch.device:
 def build_mesh(dims: MeshDims, device: torch.device) -> DeviceMesh:
     """The mesh of ``dims`` over the current default group (collective: every rank calls it, in the same
     order relative to other group creations). Caches that could hand back an earlier generation's mesh are
-    cleared first (:func:`forget_earlier_meshes`)."""
+    cleared first (:func:`forget_earlier_meshes`). Under cp the data axis and cp are also flattened into
+    the one group gradients are averaged over (:func:`elastictrain.parallel.context_wiring.flatten_dp_cp`)."""
+    from elastictrain.parallel.context_wiring import flatten_dp_cp
+
     forget_earlier_meshes()
-    return init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
+    mesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=dims.names)
+    flatten_dp_cp(mesh, dims)
+    return mesh
 
 
 def forget_earlier_meshes() -> None:

@@ -269,8 +269,13 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def dp_submesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of ``mesh`` (every axis but ``pp`` and ``tp``)."""
-    return _submesh(mesh, ("pp", "tp"))
+    """The data-parallel part of ``mesh`` (every axis but ``pp`` and ``tp``): what gradients are averaged
+    and FSDP shards over. Under cp, the data axis and ``cp`` flattened into one
+    (:func:`elastictrain.parallel.context_wiring.dp_cp_submesh`: the cp ranks of a data rank join its group)."""
+    from elastictrain.parallel.context_wiring import dp_cp_submesh
+
+    flat = dp_cp_submesh(mesh)
+    return _submesh(mesh, ("pp", "tp")) if flat is None else flat
 
 
 def stage_submesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -259,6 +259,21 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
+def cp_layout_rule(cp: int, pp: int, moe: bool) -> str | None:
+    """Why ``cp`` cannot run with the rest of the job (None when it can): pipeline stages would need the
+    positions passed between stages (not done yet), and a mixture-of-experts model's load-balancing loss on
+    a slice of a sample is not that sample's."""
+    if cp == 1:
+        return None
+    if pp > 1:
+        return (f"parallel.cp={cp} with parallel.pp={pp}: context parallel does not run inside pipeline stages "
+                "yet; set parallel.pp=1 or parallel.cp=1")
+    if moe:
+        return (f"parallel.cp={cp} with task.model.moe: a mixture-of-experts load-balancing loss over a slice of "
+                "each sample is not the sample's; remove task.model.moe or set parallel.cp=1")
+    return None
+
+
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
     data-parallel ranks of a ``ddp`` plan only for now (torchtitan's ``dp_shard * cp * tp = efsdp * ep``,
@@ -274,16 +289,6 @@ def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | 
     if pp > 1:
         return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
                 "now; set parallel.pp=1, or parallel.ep=1")
-    return None
-
-
-def unwired_axes(cp: int, ep: int) -> str | None:
-    """The ONE refusal of axes that plan resolution knows but the step loop does not run yet (delete this
-    function, and its one call in config.py, when cp/ep are wired into the step loop)."""
-    for name, v in (("cp", cp),):  # (ep is wired: parallel/expert_wiring.py)
-        if v > 1:
-            return (f"parallel.{name} > 1 is not wired into the step loop yet (got parallel.{name}={v}); "
-                    f"set parallel.{name}=1")
     return None
 
 

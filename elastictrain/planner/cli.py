@@ -38,7 +38,8 @@ def _die(message: str) -> None:
               help="model shape for python tasks: layers=,hidden=,heads=,seq_len=,vocab= (or params=)")
 @click.option("--world", type=int, default=None, help="world size to plan (default: see `elastictrain plan -h`)")
 @click.option("--top", type=int, default=10, show_default=True, help="rows of the table")
-@click.option("--all-axes", is_flag=True, help="also rank layouts elastictrain cannot run yet (marked)")
+@click.option("--all-axes", is_flag=True, help="search every axis: context parallel (cp) too, and layouts "
+                                              "elastictrain cannot run yet (marked)")
 @click.option("--calibration", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="measured figures to plan with (default: parallel.calibration)")
 @click.option("--calibrate", is_flag=True, help="measure this cluster first (matmul rate, all-reduce bandwidth)")

@@ -363,6 +363,8 @@ class Candidate:
             parts[0] += f" {self.dp}"
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
         if self.pp > 1:

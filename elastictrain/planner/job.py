@@ -154,6 +154,7 @@ def parallel_settings(e: Estimate, sharded_only: bool = False) -> dict[str, Any]
         out.update(pp_schedule=c.schedule, stages_per_rank=c.stages_per_rank)
     out["tp"] = c.tp  # always: a job's own tp (and sequence_parallel) must not survive a choice of tp 1
     out["ep"] = c.ep  # (a mixture-of-experts model: the planner prices ep; a dense one's candidates are ep 1)
+    out["cp"] = c.cp
     if c.tp == 1:
         out["sequence_parallel"] = None
     return out

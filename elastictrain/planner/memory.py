@@ -24,7 +24,11 @@ the last one the output head: the larger of the two is taken):
   (:func:`selective_block_bytes`) keeps the input and the matmul and attention outputs, and one block's
   rest while it is recomputed. A pipeline rank holds
   :func:`.pipeline.in_flight` micro-batches of its blocks; without a pipeline one micro-batch at a time;
-  the logits (and their gradient) of one micro-batch in fp32 on the last stage;
+  the logits (and their gradient) of one micro-batch in fp32 on the last stage. Context parallel (``cp =
+  C``) holds ``T / C`` positions of each sample: every term above at ``s = T / C``, plus per block the
+  keys and values gathered from the other cp ranks (:func:`cp_attention_bytes`), and once the causal mask
+  of its queries over all keys (:func:`cp_mask_bytes`); FSDP shards the state over ``dp_shard x cp``
+  (:func:`state_shards`);
 * **experts** (mixture of experts, :attr:`ModelShape.experts`): the parameter counts include every expert;
   under expert parallel each rank holds ``1 / ep`` of them (weights, gradients and optimizer state:
   :func:`rank_params`); an MoE block's MLP activations are those of ``top_k`` token slots plus the slots'
@@ -105,15 +109,32 @@ def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> f
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
     """Activation bytes of one block for one micro-batch on one device (module docstring)."""
-    s, b, h, a = model.seq_len, c.micro_batch, model.hidden, model.heads
-    scores = 0.0 if flash else 5 * a * s / h
+    s, b, h, a = model.seq_len // c.cp, c.micro_batch, model.hidden, model.heads
+    scores = 0.0 if flash else 5 * a * model.seq_len / h  # (a rank's queries score every key)
     if c.tp > 1 and c.sequence_parallel:
         # the norms' outputs are gathered to the whole sequence and saved so by the column-wise q/k/v and
         # mlp_in (torch's DTensor keeps the gathered input; Megatron re-gathers it in backward)
         per = (30 + scores) / c.tp + 4
     else:
         per = 10 + (24 + scores) / c.tp
-    return s * b * h * per * train.activation_bytes / 2
+    return s * b * h * per * train.activation_bytes / 2 + cp_attention_bytes(model, train, c)
+
+
+def cp_attention_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """What context parallelism adds to one block's activations for one micro-batch (0 without cp): the
+    keys and values gathered from the other cp ranks, saved for the attention's backward (``2 (C-1)/C b T
+    kv_width`` elements, this rank's heads)."""
+    if c.cp == 1:
+        return 0.0
+    t, b = model.seq_len, c.micro_batch
+    return 2 * (c.cp - 1) / c.cp * b * t * model.kv_width / c.tp * train.activation_bytes
+
+
+def cp_mask_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+    """The causal mask of this rank's ``T / C`` queries over all ``T`` keys, an additive bias in the compute
+    dtype that every layer's attention saves: one cached tensor per rank (parallel/context.py's ``_bias``),
+    0 without cp."""
+    return 0.0 if c.cp == 1 else model.seq_len // c.cp * model.seq_len * train.activation_bytes
 
 
 def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -127,15 +148,15 @@ def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> f
     (the other 14) are recomputed. Under tensor parallelism every kept matmul output is split over ``tp``
     (column-wise outputs by heads or hidden units, row-wise ones reduce-scattered on the sequence with
     sequence parallel, else whole: 4 of the 20), the input too with sequence parallel."""
-    s, b, h = model.seq_len, c.micro_batch, model.hidden
+    s, b, h = model.seq_len // c.cp, c.micro_batch, model.hidden
     sp = c.tp > 1 and c.sequence_parallel
     kept = 2 / (c.tp if sp else 1) + (16 / c.tp + 4 / (c.tp if sp else 1))
-    return s * b * h * kept * train.activation_bytes / 2
+    return s * b * h * kept * train.activation_bytes / 2 + cp_attention_bytes(model, train, c)
 
 
 def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
     """Activations the worst rank holds at its peak (module docstring)."""
-    s, b, h = model.seq_len, c.micro_batch, model.hidden
+    s, b, h = model.seq_len // c.cp, c.micro_batch, model.hidden
     blocks = math.ceil(model.layers / c.pp)
     full = block_activation_bytes(model, train, c, flash=flash)
     if c.recompute == "full":
@@ -157,7 +178,7 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
     stage = held * per_stage / c.stages_per_rank
     logits = 2 * s * b * model.vocab * 4 / c.tp
-    return stage + extra + logits
+    return stage + extra + logits + cp_mask_bytes(model, train, c)
 
 
 def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -> float:
@@ -205,11 +226,17 @@ def _microbatches(train: Training, c: Candidate) -> int:
     return max(1, train.global_batch // (c.dp * c.micro_batch))
 
 
+def state_shards(c: Candidate) -> int:
+    """How many ranks FSDP shards the state over: ``dp_shard x cp`` (torchtitan's rule, the cp ranks of a
+    data rank join its shard group), 1 under ddp."""
+    return c.dp_shard * c.cp if c.dp_shard > 1 else 1
+
+
 def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> Memory:
     """The worst rank's memory of candidate ``c`` (module docstring)."""
     n = rank_params(model, c)
     w, g, master = PRECISIONS[train.precision]
-    shard = c.dp_shard
+    shard = state_shards(c)
     params, grads = n * w / shard, n * g / shard
     optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
     acts = activation_bytes(model, train, c)

@@ -1,11 +1,12 @@
 """Candidate layouts for a world size, each priced by the cost model, ranked best first. Pure.
 
-**What is priced** covers every factor of the cost model (dp_replicate, dp_shard, tp, pp, schedule,
+**What is priced** covers every factor of the cost model (dp_replicate, dp_shard, tp, cp, pp, schedule,
 micro-batch size, activation checkpointing; for a mixture-of-experts model every expert-parallel degree
 that divides the data-parallel size and the experts). **What may be chosen** to run is the subset the code base
 runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
 and a new axis is one more name there). ``plan(..., runnable_only=False)`` ranks everything, marking each
-candidate ``runnable``.
+candidate ``runnable``; it is also the only search of the runnable axes in :data:`ASKED_AXES` (context
+parallel: ``elastictrain plan --all-axes``).
 
 **Pruning** keeps the search to thousands of candidates for 10,000 devices: TP groups stay inside a node
 and divide the heads; the pipeline has at most one block per stage and, past that, a degree that divides
@@ -31,22 +32,28 @@ _TIMELINE_LIMIT = 64  # pp * micro-batches above which a zero-bubble schedule wi
 
 
 def runnable_axes() -> frozenset[str]:
-    """The mesh axes elastictrain can run today: data parallel (ddp/fsdp/hsdp) and pipeline always, tensor
-    parallel once the job config has ``parallel.tp``. Extend here when an axis lands."""
+    """The mesh axes elastictrain can run today: data parallel (ddp/fsdp/hsdp), pipeline, tensor parallel
+    and context parallel (``cp``: not with pipeline stages, :func:`why_invalid`). Extend here when an axis
+    lands."""
     from elastictrain.config import ParallelConfig
 
     axes = {"dp_replicate", "dp_shard", "pp"}
-    if "tp" in ParallelConfig.model_fields:
-        axes.add("tp")
+    axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
     axes.add("ep")  # (under ddp without pp/tp/cp: is_runnable, parallel.plan.ep_rule)
     return frozenset(axes)
+
+
+# Axes that are runnable but searched only when every axis is (``elastictrain plan --all-axes``): context
+# parallel's K/V traffic is priced, not calibrated yet, and it pays off at sequence lengths whose
+# activations do not fit otherwise; ``parallel.plan: auto`` keeps to the other axes until it is.
+ASKED_AXES = frozenset({"cp"})
 
 
 def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
     from elastictrain.parallel.plan import ep_rule
 
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
-    return ep_ok and all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp"))
+    return ep_ok and all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 @dataclass(frozen=True)
@@ -67,14 +74,14 @@ class Estimate:
         c, mem, t = self.candidate, self.memory, self.time
         return {
             "layout": c.layout_name, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
-            "ep": c.ep, "pp": c.pp, "schedule": c.schedule if c.pp > 1 else None,
+            "ep": c.ep, "cp": c.cp, "pp": c.pp, "schedule": c.schedule if c.pp > 1 else None,
             "stages_per_rank": c.stages_per_rank if c.pp > 1 else None, "micro_batch": c.micro_batch,
             "n_microbatches": self.n_microbatches, "activation_checkpointing": c.activation_checkpointing,
             "memory_per_gpu_bytes": int(mem.total), "fits": mem.fits, "shortfall_bytes": int(mem.shortfall),
             "memory": {k: int(getattr(mem, k)) for k in
                        ("params", "grads", "optimizer", "gathered", "activations", "runtime", "fragmentation")},
             "step_time_s": t.total_s, "compute_s": t.compute_s, "bubble": t.bubble, "tp_comm_s": t.tp_s,
-            "ep_comm_s": t.ep_s, "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s,
+            "ep_comm_s": t.ep_s, "cp_comm_s": t.cp_s, "pp_comm_s": t.pp_s, "dp_comm_s": t.dp_s, "dp_exposed_s": t.dp_exposed_s,
             "optimizer_s": t.optimizer_s,
             "collective_calls": t.calls, "calls_s": t.calls_s, "dispatch_s": t.dispatch_s,
             "dispatch_exposed_s": t.dispatch_exposed_s, "fsdp_host_s": t.fsdp_host_s,
@@ -102,6 +109,10 @@ def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     if model.heads % c.tp or model.hidden % c.tp or (model.kv_heads or model.heads) % c.tp:
         return (f"tp={c.tp} does not divide the {model.heads} heads"
                 + (f" ({model.kv_heads} kv heads)" if model.kv_heads else "") + f" and hidden size {model.hidden}")
+    if c.cp > 1 and model.seq_len % (2 * c.cp):
+        return f"cp={c.cp} does not split seq_len={model.seq_len} into 2 x cp head-tail chunks"
+    if c.cp > 1 and c.pp > 1:
+        return "context parallel does not run inside pipeline stages yet"
     if c.pp > 1 and model.arch == "llama" and model.tied_embeddings:
         return "a Llama with tied embeddings cannot be split into pipeline stages"
     if c.pp > 1 and model.layers < c.pp * c.stages_per_rank:
@@ -135,17 +146,28 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                checkpointing: Iterable[bool] = (False, True), axes: frozenset[str] | None = None,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
-    that may exceed 1 (None: all of them)."""
-    allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "ep")) if axes is None else axes
+    that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
+    chunks, without pipeline stages."""
+    allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
+    for cp in _divisors(world):
+        if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0):
+            yield from _candidates_at_cp(model, train, cluster, world, cp, micro_batches, schedules,
+                                         checkpointing, allowed, sequence_parallel, reshard_after_forward)
+
+
+def _candidates_at_cp(model: ModelShape, train: Training, cluster: Cluster, world: int, cp: int,
+                      micro_batches: Iterable[int] | None, schedules: Iterable[str], checkpointing: Iterable[bool],
+                      allowed: frozenset[str], sequence_parallel: bool,
+                      reshard_after_forward: bool) -> Iterator[Candidate]:
     mbs = sorted(set(micro_batches or [train.micro_batch]))
-    for tp in _divisors(world):
+    for tp in _divisors(world // cp):
         if tp > 1 and ("tp" not in allowed or tp > cluster.devices_per_node or cluster.devices_per_node % tp
                        or model.heads % tp or model.hidden % tp or (model.kv_heads or model.heads) % tp):
             continue
-        for pp in _divisors(world // tp):
-            if pp > 1 and ("pp" not in allowed or pp > model.layers):
+        for pp in _divisors(world // (cp * tp)):
+            if pp > 1 and ("pp" not in allowed or pp > model.layers or cp > 1):
                 continue
-            d = world // (tp * pp)
+            d = world // (cp * tp * pp)
             for mb in mbs:
                 if train.global_batch % (d * mb):
                     continue
@@ -155,7 +177,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                     if not _schedule_priced(schedule, pp, m, v):
                         continue
                     for ac in checkpointing:
-                        base = Candidate(dp_replicate=d, tp=tp, pp=pp, schedule=schedule, stages_per_rank=v,
+                        base = Candidate(dp_replicate=d, tp=tp, pp=pp, cp=cp, schedule=schedule, stages_per_rank=v,
                                          micro_batch=mb, activation_checkpointing=ac,
                                          sequence_parallel=sequence_parallel,
                                          reshard_after_forward=reshard_after_forward)
@@ -198,6 +220,6 @@ def plan(model: ModelShape, train: Training, cluster: Cluster, world: int | None
     first. ``runnable_only`` keeps to :func:`runnable_axes`; ``options`` go to :func:`candidates`."""
     world = cluster.devices if world is None else world
     axes = runnable_axes()
-    search_axes = axes if runnable_only else None
+    search_axes = axes - ASKED_AXES if runnable_only else None
     return rank(evaluate(model, train, cluster, c, axes)
                 for c in candidates(model, train, cluster, world, axes=search_axes, **options))

@@ -8,7 +8,11 @@
   (:func:`.pipeline.bubble`);
 * **communication**, each on its link (:mod:`.comm`): TP, per block and micro-batch, two all-reduces of the
   block's activations forward and two backward (under sequence parallel an all-gather and a reduce-scatter
-  each: the same bytes), two more when checkpointing recomputes the forward, none hidden; PP, a send of
+  each: the same bytes), two more when checkpointing recomputes the forward, none hidden; CP (``cp = C``),
+  per block and micro-batch, the keys and values all-gathered forward (``2 (C-1)/C B T kv_width`` bytes,
+  again when recomputed) and their gradients reduce-scattered backward (:func:`cp_bytes`), none hidden,
+  and every other term at ``T / C`` positions per rank (compute, TP's and PP's activations), the
+  gradients reduced over ``dp x cp`` (FSDP's shards and DDP's group: :func:`.memory.state_shards`); PP, a send of
   the activations and one of their gradient per micro-batch and virtual stage; FSDP, an all-gather of the
   rank's weights per micro-batch forward and again backward (when resharded), a reduce-scatter of the
   gradients per micro-batch; DDP (and HSDP across replicas), one all-reduce of the gradients with the last
@@ -75,7 +79,7 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params
+from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_shards
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -102,21 +106,22 @@ class StepTime:
     comm_cpu_s: float = 0.0  # CPU: gloo's host work moving the rank's bytes (Cluster.gloo_byte_s; 0: not priced)
     dp_calls_s: float = 0.0  # the data-parallel calls' fixed costs (in dp_s)
     ep_s: float = 0.0  # expert parallel's all-to-all bytes and split-size syncs (on the critical path, like TP's)
+    cp_s: float = 0.0  # context parallel's K/V all-gathers (forward) and reduce-scatters (backward), bytes
 
     @property
     def comm_s(self) -> float:
-        return self.tp_s + self.ep_s + self.pp_s + self.dp_s + self.calls_s
+        return self.tp_s + self.ep_s + self.cp_s + self.pp_s + self.dp_s + self.calls_s
 
     @property
     def exposed_comm_s(self) -> float:
         """Communication that compute does not hide (TP's stretched by the bubble like compute)."""
-        return (self.tp_s + self.ep_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.calls_s
+        return (self.tp_s + self.ep_s + self.cp_s) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s + self.calls_s
 
     @property
     def path_s(self) -> float:
         """The critical path of a rank computing on its own core or device."""
         host = self.dispatch_exposed_s + self.fsdp_host_exposed_s
-        return ((self.compute_s + self.tp_s + self.ep_s + host) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
+        return ((self.compute_s + self.tp_s + self.ep_s + self.cp_s + host) / (1 - self.bubble) + self.pp_s + self.dp_exposed_s
                 + self.optimizer_s)
 
     @property
@@ -130,7 +135,7 @@ class StepTime:
         if self.share <= 1:
             return 0.0
         work = self.compute_s + self.dispatch_s + self.fsdp_host_s + self.optimizer_s
-        wire = self.tp_s + self.ep_s + self.pp_s + self.dp_s - self.dp_calls_s
+        wire = self.tp_s + self.ep_s + self.cp_s + self.pp_s + self.dp_s - self.dp_calls_s
         return self.share * work + self.dp_calls_s + max(wire, self.share * self.comm_cpu_s)
 
     @property
@@ -145,7 +150,7 @@ def microbatches(train: Training, c: Candidate) -> int:
 
 def step_flops(model: ModelShape, train: Training, c: Candidate) -> float:
     """FLOPs of one optimizer step on the worst rank (module docstring)."""
-    tokens = train.global_batch * model.seq_len / c.dp
+    tokens = train.global_batch * model.seq_len / (c.dp * c.cp)  # cp: this rank's positions of its samples
     # the active parameters: each token runs top_k of the E experts of an MoE layer
     experts = stage_expert_params(model, c)
     n = (stage_params(model, c) - experts * (1 - model.top_k / max(1, model.experts))) / c.tp
@@ -280,6 +285,10 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
         per_block, edge = (LLAMA_TP_PARTIAL_GRADS if model.arch == "llama" else TP_PARTIAL_GRADS)[c.sequence_parallel]
         if per_block or edge:  # the Partial gradients' sums (TP_PARTIAL_GRADS)
             groups.append(("tp", m * (blocks * per_block + edge) if c.dp_shard > 1 else 1.0, c.tp, ar(c.tp)))
+    if c.cp > 1:  # per block: K and V gathered (forward, again when recomputed), reduce-scattered (backward)
+        passes = 2 if c.recompute == "none" else 3
+        groups += [("cp", m * blocks * 2 * (passes - 1), c.cp, c.cp - 1), ("cp", m * blocks * 2, c.cp, rs(c.cp)),
+                   ("cp", m, c.cp, ar(c.cp))]  # and the per-sample losses' sum
     if c.pp > 1:
         groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
     if c.ep > 1 and model.experts:
@@ -288,15 +297,17 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
         if c.dp > c.ep:  # the experts' gradients over their replicas, one all-reduce per stacked tensor
             groups.append(("replicate", moe * EXPERT_TENSORS.get(model.arch, 4), c.dp // c.ep, ar(c.dp // c.ep)))
+    shards = c.dp_shard * c.cp  # FSDP's group: dp_shard x cp (memory.state_shards)
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1
-        groups += [("fsdp", m * gathers * blocks, c.dp_shard, c.dp_shard - 1),
-                   ("fsdp", m * (blocks + 1), c.dp_shard, rs(c.dp_shard))]
+        groups += [("fsdp", m * gathers * blocks, shards, shards - 1),
+                   ("fsdp", m * (blocks + 1), shards, rs(shards))]
         if c.dp_replicate > 1:  # HSDP: each unit's reduced shard is all-reduced across the replicas
             groups.append(("replicate", blocks + 1, c.dp_replicate, ar(c.dp_replicate)))
-    elif c.dp_replicate > 1:  # (the experts under ep: over their replicas, above)
+    elif c.dp_replicate * c.cp > 1:  # DDP's group: dp_replicate x cp (the experts under ep: over their replicas, above)
         n = (stage_params(model, c) - (stage_expert_params(model, c) if c.ep > 1 else 0.0)) / c.tp * _grad_bytes(train)
-        groups.append(("replicate", math.ceil(n / DDP_BUCKET_BYTES), c.dp_replicate, ar(c.dp_replicate)))
+        r = c.dp_replicate * c.cp
+        groups.append(("replicate", math.ceil(n / DDP_BUCKET_BYTES), r, ar(r)))
     world = c.world_size
     groups.append(("step", 1.0, world, ar(world)))  # the step loop's stop word
     if model.experts:  # the step's token counts per expert (one all-reduce)
@@ -317,10 +328,10 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     docstring). Seconds on a link are these over its bandwidth."""
     m, blocks = microbatches(train, c), math.ceil(model.layers / c.pp)
     act = model.seq_len * c.micro_batch * model.hidden * train.activation_bytes
-    moved = dict(tp=(6 if c.recompute != "none" else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m,
-                 pp=0.0, dp_shard=0.0, ep=ep_bytes(model, train, c))
+    moved = dict(tp=(6 if c.recompute != "none" else 4) * comm.all_reduce_s(act, c.tp, 1.0) * blocks * m / c.cp,
+                 pp=0.0, dp_shard=0.0, ep=ep_bytes(model, train, c), cp=cp_bytes(model, train, cluster, c) * blocks * m)
     if c.pp > 1:
-        send = act / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
+        send = act / c.cp / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
         moved["pp"] = 2 * m * c.stages_per_rank * comm.p2p_s(send, 1.0)
     n = rank_params(model, c)
     experts = stage_expert_params(model, c) / (c.tp * c.ep) if c.ep > 1 else 0.0  # reduced over replicas only
@@ -328,12 +339,15 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
-        moved["dp_shard"] = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, c.dp_shard, 1.0)
-                                 + reduce_scatter(grad_bytes, c.dp_shard, 1.0))
+        shards = c.dp_shard * c.cp  # dp_shard x cp (memory.state_shards)
+        moved["dp_shard"] = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, shards, 1.0)
+                                 + reduce_scatter(grad_bytes, shards, 1.0))
         if cluster.kind == "cpu":  # copy-out of each gathered block, copy-in of each reduction's input:
             # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
             moved["dp_shard"] += m * (gathers * n * train.compute_param_bytes + grad_bytes)
-    moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / c.dp_shard, c.dp_replicate, 1.0)
+    replicas = c.dp_replicate * (c.cp if c.dp_shard == 1 else 1)  # ddp's group: dp_replicate x cp
+    moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / (c.dp_shard * (c.cp if c.dp_shard > 1 else 1)),
+                                              replicas, 1.0)
     if experts:
         moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp // c.ep, 1.0)
     return moved
@@ -349,6 +363,19 @@ def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     passes = 3 if c.recompute != "none" else 2
     per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
     return math.ceil(model.moe_layers / c.pp) * per_layer * (c.ep - 1) / c.ep
+
+
+def cp_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> float:
+    """Bytes one block moves per micro-batch for context parallel (0 without): the keys and values
+    all-gathered over the cp group, ``2 (C-1)/C B T kv_width`` activation bytes (this rank's heads under
+    tp), in the forward (again when activation checkpointing recomputes it), and their gradients
+    reduce-scattered in the backward (the same bytes; with gloo priced as an all-reduce, twice them)."""
+    if c.cp == 1:
+        return 0.0
+    kv = 2 * c.micro_batch * model.seq_len * model.kv_width / c.tp * train.activation_bytes
+    forwards = 1 if c.recompute == "none" else 2
+    reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
+    return forwards * comm.all_gather_s(kv, c.cp, 1.0) + reduce_scatter(kv, c.cp, 1.0)
 
 
 def comm_cpu_s(moved: dict[str, float], cluster: Cluster) -> float:
@@ -367,7 +394,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     compute = step_flops(model, train, c) / cluster.flops
     links = comm.group_links(cluster, c)
     moved = moved_bytes(model, train, cluster, c)
-    tp_s, pp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"]
+    tp_s, pp_s, cp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"], moved["cp"] / links["cp"]
     ep_s = moved["ep"] / _ep_link(cluster, c)
     if c.ep > 1 and model.experts and cluster.kind != "cpu":  # the split sizes' device-to-host sync
         ep_s += m * math.ceil(model.moe_layers / c.pp) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
@@ -386,8 +413,8 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     dispatch_exposed = dispatch if cluster.kind == "cpu" else max(0.0, dispatch - compute)
     fsdp_exposed = fsdp_host if cluster.kind == "cpu" else max(0.0, dispatch + fsdp_host - compute) - dispatch_exposed
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
-                    fsdp + final, exposed, optimizer_s=n / c.dp_shard * cluster.optimizer_s_per_param,
-                    calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "ep", "pp", "step"),
+                    fsdp + final, exposed, optimizer_s=n / state_shards(c) * cluster.optimizer_s_per_param,
+                    calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "ep", "cp", "pp", "step"), cp_s=cp_s,
                     share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed,
                     fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed,
                     comm_cpu_s=comm_cpu_s(moved, cluster), dp_calls_s=dp_calls, ep_s=ep_s)

@@ -36,6 +36,8 @@ from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.models.moe import moe_layers
 from elastictrain.parallel.expert_wiring import ExpertParallel, TokenTally, attach_expert_parallel
+from elastictrain.parallel.context_wiring import cp_coord, shard_batch
+from elastictrain.parallel.context_wiring import wire_model as wire_context_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
 from elastictrain.parallel.plan import Layout
@@ -255,6 +257,7 @@ class StepRunner:
             self.uninitialized = True
         self.pm = wrap(module, mesh)
         self.moe = bool(moe_layers(self.pm.model))  # token counts per expert go into the step events
+        wire_context_parallel(self.pm, mesh, layout.dims, rank)  # cp group on the hooks; who counts (cp 0)
         if whole and (isinstance(module, FSDPModule) or _has_dtensor(module)):
             raise RuntimeError(f"layout {layout.reason!r} holds the whole state on every rank, but the "
                                "parallelize_fn returned sharded parameters (DTensors): under parallel.plan=ddp "
@@ -386,7 +389,9 @@ class StepRunner:
         """The mean ``loss_fn`` over ``train.eval_batches`` global batches of the validation split (ids:
         ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (one
         all-reduce of the loss sum). The same value on every rank and at every world size (to float
-        summation order). Needs pp = tp = 1 (the config refuses eval under them)."""
+        summation order). Needs pp = tp = 1 (the config refuses eval under them). Under cp each rank scores
+        its positions of the samples (the loss function sums them over cp) and cp coordinate 0 alone adds the
+        per-sample losses, which every cp rank holds."""
         g, m = self.train.global_batch, self.train.micro_batch
         n = len(self.eval_dataset)
         module = self.pm.module
@@ -401,8 +406,11 @@ class StepRunner:
                     samples = [self.eval_dataset[int(i)] for i in ids]
                     self._set_phase("compute")
                     batch = _to(self.collate(samples), self.device)
+                    batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
-                    total += self.task.loss_fn(module, batch, seeds).double().sum()
+                    loss = self.task.loss_fn(module, batch, seeds).double().sum()  # (collective under cp)
+                    if cp_coord(self.layout.dims, self.rank) == 0:
+                        total += loss
         self._set_phase("collective")
         dist.all_reduce(total)
         self._set_phase("idle")
@@ -517,7 +525,7 @@ class StepRunner:
 
         coord = {} if self.layout is None else self.layout.dims.coord(self.rank)
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
-                 "tp": coord.get("tp", 0) == 0}
+                 "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
             along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
         return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
@@ -542,6 +550,7 @@ class _LoopHooks:
         samples = [r.dataset[int(i)] for i in ids]
         r._set_phase("compute")
         batch = _to(r.collate(samples), r.device)
+        batch = shard_batch(batch, r.layout.dims, r.rank)  # cp: this rank's positions (seeds unchanged)
         seeds = sample_seeds(r.train.seed, self.s, ids)
         return MicroBatch([int(i) for i in ids], batch, seeds)
 

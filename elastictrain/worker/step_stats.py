@@ -54,7 +54,9 @@ class StepStats:
         self._carry = ddp is not None and _all_params_carry(ddp)
         if self._carry:
             try:
-                ddp.register_comm_hook(None, self._hook)
+                # the hook's state is the group it reduces over: DDP's own (under cp, the dp x cp ranks), not
+                # the world (None), which would average over ranks that hold other shards or samples
+                ddp.register_comm_hook(ddp.process_group, self._hook)
             except RuntimeError:  # the user's parallelize_fn registered its own hook: keep it, send apart
                 self._carry = False
 
