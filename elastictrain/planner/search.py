@@ -53,7 +53,8 @@ def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
     from elastictrain.parallel.plan import ep_rule
 
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
-    return ep_ok and all(getattr(c, axis) == 1 or axis in axes for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+    return ep_ok and all(getattr(c, axis) == 1 or axis in axes
+                         for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,10 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
-    chunks, without pipeline stages."""
+    chunks, without pipeline stages and not for a mixture-of-experts model (``parallel.plan.cp_layout_rule``)."""
     allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
     for cp in _divisors(world):
-        if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0):
+        if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0 and not model.experts):
             yield from _candidates_at_cp(model, train, cluster, world, cp, micro_batches, schedules,
                                          checkpointing, allowed, sequence_parallel, reshard_after_forward)
 
