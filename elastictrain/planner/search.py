@@ -96,8 +96,6 @@ def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     if model.heads % c.tp or model.hidden % c.tp or (model.kv_heads or model.heads) % c.tp:
         return (f"tp={c.tp} does not divide the {model.heads} heads"
                 + (f" ({model.kv_heads} kv heads)" if model.kv_heads else "") + f" and hidden size {model.hidden}")
-    if c.pp > 1 and model.arch == "llama" and model.tied_embeddings:
-        return "a Llama with tied embeddings cannot be split into pipeline stages"
     if c.pp > 1 and model.layers < c.pp * c.stages_per_rank:
         return f"{model.layers} blocks cannot fill pp={c.pp} x {c.stages_per_rank} stages"
     if c.pp > 1:

@@ -421,7 +421,7 @@ class StepRunner:
             # CPU: the per-tensor loop (bitwise stable); CUDA: foreach kernels
             foreach = True if self.device.type == "cuda" else False
             norm = optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach,
-                                        across=self.pm.clip_group)
+                                        across=self.pm.clip_group, uncounted=self.pm.clip_uncounted)
         self._commit_gate()
         skipped = None
         if not loss_ok:

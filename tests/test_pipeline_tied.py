@@ -1,0 +1,61 @@
+"""A tied embedding split over pipeline stages (issue 36, Megatron's embedding group, parallel/tied.py): the
+built-in Llama with ``tie_embeddings`` under pp2 (1f1b) on 2 gloo processes trains the numbers of one
+process -- every step's loss and clipping norm, the audited samples, the final parameters -- and its
+training state is the one a non-pipelined run saves (the same DCP keys), so a pp2 checkpoint resumes under
+one process and a one-process checkpoint under pp2, each with the numbers of an uninterrupted run.
+
+Tolerance: tests/test_tensor_parallel.py's harness (1e-5 relative on losses and norms, 1e-4 absolute on
+parameters), for the reason tests/test_pipeline.py gives: the stages compute each sample with the
+operations of one process; the sums are in another order (the tied gradient is the embedding's part plus
+the head's part summed in an all-reduce instead of accumulated in one tensor; the norm is a sum over
+stages). A broken build moves them by far more (shown by breaking parallel/tied.py on purpose: see
+:func:`test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts`'s docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+TIED = {"kind": "llama", "llama": {"size": "debug", "tie_embeddings": True}}
+PP2 = {"_task": TIED, "pp": 2, "pp_schedule": "1f1b"}
+ONE = {"_task": TIED}
+
+
+def _tail(run: dict[str, Any], k: int) -> dict[str, Any]:
+    """``run``'s steps after the first ``k`` (with its final parameters)."""
+    return {**run, "losses": run["losses"][k:], "norms": run["norms"][k:], "ids": run["ids"][k:]}
+
+
+def _keys(path: str) -> set[str]:
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path):
+    """One process: 6 steps, and 3 steps saved. pp2: 3 steps (saved), and 3 steps from the one-process
+    checkpoint; then one process resumes the pp2 checkpoint for 3 steps. Every run equals the matching
+    steps of the uninterrupted one-process run; the two checkpoints hold the same keys (the tied weight
+    under both names, its optimizer state once, under the first).
+
+    Against broken builds (parallel/tied.py changed on purpose, this test run): gradients not summed in
+    the embedding group (``sync_grads`` a no-op) fails step 2's loss; the copy's norm counted twice
+    (``uncounted`` empty) fails step 1's clipping norm; no alias names (``alias_sources`` returning empty
+    trees) fails the checkpoint keys."""
+    from tests.test_tensor_parallel import _matches, _run
+
+    ddp_ckpt, pp_ckpt = str(tmp_path / "one"), str(tmp_path / "pp2")
+    for d in ("ref", "pp", "back"):
+        (tmp_path / d).mkdir()
+    ref6, ref3 = _run(tmp_path / "ref", 1, [{**ONE, "_steps": 6}, {**ONE, "_save": ddp_ckpt}])
+    pp2, pp2_resumed = _run(tmp_path / "pp", 2, [{**PP2, "_save": pp_ckpt}, {**PP2, "_load": ddp_ckpt}])
+    (one_resumed,) = _run(tmp_path / "back", 1, [{**ONE, "_load": pp_ckpt}])
+
+    _matches(pp2, ref3)
+    # one weight under two names, as the one-process model holds it (two drifting copies would differ)
+    assert torch.equal(pp2["params"]["output.weight"], pp2["params"]["tok_embeddings.weight"])
+    assert _keys(pp_ckpt) == _keys(ddp_ckpt)
+    assert "optim.state.tok_embeddings.weight.exp_avg" in _keys(pp_ckpt)
+    _matches(pp2_resumed, _tail(ref6, 3))
+    _matches(one_resumed, _tail(ref6, 3))
