@@ -14,8 +14,10 @@ stages). A broken build moves them by far more (shown by breaking parallel/tied.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -40,9 +42,9 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     under both names, its optimizer state once, under the first).
 
     Against broken builds (parallel/tied.py changed on purpose, this test run): gradients not summed in
-    the embedding group (``sync_grads`` a no-op) fails step 2's loss; the copy's norm counted twice
-    (``uncounted`` empty) fails step 1's clipping norm; no alias names (``alias_sources`` returning empty
-    trees) fails the checkpoint keys."""
+    the embedding group (``sync_grads`` a no-op) fails step 2's loss (4.7e-3 relative); the copy's norm
+    counted twice (``uncounted`` empty) fails step 3's loss (2.5e-5 relative: clipping by a larger norm); no alias names (``alias_sources`` returning empty
+    trees) fails the pp2 load of the one-process checkpoint (``Missing key ... optim.state.output.weight``)."""
     from tests.test_tensor_parallel import _matches, _run
 
     ddp_ckpt, pp_ckpt = str(tmp_path / "one"), str(tmp_path / "pp2")
@@ -59,3 +61,20 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     assert "optim.state.tok_embeddings.weight.exp_avg" in _keys(pp_ckpt)
     _matches(pp2_resumed, _tail(ref6, 3))
     _matches(one_resumed, _tail(ref6, 3))
+
+
+@pytest.mark.slow  # ~40 s under load: importing transformers in three processes
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the Hugging Face Llama needs it")
+def test_a_tied_hugging_face_llama_pp2_matches_one_process(tmp_path):
+    """A model the project did not write (examples/pipeline_llama.py, ``tie_word_embeddings=True``: the
+    ``model.embed_tokens``/``lm_head`` tie, the embedding inside the ``model`` container the StageSet
+    merges) under pp2 1f1b trains one process's losses and parameters (tests/test_pipeline.py's harness
+    and tolerance: 1e-5 relative on losses and absolute on parameters). With ``sync_grads`` a no-op
+    (broken on purpose) step 2's loss fails."""
+    from tests.test_pipeline import _matches, _run
+
+    hf = {"llama": {"tie_word_embeddings": True}}
+    (ref,) = _run(tmp_path, 1, [hf])
+    (got,) = _run(tmp_path, 2, [{**hf, "pp": 2, "pp_schedule": "1f1b"}])
+    _matches(got, ref)
+    assert torch.equal(got["params"]["lm_head.weight"], got["params"]["model.embed_tokens.weight"])
