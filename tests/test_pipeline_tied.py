@@ -78,3 +78,51 @@ def test_a_tied_hugging_face_llama_pp2_matches_one_process(tmp_path):
     (got,) = _run(tmp_path, 2, [{**hf, "pp": 2, "pp_schedule": "1f1b"}])
     _matches(got, ref)
     assert torch.equal(got["params"]["lm_head.weight"], got["params"]["model.embed_tokens.weight"])
+
+
+class _Toy(torch.nn.Module):
+    """A tied toy that initialises itself by module name (parallel/init.py): embedding, a layer, tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def init_module(self, module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+
+def test_each_holder_names_the_copy_as_the_whole_model_and_inits_it_by_the_first_name():
+    """No process group: the two holders' StageSets (stage 0: ``emb`` and ``mid``; stage 1: ``head``, its
+    own tensor) hold the tied tensor under both names, the first name first (the optimizer's key), the
+    union of their keys is the whole model's, and an init by module name gives the copy the embedding's
+    values (its holder is an ``nn.Embedding``, seeded by ``emb``'s name). Broken on purpose (the first name's
+    holder a plain module): ``init_module`` leaves it unset and :class:`InitError` names ``emb.weight``."""
+    from elastictrain.parallel.init import init_by_name
+    from elastictrain.parallel.pipeline import StageSet, tied_parameters
+    from elastictrain.parallel.tied import TiedSplit, TiedWeights, alias_sources
+
+    whole = _Toy()
+    (names,) = tied_parameters(whole)
+    assert names == ("emb.weight", "head.weight")
+    first, last = torch.nn.Module(), torch.nn.Module()
+    first.emb, first.mid = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+    last.head = torch.nn.Linear(8, 16, bias=False)
+    sets = []
+    for stage, param, is_first in ((first, first.emb.weight, True), (last, last.head.weight, False)):
+        tied = TiedWeights([TiedSplit(names, param, is_first, None)])
+        assert tied.uncounted == (() if is_first else (param,))
+        sets.append(StageSet([stage], *alias_sources(tied, [stage], whole)))
+        init_by_name(sets[-1], whole, seed=3)
+    init_by_name(whole, whole, seed=3)
+    s0, s1 = sets
+    assert [n for n, _ in s1.named_parameters()] == ["emb.weight"]  # one tensor, keyed by the first name
+    assert set(s0.state_dict()) | set(s1.state_dict()) == set(whole.state_dict())
+    assert {"emb.weight", "head.weight"} <= set(s0.state_dict()) & set(s1.state_dict())
+    assert torch.equal(s1.head.weight, s0.emb.weight) and torch.equal(s0.emb.weight, whole.emb.weight)
+    assert s1.head.weight is s1.emb.weight and s0.head.weight is s0.emb.weight
