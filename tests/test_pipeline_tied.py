@@ -36,8 +36,9 @@ def _keys(path: str) -> set[str]:
 
 
 def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path):
-    """One process: 6 steps, and 3 steps saved. pp2: 3 steps (saved), and 3 steps from the one-process
-    checkpoint; then one process resumes the pp2 checkpoint for 3 steps. Every run equals the matching
+    """One process: 6 steps, and 3 steps saved. pp2: 3 steps (saved), 3 steps from the one-process
+    checkpoint, and 3 steps from its own checkpoint on a meta-built model (what a regrouped or replaced
+    stage rank restores into); then one process resumes the pp2 checkpoint for 3 steps. Every run equals the matching
     steps of the uninterrupted one-process run; the two checkpoints hold the same keys (the tied weight
     under both names, its optimizer state once, under the first).
 
@@ -51,7 +52,8 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     for d in ("ref", "pp", "back"):
         (tmp_path / d).mkdir()
     ref6, ref3 = _run(tmp_path / "ref", 1, [{**ONE, "_steps": 6}, {**ONE, "_save": ddp_ckpt}])
-    pp2, pp2_resumed = _run(tmp_path / "pp", 2, [{**PP2, "_save": pp_ckpt}, {**PP2, "_load": ddp_ckpt}])
+    pp2, pp2_resumed, pp2_rebuilt = _run(tmp_path / "pp", 2, [{**PP2, "_save": pp_ckpt}, {**PP2, "_load": ddp_ckpt},
+                                                              {**PP2, "_load": pp_ckpt, "_meta": True}])
     (one_resumed,) = _run(tmp_path / "back", 1, [{**ONE, "_load": pp_ckpt}])
 
     _matches(pp2, ref3)
@@ -61,6 +63,7 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     assert "optim.state.tok_embeddings.weight.exp_avg" in _keys(pp_ckpt)
     _matches(pp2_resumed, _tail(ref6, 3))
     _matches(one_resumed, _tail(ref6, 3))
+    _matches(pp2_rebuilt, _tail(ref6, 3))  # a regrouped rank: a meta build, its copy filled by name
 
 
 @pytest.mark.slow  # ~40 s under load: importing transformers in three processes
