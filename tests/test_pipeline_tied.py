@@ -130,3 +130,19 @@ def test_each_holder_names_the_copy_as_the_whole_model_and_inits_it_by_the_first
     assert {"emb.weight", "head.weight"} <= set(s0.state_dict()) & set(s1.state_dict())
     assert torch.equal(s1.head.weight, s0.emb.weight) and torch.equal(s0.emb.weight, whole.emb.weight)
     assert s1.head.weight is s1.emb.weight and s0.head.weight is s0.emb.weight
+
+
+@pytest.mark.slow  # 4 processes on this machine's 2 cores: ~40 s
+def test_tied_llama_pp4_and_pp2_by_fsdp2_match_one_process(tmp_path):
+    """pp4 (the embedding group a subgroup of the first and last stage's ranks, not the pp group) and pp2 x
+    fsdp2 (the tied tensor a DTensor shard on each stage's dp mesh, summed shard by shard) on 4 processes
+    train one process's numbers (the harness's tolerance, as above)."""
+    from tests.test_tensor_parallel import _matches, _run
+
+    four = {"kind": "llama", "llama": {"size": "debug", "tie_embeddings": True, "n_layers": 4}}
+    (tmp_path / "one").mkdir()
+    (ref,) = _run(tmp_path / "one", 1, [{"_task": four}])
+    pp4, pp2_fsdp2 = _run(tmp_path, 4, [{"_task": four, "pp": 4, "pp_schedule": "1f1b"},
+                                        {"_task": four, "pp": 2, "pp_schedule": "1f1b", "plan": "fsdp"}])
+    _matches(pp4, ref)
+    _matches(pp2_fsdp2, ref)
