@@ -46,7 +46,9 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     the embedding group (``sync_grads`` a no-op) fails step 2's loss (4.7e-3 relative); the copy's norm
     counted twice (``uncounted`` empty) fails step 3's loss (2.5e-5 relative: clipping by a larger norm);
     no alias names (``alias_sources`` returning empty trees) fails the pp2 load of the one-process
-    checkpoint (``Missing key in checkpoint state_dict: optim.state.output.weight.step``)."""
+    checkpoint (``Missing key in checkpoint state_dict: optim.state.output.weight.step``); the copy not
+    left out of the digest (loop.py ``digest_part``) fails the digest (``output.weight ... counted 32768``)."""
+    from elastictrain.parallel.digest import digest_of
     from tests.test_tensor_parallel import _matches, _run
 
     ddp_ckpt, pp_ckpt = str(tmp_path / "one"), str(tmp_path / "pp2")
@@ -58,6 +60,8 @@ def test_tied_llama_pp2_matches_one_process_and_resumes_across_layouts(tmp_path)
     (one_resumed,) = _run(tmp_path / "back", 1, [{**ONE, "_load": pp_ckpt}])
 
     _matches(pp2, ref3)
+    for run in (pp2, pp2_resumed, pp2_rebuilt):  # each element of the tied weight counted once
+        assert run["digest"] == digest_of(run["params"])
     # one weight under two names, as the one-process model holds it (two drifting copies would differ)
     assert torch.equal(pp2["params"]["output.weight"], pp2["params"]["tok_embeddings.weight"])
     assert _keys(pp_ckpt) == _keys(ddp_ckpt)

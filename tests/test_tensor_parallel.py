@@ -63,6 +63,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     from elastictrain.worker.loop import StepRunner
 
     from elastictrain.parallel import optim
+    from elastictrain.parallel.digest import combine
 
     torch.set_num_threads(1)
     norms: list[float] = []  # every clip's pre-clip global norm, as the step loop computes it
@@ -96,8 +97,11 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             if save:
                 dcp.save(runner.state.state_dict(), checkpoint_id=save)
             full = runner.state.full_model_state()
+            parts: list[Any] = [None] * world  # the digest as the driver combines it (parallel/digest.py)
+            dist.all_gather_object(parts, runner.digest_part())
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
-                            "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms)})
+                            "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms),
+                            "digest": combine(parts)})
         if rank == 0:
             torch.save(results, out)
     finally:

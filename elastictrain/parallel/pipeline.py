@@ -106,6 +106,8 @@ class StageSet(nn.Module):
                 raise PipelineError(f"a stage module ({type(stage).__name__}) holds parameters of its own; keep "
                                     "them on child modules named as in the whole model (Task.pipeline.stage_fn)")
         _merge_children(self, [m for m in (before, *stages, after) if m is not None], "")
+        #: state names whose values another rank counts (a split tied weight's copy): left out of the digest
+        self.uncounted_names: frozenset[str] = frozenset()
 
 
 def _merge_children(into: nn.Module, sources: list[nn.Module], path: str) -> None:
@@ -338,6 +340,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         stages.append(stage)
     tied = find_splits(ties, stage_modules, pp_group)
     set_ = StageSet(stage_modules, *alias_sources(tied, stage_modules, model))
+    set_.uncounted_names = tied.uncounted_names
     loss = _StageLoss(hooks.loss_fn, clock)
     cls = SCHEDULES[layout.pp_schedule]
     if layout.pp_schedule in _SINGLE:

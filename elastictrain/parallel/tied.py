@@ -15,8 +15,9 @@ that keeps the math the whole model's:
 * **gradients**: after the schedule's backward, :meth:`TiedWeights.sync_grads` sums the tied gradient over
   the embedding group (the pp ranks holding a use, one group per data-parallel / tp coordinate), so every
   copy takes the whole model's gradient (the embedding's plus the head's) and the same update.
-* **clipping**: only the first holder counts the tied gradient in the norm (:attr:`TiedWeights.uncounted`
-  names the other copies), so the norm is the whole model's.
+* **clipping and the digest**: only the first holder counts the tied gradient in the norm
+  (:attr:`TiedWeights.uncounted` names the other copies), so the norm is the whole model's; likewise only
+  its values count in the model's digest (:attr:`TiedWeights.uncounted_names`, on the StageSet).
 
 One rank holding two stages with different uses (``zbv`` puts stages 0 and ``2 pp - 1`` on rank 0) is
 refused: its two stage copies are separate modules there.
@@ -58,6 +59,12 @@ class TiedWeights:
     def uncounted(self) -> tuple[torch.Tensor, ...]:
         """The copies whose gradient another rank already counts in the clipping norm."""
         return tuple(s.param for s in self.splits if not s.first)
+
+    @property
+    def uncounted_names(self) -> frozenset[str]:
+        """The names (all of each) of the copies another rank counts: a whole-model digest leaves them out
+        here (parallel/digest.py counts each element once)."""
+        return frozenset(n for s in self.splits if not s.first for n in s.names)
 
     @torch.no_grad()
     def sync_grads(self) -> None:

@@ -499,8 +499,9 @@ class StepRunner:
         coord = {} if self.layout is None else self.layout.dims.coord(self.rank)
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0}
-        return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
-                          primary_along=along)
+        skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
+        state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
+        return local_part(state, plain_primary=all(along.values()), primary_along=along)
 
 
 class _LoopHooks:
