@@ -150,3 +150,28 @@ def test_tied_llama_pp4_and_pp2_by_fsdp2_match_one_process(tmp_path):
                                         {"_task": four, "pp": 2, "pp_schedule": "1f1b", "plan": "fsdp"}])
     _matches(pp4, ref)
     _matches(pp2_fsdp2, ref)
+
+
+@pytest.mark.slow  # two runs on the session's local Ray and an in-process reference: ~60 s under load
+def test_tied_llama_pp2_through_the_controller_resumes_under_ddp1(tmp_path, ray_local):
+    """The framework's path (workers on local Ray, the controller, the workers' checkpoints, the final model
+    written sharded and checked against the digest the driver combines from every rank): the tied Llama
+    under pp2 for 4 steps, its checkpoint resumed by one worker to 6 steps, equals 6 uninterrupted steps in
+    one process (tests/parallel_fixtures.py's tolerance: 1e-5 on losses and parameters)."""
+    from tests.conftest import job, run_job
+    from tests.parallel_fixtures import InProcessRun, assert_same_numbers
+
+    def spec(world: int, steps: int, **parallel: Any) -> dict[str, Any]:
+        return job(task={**TIED, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
+                   train={"steps": steps, "global_batch": 8, "micro_batch": 2},
+                   checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2, "memory_every_steps": 0},
+                   workers={"min": world, "max": world}, parallel=parallel, run_id="tied-pp")
+
+    pp = run_job(tmp_path, spec(2, 4, pp=2, pp_schedule="1f1b"), name="pp2")
+    assert pp.result.exit_code == 0, pp.summary
+    ddp = run_job(tmp_path, spec(1, 6), name="ddp1")
+    assert ddp.result.exit_code == 0, ddp.summary
+    assert [e["step"] for e in ddp.of("resumed")] == [4]
+    ref = InProcessRun({**spec(1, 6), "checkpoint": {}})
+    assert_same_numbers(pp, ref, steps=range(1, 5), params=False)
+    assert_same_numbers(ddp, ref, steps=range(5, 7))
