@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 TIED = {"kind": "llama", "llama": {"size": "debug", "tie_embeddings": True}}
-PP2 = {"_task": TIED, "pp": 2, "pp_schedule": "1f1b"}
+PP2 = {"_task": TIED, "pp": 2, "pp_schedule": "1f1b", "_digest": True}
 ONE = {"_task": TIED}
 
 
