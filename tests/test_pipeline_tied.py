@@ -177,3 +177,48 @@ def test_tied_llama_pp2_through_the_controller_resumes_under_ddp1(tmp_path, ray_
     ref = InProcessRun({**spec(1, 6), "checkpoint": {}})
     assert_same_numbers(pp, ref, steps=range(1, 5), params=False)
     assert_same_numbers(ddp, ref, steps=range(5, 7))
+
+
+def _two_uses_on_rank_0(rank: int, port: int, out: str) -> None:
+    """Rank 0 holds stage 0 (the embedding) and stage 3 (the head, its own copy), as zbv places them on pp2;
+    rank 1 the middle stages. Each rank writes the error it got from ``find_splits``."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from elastictrain.parallel.tied import TiedSplitError, find_splits
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        emb, head = torch.nn.Module(), torch.nn.Module()
+        emb.emb, head.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+        mid = torch.nn.Module()
+        mid.mid = torch.nn.Linear(8, 8)
+        stages = [emb, head] if rank == 0 else [mid]
+        try:
+            find_splits([("emb.weight", "head.weight")], stages, dist.group.WORLD)
+            got = "no error"
+        except TiedSplitError as e:
+            got = str(e)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(got)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_uses_on_one_rank_are_refused_on_every_rank(tmp_path):
+    """zbv's V puts the first and the last stage on rank 0, whose two stage copies of the tied weight would
+    be two tensors: refused with the fix named, and on rank 1 too (which holds no use and would otherwise
+    wait in the next collective for a rank that stopped). Broken on purpose (rank 0 raising before the
+    gather, as first written): rank 1 fails in the gather (gloo: connection closed by peer) instead."""
+    from tests.checkpoint_fixtures import free_port
+    from tests.ranks import run_ranks
+
+    out = str(tmp_path / "err")
+    run_ranks(_two_uses_on_rank_0, (free_port(), out), nprocs=2)
+    for rank in (0, 1):
+        got = open(f"{out}.{rank}").read()
+        assert "'emb.weight', 'head.weight' fall in two pipeline stages of one rank" in got, (rank, got)
+        assert "pick another parallel.pp_schedule" in got

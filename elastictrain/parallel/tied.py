@@ -84,25 +84,29 @@ def find_splits(ties: list[tuple[str, ...]], stage_modules: list[nn.Module], pp_
     :func:`~elastictrain.parallel.pipeline.tied_parameters`) whose uses fall on several ranks of
     ``pp_group``, with their embedding groups. Collective over ``pp_group`` when ``ties`` is not empty (one
     gather of which uses each rank holds); then a group per tensor among its holders only where they are
-    not the whole pp group. Raises :class:`TiedSplitError` when one rank holds two uses in two stages."""
+    not the whole pp group. Raises :class:`TiedSplitError` on every rank of ``pp_group`` when one rank
+    holds two uses in two stages."""
     if not ties:
         return TiedWeights([])
     held: list[nn.Parameter | None] = []
+    uses: list[int] = []  # per tensor: how many separate copies this rank's stages hold (0, 1, or 2+: refused)
     for names in ties:
         mine = {id(p): p for m in stage_modules for n, p in m.named_parameters(remove_duplicate=False) if n in names}
-        if len(mine) > 1:
+        held.append(next(iter(mine.values()), None))
+        uses.append(len(mine))
+    everyone: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(everyone, uses, group=pp_group)  # every rank decides alike, none left waiting
+    for i, names in enumerate(ties):
+        if any(u[i] > 1 for u in everyone):
             raise TiedSplitError(
                 f"tied parameters {', '.join(map(repr, names))} fall in two pipeline stages of one rank (the "
                 "schedule puts the first and the last stage together, e.g. zbv): pick another "
                 "parallel.pp_schedule (1f1b, interleaved_1f1b) or untie the weights")
-        held.append(next(iter(mine.values()), None))
-    everyone: list[Any] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(everyone, [p is not None for p in held], group=pp_group)
     me = dist.get_rank(pp_group)
     ranks = dist.get_process_group_ranks(pp_group)
     splits = []
     for i, names in enumerate(ties):
-        holders = [c for c, flags in enumerate(everyone) if flags[i]]
+        holders = [c for c, u in enumerate(everyone) if u[i]]
         if len(holders) < 2 or held[i] is None:
             continue  # whole on one stage (an ordinary tie), or this rank holds no use
         group = pp_group if len(holders) == len(ranks) else dist.new_group(
