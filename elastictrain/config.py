@@ -549,14 +549,18 @@ class JobConfig(_Section):
             from elastictrain.parallel.plan import tp_rule
 
             vocab_key = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
+            if vocab is None and m.vocab_size is None and (vocab := _prepared_vocab(t.data)) is not None:
+                vocab_key = f"the vocabulary of the prepared corpus's manifest (task.data.source={t.data.source!r})"
             if llama:
                 sizes = {"task.llama.n_heads": llama["n_heads"], "task.llama.n_kv_heads": llama["n_kv_heads"],
                          "task.llama.ffn_hidden": llama["ffn_hidden"], vocab_key: vocab or t.vocab_size}
                 fix = "change parallel.tp, the sizes in task.llama or task.model.vocab_size"
             else:
                 sizes = {"task.model.n_head": m.n_head, "the MLP hidden size 4 x task.model.d_model": 4 * m.d_model,
-                         vocab_key: t.vocab_size}
+                         vocab_key: vocab or t.vocab_size}
                 fix = "change parallel.tp or task.model.n_head"
+            if "manifest" in vocab_key and vocab % p.tp:  # a padded vocabulary still holds every id
+                fix += f", or pad it: task.model.vocab_size={-(-vocab // p.tp) * p.tp} (a multiple of parallel.tp)"
             why = tp_rule(p.tp, sizes)
             if why:
                 raise ValueError(f"{why}; {fix}")
@@ -653,6 +657,21 @@ def _apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
             raise ConfigError(f"--set {'.'.join(parts)}: '{p}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _prepared_vocab(data: DataConfig) -> int | None:
+    """The vocabulary in the manifest of a corpus prepared by ``elastictrain data prepare`` at
+    ``task.data.source`` (one small read), None for any other source. An unreadable manifest is also None
+    here: the run's start names it (``task.data_vocab_size``)."""
+    from elastictrain.data.shards import PreparedDataError, is_prepared, read_manifest
+
+    options = dict(data.storage_options)
+    if not is_prepared(data.source, options):
+        return None
+    try:
+        return read_manifest(data.source, options).vocab_size
+    except PreparedDataError:
+        return None
 
 
 def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = "<config>") -> JobConfig:

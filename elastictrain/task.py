@@ -135,7 +135,8 @@ class _GPTModel:
 @dataclass(frozen=True)
 class _LlamaModel:
     """The built-in Llama of ``task.llama`` (its size and overrides), ``task.model.seq_len`` positions and the
-    task's vocabulary. Seeded construction and a meta build's ``init_weights()`` give the same values."""
+    task's vocabulary. The step-0 values come from ``Llama.init_module`` by (seed, module name) on any
+    layout, meta builds included (elastictrain/parallel/init.py), unless ``task.init_from`` supplies them."""
 
     shape: tuple[tuple[str, Any], ...]  # LlamaConfig keywords (a tuple: frozen and hashable)
 

@@ -30,6 +30,20 @@ def _inputs(batch: int, cfg: GPTConfig = CFG, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
 
 
+def test_sample_seeds_at_once_are_each_ids_sample_seed() -> None:
+    """The vectorised seeds (what the step loop feeds the model) are the scalar hash of every id, across the
+    whole id range (top bits set) and for seeds and steps whose running hash has its 64th bit set."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        seed, step = rng.randrange(2**40), rng.randrange(2**31)
+        ids = [rng.randrange(2**63) for _ in range(rng.randrange(0, 9))] + [0, 2**63 - 1, 2**64 - 1]
+        assert sample_seeds(seed, step, ids).tolist() == [sample_seed(seed, step, i) for i in ids]
+    with pytest.raises(ValueError, match="sample_id must be a non-negative int"):
+        sample_seeds(0, 0, [3, -1])
+
+
 def test_sample_seed_is_pure_63_bit_and_distinct() -> None:
     a = sample_seed(1, 2, 3)
     assert a == sample_seed(1, 2, 3)

@@ -290,3 +290,30 @@ def test_the_builtin_task_builds_the_configured_llama():
     import pickle
 
     assert pickle.loads(pickle.dumps(task.model_fn)) == task.model_fn  # shipped to every worker
+
+
+def test_init_module_gives_every_parameter_its_value_by_seed_and_name():
+    """Llama.init_module under init_by_name: a module's values depend on (seed, name) only (the same layer of
+    a 2- and a 4-layer model agree, two layers differ), the init_weights rule holds (norms 1, weights of
+    std ~0.02), the tied head is the embedding, and the MoE experts are filled (no InitError)."""
+    from elastictrain.models.moe import MoEConfig
+    from elastictrain.parallel.init import init_by_name
+
+    def named(seed: int, **overrides) -> Llama:
+        model = _seeded(**overrides)
+        init_by_name(model, model, seed)
+        return model
+
+    a, b = named(5), named(5, n_layers=4)
+    assert torch.equal(a.layers[1].attention.wq.weight, b.layers[1].attention.wq.weight)
+    assert torch.equal(a.output.weight, b.output.weight)
+    assert not torch.equal(a.layers[0].attention.wq.weight, a.layers[1].attention.wq.weight)
+    assert not torch.equal(a.output.weight, named(6).output.weight)
+    assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
+    assert abs(a.layers[0].feed_forward.w1.weight.std().item() - 0.02) < 2e-3
+    tied = named(5, tie_embeddings=True)
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert torch.equal(tied.tok_embeddings.weight, a.tok_embeddings.weight)
+    moe = named(5, moe=MoEConfig(experts=4, top_k=2))
+    experts = moe.layers[1].feed_forward
+    assert abs(experts.w2.std().item() - 0.02) < 2e-3 and not torch.equal(experts.w1[0], experts.w1[1])

@@ -251,6 +251,40 @@ def test_vocab_comes_from_the_manifest_and_a_smaller_one_is_a_config_error(prepa
         builtin_task(build_config(spec))
 
 
+def _manifest_only(root: Path, vocab_size: int) -> str:
+    """A prepared directory of one tiny shard whose manifest declares ``vocab_size``."""
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "00000.bin").write_bytes(bytes(200))
+    (root / "manifest.json").write_text(manifest_json(
+        dtype="uint16", vocab_size=vocab_size, eos_id=0, tokenizer_sha256="0" * 64, text_column="text", sources=[],
+        splits={"train": [Shard("train/00000.bin", 100, 200, "0" * 64)]}, split_rule={"kind": "none"}, seq_len=None))
+    return str(root)
+
+
+@pytest.mark.parametrize("task", [{"model": {"seq_len": SEQ, "n_head": 2, "d_model": 32}},
+                                  {"kind": "llama", "model": {"seq_len": SEQ}}], ids=["gpt", "llama"])
+def test_tp_that_does_not_divide_the_manifests_vocab_is_a_config_error(tmp_path, task):
+    """task.model.vocab_size null: the config check reads the prepared corpus's vocabulary from its manifest,
+    so tp2 over 301 ids is one line naming the manifest's size, the valid tp values and the padded size (the
+    byte default 256 would have passed it, and the run failed at its start); 302 passes, and so does 301 with
+    a padded task.model.vocab_size."""
+    from elastictrain import build_config
+    from elastictrain.config import ConfigError
+
+    def spec(source: str, **model) -> dict:
+        return job(task={**task, "model": {**task["model"], **model}, "data": {"source": source}},
+                   workers={"min": 2, "max": 2}, parallel={"tp": 2})
+
+    odd = _manifest_only(tmp_path / "odd", 301)
+    with pytest.raises(ConfigError) as e:
+        build_config(spec(odd))
+    line = str(e.value)
+    assert "\n" not in line and "manifest" in line and "=301" in line, line
+    assert "valid parallel.tp values for this model: [1]" in line and "task.model.vocab_size=302" in line, line
+    assert build_config(spec(_manifest_only(tmp_path / "even", 302))).parallel.tp == 2
+    assert build_config(spec(odd, vocab_size=302)).task.model.vocab_size == 302
+
+
 def test_eval_needs_a_validation_split_and_a_whole_model_layout(prepared, tmp_path):
     import shutil
 

@@ -124,12 +124,16 @@ def prepare_commands() -> list[list[str]]:
             if shlex.split(line, comments=True)[:1] == ["elastictrain"]]
 
 
-@pytest.mark.slow  # a prepare on Ray Data, then `elastictrain run` (a private local Ray each)
+@pytest.mark.slow  # a prepare on Ray Data, then two `elastictrain run`s (a private local Ray each)
 def test_readme_prepare_then_run(tmp_path):
+    """The README's prepare -> run block as written: one prepare with a tokenizer trained here, then the tiny
+    GPT's and the built-in Llama's jobs on it, each to its last step (on the manifest's 300 ids: a model of the
+    byte vocabulary would fail at its first id past 255)."""
     from tests.test_prepared_data import _corpus, _tokenizer
 
     commands = prepare_commands()
-    assert [c[:2] for c in commands] == [["data", "prepare"], ["run", "jobs/prepared_gpt.yaml"]], commands
+    assert [c[:2] for c in commands] == [["data", "prepare"], ["run", "jobs/prepared_gpt.yaml"],
+                                         ["run", "jobs/prepared_llama.yaml"]], commands
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
     _corpus(tmp_path / "corpus")
     _tokenizer(tmp_path / "tokenizer.json")
@@ -140,7 +144,8 @@ def test_readme_prepare_then_run(tmp_path):
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout[-2000:], r.stderr[-2000:])
         outputs.append(r.stdout)
     assert "elastictrain: prepared prepared/: train" in outputs[0] and "vocab 300" in outputs[0]
-    assert "elastictrain: finished step 40" in outputs[1]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "step"][-1] == 40
+    assert "elastictrain: finished step 40" in outputs[1] and "elastictrain: finished step 20" in outputs[2]
+    for name, last in (("prepared_gpt", 40), ("prepared_llama", 20)):
+        (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "step"][-1] == last, run_dir

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,8 +77,24 @@ def sample_seed(seed: int, step: int, sample_id: int) -> int:
 
 
 def sample_seeds(seed: int, step: int, sample_ids: Iterable[int]) -> torch.Tensor:
-    """``sample_seed`` of each id, as the int64 tensor ``GPT.forward`` takes (on CPU)."""
-    return torch.tensor([sample_seed(seed, step, i) for i in sample_ids], dtype=torch.int64)
+    """``sample_seed`` of each id, as the int64 tensor ``GPT.forward`` takes (on CPU): the same values,
+    computed for all ids at once (uint64 arithmetic wraps like the masks of :func:`_splitmix64`), since the
+    step loop asks for every micro-batch."""
+    ids = np.asarray([_check_nonneg("sample_id", i) for i in sample_ids], dtype=np.uint64)
+    prefix = 0  # _mix's running hash over the parts every id shares (before its final 63-bit mask)
+    for part in (_SAMPLE_DOMAIN, _check_nonneg("seed", seed), _check_nonneg("step", step)):
+        prefix = _splitmix64(prefix ^ _splitmix64(part & _MASK64))
+    prefix = np.uint64(prefix)
+    out = _splitmix64_array(prefix ^ _splitmix64_array(ids)) & np.uint64(_MASK63)
+    return torch.from_numpy(out.astype(np.int64))
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_splitmix64` of every element of a uint64 array (numpy's uint64 ops wrap modulo 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def dropout_seed(sample_seed_value: int, site: int) -> int:

@@ -9,10 +9,14 @@ multiplies by its weight (Hugging Face's order). No dropout: ``sample_seeds`` is
 interface passes it) and unused.
 
 Initialisation: :meth:`Llama.init_weights` (called by the constructor) draws every Linear and Embedding weight
-from ``normal(0, 0.02)`` on torch's default generator and sets the norms to 1, then recomputes the rotary
-tables. The tables are non-persistent buffers (in no state dict): a model built on the ``meta`` device and
-given memory by ``to_empty`` must call :meth:`Llama.init_weights` (or :meth:`Llama.reset_buffers` when the
-parameters' values come from a checkpoint) before its first forward.
+from ``normal(0, 0.02)`` on torch's default generator and sets the norms to 1 (an MoE layer's experts: its
+``reset_parameters``), then recomputes the rotary tables. The tables are non-persistent buffers (in no state
+dict): a model built on the ``meta`` device and given memory by ``to_empty`` must call
+:meth:`Llama.init_weights` (or :meth:`Llama.reset_buffers` when the parameters' values come from a
+checkpoint) before its first forward. The framework gives the step-0 values module by module instead, by the
+same rule (:meth:`Llama.init_module`, elastictrain/parallel/init.py): each rank fills only the modules (or
+tensor-parallel, FSDP or expert shards) it holds, from (seed, module name), so every layout starts from the
+same values without any rank building the whole model.
 """
 
 from __future__ import annotations
@@ -270,7 +274,8 @@ def _check_inputs(input_ids: torch.Tensor) -> None:
 class Llama(nn.Module):
     """Llama 3: token embeddings, ``n_layers`` pre-norm blocks, a final RMSNorm and the output head (the
     embedding's own Parameter when ``tie_embeddings``). Parameters are initialised from torch's default
-    generator: call ``torch.manual_seed`` first for reproducible weights."""
+    generator: call ``torch.manual_seed`` first for reproducible weights. The framework re-initialises them
+    module by module instead (:meth:`init_module`), so that any rank can build just its own."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -293,6 +298,17 @@ class Llama(nn.Module):
         vocabulary)."""
         if self.cfg.tie_embeddings and hasattr(self, "tok_embeddings") and hasattr(self, "output"):
             self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters (not its children's) from torch's default generator, by
+        :meth:`init_weights`'s rule: a Linear's or Embedding's weight ``normal(0, 0.02)``, a norm's weight 1,
+        an MoE layer's stacked experts by its ``reset_parameters`` (whole-size here: ``init_by_name`` keeps
+        this rank's expert slice). The per-module contract of elastictrain/parallel/init.py."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, (RMSNorm, MoEFeedForward)):
+            module.reset_parameters()
 
     @torch.no_grad()
     def init_weights(self) -> None:

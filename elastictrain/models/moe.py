@@ -20,6 +20,8 @@ token slots per expert, detached); :func:`moe_aux_loss` and :func:`moe_token_cou
 
 from __future__ import annotations
 
+import weakref
+
 import math
 import operator
 from collections.abc import Callable
@@ -179,9 +181,18 @@ def _local_dispatch(layer: MoEFeedForward, tokens: torch.Tensor, slots: torch.Te
     return torch.empty_like(y).index_copy(0, order, y)
 
 
+# model -> its MoE layers: the loss asks after every micro-batch's forward, and walking every module of the
+# model each time cost ~2% of a tiny model's step (most models have none)
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, dict[str, MoEFeedForward]] = weakref.WeakKeyDictionary()
+
+
 def moe_layers(model: nn.Module) -> dict[str, MoEFeedForward]:
-    """The MoE layers of ``model`` by qualified name (a wrapper's prefix included)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+    """The MoE layers of ``model`` by qualified name (a wrapper's prefix included), found once per model
+    object (a model's modules are fixed once built; wrappers are model objects of their own)."""
+    found = _LAYERS.get(model)
+    if found is None:
+        found = _LAYERS[model] = {name: m for name, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+    return found
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:

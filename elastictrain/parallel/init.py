@@ -6,7 +6,7 @@ each module that holds parameters is initialised with the generator seeded by
 :func:`module_seed` ``(train.seed, its fully qualified name)``. The values therefore do not depend on which
 rank builds them, on the layout, or on which other modules the rank holds: a pipeline stage, a
 tensor-parallel rank or an FSDP shard builds just its own modules, each at most one module's full size at a
-time (one ``nn.Linear``), and every layout starts from identical parameters. The built-in GPT defines it.
+time (one ``nn.Linear``), and every layout starts from identical parameters. The built-in GPT and Llama define it.
 
 A model without ``init_module`` keeps the older rule (``torch.manual_seed(seed); model_fn()``, whose
 values depend on the whole construction order); a sharded start then builds the whole model once per host

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, eval_sample_ids, rank_micro_batches
-from elastictrain.models.gpt import sample_seed
+from elastictrain.models.gpt import sample_seeds
 from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
 from elastictrain.parallel import optim
@@ -314,7 +314,8 @@ class StepRunner:
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self._read_ahead(s, micro, dp_rank, d)
         self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
-        self.pm.module.train()
+        if not self.pm.module.training:  # (evaluation leaves it in eval mode; train() walks every module)
+            self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
         with self.profiler.around(self.rank, number):
             done, stats = self._forward_backward(micro, hooks, d / g)
@@ -520,7 +521,7 @@ class _LoopHooks:
         samples = [r.dataset[int(i)] for i in ids]
         r._set_phase("compute")
         batch = _to(r.collate(samples), r.device)
-        seeds = torch.tensor([sample_seed(r.train.seed, self.s, int(i)) for i in ids], dtype=torch.long)
+        seeds = sample_seeds(r.train.seed, self.s, ids)
         return MicroBatch([int(i) for i in ids], batch, seeds)
 
     def phase(self, name: str) -> None:
