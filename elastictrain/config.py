@@ -552,10 +552,10 @@ class JobConfig(_Section):
                     f"{layers_key}={layers} blocks cannot fill {stages} pipeline stages (parallel.pp="
                     f"{p.pp} x {stages // p.pp} per rank for {p.pp_schedule}); raise {layers_key.split('.')[-1]} to >= {stages} "
                     "or lower parallel.pp / stages_per_rank")
-            if llama and llama.get("tie_embeddings"):
-                raise ValueError(f"task.llama.tie_embeddings=true (size {t.llama.size}) cannot run under parallel.pp="
-                                 f"{p.pp}: the embedding and the output head are one weight, on the first and the "
-                                 "last stage; set task.llama.tie_embeddings=false or parallel.pp=1")
+            if llama and llama.get("tie_embeddings") and p.pp_schedule == "zbv":  # parallel/tied.py
+                raise ValueError("task.llama.tie_embeddings=true cannot run under parallel.pp_schedule=zbv: it puts "
+                                 "the first and the last stage (the embedding and the tied head) on one rank; "
+                                 "set parallel.pp_schedule to 1f1b or interleaved_1f1b, or tie_embeddings=false")
         if p.tp > 1:
             from elastictrain.parallel.plan import tp_rule
 

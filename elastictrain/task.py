@@ -85,8 +85,9 @@ class PipelineHooks:
       qualified names (keep the attribute names; hold a slice of a ``ModuleList`` as an ``nn.ModuleDict``
       keyed by the original indices): checkpoints and recovery snapshots are keyed by those names, so a
       state saved under one pp loads under any other layout. Every parameter of the model must be owned by
-      exactly one stage, and all names of a tied tensor (an output head that is the token embedding) by the
-      same stage: a split tie is refused when the stages are built (untie it, or keep pp 1).
+      exactly one stage; a tied tensor (an output head that is the token embedding) may have its uses on
+      different stages: each stage holding a use keeps a copy, one tensor by name, with its gradient summed
+      over those stages (elastictrain/parallel/tied.py; not when one rank holds two such stages, zbv).
     - The stage is called as ``stage(*x, seeds=seeds)``: ``x`` is ``inputs_fn(batch)`` on the first stage
       and the previous stage's output(s) elsewhere; ``seeds`` (int64 ``[B]``, the per-sample seeds
       ``loss_fn`` gets) reach every stage, so dropout masks depend on (seed, step, sample id, position) and

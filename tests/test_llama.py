@@ -135,8 +135,8 @@ def test_stages_hold_their_parts_under_the_whole_model_names():
     ids = torch.randint(0, 256, (2, 10))
     with torch.no_grad():
         assert torch.equal(last(first(ids)), model(ids))
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        LlamaStage(_seeded(tie_embeddings=True), range(0, 1), True, False)
+    tied = _seeded(tie_embeddings=True)  # split: the head's stage holds the tied weight too (parallel/tied.py)
+    assert LlamaStage(tied, range(1, 2), False, True).output.weight is tied.tok_embeddings.weight
 
 
 def test_config_errors_name_the_rule():
@@ -179,8 +179,8 @@ def references(tmp_path_factory) -> dict[str, dict]:
 
 def test_llama_under_ddp_fsdp_tp2_and_pp2_matches_one_process(tmp_path, references):
     """ddp on 2, fsdp on 2, tp2 with and without sequence parallel (and from a meta build), pp2; the tied head
-    under fsdp2 (also from a meta build) and tp2 (pp refuses it): every step's loss, clipping norm and audited
-    samples and the final parameters equal one process's."""
+    under fsdp2 (also from a meta build) and tp2 (under pp: tests/test_pipeline_tied.py): every step's
+    loss, clipping norm and audited samples and the final parameters equal one process's."""
     from tests.test_tensor_parallel import _matches, _run
 
     runs = _run(tmp_path, 2, _layouts(LLAMA, {"plan": "ddp"}, {"plan": "fsdp"}, {"tp": 2},
@@ -261,8 +261,9 @@ def test_the_llama_job_file_runs_on_local_ray(tmp_path, ray_local):
     ({"task": {"kind": "tiny_gpt", "model": {"vocab_size": 255}}}, "task.model.vocab_size=255 is smaller"),
     ({"task": {"kind": "llama"}, "parallel": {"tp": 4}, "workers": {"min": 4, "max": 4}},
      "parallel.tp=4 does not divide task.llama.n_kv_heads=2; valid parallel.tp values for this model: [1, 2]"),
-    ({"task": {"kind": "llama", "llama": {"tie_embeddings": True}}, "parallel": {"pp": 2},
-      "workers": {"min": 2, "max": 2}}, "task.llama.tie_embeddings=true (size debug) cannot run under parallel.pp=2"),
+    ({"task": {"kind": "llama", "llama": {"tie_embeddings": True, "n_layers": 4}},
+      "parallel": {"pp": 2, "pp_schedule": "zbv"}, "workers": {"min": 2, "max": 2}},
+     "task.llama.tie_embeddings=true cannot run under parallel.pp_schedule=zbv"),
     ({"task": {"kind": "llama"}, "parallel": {"pp": 4}, "workers": {"min": 4, "max": 4}},
      "task.llama.n_layers=2 blocks cannot fill 4 pipeline stages"),
     ({"task": {"kind": "llama", "llama": {"heads": 4}}}, "unknown key 'task.llama.heads'"),

@@ -51,7 +51,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     """One rank: for each of ``layouts`` (parallel sections, one after another on the same gloo group) the
     worker's StepRunner, seeded init (or ``_load``: the training state from a DCP directory, by name, as a
     checkpoint restore does), ``_steps`` (default STEPS) steps, then (``_save``) its training state saved
-    with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model. ``_task``:
+    with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model (``_digest``:
+    and the model digest the driver would combine from every rank's part). ``_task``:
     keys of the job's ``task`` section to set (e.g. another built-in model, tests/test_llama.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -63,6 +64,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     from elastictrain.worker.loop import StepRunner
 
     from elastictrain.parallel import optim
+    from elastictrain.parallel.digest import combine
 
     torch.set_num_threads(1)
     norms: list[float] = []  # every clip's pre-clip global norm, as the step loop computes it
@@ -76,6 +78,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             parallel = dict(parallel)
             steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
             llama, meta = parallel.pop("_llama", False), parallel.pop("_meta", False)
+            digest = parallel.pop("_digest", False)
             cfg = build_config(_spec(world, parallel.pop("_task", None), **parallel))
             if llama:  # a model the project did not write, with the plan of examples/tp_llama.py
                 from examples.tp_llama import make_task
@@ -96,8 +99,12 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             if save:
                 dcp.save(runner.state.state_dict(), checkpoint_id=save)
             full = runner.state.full_model_state()
+            parts: list[Any] = [None] * world  # the digest as the driver combines it (parallel/digest.py)
+            if digest:
+                dist.all_gather_object(parts, runner.digest_part())
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
-                            "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms)})
+                            "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms),
+                            "digest": combine(parts) if digest else None})
         if rank == 0:
             torch.save(results, out)
     finally:

@@ -352,16 +352,14 @@ class LlamaStage(nn.Module):
     The first stage holds ``tok_embeddings``, the last ``norm`` and ``output``, each stage its range of
     ``layers`` in an ``nn.ModuleDict`` keyed by the layer's index in the whole model (``layers.3.attention.wq
     .weight`` keeps its name, so a checkpoint of any split loads under any other layout); every stage holds
-    the rotary tables (buffers, no parameters). A tied model cannot be split (the embedding and the head
-    would be two copies on two stages): :class:`ValueError`. ``forward(x, seeds=None)``: ``x`` is the token
+    the rotary tables (buffers, no parameters). A tied model split over stages gives the first stage the
+    embedding and the last the head's copy of the same weight (``build_pipeline`` keeps the two one tensor:
+    elastictrain/parallel/tied.py). ``forward(x, seeds=None)``: ``x`` is the token
     ids (first stage) or the previous stage's activations; returns the logits on the last stage.
     ``positions``: as :meth:`Llama.forward`'s (pass it to every stage under context parallelism)."""
 
     def __init__(self, model: Llama, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        if model.cfg.tie_embeddings and not (first and last):
-            raise ValueError("a Llama with tie_embeddings=true cannot be split into pipeline stages (the "
-                             "embedding and the output head are one Parameter); set tie_embeddings=false or pp=1")
         self.cfg = model.cfg
         self.first, self.last = first, last
         self.rope = model.rope

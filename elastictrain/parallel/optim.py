@@ -145,16 +145,18 @@ def _put_back(param: torch.Tensor, shard: torch.Tensor, value: Any, views: dict[
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = None,
-                   across: Any = None) -> torch.Tensor:
+                   across: Any = None, uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their global 2-norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping. DTensor gradients placed only
     by ``Shard``/``Replicate`` are clipped on their local shards (see the module doc); any other mix goes
     to torch's own function; plain gradients beside DTensor ones count as replicated (tensor parallelism).
     Collective over the sharded mesh dimensions. ``across``: a process group whose
     ranks hold the OTHER parameters of the model (pipeline stages: the pp group); the squared norms are
-    summed over it too, so every stage clips by the norm of all parameters."""
+    summed over it too, so every stage clips by the norm of all parameters. ``uncounted``: parameters of
+    ``params`` whose gradients another rank of ``across`` counts (a tied weight's copy): clipped, not counted."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
+    skip = {id(p.grad) for p in uncounted if p.grad is not None}
     local_ok = all(not isinstance(g, DTensor) or all(_is_shard(pl) or isinstance(pl, Replicate) for pl in g.placements)
                    for g in grads)
     # plain gradients beside DTensor ones (tensor parallelism: a parameter no tp style touched) are
@@ -165,14 +167,22 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, foreach: boo
         raise ValueError("gradient clipping across pipeline stages needs plain or Shard/Replicate DTensor "
                          "gradients")
     by_dims: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
+    counted: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if isinstance(g, DTensor):
             dims = tuple(i for i, pl in enumerate(g.placements) if _is_shard(pl))
-            by_dims[(g.device_mesh, dims)].append(g.to_local())
+            key: tuple[Any, tuple[int, ...]] = (g.device_mesh, dims)
+            local = g.to_local()
         else:
-            by_dims[(None, ())].append(g)
+            key, local = (None, ()), g
+        by_dims[key].append(local)
+        if id(g) not in skip:
+            counted[key].append(local)
     total_sq = None
-    for (mesh, dims), shards in by_dims.items():  # mesh None: plain (replicated) gradients
+    for (mesh, dims) in by_dims:  # mesh None: plain (replicated) gradients
+        shards = counted[(mesh, dims)]
+        if not shards:  # the reduction over the mesh's dims still runs: every rank of them sums alike
+            shards = [torch.zeros((), device=by_dims[(mesh, dims)][0].device)]
         norms = torch._foreach_norm(shards, 2) if foreach else [torch.linalg.vector_norm(t, 2) for t in shards]
         sq = torch.linalg.vector_norm(torch.stack(norms), 2) ** 2
         for d in dims:  # a sum over each sharded dimension in turn: a sum over all their ranks

@@ -188,6 +188,9 @@ class ParallelModel:
     #: the process group over which the gradient norm of :attr:`model`'s parameters is summed on top of the
     #: mesh's own sharded dims (pipeline stages: the pp group); None: the parameters are the whole model
     clip_group: Any = None
+    #: parameters whose gradient the norm leaves out here because another rank counts it (a tied weight's
+    #: copy on a later pipeline stage, parallel/tied.py); still clipped
+    clip_uncounted: tuple[torch.Tensor, ...] = ()
     #: whether this rank feeds samples of its own to the step (False on a pipeline's later stages, whose
     #: samples the first stage's rank already counts, and on tp coordinates > 0): the sample-id audit
     #: counts each sample once

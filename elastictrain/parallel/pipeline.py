@@ -33,7 +33,11 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
   (``parallelize_fn`` gets the stage's submesh, every axis but ``pp``); the pp group links equal tp
   coordinates, so each tp rank sends its local activations to its peer of the next stage; the schedule
   runs inside ``loss_parallel``, gradients are settled to their parameters' placements after it
-  (:func:`elastictrain.parallel.tensor.settle_grads`), and only tp coordinate 0 counts samples and losses.
+  (:func:`elastictrain.parallel.tensor.settle_grads`), and only tp coordinate 0 counts samples and losses;
+* a tied weight whose uses fall on different stages (an embedding and its tied output head) is one tensor
+  held by each stage rank that uses it, under all its names, with its gradient summed over those ranks after
+  the schedule and counted once in the clipping norm (:mod:`elastictrain.parallel.tied`: Megatron's
+  embedding group).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from elastictrain.parallel.parallelize import (
 from elastictrain.parallel.plan import Layout
 from elastictrain.parallel.stages import local_stages
 from elastictrain.parallel.tensor import average_grads, local_loss, parallelize_tp, settle_grads, tp_submesh
+from elastictrain.parallel.tied import TiedWeights, alias_sources, find_splits
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
@@ -90,15 +95,19 @@ class StageSet(nn.Module):
     or ``nn.Module``) merged from theirs, level by level, so no stage's own module is changed. A shared name
     whose modules hold no parameters at all (a rotary-embedding helper every stage keeps) is kept once. A
     parameter two stages both hold is an error (every parameter belongs to one stage). Not called: the
-    schedule runs the stages."""
+    schedule runs the stages. ``before``/``after``: parameter-only trees merged before and after the stages
+    (the names a split tied weight lacks on this rank, :func:`elastictrain.parallel.tied.alias_sources`)."""
 
-    def __init__(self, stages: list[nn.Module]) -> None:
+    def __init__(self, stages: list[nn.Module], before: nn.Module | None = None,
+                 after: nn.Module | None = None) -> None:
         super().__init__()
         for stage in stages:  # parameters registered on a stage itself (not on a child) have no name here
             if any(True for _ in stage.parameters(recurse=False)):
                 raise PipelineError(f"a stage module ({type(stage).__name__}) holds parameters of its own; keep "
                                     "them on child modules named as in the whole model (Task.pipeline.stage_fn)")
-        _merge_children(self, stages, "")
+        _merge_children(self, [m for m in (before, *stages, after) if m is not None], "")
+        #: state names whose values another rank counts (a split tied weight's copy): left out of the digest
+        self.uncounted_names: frozenset[str] = frozenset()
 
 
 def _merge_children(into: nn.Module, sources: list[nn.Module], path: str) -> None:
@@ -206,8 +215,10 @@ class PipelineModel(ParallelModel):
     def __init__(self, set_: StageSet, modules: list[nn.Module], stages: list[_TimedStage], schedule: Any,
                  loss: _StageLoss, clock: _Clock, mesh: DeviceMesh, layout: Layout,
                  inputs_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
-                 grad_group: Any = None) -> None:
+                 grad_group: Any = None, tied: TiedWeights | None = None) -> None:
         super().__init__(set_, mesh)
+        self.tied = tied or TiedWeights([])
+        self.clip_uncounted = self.tied.uncounted
         self.grad_group = grad_group  # replicated stages: their gradients are averaged over it after a step
         self.model = set_
         self.modules = modules
@@ -263,6 +274,7 @@ class PipelineModel(ParallelModel):
             settle_grads(list(self.model.parameters()))
         if self.grad_group is not None:
             average_grads(list(self.model.parameters()), self.grad_group)
+        self.tied.sync_grads()  # a tied weight split over stages: the embedding's and the head's gradients summed
         # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
         return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
                                n_microbatches=n, stages_per_rank=self.layout.stages_per_rank)
@@ -301,11 +313,10 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     clock = _Clock()
     grad_group = None
     modules, stage_modules, stages = [], [], []
-    ties = tied_parameters(model)
+    ties = tied_parameters(model)  # before stage_fn: a stage may take the whole model's modules
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
-        refuse_split_ties(ties, stage_module, index)
         if parallelize_fn is None and plan.plan == "ddp":
             if tp_mesh is not None:
                 parallelize_tp(stage_module, tp_mesh, plan)
@@ -327,14 +338,17 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         modules.append(module)
         stage_modules.append(inner)
         stages.append(stage)
-    set_ = StageSet(stage_modules)
+    tied = find_splits(ties, stage_modules, pp_group)
+    set_ = StageSet(stage_modules, *alias_sources(tied, stage_modules, model))
+    set_.uncounted_names = tied.uncounted_names
     loss = _StageLoss(hooks.loss_fn, clock)
     cls = SCHEDULES[layout.pp_schedule]
     if layout.pp_schedule in _SINGLE:
         schedule = cls(stages[0], n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
-    return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn, grad_group)
+    return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn, grad_group,
+                         tied)
 
 
 def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
@@ -344,22 +358,6 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return [tuple(group) for group in names.values() if len(group) > 1]
-
-
-def refuse_split_ties(ties: list[tuple[str, ...]], stage: nn.Module, index: int) -> None:
-    """Refuse a stage that holds some but not all names of a tied tensor: torch's pipeline would train two
-    untied copies (each stage its own gradient), so the math would leave the model's and a checkpoint would
-    hold two values under the tied names."""
-    held = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-    for group in ties:
-        mine = [n for n in group if n in held]
-        if mine and len(mine) < len(group):
-            others = [n for n in group if n not in held]
-            raise PipelineError(
-                f"tied parameters {', '.join(map(repr, group))} are one tensor but fall in different pipeline "
-                f"stages (stage {index} holds {', '.join(map(repr, mine))}, not {', '.join(map(repr, others))}): "
-                "untie them in the model (e.g. Hugging Face tie_word_embeddings=False, the built-in Llama's "
-                "task.llama.tie_embeddings: false) or set parallel.pp=1")
 
 
 def gather_full_state(set_: StageSet, rank: int) -> dict[str, torch.Tensor]:

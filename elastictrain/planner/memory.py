@@ -76,12 +76,14 @@ class Memory:
 
 def stage_params(model: ModelShape, c: Candidate) -> float:
     """Parameters of the worst pipeline stage's rank before sharding: its blocks and the embeddings or head
-    (whole model without a pipeline), scaled to a published parameter count (:attr:`ModelShape.scale`)."""
+    (whole model without a pipeline), scaled to a published parameter count (:attr:`ModelShape.scale`). A
+    tied head split from its embedding is a copy on the last stage (parallel/tied.py)."""
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
     moe = model.moe_extra_params * blocks / model.layers
-    return (blocks * model.block_params + moe + max(model.first_stage_params, model.last_stage_params)) * model.scale
+    last = model.last_stage_params + (model.vocab * model.hidden if model.tied_embeddings else 0)
+    return (blocks * model.block_params + moe + max(model.first_stage_params, last)) * model.scale
 
 
 def stage_expert_params(model: ModelShape, c: Candidate) -> float:

@@ -448,7 +448,7 @@ class StepRunner:
             # CPU: the per-tensor loop (bitwise stable); CUDA: foreach kernels
             foreach = True if self.device.type == "cuda" else False
             norm = optim.clip_grad_norm(self.model.parameters(), self.task.grad_clip, foreach=foreach,
-                                        across=self.pm.clip_group)
+                                        across=self.pm.clip_group, uncounted=self.pm.clip_uncounted)
         self._commit_gate()
         skipped = None
         if not loss_ok:
@@ -528,8 +528,9 @@ class StepRunner:
                  "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
             along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
-        return local_part(get_model_state_dict(self.state.model), plain_primary=all(along.values()),
-                          primary_along=along)
+        skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
+        state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
+        return local_part(state, plain_primary=all(along.values()), primary_along=along)
 
 
 class _LoopHooks:
