@@ -501,3 +501,14 @@ def test_the_peer_tier_runs_in_the_simulator_with_the_worlds_own_keepers(tmp_pat
     assert len(gens) >= 2 and world.calls["attach_keeper"] == sum(g["world_size"] for g in gens)
     assert world.calls["keeper_set_budget"] == len(nodes) * len(gens)  # sized at each generation
     assert world.calls["keeper_catalog"] >= len(nodes)  # asked for its snapshots at the failure
+
+
+def test_the_simulated_step_record_has_every_field_the_real_one_has() -> None:
+    """The controller reads step records of both kinds: a field the real record gains and the simulated one
+    lacks ends every simulated run with an AttributeError (tokens_per_expert did)."""
+    from dataclasses import fields
+
+    from elastictrain.sim.ray_actors import Record
+    from elastictrain.worker.loop import StepRecord
+
+    assert {f.name for f in fields(StepRecord)} <= {f.name for f in fields(Record)}

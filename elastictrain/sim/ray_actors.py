@@ -55,6 +55,7 @@ class Record:
     eval_loss: float | None = None
     memory: dict[str, float] | None = None
     skipped: str | None = None
+    tokens_per_expert: dict[str, list[int]] | None = None  # (a mixture-of-experts model's router counts)
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
