@@ -19,7 +19,7 @@ import hashlib
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from elastictrain.models.gpt import _mix
 
@@ -39,9 +39,11 @@ def global_indices(t: DTensor) -> list[torch.Tensor]:
     shape = list(t.shape)
     coord = t.device_mesh.get_coordinate()
     index: dict[int, torch.Tensor] = {}
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     for mesh_dim, p in enumerate(t.placements):
-        if not p.is_shard():
-            continue
+        if not isinstance(p, (Shard, _StridedShard)):  # (torch 2.13: a _StridedShard is not is_shard(): FSDP
+            continue                                    # over a tp-sharded dim places one)
         size, offsets = _get_shard_size_and_offsets(shape[p.dim], t.device_mesh.size(mesh_dim), coord[mesh_dim], p,
                                                     index.get(p.dim), t.shape[p.dim], False)
         shape[p.dim] = size
