@@ -38,6 +38,7 @@ from elastictrain.models.moe import MoEFeedForward, moe_layers
 __all__ = [
     "enable_expert_parallel",
     "expert_parameter_names",
+    "expert_replica_mesh",
     "full_state_dict",
     "load_full_state_dict",
     "reduce_expert_grads",
@@ -65,10 +66,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _Dispatch:
-    """The ep dispatcher a :class:`MoEFeedForward` calls with its token slots (see the module docstring)."""
+    """The ep dispatcher a :class:`MoEFeedForward` calls with its token slots (see the module docstring).
+    ``replica_mesh``: the ranks holding the same experts (the ``edp`` axis of the ``(edp, ep)`` mesh), which
+    an FSDP of the experts shards over (:func:`expert_replica_mesh`); None when not given."""
 
-    def __init__(self, group: ProcessGroup, ep: int) -> None:
-        self.group, self.ep = group, ep
+    def __init__(self, group: ProcessGroup, ep: int, replica_mesh: DeviceMesh | None = None) -> None:
+        self.group, self.ep, self.replica_mesh = group, ep, replica_mesh
 
     def __call__(self, layer: MoEFeedForward, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, layer.local_experts
@@ -90,10 +93,12 @@ class _Dispatch:
         return torch.empty_like(back).index_copy(0, order, back)
 
 
-def enable_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def enable_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replica_mesh: DeviceMesh | None = None) -> None:
     """Shard every MoE layer of ``model`` over the 1-D ``ep_mesh`` in place: each rank keeps its
     ``E / ep`` experts as DTensor ``Shard(0)`` parameters (the slice of the values it holds now: a seeded
     whole model, or meta tensors to be filled by name) and dispatches token slots by all-to-all.
+    ``replica_mesh`` (the ``edp`` sibling of ``ep_mesh`` in one ``(edp, ep)`` mesh) is kept for an FSDP of
+    the experts (:func:`elastictrain.parallel.parallelize.parallelize_fsdp` shards them over it).
 
     Call before building the optimizer (the expert parameters are replaced). Raises ValueError when
     ``ep_mesh`` is not 1-D, when a layer's expert count is not divisible by the ep degree (naming the valid
@@ -101,7 +106,7 @@ def enable_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     if ep_mesh.ndim != 1:
         raise ValueError(f"enable_expert_parallel needs the 1-D ep mesh (mesh['ep']), got {ep_mesh.ndim} dims")
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    dispatch = _Dispatch(ep_mesh.get_group(), ep)
+    dispatch = _Dispatch(ep_mesh.get_group(), ep, replica_mesh)
     for name, layer in moe_layers(model).items():
         e = layer.cfg.experts
         if e % ep:
@@ -118,6 +123,12 @@ def enable_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                                          shape=whole.shape, stride=whole.stride())
             setattr(layer, pname, nn.Parameter(sharded, requires_grad=whole.requires_grad))
         layer.expert_offset, layer.local_experts, layer.dispatch = rank * local, local, dispatch
+
+
+def expert_replica_mesh(layer: MoEFeedForward) -> DeviceMesh | None:
+    """The mesh of the ranks holding ``layer``'s experts (its ``edp`` axis), None when ``layer`` is not
+    expert-parallel or was made so without one."""
+    return getattr(layer.dispatch, "replica_mesh", None)
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -177,13 +188,15 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             raise KeyError(f"{key} is missing from the state to load")
         if isinstance(value, DTensor):
             local = value.to_local()
-            start = _offset(value)
-            local.copy_(state[key][start:start + local.shape[0]])
+            local.copy_(state[key][_local_slices(value)])
         else:
             value.copy_(state[key])
 
 
-def _offset(t: DTensor) -> int:
-    """The global index of the first row of this rank's Shard(0) slice (an even split)."""
-    rows = t.shape[0] // t.device_mesh.size()
-    return t.device_mesh.get_local_rank() * rows
+def _local_slices(t: DTensor) -> tuple[slice, ...]:
+    """This rank's part of ``t`` as slices of the whole tensor (ep's Shard(0), and FSDP's shard of it
+    over the expert replicas under ep x fsdp)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

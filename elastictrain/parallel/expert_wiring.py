@@ -9,12 +9,15 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
   sharded over ``mesh["ep"]``; DDP told to ignore them (they are not replicated: their gradients are
   reduced by :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
 * :meth:`ExpertParallel.reduce_grads` (after the last backward, before the clip, inside the framework's
-  collective phase).
+  collective phase): under ``ddp``. Under ``fsdp`` (ep x fsdp, torchtitan's composition) the plan's
+  ``fully_shard`` shards the experts over ``mesh["edp"]`` and the dense part over every data rank
+  (:func:`elastictrain.parallel.parallelize.shard_experts`), and FSDP's reduce-scatter reduces the expert
+  gradients: ``reduce_grads`` does nothing.
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan=ddp`` with ``pp = cp = tp = 1`` (:func:`elastictrain.parallel.plan.ep_rule`
-refuses the rest at config time), so the data ranks are the world.
+Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``pp = cp = tp = 1``
+(:func:`elastictrain.parallel.plan.ep_rule` refuses the rest at config time), so the data ranks are the world.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
 
 @dataclass
 class ExpertParallel:
-    """A generation's expert-parallel wiring: its ``(edp, ep)`` mesh and the gradient scale ``1 / D``."""
+    """A generation's expert-parallel wiring: its ``(edp, ep)`` mesh, the gradient scale ``1 / D`` and
+    whether FSDP reduces the expert gradients (``fsdp``: ep x fsdp) or :meth:`reduce_grads` does (ddp)."""
 
     mesh: DeviceMesh
     scale: float
+    fsdp: bool = False
 
     @property
     def ep_mesh(self) -> DeviceMesh:
@@ -64,8 +69,10 @@ class ExpertParallel:
 
     def reduce_grads(self, model: nn.Module) -> None:
         """Expert gradients -> those of the mean loss over the data ranks (collective over the replicas):
-        :func:`elastictrain.parallel.expert.reduce_expert_grads`. Call after the last backward."""
-        reduce_expert_grads(model, self.replica_group, self.scale)
+        :func:`elastictrain.parallel.expert.reduce_expert_grads`. Call after the last backward. Nothing
+        under ep x fsdp: FSDP's reduce-scatter over ``edp`` already did it (divided by D)."""
+        if not self.fsdp:
+            reduce_expert_grads(model, self.replica_group, self.scale)
 
 
 def attach_expert_parallel(model: nn.Module, dims: MeshDims, device: torch.device) -> ExpertParallel | None:
@@ -73,7 +80,8 @@ def attach_expert_parallel(model: nn.Module, dims: MeshDims, device: torch.devic
 
     Collective over the default group (builds the ``(edp, ep)`` mesh: every rank calls it, in the same order
     relative to other group creations). Shards every MoE layer's experts over ``mesh["ep"]`` (the slice of
-    the values the model holds now) and marks them for a DistributedDataParallel to ignore. Raises
+    the values the model holds now), keeps ``mesh["edp"]`` on each layer for an FSDP plan to shard the
+    experts over, and, under ddp, marks them for a DistributedDataParallel to ignore. Raises
     ValueError when the model has no MoE layer or its expert count does not divide by ``ep``."""
     if dims.ep == 1:
         return None
@@ -81,9 +89,11 @@ def attach_expert_parallel(model: nn.Module, dims: MeshDims, device: torch.devic
         raise ValueError(f"parallel.ep={dims.ep} needs a mixture-of-experts model (no MoEFeedForward layer "
                          "found); set task.model.moe or parallel.ep=1")
     mesh = DeviceMesh(device.type, torch.tensor(ep_mesh_rows(dims), dtype=torch.int), mesh_dim_names=("edp", "ep"))
-    enable_expert_parallel(model, mesh["ep"])
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
-    return ExpertParallel(mesh, 1.0 / dims.dp)
+    enable_expert_parallel(model, mesh["ep"], mesh["edp"])
+    fsdp = dims.plan == "fsdp"
+    if not fsdp:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
+    return ExpertParallel(mesh, 1.0 / dims.dp, fsdp)
 
 
 @dataclass

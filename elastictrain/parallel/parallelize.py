@@ -86,7 +86,8 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
 
 def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
     """FSDP2: shard each repeated block, then the root (which takes the remaining parameters). A 2-D mesh
-    (replicate x shard) gives HSDP. bf16: bf16 parameters in forward/backward, fp32 gradient reduction and
+    (replicate x shard) gives HSDP. An expert-parallel model's experts first, over their own replicas
+    (:func:`shard_experts`). bf16: bf16 parameters in forward/backward, fp32 gradient reduction and
     fp32 master parameters / optimizer state.
 
     ``plan.reshard_after_forward`` (ZeRO-3) frees every block's gathered parameters after its forward except
@@ -96,6 +97,7 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -
     mp = MixedPrecisionPolicy()
     if plan.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_experts(model, mesh, mp, reshard=plan.reshard_after_forward)
     blocks = repeated_blocks(model)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1,
@@ -103,6 +105,41 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -
     # None: FSDP2 keeps the root's parameters gathered from forward to backward (an explicit True would not)
     fully_shard(model, mesh=mesh, reshard_after_forward=None if plan.reshard_after_forward else False, mp_policy=mp)
     return model
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """ep x fsdp (torchtitan's rule): each expert-parallel MoE layer's experts FSDP-sharded over the ranks
+    that hold the same experts (its ``edp`` mesh), its router over ``mesh`` (all data ranks, as the rest of
+    the model). Nothing for a model without expert-parallel layers. Call before the blocks' ``fully_shard``.
+
+    Shard dim 1 of the stacked ``[E, ...]`` experts (torchtitan's choice when ``edp x ep`` may exceed E):
+    dim 0 is already ep's, so each rank holds ``1 / (ep x edp)`` of every expert tensor as plain
+    ``Shard`` placements (no ``_StridedShard`` for DCP to map). Gradients: a rank's expert gradient already
+    sums its ep group's tokens (the all-to-all's backward), so the edp reduce-scatter SUMS and divides by
+    the number of data ranks ``D = mesh.size()``, not by ``edp`` (``set_gradient_divide_factor``): the
+    gradient of the mean loss, as ddp's :func:`~elastictrain.parallel.expert.reduce_expert_grads`. gloo has
+    no PREMUL_SUM, so there the divide is a separate op after a SUM. Raises ValueError when a layer is
+    expert-parallel without a replica mesh (made so by hand, not by
+    :func:`~elastictrain.parallel.expert_wiring.attach_expert_parallel`)."""
+    from torch.distributed.tensor import Shard
+
+    from elastictrain.models.moe import moe_layers
+    from elastictrain.parallel.expert import expert_replica_mesh
+
+    for name, layer in moe_layers(model).items():
+        if layer.dispatch is None:
+            continue
+        edp = expert_replica_mesh(layer)
+        if edp is None:
+            raise ValueError(f"{name} is expert-parallel without a replica (edp) mesh: make the model expert-"
+                             "parallel with elastictrain.parallel.expert_wiring.attach_expert_parallel before "
+                             "an FSDP plan shards it")
+        fully_shard(layer.router, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, mesh=edp, reshard_after_forward=reshard, mp_policy=mp,
+                    shard_placement_fn=lambda _p: Shard(1))
+        layer.set_gradient_divide_factor(float(mesh.size()))
+        if mesh.device_type == "cpu":
+            layer.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:

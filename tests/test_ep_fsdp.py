@@ -1,0 +1,125 @@
+"""Expert parallel composed with FSDP (ep x fsdp, issue 39), on 4 real gloo processes.
+
+fsdp4 x ep2 (edp 2): experts sharded over the ep group and FSDP-sharded over their replicas (the edp ranks),
+the dense part FSDP-sharded over all 4 data ranks, wired as the step loop does it
+(``attach_expert_parallel`` then the default ``parallelize``). Three SGD steps with the framework's clip: every
+step's per-sample losses, the clipped gradient norm and, after each step, every parameter (gathered whole)
+equal the one-process run's AND the ddp ep2 x dp2 run's (the same 4 ranks, the same data). Each rank holds
+``1 / (ep x edp)`` of every expert tensor (the share rule). The fsdp x ep state saved by DCP loads by name into
+one process's model (the state-dict keys and the DTensor sharding of the 2-D expert placements).
+
+Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the same per-row math, with the
+gradient sums in another order (reduce-scatter instead of all-reduce; the expert matmuls over the same rows).
+
+Against broken builds (run before trusting it): the expert gradients divided by edp (FSDP's default) instead
+of D (``set_gradient_divide_factor`` removed from ``shard_experts``): the clipped norm of step 0 differs
+("Scalars are not close", 2x on the expert part); the experts FSDP-sharded over all data ranks (dp mesh
+instead of edp): ``fully_shard`` refuses the ep DTensor's mesh, the test fails at setup.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from tests.checkpoint_fixtures import free_port
+from tests.ranks import run_ranks
+from tests.test_expert_parallel import ATOL, RTOL, _build, _data, _losses
+
+STEPS, WORLD, EP, BATCH = 3, 4, 2, 8
+MAX_NORM = 0.05  # clips at every step (the norms are ~0.2-0.6): the norm over every shard matters
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _layouts(rank: int, port: int, ckpt: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.models.gpt import GPT
+    from elastictrain.parallel import optim
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.expert import expert_parameter_names
+    from elastictrain.parallel.expert_wiring import attach_expert_parallel
+    from elastictrain.parallel.parallelize import parallelize, parallelize_ddp
+    from tests.test_expert_parallel import _GPT
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        cpu = torch.device("cpu")
+        ref = _build("gpt")
+        # ddp ep2 x dp2: experts hidden from DDP, reduced by ExpertParallel.reduce_grads
+        ddp_model = _build("gpt")
+        ddp_ep = attach_expert_parallel(ddp_model, MeshDims(dp_replicate=WORLD, ep=EP), cpu)
+        ddp = parallelize_ddp(ddp_model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_replicate",)),
+                              ParallelConfig())
+        # fsdp4 x ep2: experts FSDP-sharded over edp, the rest over all 4 data ranks
+        f_model = _build("gpt")
+        f_ep = attach_expert_parallel(f_model, MeshDims(dp_shard=WORLD, plan="fsdp", ep=EP), cpu)
+        assert f_ep is not None and f_ep.fsdp and ddp_ep is not None and not ddp_ep.fsdp
+        fsdp = parallelize(f_model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",)),
+                           ParallelConfig(plan="fsdp"))
+        _share_rule(f_model, expert_parameter_names(f_model))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, foreach=False) for m in (ref, ddp, fsdp)]
+        mine = slice(2 * rank, 2 * rank + 2)
+        for step in range(STEPS):
+            inputs, targets = _data(BATCH * (step + 1))
+            inputs, targets = inputs[-BATCH:], targets[-BATCH:]
+            ref_losses = _losses(ref, inputs, targets)
+            ref_losses.mean().backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, foreach=False)
+            assert float(want) > MAX_NORM, float(want)
+            for name, module, ep in (("ddp", ddp, ddp_ep), ("fsdp", fsdp, f_ep)):
+                losses = _losses(module, inputs[mine], targets[mine])
+                torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} losses: {m}")
+                # the step loop's scale: this rank's per-sample loss sum x D / G (the wrapper averages over D)
+                (losses.sum() * WORLD / BATCH).backward()
+                ep.reduce_grads(ddp_model if name == "ddp" else f_model)
+                got = optim.clip_grad_norm(module.parameters(), MAX_NORM, foreach=False)
+                torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} grad norm: {m}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            whole = {n: _gathered(m) for n, m in (("ddp", ddp_model), ("fsdp", f_model))}
+            for k, v in ref.state_dict().items():
+                for n in ("ddp", "fsdp"):
+                    torch.testing.assert_close(whole[n][k], v, atol=ATOL, rtol=RTOL,
+                                               msg=lambda m, s=step, n=n, k=k: f"{n} step {s} {k}: {m}")
+        # the fsdp x ep state by name: DCP's 2-D expert shards load into one process's model
+        dcp.save(f_model.state_dict(), checkpoint_id=ckpt)
+        dist.barrier()
+        if rank == 0:
+            one = GPT(_GPT).state_dict()  # other values (a fresh seed-less build): all overwritten
+            dcp.load(one, checkpoint_id=ckpt, no_dist=True)
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(one[k], v, atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k} loaded: {m}")
+        assert all(isinstance(p, DTensor) for p in f_model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def _share_rule(model: torch.nn.Module, experts: list[str]) -> None:
+    """Every expert tensor: this rank holds 1 / (ep x edp) of it (ep by expert, FSDP within)."""
+    params = dict(model.named_parameters())
+    for name in experts:
+        p = params[name]
+        assert p.to_local().numel() * WORLD == p.numel(), (name, p.placements, p.to_local().shape, p.shape)
+        assert p.device_mesh.mesh_dim_names == ("edp", "ep"), (name, p.device_mesh)
+
+
+def test_fsdp4_ep2_equals_ddp_ep2_and_one_process(tmp_path) -> None:
+    run_ranks(_layouts, (free_port(), str(tmp_path / "ckpt")), nprocs=WORLD)
