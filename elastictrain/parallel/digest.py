@@ -57,7 +57,7 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
     (``primary_along``: ``{"dp": ..., "tp": ..., "cp": ...}``, whether this rank is at coordinate 0 along
     them; a tensor-parallel DTensor under ddp lives on the tp axis alone and is replicated over dp; under
     expert parallel ``"edp"``: whether this rank is in the first ep group, where an expert DTensor on the
-    ``ep`` axis is counted), at
+    ``ep`` axis alone is counted; one FSDP-sharded over ``(edp, ep)`` spans both), at
     coordinate 0 there too; a plain tensor's where ``plain_primary`` (the caller's replica 0)."""
     if isinstance(t, DTensor):
         coord = t.device_mesh.get_coordinate()
@@ -65,9 +65,10 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
             return False
         names = t.device_mesh.mesh_dim_names or ()
         dp = any(n.startswith("dp") for n in names)
-        # an expert DTensor lives on the ep axis, a factor of the data ranks: replicated over "edp" only;
-        # a flattened dimension spans its parts: "dp_shard_cp" is a data-parallel and a cp dimension
-        spans = {"dp": dp or "ep" in names, "tp": "tp" in names, "edp": dp,
+        # an expert DTensor lives on the ep axis, a factor of the data ranks: replicated over "edp" only,
+        # unless FSDP shards it there too (ep x fsdp: its mesh is (edp, ep)); a flattened dimension spans
+        # its parts: "dp_shard_cp" is a data-parallel and a cp dimension
+        spans = {"dp": dp or "ep" in names, "tp": "tp" in names, "edp": dp or "edp" in names,
                  "cp": any("cp" in n.split("_") for n in names)}
         return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary

@@ -276,16 +276,17 @@ def cp_layout_rule(cp: int, pp: int, moe: bool) -> str | None:
 
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
-    data-parallel ranks of a ``ddp`` plan only for now (torchtitan's ``dp_shard * cp * tp = efsdp * ep``,
-    FSDP of the dense part over the data ranks and of the experts over the edp ranks, is the later rule)."""
+    data-parallel ranks ``D = edp x ep`` of a ``ddp`` or ``fsdp`` plan (torchtitan's ``dp_shard = efsdp x
+    ep`` with cp = tp = 1: under fsdp the experts are FSDP-sharded over the edp ranks, the dense part over
+    all D); hsdp, cp, tp and pp with ep are later work."""
     if ep == 1:
         return None
     if cp > 1 or tp > 1:
         return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
                 "data-parallel ranks only for now; set parallel.cp=1 and parallel.tp=1, or parallel.ep=1")
-    if plan != "ddp":
-        return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp only for now "
-                "(valid with ep > 1: plan ddp); set parallel.plan=ddp, or parallel.ep=1")
+    if plan not in ("ddp", "fsdp"):
+        return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp or fsdp only "
+                "for now (valid with ep > 1: plan ddp, fsdp); set parallel.plan=fsdp (or ddp), or parallel.ep=1")
     if pp > 1:
         return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
                 "now; set parallel.pp=1, or parallel.ep=1")

@@ -246,8 +246,10 @@ class StepRunner:
                     and not isinstance(self.model, FSDPModule))
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
             # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here; an
-            # expert-parallel one is built whole (its dense part goes into DDP, which takes no meta tensors)
-            self.model = self._fresh_model() if whole or layout.dims.ep > 1 else self._meta_model()
+            # expert-parallel one under ddp is built whole (its dense part goes into DDP, which takes no meta
+            # tensors); under fsdp it is a meta build like any sharded one
+            ddp_ep = layout.dims.ep > 1 and layout.dims.plan == "ddp"
+            self.model = self._fresh_model() if whole or ddp_ep else self._meta_model()
             self.uninitialized = whole and self.task.init_weights is not None
         # experts sharded over the ep mesh and hidden from DDP, before parallelize_fn wraps the model
         self.ep = attach_expert_parallel(self.model, layout.dims, self.device)
@@ -357,7 +359,7 @@ class StepRunner:
         # backward, so "completed steps" always matches the parameters.
         with framework_collective():
             word = done.word.wait()
-            if self.ep is not None:  # experts: summed over their replicas and scaled, before the clip
+            if self.ep is not None:  # experts (ddp): summed over their replicas and scaled, before the clip
                 self.ep.reduce_grads(self.pm.model)
             if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
                 hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
