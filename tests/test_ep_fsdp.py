@@ -6,15 +6,16 @@ the dense part FSDP-sharded over all 4 data ranks, wired as the step loop does i
 step's per-sample losses, the clipped gradient norm and, after each step, every parameter (gathered whole)
 equal the one-process run's AND the ddp ep2 x dp2 run's (the same 4 ranks, the same data). Each rank holds
 ``1 / (ep x edp)`` of every expert tensor (the share rule). The fsdp x ep state saved by DCP loads by name into
-one process's model (the state-dict keys and the DTensor sharding of the 2-D expert placements).
+one process's model, and one process's state loads by name into a fresh fsdp x ep model (the state-dict
+keys and the DCP resharding of the 2-D expert placements, both ways).
 
 Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the same per-row math, with the
 gradient sums in another order (reduce-scatter instead of all-reduce; the expert matmuls over the same rows).
 
 Against broken builds (run before trusting it): the expert gradients divided by edp (FSDP's default) instead
 of D (``set_gradient_divide_factor`` removed from ``shard_experts``): the clipped norm of step 0 differs
-("Scalars are not close", 2x on the expert part); the experts FSDP-sharded over all data ranks (dp mesh
-instead of edp): ``fully_shard`` refuses the ep DTensor's mesh, the test fails at setup.
+("Scalars are not close": the expert part 2x); the experts FSDP-sharded over all data ranks (the dp mesh
+instead of edp): ``fully_shard`` fails at setup ("Cannot concatenate overlapping meshes").
 """
 
 from __future__ import annotations
@@ -108,6 +109,20 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
             for k, v in ref.state_dict().items():
                 torch.testing.assert_close(one[k], v, atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k} loaded: {m}")
         assert all(isinstance(p, DTensor) for p in f_model.parameters())
+        # and back: one process's state (DCP, no process group) into a fresh fsdp x ep build of other values
+        whole = f"{ckpt}-whole"
+        if rank == 0:
+            dcp.save(ref.state_dict(), checkpoint_id=whole, no_dist=True)
+        dist.barrier()
+        torch.manual_seed(3)
+        fresh = GPT(_GPT)
+        attach_expert_parallel(fresh, MeshDims(dp_shard=WORLD, plan="fsdp", ep=EP), cpu)
+        parallelize(fresh, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",)), ParallelConfig(plan="fsdp"))
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=whole)
+        fresh.load_state_dict(state)
+        for k, v in _gathered(fresh).items():
+            torch.testing.assert_close(v, ref.state_dict()[k], atol=0, rtol=0, msg=lambda m, k=k: f"{k} resharded: {m}")
     finally:
         dist.destroy_process_group()
 
