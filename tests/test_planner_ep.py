@@ -1,7 +1,8 @@
 """The planner prices expert parallel (issue 39): the parameter counts include the experts (equal to the
 built-in models' own), each rank holds ``1 / ep`` of the experts' weights, gradients and optimizer state, the
 all-to-all moves ``2 x top_k x tokens x hidden`` bytes per MoE layer forward and the same backward, a GPU pays
-a split-size sync per MoE layer and forward, and ``--all-axes`` searches ep. Pure arithmetic, no process.
+a split-size sync per MoE layer and forward, ep x fsdp keeps 1 / dp_shard of the experts' state and gathers
+them over their edp replicas, and ``--all-axes`` searches ep (runnable under ddp and fsdp). Pure arithmetic, no process.
 Against broken builds: a rank's parameters not dividing the experts by ep fails the memory test (and the
 search's); an all-to-all priced once per direction instead of dispatch + combine fails the volume test."""
 
@@ -79,14 +80,43 @@ def test_all_to_all_volume_and_the_split_size_sync() -> None:
     assert ddp_bytes == pytest.approx(2 * 3 / 4 * dense_part * 4 + 2 * 1 / 2 * MOE.expert_params / 2 * 4)
 
 
+def test_ep_x_fsdp_state_share_and_expert_units() -> None:
+    """ep x fsdp (parallel/parallelize.py ``shard_experts``): every rank keeps 1 / (ep x edp) = 1 / dp_shard of
+    the experts' state, as of the dense part, so the state does not change with ep (fsdp shards it all
+    anyway); what ep saves is the gathered experts (E / ep per MoE layer) and their traffic: each MoE layer's
+    experts gathered and reduce-scattered over their edp replicas, its router over every data rank. Against
+    broken builds: the state priced as ``rank_params / dp_shard`` (experts divided by ep twice) fails the
+    params check; the experts' traffic over the dp group instead of edp fails the calls check."""
+    from elastictrain.planner.memory import state_params
+    from elastictrain.planner.steptime import collective_calls
+
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    dense = MOE.total_params - MOE.expert_params
+    for ep in (1, 2, 4):
+        c = Candidate(dp_shard=4, ep=ep, micro_batch=2)
+        assert state_params(MOE, c) == pytest.approx(dense / 4 + MOE.expert_params / 4), ep
+        assert memory(MOE, TRAIN, cl, c).params == pytest.approx(MOE.total_params / 4 * 4), ep
+    # ddp ep keeps 1/ep of the experts whole: more state than fsdp's 1/dp_shard
+    assert state_params(MOE, Candidate(dp_replicate=4, ep=2)) == MOE.total_params - MOE.expert_params / 2
+    moved = [moved_bytes(MOE, TRAIN, cl, Candidate(dp_shard=4, ep=e, micro_batch=2))["dp_shard"] for e in (1, 2)]
+    assert moved[1] < moved[0]  # the experts gathered over 2 replicas (1/2 of them each), not over 4
+    m = TRAIN.global_batch // (4 * 2)
+    groups = collective_calls(MOE, TRAIN, cl, Candidate(dp_shard=4, ep=2, micro_batch=2)).groups
+    units = [(n, size) for kind, n, size, _ in groups if kind == "fsdp" and n == m * 2 * MOE.moe_layers]
+    assert (m * 2 * MOE.moe_layers, 2) in units and (m * 2 * MOE.moe_layers, 4) in units, groups
+    assert not [g for g in groups if g[0] == "replicate"], groups  # no ddp all-reduce of the experts
+
+
 def test_all_axes_search_prices_ep_and_marks_what_runs() -> None:
     cl = Cluster(nodes=1, devices_per_node=8, **GPU)
     ranked = plan(MOE, TRAIN, cl, runnable_only=False)
     eps = {e.candidate.ep for e in ranked}
     assert eps == {1, 2, 4, 8}, eps
-    for e in ranked:  # ep runs under ddp without tp/pp/cp only (parallel.plan.ep_rule)
+    for e in ranked:  # ep runs under ddp or fsdp without tp/pp/cp only (parallel.plan.ep_rule)
         c = e.candidate
-        assert e.runnable == (c.ep == 1 or (c.dp_shard == 1 and c.tp == 1 and c.pp == 1)), c.describe()
+        runs = c.layout_name in ("ddp", "fsdp") and c.tp == 1 and c.pp == 1 and c.cp == 1
+        assert e.runnable == (c.ep == 1 or runs), c.describe()
+    assert any(e.runnable and e.candidate.ep > 1 and e.candidate.layout_name == "fsdp" for e in ranked)
     assert {e.candidate.ep for e in plan(DENSE, TRAIN, cl, runnable_only=False)} == {1}
     assert any(e.candidate.ep > 1 for e in plan(MOE, TRAIN, cl))  # and runnable ones are chosen from
 
@@ -108,7 +138,7 @@ def test_plan_all_axes_cli_lists_ep(monkeypatch) -> None:
 
 def test_plan_auto_runs_the_ep_it_priced() -> None:
     """``parallel.plan: auto`` on an MoE job: the chosen candidate's ep is what the concrete config runs (the
-    job's own ep does not survive the choice), and a valid config (ep under ddp)."""
+    job's own ep does not survive the choice), and a valid config (ep under ddp or fsdp)."""
     from elastictrain import build_config
     from elastictrain.planner.job import choose
 
@@ -119,4 +149,4 @@ def test_plan_auto_runs_the_ep_it_priced() -> None:
     cl = Cluster(nodes=1, devices_per_node=4, **GPU)
     concrete, choice = choose(cfg, cl, [4])
     assert concrete.parallel.ep == choice.estimate.candidate.ep == choice.parallel["ep"]
-    assert concrete.parallel.ep == 1 or concrete.parallel.plan == "ddp"
+    assert concrete.parallel.ep == 1 or concrete.parallel.plan in ("ddp", "fsdp")

@@ -31,7 +31,9 @@ the last one the output head: the larger of the two is taken):
   (:func:`state_shards`);
 * **experts** (mixture of experts, :attr:`ModelShape.experts`): the parameter counts include every expert;
   under expert parallel each rank holds ``1 / ep`` of them (weights, gradients and optimizer state:
-  :func:`rank_params`); an MoE block's MLP activations are those of ``top_k`` token slots plus the slots'
+  :func:`rank_params`), and under ep x fsdp FSDP shards that share over the ``edp = dp_shard / ep``
+  ranks holding the same experts: ``1 / dp_shard`` of the experts per rank, as of the dense part
+  (:func:`state_params`); an MoE block's MLP activations are those of ``top_k`` token slots plus the slots'
   dispatch buffers (:func:`moe_block_extra_bytes`);
 * **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
   (:attr:`Cluster.fragmentation` of everything else).
@@ -96,6 +98,18 @@ def rank_params(model: ModelShape, c: Candidate) -> float:
     """Parameters one rank holds before data-parallel sharding: its stage's, over ``tp``, with the experts
     over ``ep`` too (expert parallel: each rank of an ep group holds ``E / ep`` experts of every layer)."""
     return (stage_params(model, c) - stage_expert_params(model, c) * (1 - 1 / c.ep)) / c.tp
+
+
+def state_params(model: ModelShape, c: Candidate) -> float:
+    """Parameters whose state (weights, gradients, optimizer) one rank keeps between steps: :func:`rank_params`
+    over the FSDP shard group (:func:`state_shards`). Under ep x fsdp the experts' ``1 / ep`` share is
+    sharded again over their ``edp = dp_shard / ep`` replicas (parallel/parallelize.py ``shard_experts``),
+    so every rank keeps ``1 / (ep x edp) = 1 / dp_shard`` of the experts, as of the dense part."""
+    shard = state_shards(c)
+    if shard == 1 or c.ep == 1:
+        return rank_params(model, c) / shard
+    dense = rank_params(model, c) - stage_expert_params(model, c) / (c.tp * c.ep)
+    return dense / shard + stage_expert_params(model, c) / (c.tp * c.ep * (c.dp_shard // c.ep))
 
 
 def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -239,8 +253,9 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     n = rank_params(model, c)
     w, g, master = PRECISIONS[train.precision]
     shard = state_shards(c)
-    params, grads = n * w / shard, n * g / shard
-    optimizer = n * (master + OPTIMIZER_BYTES[train.optimizer]) / shard
+    kept = state_params(model, c)
+    params, grads = kept * w, kept * g
+    optimizer = kept * (master + OPTIMIZER_BYTES[train.optimizer])
     acts = activation_bytes(model, train, c)
     if _grads_unsharded_in_pipeline(c):
         grads = n * g  # the stage's whole gradient, in the reduce dtype, until the step's last backward

@@ -50,7 +50,10 @@
   checkpointing), on the critical path like TP's; each forward first exchanges the per-expert counts and
   reads them on the host (the uneven split sizes): a device-to-host sync per MoE layer and forward on GPUs
   (:data:`EP_SPLIT_SYNC_S`). DDP all-reduces the dense gradients over every data rank; the experts' over
-  their ``dp / ep`` replicas. Compute counts the active parameters: each token runs ``top_k`` experts;
+  their ``dp / ep`` replicas. Under ep x fsdp each MoE layer's experts are an FSDP unit of their own over
+  those ``edp = dp_shard / ep`` replicas (gathered and reduce-scattered there, ``1 / ep`` of the experts'
+  bytes), its router one over every data rank, the rest of the model as under fsdp. Compute counts the
+  active parameters: each token runs ``top_k`` experts;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
@@ -79,7 +82,7 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_shards
+from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_params
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -295,8 +298,14 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
         moe = math.ceil(model.moe_layers / c.pp)
         forwards = 2 if c.recompute != "none" else 1
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
-        if c.dp > c.ep:  # the experts' gradients over their replicas, one all-reduce per stacked tensor
-            groups.append(("replicate", moe * EXPERT_TENSORS.get(model.arch, 4), c.dp // c.ep, ar(c.dp // c.ep)))
+        edp = c.dp // c.ep
+        if c.dp_shard > 1:  # ep x fsdp: per MoE layer an expert unit over edp and a router unit over dp_shard
+            gathers = 2 if c.reshard_after_forward else 1
+            groups += [("fsdp", m * gathers * moe, edp, edp - 1), ("fsdp", m * moe, edp, rs(edp)),
+                       ("fsdp", m * gathers * moe, c.dp_shard, c.dp_shard - 1),
+                       ("fsdp", m * moe, c.dp_shard, rs(c.dp_shard))]
+        elif edp > 1:  # the experts' gradients over their replicas, one all-reduce per stacked tensor
+            groups.append(("replicate", moe * EXPERT_TENSORS.get(model.arch, 4), edp, ar(edp)))
     shards = c.dp_shard * c.cp  # FSDP's group: dp_shard x cp (memory.state_shards)
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1
@@ -340,15 +349,19 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
         shards = c.dp_shard * c.cp  # dp_shard x cp (memory.state_shards)
-        moved["dp_shard"] = m * (gathers * comm.all_gather_s(n * train.compute_param_bytes, shards, 1.0)
+        dense, edp = n - experts, c.dp // c.ep  # ep x fsdp: the experts' share gathered over its edp replicas
+        moved["dp_shard"] = m * (gathers * comm.all_gather_s(dense * train.compute_param_bytes, shards, 1.0)
                                  + reduce_scatter(grad_bytes, shards, 1.0))
+        if experts:
+            moved["dp_shard"] += m * (gathers * comm.all_gather_s(experts * train.compute_param_bytes, edp, 1.0)
+                                      + reduce_scatter(experts * _grad_bytes(train), edp, 1.0))
         if cluster.kind == "cpu":  # copy-out of each gathered block, copy-in of each reduction's input:
             # memory copies at about the rate gloo moves bytes (on GPUs HBM copies, negligible)
-            moved["dp_shard"] += m * (gathers * n * train.compute_param_bytes + grad_bytes)
+            moved["dp_shard"] += m * (gathers * n * train.compute_param_bytes + n * _grad_bytes(train))
     replicas = c.dp_replicate * (c.cp if c.dp_shard == 1 else 1)  # ddp's group: dp_replicate x cp
     moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / (c.dp_shard * (c.cp if c.dp_shard > 1 else 1)),
                                               replicas, 1.0)
-    if experts:
+    if experts and c.dp_shard == 1:  # ddp: the experts all-reduced over their replicas (fsdp: above)
         moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp // c.ep, 1.0)
     return moved
 
@@ -399,7 +412,6 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     if c.ep > 1 and model.experts and cluster.kind != "cpu":  # the split sizes' device-to-host sync
         ep_s += m * math.ceil(model.moe_layers / c.pp) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
     fsdp, final = moved["dp_shard"] / links["dp_shard"], moved["dp_replicate"] / links["dp_replicate"]
-    n = rank_params(model, c)
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
     dp_calls = calls.cost_s(cluster, "fsdp", "replicate")
@@ -413,7 +425,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     dispatch_exposed = dispatch if cluster.kind == "cpu" else max(0.0, dispatch - compute)
     fsdp_exposed = fsdp_host if cluster.kind == "cpu" else max(0.0, dispatch + fsdp_host - compute) - dispatch_exposed
     return StepTime(compute, pipeline_bubble(c.schedule, c.pp, m, c.stages_per_rank), tp_s, pp_s,
-                    fsdp + final, exposed, optimizer_s=n / state_shards(c) * cluster.optimizer_s_per_param,
+                    fsdp + final, exposed, optimizer_s=state_params(model, c) * cluster.optimizer_s_per_param,
                     calls=calls.count, calls_s=calls.cost_s(cluster, "tp", "ep", "cp", "pp", "step"), cp_s=cp_s,
                     share=cluster.share(c.world_size), dispatch_s=dispatch, dispatch_exposed_s=dispatch_exposed,
                     fsdp_host_s=fsdp_host, fsdp_host_exposed_s=fsdp_exposed,
