@@ -12,7 +12,8 @@ keys and the DCP resharding of the 2-D expert placements, both ways).
 Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the same per-row math, with the
 gradient sums in another order (reduce-scatter instead of all-reduce; the expert matmuls over the same rows).
 
-Against broken builds (run before trusting it): the expert gradients divided by edp (FSDP's default) instead
+Against broken builds (run before trusting it): gloo's forced SUM kept at edp 1 (torch divides twice there):
+fsdp2xep2's step-0 clipped norm differs; the expert gradients divided by edp (FSDP's default) instead
 of D (``set_gradient_divide_factor`` removed from ``shard_experts``): the clipped norm of step 0 differs
 ("Scalars are not close": the expert part 2x); the experts FSDP-sharded over all data ranks (the dp mesh
 instead of edp): ``fully_shard`` fails at setup ("Cannot concatenate overlapping meshes").
@@ -23,13 +24,14 @@ from __future__ import annotations
 import datetime
 import os
 
+import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
 from tests.ranks import run_ranks
 from tests.test_expert_parallel import ATOL, RTOL, _build, _data, _losses
 
-STEPS, WORLD, EP, BATCH = 3, 4, 2, 8
+STEPS, EP, BATCH = 3, 2, 8
 MAX_NORM = 0.05  # clips at every step (the norms are ~0.2-0.6): the norm over every shard matters
 
 
@@ -40,7 +42,7 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def _layouts(rank: int, port: int, ckpt: str) -> None:
+def _layouts(rank: int, port: int, ckpt: str, world: int) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,24 +59,25 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         cpu = torch.device("cpu")
         ref = _build("gpt")
         # ddp ep2 x dp2: experts hidden from DDP, reduced by ExpertParallel.reduce_grads
         ddp_model = _build("gpt")
-        ddp_ep = attach_expert_parallel(ddp_model, MeshDims(dp_replicate=WORLD, ep=EP), cpu)
-        ddp = parallelize_ddp(ddp_model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_replicate",)),
+        ddp_ep = attach_expert_parallel(ddp_model, MeshDims(dp_replicate=world, ep=EP), cpu)
+        ddp = parallelize_ddp(ddp_model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_replicate",)),
                               ParallelConfig())
         # fsdp4 x ep2: experts FSDP-sharded over edp, the rest over all 4 data ranks
         f_model = _build("gpt")
-        f_ep = attach_expert_parallel(f_model, MeshDims(dp_shard=WORLD, plan="fsdp", ep=EP), cpu)
+        f_ep = attach_expert_parallel(f_model, MeshDims(dp_shard=world, plan="fsdp", ep=EP), cpu)
         assert f_ep is not None and f_ep.fsdp and ddp_ep is not None and not ddp_ep.fsdp
-        fsdp = parallelize(f_model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",)),
+        fsdp = parallelize(f_model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)),
                            ParallelConfig(plan="fsdp"))
-        _share_rule(f_model, expert_parameter_names(f_model))
+        _share_rule(f_model, expert_parameter_names(f_model), world)
         opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, foreach=False) for m in (ref, ddp, fsdp)]
-        mine = slice(2 * rank, 2 * rank + 2)
+        per = BATCH // world
+        mine = slice(per * rank, per * rank + per)
         for step in range(STEPS):
             inputs, targets = _data(BATCH * (step + 1))
             inputs, targets = inputs[-BATCH:], targets[-BATCH:]
@@ -87,7 +90,7 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
                 torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL,
                                            msg=lambda m, s=step, n=name: f"{n} step {s} losses: {m}")
                 # the step loop's scale: this rank's per-sample loss sum x D / G (the wrapper averages over D)
-                (losses.sum() * WORLD / BATCH).backward()
+                (losses.sum() * world / BATCH).backward()
                 ep.reduce_grads(ddp_model if name == "ddp" else f_model)
                 got = optim.clip_grad_norm(module.parameters(), MAX_NORM, foreach=False)
                 torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
@@ -116,8 +119,8 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
         dist.barrier()
         torch.manual_seed(3)
         fresh = GPT(_GPT)
-        attach_expert_parallel(fresh, MeshDims(dp_shard=WORLD, plan="fsdp", ep=EP), cpu)
-        parallelize(fresh, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",)), ParallelConfig(plan="fsdp"))
+        attach_expert_parallel(fresh, MeshDims(dp_shard=world, plan="fsdp", ep=EP), cpu)
+        parallelize(fresh, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), ParallelConfig(plan="fsdp"))
         state = fresh.state_dict()
         dcp.load(state, checkpoint_id=whole)
         fresh.load_state_dict(state)
@@ -127,14 +130,17 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
         dist.destroy_process_group()
 
 
-def _share_rule(model: torch.nn.Module, experts: list[str]) -> None:
+def _share_rule(model: torch.nn.Module, experts: list[str], world: int) -> None:
     """Every expert tensor: this rank holds 1 / (ep x edp) of it (ep by expert, FSDP within)."""
     params = dict(model.named_parameters())
     for name in experts:
         p = params[name]
-        assert p.to_local().numel() * WORLD == p.numel(), (name, p.placements, p.to_local().shape, p.shape)
+        assert p.to_local().numel() * world == p.numel(), (name, p.placements, p.to_local().shape, p.shape)
         assert p.device_mesh.mesh_dim_names == ("edp", "ep"), (name, p.device_mesh)
 
 
-def test_fsdp4_ep2_equals_ddp_ep2_and_one_process(tmp_path) -> None:
-    run_ranks(_layouts, (free_port(), str(tmp_path / "ckpt")), nprocs=WORLD)
+@pytest.mark.parametrize("world", [4, 2], ids=["fsdp4xep2", "fsdp2xep2"])
+def test_fsdp_ep2_equals_ddp_ep2_and_one_process(tmp_path, world) -> None:
+    """fsdp4 x ep2 (edp 2) and fsdp2 x ep2 (edp 1: what a shrink from 4 leaves, where FSDP's expert unit
+    reduces over one rank)."""
+    run_ranks(_layouts, (free_port(), str(tmp_path / "ckpt"), world), nprocs=world)

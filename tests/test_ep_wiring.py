@@ -248,3 +248,31 @@ def test_recovery_coverage_needs_every_ep_coordinate() -> None:
     got = decide(MeshDims(dp_replicate=2, ep=2), {0: 5})
     assert got.chosen.kind == "checkpoint" and got.lost_steps == 3, got.reason
     assert MeshDims(dp_replicate=4).holder_keys() == [(0, 0, 0)]  # ddp without ep: any survivor holds it all
+
+
+@pytest.mark.slow
+def test_fsdp4_ep2_rank_killed_recovers_from_the_peer_tier(tmp_path, ray_local) -> None:
+    """fsdp4 x ep2 on 4 (experts FSDP-sharded over their 2 replicas: every rank holds a distinct part of the
+    state), the peer tier every step: rank 1 is SIGKILLed mid-step with no spare. No survivor holds rank 1's
+    shards, so the state comes from the peer memory tier (lost steps <= 1), the 3 left shrink to a multiple of
+    ep (2: fsdp2 x ep2, edp 1) and the run finishes with every step's loss (a redone one too) and the final
+    parameters of the uninterrupted one-process run, each step's samples seen once (the tier's 2-D expert
+    shards resharded from 4 ranks onto 2)."""
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL
+    from tests.test_pp_recovery import TIMEOUTS, _slow
+
+    steps = 8
+    kill = {"rank": 1, "step": 5, "point": "mid_step", "kind": "kill"}
+    spec = _spec(4, steps, "ep-fsdp-kill", ep=2, plan="fsdp")
+    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill], timeouts=dict(TIMEOUTS),
+                recovery={"min_workers_wait_s": 240}, checkpoint={**spec["checkpoint"], "memory_every_steps": 1})
+    run = run_job(tmp_path, spec, name="fsdp4ep2kill")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes[0] == (4, 2), sizes
+    meshes = [e["mesh"] for e in run.of("step") if e.get("mesh")]  # (a generation's first step names it)
+    assert meshes[-1].startswith("fsdp") and "dp_shard=2" in meshes[-1], meshes
+    _audited(run, steps)
+    assert_same_numbers(run, InProcessRun(_spec(1, steps)), param_atol=RECOVERY_PARAM_ATOL)

@@ -118,7 +118,8 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, 
     sums its ep group's tokens (the all-to-all's backward), so the edp reduce-scatter SUMS and divides by
     the number of data ranks ``D = mesh.size()``, not by ``edp`` (``set_gradient_divide_factor``): the
     gradient of the mean loss, as ddp's :func:`~elastictrain.parallel.expert.reduce_expert_grads`. gloo has
-    no PREMUL_SUM, so there the divide is a separate op after a SUM. Raises ValueError when a layer is
+    no PREMUL_SUM, so there the divide is a separate op after a SUM (not when edp is one rank: torch 2.13's
+    FSDP2 then divides the copied gradient by the factor AND post-divides it again). Raises ValueError when a layer is
     expert-parallel without a replica mesh (made so by hand, not by
     :func:`~elastictrain.parallel.expert_wiring.attach_expert_parallel`)."""
     from torch.distributed.tensor import Shard
@@ -138,7 +139,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, 
         fully_shard(layer, mesh=edp, reshard_after_forward=reshard, mp_policy=mp,
                     shard_placement_fn=lambda _p: Shard(1))
         layer.set_gradient_divide_factor(float(mesh.size()))
-        if mesh.device_type == "cpu":
+        if mesh.device_type == "cpu" and edp.size() > 1:  # (over one rank torch 2.13 would divide twice)
             layer.set_force_sum_reduction_for_comms(True)
 
 
