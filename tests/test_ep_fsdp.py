@@ -1,6 +1,6 @@
-"""Expert parallel composed with FSDP (ep x fsdp, issue 39), on 4 real gloo processes.
+"""Expert parallel composed with FSDP (ep x fsdp, issue 39), on 4 (and 2) real gloo processes.
 
-fsdp4 x ep2 (edp 2): experts sharded over the ep group and FSDP-sharded over their replicas (the edp ranks),
+fsdp4 x ep2 (edp 2; and fsdp2 x ep2, edp 1, what a shrink from 4 leaves): experts sharded over the ep group and FSDP-sharded over their replicas (the edp ranks),
 the dense part FSDP-sharded over all 4 data ranks, wired as the step loop does it
 (``attach_expert_parallel`` then the default ``parallelize``). Three SGD steps with the framework's clip: every
 step's per-sample losses, the clipped gradient norm and, after each step, every parameter (gathered whole)
