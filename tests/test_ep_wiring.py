@@ -173,14 +173,17 @@ def test_ep2_dp2_clip_norm_over_dense_and_sharded_expert_grads() -> None:
     run_ranks(_ep2_dp2_clip, (free_port(),), nprocs=4)
 
 
-def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local) -> None:
-    """ep2 for 4 steps with a durable checkpoint every 2 (the experts saved as DTensor shards, by name); one
-    worker (ep1: whole experts) resumes its step-4 checkpoint to 6 steps: every step's loss and the final
+@pytest.mark.parametrize("world, plan", [(2, "ddp"), pytest.param(4, "fsdp", marks=pytest.mark.slow)],
+                         ids=["ep2", "fsdp4xep2"])
+def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local, world, plan) -> None:
+    """ep2 (and fsdp4 x ep2: the experts' (edp, ep) shards and the dense FSDP shards, with AdamW's state) for
+    4 steps with a durable checkpoint every 2 (the experts saved as DTensor shards, by name); one worker (ep1:
+    whole experts, plain tensors) resumes its step-4 checkpoint to 6 steps: every step's loss and the final
     parameters of 6 uninterrupted one-process steps. Against a build that treats an ep layout as holding the
     whole state (``holds_whole_state`` ignoring ep, the whole-state guard removed): the ep2 run fails (the
     replicated broadcast restore meets DTensor experts)."""
     ckpt = str(tmp_path / "ckpt")
-    ep = run_job(tmp_path, _spec(2, 4, "ep-resume", ckpt, ep=2), name="ep2")
+    ep = run_job(tmp_path, _spec(world, 4, "ep-resume", ckpt, ep=2, plan=plan), name=f"ep2-{plan}")
     _audited(ep, 4)
     one = run_job(tmp_path, _spec(1, 6, "ep-resume", ckpt), name="ep1")
     assert one.result.exit_code == 0, one.summary
