@@ -12,7 +12,12 @@ The math (the head-tail split, the attention, the loss and gradient rules) is
   (loss, stop) word and the sample audit (every cp rank holds the same per-sample losses and samples);
 * :func:`shard_batch` (after each micro-batch is loaded, before the loss): this rank's positions of it;
 * :func:`check_task` (on the driver, before any Ray resource): a user model without the hook is refused
-  with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s line.
+  with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s line, and under ``parallel.pp > 1``
+  pipeline hooks whose loss takes no ``cp_group`` with
+  :func:`~elastictrain.parallel.context.pipeline_cp_refusal`'s.
+
+Under pipeline parallelism :func:`wire_model` is not called: ``build_pipeline``
+(:mod:`elastictrain.parallel.pipeline`) sets the cp group on each stage module and counts by cp coordinate 0.
 
 The data rank of a cp rank is :meth:`MeshDims.dp_rank` (cp is not a batch axis: the cp ranks of one data
 rank read the same samples); the micro-batch scale stays ``sum * W_dp / G`` with ``W_dp`` the data ranks
@@ -93,7 +98,9 @@ def shard_batch(batch: dict[str, torch.Tensor], dims: MeshDims | None, rank: int
 
 def check_task(config: Any, task: Any) -> None:
     """Under ``parallel.cp > 1``, a ConfigError with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s
-    line when the task's model lacks the hook (built on the meta device: no memory, no values)."""
+    line when the task's model lacks the hook (built on the meta device: no memory, no values), or under
+    ``parallel.pp > 1`` :func:`~elastictrain.parallel.context.pipeline_cp_refusal`'s when its pipeline loss
+    takes no ``cp_group``."""
     if config.parallel.cp == 1:
         return
     from elastictrain.config import ConfigError
@@ -103,5 +110,9 @@ def check_task(config: Any, task: Any) -> None:
     with params_on_meta():
         model: nn.Module = task.model_fn()
     why = context_parallel_refusal(model)
+    if not why and config.parallel.pp > 1 and task.pipeline is not None:  # (no hooks: build_pipeline says so)
+        from elastictrain.parallel.context import pipeline_cp_refusal
+
+        why = pipeline_cp_refusal(task.pipeline)
     if why:
         raise ConfigError(why)
