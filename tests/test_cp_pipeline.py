@@ -91,7 +91,8 @@ def one_process(tmp_path_factory) -> list[dict[str, Any]]:
 
 PP2_CP2 = [{"pp": 2, "cp": 2, "pp_schedule": s} for s in SCHEDULES] + [
     {"pp": 2, "cp": 2, "pp_schedule": "1f1b", "llama": True},
-    {"pp": 2, "cp": 2, "pp_schedule": "interleaved_1f1b", "llama": True}]
+    {"pp": 2, "cp": 2, "pp_schedule": "interleaved_1f1b", "llama": True},
+    {"pp": 2, "cp": 2, "pp_schedule": "1f1b", "plan": "fsdp"}]  # FSDP2 stages sharded over dp_shard x cp
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +112,11 @@ def _matches(got: dict[str, Any], ref: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("index", range(len(PP2_CP2)), ids=[
-    ("llama-" if p.get("llama") else "gpt-") + p["pp_schedule"] for p in PP2_CP2])
+    ("llama-" if p.get("llama") else "gpt-") + p["pp_schedule"] + ("-fsdp" if p.get("plan") else "") for p in PP2_CP2])
 def test_pp2_x_cp2_every_schedule_matches_one_process(pp2_cp2, one_process, index):
     """Each stage gathers K/V over its own cp peers, positions from the cp shard (learned for the GPT,
     rotary for the Llama), the loss summed over cp, the gradients averaged over dp x cp."""
     got, layout = pp2_cp2[index], PP2_CP2[index]
-    assert got["mesh"] == "ddp: pp=2 x dp_replicate=1 x cp=2", got["mesh"]
+    want = "fsdp: pp=2 x dp_shard=1 x cp=2" if layout.get("plan") == "fsdp" else "ddp: pp=2 x dp_replicate=1 x cp=2"
+    assert got["mesh"] == want, got["mesh"]
     _matches(got, one_process[1 if layout.get("llama") else 0])

@@ -50,7 +50,9 @@ def flatten_dp_cp(mesh: DeviceMesh, dims: MeshDims) -> None:
 
 def dp_cp_submesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The mesh the gradients are averaged (and FSDP shards) over under cp: ``dp_cp`` (ddp), ``dp_shard_cp``
-    (fsdp) or ``dp_replicate x dp_shard_cp`` (hsdp); None when ``mesh`` has no ``cp`` axis."""
+    (fsdp) or ``dp_replicate x dp_shard_cp`` (hsdp); None when ``mesh`` has no ``cp`` axis. ``mesh`` may be
+    a pipeline stage's submesh (every axis but ``pp``): the flattened dimension is registered on the root
+    mesh, so it is sliced from there (this rank's group, the same ranks)."""
     names = tuple(mesh.mesh_dim_names or ())
     if "cp" not in names:
         return None
@@ -58,9 +60,10 @@ def dp_cp_submesh(mesh: DeviceMesh) -> DeviceMesh | None:
         want = ("dp_replicate", "dp_shard_cp") if "dp_replicate" in names else ("dp_shard_cp",)
     else:
         want = ("dp_cp",)
+    root = mesh._get_root_mesh()  # (torch 2.13: a flattened dim is not a name of a submesh sliced before it)
     with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dim from the root will go
         warnings.simplefilter("ignore", UserWarning)
-        return mesh[want]
+        return root[want]
 
 
 def cp_coord(dims: MeshDims, rank: int) -> int:
