@@ -120,3 +120,35 @@ def test_pp2_x_cp2_every_schedule_matches_one_process(pp2_cp2, one_process, inde
     want = "fsdp: pp=2 x dp_shard=1 x cp=2" if layout.get("plan") == "fsdp" else "ddp: pp=2 x dp_replicate=1 x cp=2"
     assert got["mesh"] == want, got["mesh"]
     _matches(got, one_process[1 if layout.get("llama") else 0])
+
+
+def _plain_stage_loss(logits, batch):  # a user's pipeline loss written before cp: no cp_group keyword
+    from elastictrain.models.gpt import per_sample_loss
+
+    return per_sample_loss(logits, batch["target"])
+
+
+def test_config_accepts_cp_x_pp_and_a_pipeline_loss_without_cp_group_is_refused_before_ray(tmp_path) -> None:
+    """parallel.cp x parallel.pp is a valid config now; a user task whose Task.pipeline.loss_fn cannot sum a
+    sample over the cp ranks is refused on the driver with one line naming the keyword and the fix."""
+    from elastictrain import Trainer, build_config
+    from elastictrain.config import ConfigError
+    from elastictrain.task import builtin_task
+
+    cfg = build_config(_spec(4, False, pp=2, cp=2))
+    task = builtin_task(cfg)
+    task = dataclasses.replace(task, pipeline=dataclasses.replace(task.pipeline, loss_fn=_plain_stage_loss))
+    with pytest.raises(ConfigError, match=r"^parallel.cp > 1 with parallel.pp > 1 needs a pipeline loss .*"
+                                          r"\(_plain_stage_loss\) takes no cp_group keyword; .* or set parallel.cp=1$"):
+        Trainer(cfg, task, run_dir=tmp_path / "plain", console=None).fit()
+    assert not (tmp_path / "plain").exists()
+
+
+def test_stage_positions_takes_one_row_of_the_schedules_per_sample_positions() -> None:
+    from elastictrain.parallel.context import cp_positions, stage_positions
+
+    pos = cp_positions(16, 2, 1)
+    assert torch.equal(stage_positions(pos.expand(3, -1)), pos) and stage_positions(pos) is pos
+    assert stage_positions(None) is None
+    with pytest.raises(ValueError, match=r"positions must be \[t\] or \[b, t\]"):
+        stage_positions(pos.view(1, 1, -1))
