@@ -173,3 +173,34 @@ def test_the_planner_searches_and_prices_cp_x_pp() -> None:
     assert moved_bytes(model, train, gpu, cppp)["pp"] * 2 == pytest.approx(moved_bytes(model, train, gpu, pp)["pp"])
     assert memory(model, train, gpu, cppp).activations < memory(model, train, gpu, pp).activations
     assert step_time(model, train, gpu, cppp).cp_s > 0
+
+
+@pytest.mark.slow
+def test_pp2_x_cp2_rank_killed_recovers_with_the_numbers_of_an_uninterrupted_run(tmp_path, ray_local) -> None:
+    """pp2 x cp2 on 4 through the Trainer on Ray (stage 0 = ranks 0,1 on cp coordinates 0,1; stage 1 = ranks
+    2,3): rank 3 is SIGKILLed mid-step. Under ddp a cp rank holds its whole stage, so rank 2 serves stage 1
+    (and the peer tier is there too); 3 workers cannot run a whole pp x cp block, so the run waits for the
+    replacement and goes on at 4. At most one step is lost, every step saw its samples, and every step's
+    loss (a redone one too) and the final parameters are the uninterrupted run's (one process)."""
+    from tests.audit import assert_cursor_audit
+    from tests.conftest import run_job
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
+    from tests.test_pp_recovery import TIMEOUTS, _kept_their_process, _slow
+
+    steps, train = 10, {"global_batch": 8, "micro_batch": 2}
+    task = {"model": {**GPT, "n_layer": 2}, "optimizer": {"lr": 3e-3, "warmup_steps": 5}}
+    kill = {"rank": 3, "step": 5, "point": "mid_step", "kind": "kill"}
+    spec = job(task=task, train={**train, "steps": steps, "audit_samples": True}, workers={"min": 4, "max": 4},
+               parallel={"plan": "ddp", "pp": 2, "cp": 2}, faults=_slow(4) + [kill],
+               checkpoint={"memory_every_steps": 1}, recovery={"min_workers_wait_s": 240},
+               timeouts=dict(TIMEOUTS))
+    run = run_job(tmp_path, spec, name="pp2cp2kill")
+    assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 3)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] <= 1 and rec["world_size"] == 4, rec
+    assert "survivors [0, 2] hold every stage's every shard" in rec["reason"], rec  # a cp replica per stage
+    _kept_their_process(run, [0, 1, 2])
+    assert_cursor_audit(run, steps, GPT["seq_len"], train["global_batch"])
+    clean = InProcessRun(job(task=task, train={**train, "steps": steps}, workers={"min": 1, "max": 1}))
+    assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
