@@ -260,7 +260,7 @@ class PipelineModel(ParallelModel):
         # cp: every micro-batch holds the same positions (this rank's, [t]); the samples' tensors are [b, ...]
         batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch if k != "positions"}
         seeds = torch.cat([mb.seeds for mb in mbs]).to(_device(self.model))
-        extra = {}
+        extra: dict[str, torch.Tensor] = {}
         if "positions" in mbs[0].batch:  # one row per sample: torch cuts every tensor keyword on dim 0
             extra["positions"] = mbs[0].batch["positions"].to(seeds.device).expand(seeds.numel(), -1)
         device = seeds.device
