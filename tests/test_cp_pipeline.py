@@ -10,8 +10,13 @@ parameters, the GPT's key biases up to 1.5e-5 -- their gradient is zero in exact
 rounding noise into updates; they are left out of the parameter comparison as there, and their gradient
 path is covered by the losses). A cp bug moves the numbers by far more.
 
-Broken builds (each run against this file, measured on this machine, 2026-11-28): see the docstring of each
-test and the lead's report.
+Broken builds, each failing every pp2 x cp2 comparison (the 7 ddp layouts, measured on this machine,
+2026-11-28): positions not offset by the cp shard (every stage given 0..t-1: the GPT's step-1 loss off by
+1.3e-3 relative, the Llama's parameters by 1.7e-2 -- rotary positions move the losses of this tiny model
+less than the tolerance, its parameters far more); the last stage's loss not summed over cp (the local
+shard's mean: step-1 or step-2 losses off); the stages' gradients averaged over dp only, not dp x cp (step
+2's loss off); every cp rank adding its losses to the (loss, stop) word (every loss doubled). The planner
+test fails against the planner that refused cp x pp (no candidate).
 """
 
 from __future__ import annotations
