@@ -519,7 +519,7 @@ class JobConfig(_Section):
             why = cp_rule(p.cp, self.task.model.seq_len)
             if why:
                 raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
-        why = cp_layout_rule(p.cp, p.pp, self.task.kind != "python" and self.task.model.moe is not None)
+        why = cp_layout_rule(p.cp, self.task.kind != "python" and self.task.model.moe is not None)
         if why:
             raise ValueError(why)
         if p.ep > 1 and self.task.kind != "python":  # a python task's model is checked at attach

@@ -98,6 +98,13 @@ class PipelineHooks:
     - ``inputs_fn(batch)``: the tuple of tensors the first stage takes from a collated micro-batch.
     - ``loss_fn(output, batch)``: the per-sample losses (shape ``[B]``) from the last stage's output and the
       micro-batch, as ``Task.loss_fn`` would return them for the whole model.
+    - Context parallelism (``parallel.cp > 1``): the stages are also called with ``positions=`` (int64
+      ``[b, t]``, one identical row of this rank's global positions per sample:
+      :func:`elastictrain.parallel.context.stage_positions` turns it into ``[t]``) and need the model hook of
+      :func:`elastictrain.parallel.context.context_parallel_refusal`; ``loss_fn`` is called as
+      ``loss_fn(output, batch, cp_group=group)`` (``batch``: this rank's positions of each sample) and
+      returns :func:`elastictrain.parallel.context.cp_sample_loss`'s whole-sample losses. A ``loss_fn``
+      without the keyword is refused under cp (:func:`elastictrain.parallel.context.pipeline_cp_refusal`).
     """
 
     stage_fn: Callable[[torch.nn.Module, int, int], torch.nn.Module]
@@ -197,10 +204,16 @@ def _gpt_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     return (batch["input"],)
 
 
-def _gpt_stage_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+def _gpt_stage_loss(logits: torch.Tensor, batch: Batch, *, cp_group: Any = None) -> torch.Tensor:
+    """The last stage's per-sample losses; under context parallelism (``cp_group`` set: ``logits`` and the
+    targets are this rank's positions) the whole sample's, summed over the cp ranks."""
     from elastictrain.models.gpt import per_sample_loss
 
-    return per_sample_loss(logits, batch["target"])
+    if cp_group is None:
+        return per_sample_loss(logits, batch["target"])
+    from elastictrain.parallel.context import cp_sample_loss
+
+    return cp_sample_loss(logits, batch["target"], cp_group)
 
 
 GPT_PIPELINE = PipelineHooks(stage_fn=GPTStages(), inputs_fn=_gpt_inputs, loss_fn=_gpt_stage_loss)

@@ -4,9 +4,10 @@ tests/parallel_fixtures.py): cp2 on 2, cp2 x dp2 (ddp) on 4, cp2 x fsdp2 and cp2
 step's loss and the final parameters of one process, and every step saw exactly its samples (the audit);
 a rank SIGKILLed under cp2 x dp2 with the peer tier every step recovers with at most one lost step, the
 world shrinks to one whole cp group and grows back, and every loss equals the uninterrupted run's.
-Refusals: cp x pp, cp x MoE, and a user model without the hook (before any Ray resource). On gloo
-processes without Ray (the worker's step path): train.eval_every under cp2 and cp2 x dp2 scores one
-process's held-out losses; a cp2 x fsdp2 checkpoint resumes under cp2 x ddp2 and one process.
+Refusals: cp x MoE and a user model without the hook (before any Ray resource); cp x pp runs
+(tests/test_cp_pipeline.py). On gloo processes without Ray (the worker's step path): train.eval_every under
+cp2 and cp2 x dp2 scores one process's held-out losses; a cp2 x fsdp2 checkpoint resumes under cp2 x ddp2
+and one process.
 
 Tolerance: cp computes one process's math with fp32 sums in another order (the gathered keys' order, the
 loss as a sum of rank partial sums, the gradient averaged over dp x cp): tests/test_context_parallel.py
@@ -76,15 +77,11 @@ def test_cp2_x_fsdp2_and_cp2_x_tp2_match_one_process(tmp_path, ray_local, one_pr
 
 
 @pytest.mark.parametrize("sections, needle", [
-    ({"parallel": {"cp": 2, "pp": 2}, "workers": {"min": 4, "max": 4},
-      "task": {"model": {**TASK["model"], "n_layer": 2}}},
-     "parallel.cp=2 with parallel.pp=2: context parallel does not run inside pipeline stages yet; set "
-     "parallel.pp=1 or parallel.cp=1"),
     ({"parallel": {"cp": 2}, "workers": {"min": 2, "max": 2},
       "task": {"model": {**TASK["model"], "moe": {"experts": 2, "top_k": 1}}}},
      "parallel.cp=2 with task.model.moe: a mixture-of-experts load-balancing loss"),
 ])
-def test_cp_with_pp_or_moe_is_refused_naming_the_fix(sections, needle) -> None:
+def test_cp_with_moe_is_refused_naming_the_fix(sections, needle) -> None:
     from elastictrain.config import ConfigError, build_config
 
     with pytest.raises(ConfigError) as err:

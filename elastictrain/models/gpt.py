@@ -307,8 +307,10 @@ class GPTStage(nn.Module):
     qualified name (``blocks.3.q.weight``) and a checkpoint of any split loads under any other layout.
     ``forward(x, seeds=None)``: ``x`` is the token ids (first stage) or the previous stage's activations;
     ``seeds`` (the per-sample seeds, passed to every stage) drive dropout exactly as in the whole model.
-    Returns the logits on the last stage, the activations elsewhere. ``positions``: as :meth:`GPT.forward`'s
-    (pass it to every stage under context parallelism)."""
+    Returns the logits on the last stage, the activations elsewhere. ``positions``: as :meth:`GPT.forward`'s,
+    required under context parallelism; ``[t]``, or ``[b, t]`` with one identical row per sample as a
+    pipeline schedule hands them to every stage
+    (:func:`~elastictrain.parallel.context.stage_positions`)."""
 
     cp_group: Any = None
 
@@ -323,7 +325,11 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        where = _where(positions, x.shape[1], self.cp_group, x.device)
+        from elastictrain.parallel.context import stage_positions
+
+        positions = stage_positions(positions)
+        # t: the cp shard's length (a later stage's x under sequence parallelism holds a tp slice of it)
+        where = _where(positions, x.shape[1] if positions is None else positions.numel(), self.cp_group, x.device)
         if self.first:
             pos = torch.arange(x.shape[1], device=x.device) if positions is None else where["positions"]
             x = self.drop_emb(self.tok_emb(x) + self.pos_emb(pos), seeds=seeds, **where)

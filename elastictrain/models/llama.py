@@ -356,7 +356,9 @@ class LlamaStage(nn.Module):
     embedding and the last the head's copy of the same weight (``build_pipeline`` keeps the two one tensor:
     elastictrain/parallel/tied.py). ``forward(x, seeds=None)``: ``x`` is the token
     ids (first stage) or the previous stage's activations; returns the logits on the last stage.
-    ``positions``: as :meth:`Llama.forward`'s (pass it to every stage under context parallelism)."""
+    ``positions``: as :meth:`Llama.forward`'s, required under context parallelism; ``[t]``, or ``[b, t]`` with
+    one identical row per sample as a pipeline schedule hands them to every stage
+    (:func:`~elastictrain.parallel.context.stage_positions`)."""
 
     def __init__(self, model: Llama, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -371,6 +373,9 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        from elastictrain.parallel.context import stage_positions
+
+        positions = stage_positions(positions)
         if self.first:
             _check_inputs(x)
             x = self.tok_embeddings(x)

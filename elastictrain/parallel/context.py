@@ -32,6 +32,17 @@ loss function calls ``model(inputs, seeds, positions=batch["positions"])`` and, 
 :func:`cp_group_of` ``(model)`` is set, :func:`cp_sample_loss` instead of the one-process per-sample loss;
 the gradients are reduced (averaged) over the ``dp x cp`` ranks; only cp coordinate 0 adds the losses to
 the (loss, stop) word and the sample ids to the audit (every cp rank holds the same per-sample values).
+
+Under pipeline parallelism (``parallel.pp > 1``) each stage's attention gathers K/V over the cp group of
+ITS stage (the cp ranks of one pp coordinate), and no position crosses a stage boundary: every stage rank
+loads the step's micro-batches (the last stage needs the targets anyway), so each derives its own
+positions from (cp rank, cp, seq_len) through :func:`shard_sequence` -- the same three numbers the
+attention's head-tail mask (:func:`_bias`) is built from, so positions and mask cannot disagree. The
+schedule hands them to every stage as the ``positions`` keyword, expanded to one row per sample
+(``[b, t]``): torch's schedule cuts every tensor keyword on dim 0 into micro-batches, which would cut a
+``[t]`` tensor of positions instead. A stage takes row 0 (:func:`stage_positions`). The last stage's loss
+is told the cp group (``PipelineHooks.loss_fn(output, batch, cp_group=...)``) and returns
+:func:`cp_sample_loss`; :func:`pipeline_cp_refusal` names what a task's hooks lack.
 """
 
 from __future__ import annotations
@@ -56,7 +67,9 @@ __all__ = [
     "enable_context_parallel",
     "gather_sequence",
     "kv_positions",
+    "pipeline_cp_refusal",
     "shard_sequence",
+    "stage_positions",
     "valid_cp",
 ]
 
@@ -227,6 +240,32 @@ def cp_sample_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> t
     dist.all_reduce(total, group=group)
     scaled = partial * cp_grad_scale(cp)
     return total + (scaled - scaled.detach())  # value: total (exactly); gradient: cp x partial
+
+
+def stage_positions(positions: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[t]`` global positions a pipeline stage's ``positions`` keyword carries: the schedule passes them
+    as ``[b, t]`` (one identical row per sample of the micro-batch, see the module doc), a whole-model call
+    as ``[t]``; None stays None. Raises ``ValueError`` for another shape."""
+    if positions is None or positions.dim() == 1:
+        return positions
+    if positions.dim() != 2 or positions.shape[0] < 1:
+        raise ValueError(f"positions must be [t] or [b, t] (one row per sample), got {tuple(positions.shape)}")
+    return positions[0]
+
+
+def pipeline_cp_refusal(hooks: Any) -> str | None:
+    """None when a task's ``PipelineHooks`` can run context-parallel stages, else the one line naming what
+    they lack: a ``loss_fn`` that takes the ``cp_group`` keyword (and then returns
+    :func:`cp_sample_loss`'s whole-sample losses). The stage modules need the model hook of
+    :func:`context_parallel_refusal` (checked when the stages are built)."""
+    params = inspect.signature(hooks.loss_fn).parameters
+    if "cp_group" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    name = getattr(hooks.loss_fn, "__name__", type(hooks.loss_fn).__name__)
+    return (f"parallel.cp > 1 with parallel.pp > 1 needs a pipeline loss that sums each sample over the cp "
+            f"ranks: Task.pipeline.loss_fn ({name}) takes no cp_group keyword; give it one and return "
+            "elastictrain.parallel.context.cp_sample_loss(output, batch['target'], cp_group) when it is set "
+            "(docs/design.md, 'Context parallelism'), or set parallel.cp=1")
 
 
 def cp_group_of(model: nn.Module) -> Any:

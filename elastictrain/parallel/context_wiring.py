@@ -12,7 +12,12 @@ The math (the head-tail split, the attention, the loss and gradient rules) is
   (loss, stop) word and the sample audit (every cp rank holds the same per-sample losses and samples);
 * :func:`shard_batch` (after each micro-batch is loaded, before the loss): this rank's positions of it;
 * :func:`check_task` (on the driver, before any Ray resource): a user model without the hook is refused
-  with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s line.
+  with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s line, and under ``parallel.pp > 1``
+  pipeline hooks whose loss takes no ``cp_group`` with
+  :func:`~elastictrain.parallel.context.pipeline_cp_refusal`'s.
+
+Under pipeline parallelism :func:`wire_model` is not called: ``build_pipeline``
+(:mod:`elastictrain.parallel.pipeline`) sets the cp group on each stage module and counts by cp coordinate 0.
 
 The data rank of a cp rank is :meth:`MeshDims.dp_rank` (cp is not a batch axis: the cp ranks of one data
 rank read the same samples); the micro-batch scale stays ``sum * W_dp / G`` with ``W_dp`` the data ranks
@@ -45,7 +50,9 @@ def flatten_dp_cp(mesh: DeviceMesh, dims: MeshDims) -> None:
 
 def dp_cp_submesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The mesh the gradients are averaged (and FSDP shards) over under cp: ``dp_cp`` (ddp), ``dp_shard_cp``
-    (fsdp) or ``dp_replicate x dp_shard_cp`` (hsdp); None when ``mesh`` has no ``cp`` axis."""
+    (fsdp) or ``dp_replicate x dp_shard_cp`` (hsdp); None when ``mesh`` has no ``cp`` axis. ``mesh`` may be
+    a pipeline stage's submesh (every axis but ``pp``): the flattened dimension is registered on the root
+    mesh, so it is sliced from there (this rank's group, the same ranks)."""
     names = tuple(mesh.mesh_dim_names or ())
     if "cp" not in names:
         return None
@@ -53,9 +60,10 @@ def dp_cp_submesh(mesh: DeviceMesh) -> DeviceMesh | None:
         want = ("dp_replicate", "dp_shard_cp") if "dp_replicate" in names else ("dp_shard_cp",)
     else:
         want = ("dp_cp",)
+    root = mesh._get_root_mesh()  # (torch 2.13: a flattened dim is not a name of a submesh sliced before it)
     with warnings.catch_warnings():  # torch 2.13 warns that slicing a flattened dim from the root will go
         warnings.simplefilter("ignore", UserWarning)
-        return mesh[want]
+        return root[want]
 
 
 def cp_coord(dims: MeshDims, rank: int) -> int:
@@ -93,7 +101,9 @@ def shard_batch(batch: dict[str, torch.Tensor], dims: MeshDims | None, rank: int
 
 def check_task(config: Any, task: Any) -> None:
     """Under ``parallel.cp > 1``, a ConfigError with :func:`~elastictrain.parallel.context.context_parallel_refusal`'s
-    line when the task's model lacks the hook (built on the meta device: no memory, no values)."""
+    line when the task's model lacks the hook (built on the meta device: no memory, no values), or under
+    ``parallel.pp > 1`` :func:`~elastictrain.parallel.context.pipeline_cp_refusal`'s when its pipeline loss
+    takes no ``cp_group``."""
     if config.parallel.cp == 1:
         return
     from elastictrain.config import ConfigError
@@ -103,5 +113,9 @@ def check_task(config: Any, task: Any) -> None:
     with params_on_meta():
         model: nn.Module = task.model_fn()
     why = context_parallel_refusal(model)
+    if not why and config.parallel.pp > 1 and task.pipeline is not None:  # (no hooks: build_pipeline says so)
+        from elastictrain.parallel.context import pipeline_cp_refusal
+
+        why = pipeline_cp_refusal(task.pipeline)
     if why:
         raise ConfigError(why)

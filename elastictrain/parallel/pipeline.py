@@ -37,7 +37,14 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
 * a tied weight whose uses fall on different stages (an embedding and its tied output head) is one tensor
   held by each stage rank that uses it, under all its names, with its gradient summed over those ranks after
   the schedule and counted once in the clipping norm (:mod:`elastictrain.parallel.tied`: Megatron's
-  embedding group).
+  embedding group);
+* under ``parallel.cp > 1`` each stage's attention gathers keys and values over the ``cp`` axis group (the
+  cp ranks of the same pp coordinate: each stage talks to its own cp peers), the micro-batches are this
+  rank's positions of each sample and the positions go to every stage as the ``positions`` keyword (one
+  row per sample: nothing crosses a stage boundary, :mod:`elastictrain.parallel.context` says why), the
+  last stage's loss is called with ``cp_group=`` (the whole sample's loss, summed over cp), the stages'
+  gradients are averaged over ``dp x cp`` (the flattened group), and only cp coordinate 0 counts samples
+  and losses.
 """
 
 from __future__ import annotations
@@ -191,11 +198,13 @@ class _StageLoss:
         self.loss_sum: torch.Tensor | None = None
         self.remaining = 0
         self.hooks: StepHooks | None = None
+        self.cp_group: Any = None  # context parallel: the loss sums each sample over this group
 
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         part = {k: v[rows] for k, v in self.batch.items()}
+        extra = {} if self.cp_group is None else {"cp_group": self.cp_group}
         with self.clock.compute():  # the last stage's forward includes its loss (the bubble timeline's F)
-            per_sample = local_loss(self.loss_fn(output, part))  # loss_parallel's are DTensors under tp
+            per_sample = local_loss(self.loss_fn(output, part, **extra))  # loss_parallel's are DTensors under tp
         if per_sample.shape != rows.shape:
             raise PipelineError(f"Task.pipeline.loss_fn returned shape {tuple(per_sample.shape)} for a micro-batch "
                                 f"of {rows.numel()} samples: return the per-sample losses, shape [B]")
@@ -229,8 +238,9 @@ class PipelineModel(ParallelModel):
         self.clip_group = mesh.get_group("pp")
         self.tp_mesh = tp_submesh(mesh)
         tp_first = self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0  # tp peers: same samples, losses
-        self.feeds_samples = tp_first and any(s.is_first for s in stages)
-        self.counts_loss = tp_first
+        cp_first = "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].get_local_rank() == 0  # cp peers: too
+        self.feeds_samples = tp_first and cp_first and any(s.is_first for s in stages)
+        self.counts_loss = tp_first and cp_first
 
     @property
     def grads_in_buckets(self) -> bool:
@@ -247,8 +257,12 @@ class PipelineModel(ParallelModel):
             raise RuntimeError(f"{n} micro-batches for a schedule built for {self.layout.accum}")
         hooks.phase("compute")
         mbs = [hooks.load(k) for k in range(n)]
-        batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch}
+        # cp: every micro-batch holds the same positions (this rank's, [t]); the samples' tensors are [b, ...]
+        batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch if k != "positions"}
         seeds = torch.cat([mb.seeds for mb in mbs]).to(_device(self.model))
+        extra: dict[str, torch.Tensor] = {}
+        if "positions" in mbs[0].batch:  # one row per sample: torch cuts every tensor keyword on dim 0
+            extra["positions"] = mbs[0].batch["positions"].to(seeds.device).expand(seeds.numel(), -1)
         device = seeds.device
         self._loss.batch, self._loss.scale, self._loss.hooks = batch, scale, hooks
         self._loss.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -262,7 +276,8 @@ class PipelineModel(ParallelModel):
         s0 = time.perf_counter()
         try:
             with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
-                self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds)
+                self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds,
+                                   **extra)
         finally:
             wall = time.perf_counter() - s0
             self._clock.hooks = self._loss.hooks = None
@@ -295,13 +310,19 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     ``hooks``: the task's :class:`~elastictrain.task.PipelineHooks`. ``materialize_fn(module, device)``
     gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
     ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
-    module doc). Raises :class:`PipelineError` for a task without pipeline hooks."""
+    module doc). Raises :class:`PipelineError` for a task without pipeline hooks, and under ``parallel.cp >
+    1`` for hooks or stage modules without the context-parallel hook."""
+    from elastictrain.parallel.context import enable_context_parallel, pipeline_cp_refusal
     from elastictrain.parallel.parallelize import parallelize
     from elastictrain.parallel.speed import apply_block_transforms
 
     if hooks is None:
         raise PipelineError("parallel.pp > 1 needs Task.pipeline (PipelineHooks: how the model splits into "
                             "stages); add it to the task or set parallel.pp=1")
+    cp_group = mesh["cp"].get_group() if layout.dims.cp > 1 else None
+    if cp_group is not None and (why := pipeline_cp_refusal(hooks)):
+        raise PipelineError(why)
+    replicas = layout.dims.dp * layout.dims.cp  # the ranks a stage's gradients are averaged over (dp x cp)
     pp, v = layout.dims.pp, layout.stages_per_rank
     n_stages = pp * v
     pp_rank = layout.dims.coord(rank)["pp"]
@@ -322,16 +343,21 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
                 parallelize_tp(stage_module, tp_mesh, plan)
             apply_block_transforms(stage_module, plan)  # float8, checkpointing, compile (parallel/speed.py)
             module = stage_module
-            grad_group = dp_mesh.get_group() if layout.dims.dp > 1 else None
+            grad_group = dp_mesh.get_group() if replicas > 1 else None
         else:
             module = (parallelize_fn or parallelize)(stage_module, stage_submesh(mesh), plan)
-            if tp_mesh is not None and plan.plan == "ddp" and layout.dims.dp > 1:  # a tp module: no DDP
+            if tp_mesh is not None and plan.plan == "ddp" and replicas > 1:  # a tp module: no DDP
                 grad_group = dp_mesh.get_group()
         if isinstance(module, DistributedDataParallel):  # see the module doc: its reducer does not run here
-            grad_group = module.process_group if layout.dims.dp > 1 else None
+            grad_group = module.process_group if replicas > 1 else None
             module = module.module
         if materialize_fn is not None:
             materialize_fn(module, device)
+        if cp_group is not None:  # this stage's attention gathers K/V over its own pp coordinate's cp ranks
+            try:
+                enable_context_parallel(module, cp_group)
+            except ValueError as e:
+                raise PipelineError(f"{e} (pipeline stage {index}: Task.pipeline.stage_fn)") from None
         inner = module
         stage = _TimedStage(module, index, n_stages, device, group=pp_group)
         stage.clock = clock
@@ -342,6 +368,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     set_ = StageSet(stage_modules, *alias_sources(tied, stage_modules, model))
     set_.uncounted_names = tied.uncounted_names
     loss = _StageLoss(hooks.loss_fn, clock)
+    loss.cp_group = cp_group
     cls = SCHEDULES[layout.pp_schedule]
     if layout.pp_schedule in _SINGLE:
         schedule = cls(stages[0], n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)

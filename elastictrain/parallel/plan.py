@@ -259,15 +259,12 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
-def cp_layout_rule(cp: int, pp: int, moe: bool) -> str | None:
-    """Why ``cp`` cannot run with the rest of the job (None when it can): pipeline stages would need the
-    positions passed between stages (not done yet), and a mixture-of-experts model's load-balancing loss on
-    a slice of a sample is not that sample's."""
+def cp_layout_rule(cp: int, moe: bool) -> str | None:
+    """Why ``cp`` cannot run with the rest of the job (None when it can): a mixture-of-experts model's
+    load-balancing loss on a slice of a sample is not that sample's. (Pipeline stages run context-parallel,
+    every schedule: each stage gathers K/V over its own cp peers, parallel/context.py.)"""
     if cp == 1:
         return None
-    if pp > 1:
-        return (f"parallel.cp={cp} with parallel.pp={pp}: context parallel does not run inside pipeline stages "
-                "yet; set parallel.pp=1 or parallel.cp=1")
     if moe:
         return (f"parallel.cp={cp} with task.model.moe: a mixture-of-experts load-balancing loss over a slice of "
                 "each sample is not the sample's; remove task.model.moe or set parallel.cp=1")

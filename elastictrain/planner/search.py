@@ -33,7 +33,7 @@ _TIMELINE_LIMIT = 64  # pp * micro-batches above which a zero-bubble schedule wi
 
 def runnable_axes() -> frozenset[str]:
     """The mesh axes elastictrain can run today: data parallel (ddp/fsdp/hsdp), pipeline, tensor parallel
-    and context parallel (``cp``: not with pipeline stages, :func:`why_invalid`). Extend here when an axis
+    and context parallel (``cp``, with or without pipeline stages). Extend here when an axis
     lands."""
     from elastictrain.config import ParallelConfig
 
@@ -112,8 +112,6 @@ def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candida
                 + (f" ({model.kv_heads} kv heads)" if model.kv_heads else "") + f" and hidden size {model.hidden}")
     if c.cp > 1 and model.seq_len % (2 * c.cp):
         return f"cp={c.cp} does not split seq_len={model.seq_len} into 2 x cp head-tail chunks"
-    if c.cp > 1 and c.pp > 1:
-        return "context parallel does not run inside pipeline stages yet"
     if c.pp > 1 and c.schedule == "zbv" and model.tied_embeddings:
         return "zbv puts the first and the last stage on one rank: tied embeddings there are refused"
     if c.pp > 1 and model.layers < c.pp * c.stages_per_rank:
@@ -148,7 +146,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
-    chunks, without pipeline stages and not for a mixture-of-experts model (``parallel.plan.cp_layout_rule``)."""
+    chunks, not for a mixture-of-experts model (``parallel.plan.cp_layout_rule``)."""
     allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
     for cp in _divisors(world):
         if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0 and not model.experts):
@@ -166,7 +164,7 @@ def _candidates_at_cp(model: ModelShape, train: Training, cluster: Cluster, worl
                        or model.heads % tp or model.hidden % tp or (model.kv_heads or model.heads) % tp):
             continue
         for pp in _divisors(world // (cp * tp)):
-            if pp > 1 and ("pp" not in allowed or pp > model.layers or cp > 1):
+            if pp > 1 and ("pp" not in allowed or pp > model.layers):
                 continue
             d = world // (cp * tp * pp)
             for mb in mbs:
