@@ -37,7 +37,10 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
 * a tied weight whose uses fall on different stages (an embedding and its tied output head) is one tensor
   held by each stage rank that uses it, under all its names, with its gradient summed over those ranks after
   the schedule and counted once in the clipping norm (:mod:`elastictrain.parallel.tied`: Megatron's
-  embedding group).
+  embedding group);
+* ``parallel.mixed_precision: bf16`` on stages without FSDP: each stage's forward runs under
+  ``torch.autocast`` and hands on fp32 outputs, so activations cross stages and reach the loss in fp32
+  (:class:`elastictrain.parallel.precision.AutocastStage`); FSDP2 stages cast by their own policy.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from elastictrain.parallel.parallelize import (
     stage_submesh,
 )
 from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
 from elastictrain.parallel.tensor import average_grads, local_loss, parallelize_tp, settle_grads, tp_submesh
 from elastictrain.parallel.tied import TiedWeights, alias_sources, find_splits
@@ -333,7 +337,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         if materialize_fn is not None:
             materialize_fn(module, device)
         inner = module
-        stage = _TimedStage(module, index, n_stages, device, group=pp_group)
+        dtype = autocast_dtype(plan.mixed_precision, module)  # bf16 without FSDP: autocast (parallel/precision.py)
+        run = module if dtype is None else AutocastStage(module, dtype, device)
+        stage = _TimedStage(run, index, n_stages, device, group=pp_group)
         stage.clock = clock
         modules.append(module)
         stage_modules.append(inner)
