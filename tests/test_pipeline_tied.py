@@ -186,7 +186,9 @@ def test_tied_llama_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp
     no survivor holds stage 1, the peer tier (a snapshot every step) does. The replacement loads its stage
     and its copy of the tied weight from the keeper by name, rank 0 keeps its own; every step's loss (a
     redone one too) and the final parameters equal 8 uninterrupted steps in one process
-    (tests/parallel_fixtures.py's recovery tolerance)."""
+    (tests/parallel_fixtures.py's recovery tolerance). Broken on purpose (``TrainingState.load_from``
+    leaving the copy's names out of the restore: the replacement's copy keeps its unfilled memory), the run
+    fails: NaN losses from the restored step on, then exit 1 after ``recovery.max_nonfinite_steps``."""
     from tests.conftest import job, run_job
     from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
     from tests.test_pp_recovery import TIMEOUTS
