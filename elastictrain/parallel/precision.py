@@ -5,7 +5,9 @@ FSDP2 casts its parameters itself (``MixedPrecisionPolicy``, :func:`~elastictrai
 parallelize_fsdp`). Every other layout keeps fp32 parameters, fp32 gradients (so DDP's and the tp/pp
 gradient averages reduce in fp32) and fp32 optimizer state, and computes the forward under
 ``torch.autocast(device, torch.bfloat16)``, torch's mixed-precision recipe: matmuls and attention in bf16,
-the reductions autocast keeps in fp32 (softmax-family, norms on CUDA, ``cross_entropy``) in fp32.
+what autocast keeps in fp32 in fp32 (``cross_entropy`` on CPU and CUDA; softmax and the norms on CUDA).
+Autograd keeps each micro-batch's bf16 casts of the weights for its backward: 2 bytes per parameter per
+micro-batch in flight (planner/memory.py prices it).
 
 * Without pp the step loop runs the task's whole ``loss_fn(module, batch, seeds)`` under :func:`autocast`
   (forward and loss, as torch's AMP examples do) and takes its per-sample losses as fp32.
