@@ -273,8 +273,9 @@ class ParallelConfig(_Section):
                                                           "(ZeRO-3); false keeps them to backward (ZeRO-2)")
     shard_size: int | None = Field(None, ge=1, description="hsdp shard group size; null = GPUs per node, "
                                                            "or 2 without GPUs")
-    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 params/compute, fp32 "
-                                                                        "reduce and master state (fsdp/hsdp)")
+    mixed_precision: Literal["none", "bf16"] = Field("none", description="bf16: bf16 compute, fp32 master "
+                                                                        "state and gradient reduction (fsdp/"
+                                                                        "hsdp: FSDP2's policy; ddp: autocast)")
     activation_checkpointing: bool | Literal["full", "selective"] = Field(
         False, description="true / full: recompute each repeated block in backward; selective: keep the "
                            "matmul and attention outputs, recompute the rest (op-level)")
@@ -327,16 +328,6 @@ class ParallelConfig(_Section):
         why = stages_rule(self.pp_schedule, self.stages_per_rank)
         if why:
             raise ValueError(why)
-        return self
-
-    @model_validator(mode="after")
-    def _mixed_precision_needs_fsdp(self) -> ParallelConfig:
-        if self.mixed_precision != "none" and self.plan == "ddp":
-            raise ValueError(
-                f"parallel.mixed_precision={self.mixed_precision} needs parallel.plan fsdp or hsdp (FSDP2's "
-                "MixedPrecisionPolicy); set parallel.plan=fsdp (with parallel.pp > 1 that also "
-                "runs on a data-parallel size of 1) or parallel.mixed_precision=none"
-            )
         return self
 
     @property

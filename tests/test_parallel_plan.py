@@ -44,8 +44,15 @@ def test_config_rejects_worlds_the_plan_cannot_use():
                          train={"global_batch": 24, "micro_batch": 2}))
     cfg = build_config(job(workers={"min": 2, "max": 4}, parallel={"plan": "hsdp", "shard_size": 2}))
     assert cfg.parallel.plan == "hsdp"
-    with pytest.raises(ConfigError, match="mixed_precision=bf16 needs parallel.plan fsdp or hsdp"):
-        build_config(job(parallel={"mixed_precision": "bf16"}))
+
+
+def test_bf16_is_accepted_under_every_plan():
+    """bf16 without FSDP autocasts the forward (parallel/precision.py): plain ddp, ddp x pp and ddp x tp
+    build, as fsdp does (tests/test_bf16_ddp.py trains them)."""
+    for parallel in ({}, {"pp": 2}, {"tp": 2}, {"plan": "fsdp"}):
+        cfg = build_config(job(workers={"min": 2, "max": 2}, task={"model": {"n_layer": 2}},
+                               parallel={**parallel, "mixed_precision": "bf16"}))
+        assert cfg.parallel.mixed_precision == "bf16"
 
 
 def test_membership_picks_the_largest_world_the_plan_can_use():

@@ -179,6 +179,38 @@ def test_tied_llama_pp2_through_the_controller_resumes_under_ddp1(tmp_path, ray_
     assert_same_numbers(ddp, ref, steps=range(5, 7))
 
 
+@pytest.mark.slow  # a pp2 run with a kill and a replacement on the session's local Ray: ~60-90 s under load
+def test_tied_llama_pp2_stage_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local):
+    """The tied Llama under pp2 alone (1f1b, 2 workers, no checkpoint storage): stage 1's rank (the head,
+    holding its copy of the tied weight under both names, parallel/tied.py) is SIGKILLed mid-step at step 4;
+    no survivor holds stage 1, the peer tier (a snapshot every step) does. The replacement loads its stage
+    and its copy of the tied weight from the keeper by name, rank 0 keeps its own; every step's loss (a
+    redone one too) and the final parameters equal 8 uninterrupted steps in one process
+    (tests/parallel_fixtures.py's recovery tolerance). Broken on purpose (``TrainingState.load_from``
+    leaving the copy's names out of the restore: the replacement's copy keeps its unfilled memory), the run
+    fails: NaN losses from the restored step on, then exit 1 after ``recovery.max_nonfinite_steps``."""
+    from tests.conftest import job, run_job
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
+    from tests.test_pp_recovery import TIMEOUTS
+
+    def spec(world: int, **sections: Any) -> dict[str, Any]:
+        return job(task={**TIED, "optimizer": {"lr": 3e-3, "warmup_steps": 5}},
+                   train={"steps": 8, "global_batch": 8, "micro_batch": 2}, workers={"min": world, "max": world},
+                   recovery={"min_workers_wait_s": 240}, timeouts=dict(TIMEOUTS), run_id="tied-peer", **sections)
+
+    kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
+    slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03} for r in range(2)]
+    run = run_job(tmp_path, spec(2, parallel={"pp": 2, "pp_schedule": "1f1b"}, faults=[*slow, kill],
+                                 checkpoint={"memory_every_steps": 1}), name="tiedpeer")
+    assert run.result.exit_code == 0 and run.summary["final_step"] == 8, run.summary
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 1, rec
+    assert_same_numbers(run, InProcessRun(spec(1)), param_atol=RECOVERY_PARAM_ATOL)
+    final = run.final_params()  # one weight under two names after the restore, as one process holds it
+    assert torch.equal(final["output.weight"], final["tok_embeddings.weight"])
+
+
 def _two_uses_on_rank_0(rank: int, port: int, out: str) -> None:
     """Rank 0 holds stage 0 (the embedding) and stage 3 (the head, its own copy), as zbv places them on pp2;
     rank 1 the middle stages. Each rank writes the error it got from ``find_splits``."""

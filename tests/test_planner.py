@@ -10,7 +10,7 @@ import pytest
 from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, evaluate, memory, plan, step_time
 from elastictrain.planner import comm, explain, pipeline
 from elastictrain.planner.search import candidates, is_runnable, runnable_axes
-from elastictrain.planner.memory import block_activation_bytes
+from elastictrain.planner.memory import _fsdp_gathered, block_activation_bytes
 
 LLAMA70 = ModelShape(layers=80, hidden=8192, heads=64, seq_len=4096, vocab=128256, ffn_mult=3.5,
                      params=70_000_000_000)
@@ -208,6 +208,31 @@ def test_a_pipeline_ranks_fsdp_gradients_are_whole_until_the_last_backward():
         stage_n * 4)
     assert memory(model, many, node, Candidate(dp_shard=4, micro_batch=4)).grads == pytest.approx(
         model.total_params * 4 / 4)
+
+
+def test_bf16_without_fsdp_holds_fp32_state_and_a_bf16_cast_per_micro_batch_in_flight():
+    """parallel.mixed_precision=bf16 under ddp (autocast): fp32 weights, gradients and Adam (16 B/param, as
+    fp32), bf16 activations, and one bf16 cast of the rank's weights per micro-batch in flight (autograd keeps
+    it for that micro-batch's backward): one without a pipeline, in_flight units of a virtual stage's weights
+    in one. FSDP's pricing is unchanged by it (its gathered copies are FSDP2's policy's)."""
+    model = ModelShape(layers=8, hidden=256, heads=8, seq_len=64, vocab=256)
+    node = Cluster(nodes=1, devices_per_node=8, **H100)
+    fp32, bf16 = Training(64, 4), Training(64, 4, precision="bf16", activation_bytes=2)
+    n = model.total_params
+    ddp, ddp32 = (memory(model, t, node, Candidate(dp_replicate=2, micro_batch=4)) for t in (bf16, fp32))
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (ddp32.params, ddp32.grads, ddp32.optimizer) == (
+        pytest.approx(n * 4), pytest.approx(n * 4), pytest.approx(n * 8))
+    assert ddp.gathered == pytest.approx(n * 2) and ddp32.gathered == 0
+    assert ddp.activations < 0.6 * ddp32.activations  # bf16 (the last stage's fp32 logits aside)
+    stage_n = 4 * model.block_params + model.vocab * model.hidden + model.seq_len * model.hidden
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        c = Candidate(dp_replicate=2, pp=2, micro_batch=4, schedule=schedule, stages_per_rank=v)
+        units = pipeline.in_flight(schedule, 2, 64 // (2 * 4), v)
+        assert memory(model, bf16, node, c).gathered == pytest.approx(units * stage_n / v * 2), schedule
+    tp = memory(model, bf16, node, Candidate(dp_replicate=2, tp=2, micro_batch=4))
+    assert tp.gathered == pytest.approx(tp.params / 4 * 2)  # the rank's (tp-split) weights, cast once
+    fsdp = Candidate(dp_shard=2, micro_batch=4)  # bf16 gathered copies, no cast term
+    assert memory(model, bf16, node, fsdp).gathered == _fsdp_gathered(model, bf16, fsdp, n)
 
 
 def test_gradients_count_at_the_peak_only_where_they_exist_then():

@@ -57,9 +57,9 @@ def test_auto_run_trains_with_the_layout_it_chose(tmp_path, ray_local):
     assert run.result.exit_code == 0
     started = run.of("run_started")[0]
     planned = started["planned"]
-    assert planned["layout"]["plan"] == started["plan"] == "fsdp"  # bf16 runs sharded layouts only
+    assert planned["layout"]["plan"] == started["plan"] == "ddp"  # bf16 runs under ddp too (autocast)
     assert planned["world_size"] == 2 and planned["predicted_step_s"] > 0
     assert 0 < planned["predicted_memory_bytes"] and "best of" in planned["reason"]
     assert [e["world_size"] for e in run.of("step")] == [2, 2, 2]
     # what the workers built (the first step's ranks report their plan and mesh), not the controller's words
-    assert [e.get("mesh") for e in run.of("step")] == ["fsdp: dp_shard=2", None, None], run.of("step")
+    assert [e.get("mesh") for e in run.of("step")] == ["ddp: dp_replicate=2", None, None], run.of("step")

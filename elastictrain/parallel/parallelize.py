@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.config import ParallelConfig
 from elastictrain.parallel.bubble import measured_idle
+from elastictrain.parallel.precision import autocast
 from elastictrain.worker.errors import framework_collective
 
 
@@ -236,6 +237,9 @@ class ParallelModel:
     #: whether this rank's per-sample losses go into the (loss, stop) word (False on tp coordinates > 0,
     #: which compute the same losses as coordinate 0): the word counts each sample's loss once
     counts_loss: bool = True
+    #: the dtype the step's forward and loss run under ``torch.autocast`` in (bf16 without FSDP,
+    #: :mod:`elastictrain.parallel.precision`); None: as the parameters are
+    autocast_dtype: torch.dtype | None = None
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh | None) -> None:
         self.module = module
@@ -246,7 +250,8 @@ class ParallelModel:
         """Forward and backward ``n`` micro-batches (``hooks.load(k)``); each micro-batch's loss is
         ``sum(loss_fn(module, batch, seeds)) * scale``. Gradients are reduced over the data-parallel ranks
         with the last backward, which overlaps the (loss, stop) word's reduction (sent with this rank's
-        per-sample loss sum, float64)."""
+        per-sample loss sum, float64). With :attr:`autocast_dtype` set, ``loss_fn`` runs under
+        ``torch.autocast`` and its per-sample losses are taken in fp32 (parallel/precision.py)."""
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=_device_of(self.model))
         compute_s, word = 0.0, None
@@ -257,7 +262,10 @@ class ParallelModel:
             last = k == n - 1
             with contextlib.nullcontext() if last else self.accumulating():
                 hooks.seed(k)
-                per_sample = loss_fn(self.module, mb.batch, mb.seeds)
+                with autocast(self.autocast_dtype, loss_sum.device):
+                    per_sample = loss_fn(self.module, mb.batch, mb.seeds)
+                if self.autocast_dtype is not None and per_sample.dtype.itemsize < 4:  # bf16 losses count in fp32
+                    per_sample = per_sample.float()
                 loss_sum += per_sample.detach().sum().double()
                 hooks.forwarded(k)
                 if last:  # the last backward overlaps DDP's all-reduce: not purely local work

@@ -45,6 +45,9 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
   last stage's loss is called with ``cp_group=`` (the whole sample's loss, summed over cp), the stages'
   gradients are averaged over ``dp x cp`` (the flattened group), and only cp coordinate 0 counts samples
   and losses.
+* ``parallel.mixed_precision: bf16`` on stages without FSDP: each stage's forward runs under
+  ``torch.autocast`` and hands on fp32 outputs, so activations cross stages and reach the loss in fp32
+  (:class:`elastictrain.parallel.precision.AutocastStage`); FSDP2 stages cast by their own policy.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from elastictrain.parallel.parallelize import (
     stage_submesh,
 )
 from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
 from elastictrain.parallel.tensor import average_grads, local_loss, parallelize_tp, settle_grads, tp_submesh
 from elastictrain.parallel.tied import TiedWeights, alias_sources, find_splits
@@ -359,7 +363,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
             except ValueError as e:
                 raise PipelineError(f"{e} (pipeline stage {index}: Task.pipeline.stage_fn)") from None
         inner = module
-        stage = _TimedStage(module, index, n_stages, device, group=pp_group)
+        dtype = autocast_dtype(plan.mixed_precision, module)  # bf16 without FSDP: autocast (parallel/precision.py)
+        run = module if dtype is None else AutocastStage(module, dtype, device)
+        stage = _TimedStage(run, index, n_stages, device, group=pp_group)
         stage.clock = clock
         modules.append(module)
         stage_modules.append(inner)

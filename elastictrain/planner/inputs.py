@@ -153,7 +153,9 @@ class ModelShape:
 PRECISIONS: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 0),            # fp32 weights and gradients
     "mixed": (2, 2, 4),           # bf16/fp16 weights and gradients, fp32 master (Megatron, DeepSpeed)
-    "fsdp_bf16": (4, 4, 0),       # FSDP2 MixedPrecisionPolicy: fp32 shards, bf16 gathered copies (below)
+    # parallel.mixed_precision=bf16: fp32 weights, gradients and optimizer state, bf16 compute copies of the
+    # weights (FSDP2's policy on sharded layouts, torch.autocast's casts elsewhere; planner/memory.py)
+    "bf16": (4, 4, 0),
 }
 OPTIMIZER_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
 
@@ -180,8 +182,8 @@ class Training:
 
     @property
     def compute_param_bytes(self) -> int:
-        """Bytes of a weight as the step computes with it (bf16 copies under fsdp_bf16)."""
-        return 2 if self.precision in ("mixed", "fsdp_bf16") else 4
+        """Bytes of a weight as the step computes with it (bf16 copies under bf16)."""
+        return 2 if self.precision in ("mixed", "bf16") else 4
 
     @property
     def state_bytes_per_param(self) -> int:

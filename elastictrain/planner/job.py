@@ -6,11 +6,12 @@ config and the pure cost model.
   their exact parameter counts; a ``kind: python`` task brings its own model, so its shape comes from
   ``--shape`` (:func:`parse_shape`);
 * the step: ``train.global_batch`` / ``train.micro_batch`` (the planner keeps the job's micro-batch size:
-  the math of a step does not depend on it, its float sums do), AdamW, fp32 or FSDP2's bf16 policy as
-  ``parallel.mixed_precision`` says;
+  the math of a step does not depend on it, its float sums do), AdamW, fp32 or bf16 compute as
+  ``parallel.mixed_precision`` says (fp32 state either way: FSDP2's policy on sharded layouts, autocast on
+  the others; planner/memory.py prices what each holds);
 * the search: every runnable layout (:func:`.search.runnable_axes`), with and without activation
-  checkpointing; FSDP's ``reshard_after_forward`` as the job sets it. With ``parallel.mixed_precision`` or
-  ``parallel.meta_init`` only sharded layouts can run (config rule), so only those are chosen.
+  checkpointing; FSDP's ``reshard_after_forward`` as the job sets it. With ``parallel.meta_init`` only
+  sharded layouts are chosen (the config refuses plain ddp there).
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def _moe(m: Any) -> dict[str, int]:
 def training(config: Any) -> Training:
     bf16 = config.parallel.mixed_precision == "bf16"
     return Training(config.train.global_batch, config.train.micro_batch,
-                    precision="fsdp_bf16" if bf16 else "fp32", optimizer="adam", activation_bytes=2 if bf16 else 4)
+                    precision="bf16" if bf16 else "fp32", optimizer="adam", activation_bytes=2 if bf16 else 4)
 
 
 def _sharded_only(config: Any) -> bool:
-    return config.parallel.mixed_precision != "none" or config.parallel.meta_init
+    return config.parallel.meta_init
 
 
 def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None, *,

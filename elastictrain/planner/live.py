@@ -4,7 +4,7 @@ A generation's :class:`~elastictrain.parallel.plan.Layout` in, the decision for 
 with the :class:`~elastictrain.parallel.plan.PlanSpec` that resolves the chosen layout there (the one
 resolver, parallel/plan.py, still answers "which mesh and which accumulation"). The job fixes what a
 ``Layout`` does not carry: the micro-batch size, activation checkpointing, FSDP's ``reshard_after_forward``
-and, with ``parallel.mixed_precision`` or ``parallel.meta_init``, sharded layouts only (the same rule the
+and, with ``parallel.meta_init``, sharded layouts only (the same rule the
 start-time choice keeps, :mod:`.job`). The cluster is the one the start-time choice priced (Ray's figures
 with ``parallel.calibration``'s): a resize changes the world size, not the devices' speed or memory.
 """
@@ -54,7 +54,7 @@ class Replanner:
     def __init__(self, config: Any, cluster: Cluster, shape: str | None = None) -> None:
         self.config, self.cluster = config, cluster
         self.model, self.train = planner_job.model_shape(config, shape), planner_job.training(config)
-        self.sharded_only = config.parallel.mixed_precision != "none" or config.parallel.meta_init
+        self.sharded_only = config.parallel.meta_init
         p = config.parallel
         self.search = dict(checkpointing=(p.activation_checkpointing,), reshard_after_forward=p.reshard_after_forward,
                            sequence_parallel=p.sequence_parallel is not False)

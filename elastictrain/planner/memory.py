@@ -14,7 +14,8 @@ the last one the output head: the larger of the two is taken):
   gathered from forward to backward), all of the stage's weights when ``reshard_after_forward`` is off
   (always inside a pipeline stage), and what a block's unsharded gradient with the reduce-scatter's flat
   input exceeds the activations its backward frees by. DDP adds nothing: its buckets are the gradients
-  (``gradient_as_bucket_view``, parallel/parallelize.py);
+  (``gradient_as_bucket_view``, parallel/parallelize.py); except under bf16 without FSDP, whose autocast
+  casts of the weights autograd keeps for each micro-batch in flight (:func:`_autocast_copies`);
 * **activations** per block per micro-batch after Korthikanti et al. 2022 (arXiv:2205.05198): ``s b h (34 +
   5 a s / h)`` bytes at 2-byte activations, without the ``5 a s / h`` term under flash-style attention
   (torch's SDPA stores no score matrix); tensor parallel with sequence parallel divides it by ``tp`` except
@@ -219,6 +220,17 @@ def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -
     return held * train.compute_param_bytes + max(0.0, 2 * block * g - freed)
 
 
+def _autocast_copies(train: Training, c: Candidate, n: float) -> float:
+    """bf16 without FSDP (``torch.autocast``, parallel/precision.py) at the activation peak: each
+    micro-batch's forward casts the rank's weights to bf16 and autograd keeps the casts for that micro-batch's
+    backward, so one bf16 copy per micro-batch in flight -- one without a pipeline, a pipeline rank's
+    :func:`.pipeline.in_flight` units of one virtual stage's weights (``n / stages_per_rank``) each."""
+    if c.pp == 1:
+        return n * train.compute_param_bytes
+    units = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
+    return units * n / c.stages_per_rank * train.compute_param_bytes
+
+
 def _grads_held_at_peak(train: Training, c: Candidate) -> bool:
     """Whether the gradients exist at the activation peak. The step loop drops them after each step
     (``zero_grad(set_to_none=True)``) except DDP's, which are its reduction buckets
@@ -263,6 +275,8 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
         grads = max(0.0, grads - acts)  # they grow as backward frees the activations: the later peak
     if shard > 1:
         gathered = _fsdp_gathered(model, train, c, n)
+    elif train.precision == "bf16":
+        gathered = _autocast_copies(train, c, n)
     else:
         gathered = 0.0  # DDP's buckets ARE the gradients here (gradient_as_bucket_view)
     body = params + grads + optimizer + gathered + acts

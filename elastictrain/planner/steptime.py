@@ -327,7 +327,7 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
 
 
 def _grad_bytes(train: Training) -> int:
-    return 4 if train.precision == "fsdp_bf16" else PRECISIONS[train.precision][1]
+    return 4 if train.precision == "bf16" else PRECISIONS[train.precision][1]
 
 
 def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> dict[str, float]:

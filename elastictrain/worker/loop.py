@@ -41,6 +41,7 @@ from elastictrain.parallel.context_wiring import wire_model as wire_context_para
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
 from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.precision import autocast, autocast_dtype
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
 from elastictrain.worker import memory_peak
@@ -258,6 +259,7 @@ class StepRunner:
             materialize(module, self.device)
             self.uninitialized = True
         self.pm = wrap(module, mesh)
+        self.pm.autocast_dtype = autocast_dtype(plan.mixed_precision, self.pm.model)  # bf16 without FSDP
         self.moe = bool(moe_layers(self.pm.model))  # token counts per expert go into the step events
         wire_context_parallel(self.pm, mesh, layout.dims, rank)  # cp group on the hooks; who counts (cp 0)
         if whole and (isinstance(module, FSDPModule) or _has_dtensor(module)):
@@ -410,7 +412,8 @@ class StepRunner:
                     batch = _to(self.collate(samples), self.device)
                     batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
-                    loss = self.task.loss_fn(module, batch, seeds).double().sum()  # (collective under cp)
+                    with autocast(self.pm.autocast_dtype, self.device):  # as in training (bf16 without FSDP)
+                        loss = self.task.loss_fn(module, batch, seeds).double().sum()  # (collective under cp)
                     if cp_coord(self.layout.dims, self.rank) == 0:
                         total += loss
         self._set_phase("collective")
