@@ -2,11 +2,14 @@
 
     PYTHONPATH=. python benchmarks/data.py [--copies 8] [--files 8] [--no-s3] [--out data.json]
 
-Corpus: Python's docs (the built-in corpus's text) repeated ``--copies`` times over ``--files`` JSON-lines files;
-tokenizer: a 2,048-id byte-level BPE trained on it here (nothing downloaded).
+Corpus: Python's docs (the built-in corpus's text) repeated ``--copies`` times over ``--files`` JSON-lines files
+(the default: ~20 M tokens, large enough that Ray's fixed costs do not decide the comparison; a real corpus is
+GB-TB); tokenizer: a 2,048-id byte-level BPE trained on it here (nothing downloaded).
 
-- prepare: tokens/s of ``elastictrain data prepare`` on a private local Ray (one task per file, one CPU each)
-  vs the same units in this one process (``local_process=True``); the outputs are checked byte-identical.
+- prepare: tokens/s of ``elastictrain data prepare`` on a private local Ray with one CPU per available core
+  (one task per file, one CPU each; Ray's workers started beforehand by a small warm-up prepare) vs the same
+  units in this one process (``local_process=True``); the outputs are checked byte-identical. Both sides
+  tokenize with one thread (``RAYON_NUM_THREADS=1``): the pair compares processes, not thread pools.
 - read: tokens/s one worker reads as random windows (seq_len 1024) from the local shards (pread) and from a
   moto S3 server (ranged GETs, with and without the read-ahead), against what an 8B model's step consumes on
   one H100 (6 * 8e9 FLOPs per token at 40% of 989 TFLOP/s bf16: ~8,200 tokens/s).
@@ -38,16 +41,25 @@ from elastictrain.data.windows import PreparedWindows  # noqa: E402
 H100_8B_TOKENS_PER_S = 0.40 * 989e12 / (6 * 8e9)
 
 
+def write_docs(where: Path, copies: int, files: int) -> Path:
+    """The docs text ``copies`` times over ``files`` JSON-lines files (documents dealt round-robin)."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    where.mkdir(parents=True)
+    docs = [f"{topics[k]} ({c})" for c in range(copies) for k in keys]
+    for f in range(files):
+        with open(where / f"part-{f:03d}.jsonl", "w") as fh:
+            fh.writelines(json.dumps({"text": d}) + "\n" for d in docs[f::files])
+    return where
+
+
 def make_corpus(root: Path, copies: int, files: int) -> tuple[Path, Path]:
     from pydoc_data.topics import topics
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     keys = sorted(topics)
-    (root / "corpus").mkdir(parents=True)
-    docs = [f"{topics[k]} ({c})" for c in range(copies) for k in keys]
-    for f in range(files):
-        with open(root / "corpus" / f"part-{f:03d}.jsonl", "w") as fh:
-            fh.writelines(json.dumps({"text": d}) + "\n" for d in docs[f::files])
+    write_docs(root / "corpus", copies, files)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator((topics[k] for k in keys), trainers.BpeTrainer(
@@ -62,8 +74,11 @@ def bench_prepare(root: Path, corpus: Path, tok: Path) -> dict:
     t = time.perf_counter()
     one = prepare(str(corpus), str(tok), str(root / "one"), local_process=True)
     one_s = time.perf_counter() - t
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
-    prepare(str(corpus), str(tok), str(root / "warm"), progress=False)  # Ray's worker processes started once
+    cpus = len(os.sched_getaffinity(0))
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    # Ray's worker processes started (and their imports done) once, on a small corpus of one file per CPU: the
+    # timed run is the steady state a GB-TB corpus sees, not Ray's start
+    prepare(str(write_docs(root / "warm-corpus", 1, cpus)), str(tok), str(root / "warm"), progress=False)
     t = time.perf_counter()
     prepare(str(corpus), str(tok), str(root / "ray"), progress=False)
     ray_s = time.perf_counter() - t
@@ -72,7 +87,7 @@ def bench_prepare(root: Path, corpus: Path, tok: Path) -> dict:
                for p in (root / "ray").rglob("*") if p.is_file())
     tokens = one["splits"]["train"]["tokens"]
     return {"tokens": tokens, "one_process_tokens_per_s": tokens / one_s, "ray_tokens_per_s": tokens / ray_s,
-            "ray_speedup": one_s / ray_s, "identical": same, "cpus": os.cpu_count()}
+            "ray_speedup": one_s / ray_s, "identical": same, "cpus": cpus}
 
 
 def read_rate(w: PreparedWindows, n: int, ahead: bool) -> float:
@@ -192,7 +207,9 @@ def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--copies", type=int, default=8, help="times the docs text is repeated in the corpus")
+    # 160 copies: ~20 M tokens, ~30 s in one process; at 1 M tokens Ray Data's fixed costs were most of its time
+    ap.add_argument("--copies", type=int, default=160, help="times the docs text is repeated in the corpus "
+                    "(160: ~20 M tokens)")
     ap.add_argument("--files", type=int, default=8, help="JSON-lines files (one prepare task each)")
     ap.add_argument("--no-s3", action="store_true", help="skip the moto S3 measurements")
     ap.add_argument("--rss-tokens", type=int, default=4_000_000, help="tokens of the 1x corpus of the RSS check")
