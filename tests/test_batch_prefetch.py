@@ -85,10 +85,11 @@ class _Indexable:
         return self.fn(i)
 
 
-def test_reset_and_a_replan_drop_the_stale_prefetch(corpus):
+@pytest.mark.parametrize("how", ["reset", "replan"])
+def test_reset_and_a_replan_drop_the_stale_prefetch(corpus, how):
     """The thread held inside the first scheduled batch's first read; the rest are stale by the time it goes
-    on: a reset (and a schedule of other batches, as after a re-plan) cancels them, so they are never read,
-    and what is taken next is the new ids' batch."""
+    on: a reset (attach at a regroup) or a schedule of other batches (the first step after a re-plan) cancels
+    them at once, so they are never read, and what is taken next is the new ids' batch."""
     w = PreparedWindows(str(corpus), SEQ)
     started, release = threading.Event(), threading.Event()
     reads: list[int] = []
@@ -103,17 +104,21 @@ def test_reset_and_a_replan_drop_the_stale_prefetch(corpus):
     ahead = BatchPrefetcher(_Indexable(gated), _collate)
     try:
         stale = _micro(0, 0, 2, len(w)) + _micro(1, 0, 2, len(w))
+        fresh = _micro(5, 1, 4, len(w))
         ahead.schedule(stale)
         assert started.wait(timeout=60)
-        ahead.reset()
-        fresh = _micro(5, 0, 1, len(w))
-        ahead.schedule(fresh)
+        if how == "reset":
+            ahead.reset()
+            assert not ahead._pending  # nothing held for the old group
+        else:
+            ahead.schedule(fresh)
+            assert set(ahead._pending) == {tuple(ids) for ids in fresh}
         release.set()
         for ids in fresh:
             assert _same(ahead.take(ids), _collate([w[i] for i in ids]))
+        ahead.close()
         dropped = {i for ids in stale[1:] for i in ids} - {i for ids in fresh for i in ids}
         assert dropped and not dropped & set(reads), sorted(dropped & set(reads))
-        assert not ahead._pending  # nothing held for the old layout
     finally:
         release.set()
         ahead.close()
