@@ -139,3 +139,54 @@ def test_a_read_error_reaches_the_taker(corpus):
             ahead.take(ids)
     finally:
         ahead.close()
+
+
+class _WatchedWindows(PreparedWindows):
+    """A prepared split that notes which thread reads each window."""
+
+    readers: list[str]
+
+    def __getitem__(self, index: int):
+        self.readers.append(threading.current_thread().name)
+        return super().__getitem__(index)
+
+
+class _Synchronous:
+    """The same windows without ``prefetch``: the loop reads them in the step, as before the read-ahead."""
+
+    def __init__(self, windows: PreparedWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int):
+        return self.windows[index]
+
+
+def test_the_loop_trains_the_same_numbers_on_batches_read_ahead(corpus):
+    """The worker's StepRunner (one rank, in this process) for 6 steps on the prepared corpus: with the
+    read-ahead every step's loss and the final parameters are exactly those of reading in the step, and the
+    step itself read no window (the one read in the step loop's thread is its set-up's sample-length probe)."""
+    import dataclasses
+
+    from elastictrain import build_config
+    from elastictrain.task import builtin_task
+    from tests.conftest import job
+    from tests.parallel_fixtures import InProcessRun
+
+    spec = job(task={**job()["task"], "data": {"source": str(corpus)}},
+               train={"steps": 6, "audit_samples": True}, workers={"min": 1, "max": 1, "standby": False})
+    spec["task"]["model"] = {**spec["task"]["model"], "seq_len": SEQ}
+    base = builtin_task(build_config(spec))
+    watched = _WatchedWindows(str(corpus), SEQ)
+    watched.readers = []
+    ahead = InProcessRun(spec, task=dataclasses.replace(base, dataset_fn=lambda: watched))
+    inline = InProcessRun(spec, task=dataclasses.replace(
+        base, dataset_fn=lambda: _Synchronous(PreparedWindows(str(corpus), SEQ))))
+    assert ahead.losses() == inline.losses() and len(ahead.losses()) == 6
+    pa, pi = ahead.final_params(), inline.final_params()
+    assert pa.keys() == pi.keys() and all(torch.equal(pa[k], pi[k]) for k in pa)
+    main = threading.main_thread().name
+    assert watched.readers.count(main) == 1, watched.readers.count(main)
+    assert len(watched.readers) > 6 * 8, len(watched.readers)
