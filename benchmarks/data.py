@@ -14,10 +14,11 @@ GB-TB); tokenizer: a 2,048-id byte-level BPE trained on it here (nothing downloa
   moto S3 server (ranged GETs, with and without the read-ahead), against what an 8B model's step consumes on
   one H100 (6 * 8e9 FLOPs per token at 40% of 989 TFLOP/s bf16: ~8,200 tokens/s).
 - rss: a reader's resident memory after the same 4,000 windows from a 1x and a 10x corpus (subprocesses).
-- wait: the time a step of the tiny GPT (seq_len 64, micro-batch 8) waits for its windows, as a share of the
-  step, local and on S3 (the loop's read-ahead: this and the next step's windows requested before the step).
+- wait: the time a step of the tiny GPT (seq_len 64, micro-batch 8) waits for its batch, as a share of the
+  step, local and on S3, measured through the step loop's own read-ahead (data/prefetch.py, called as
+  worker/loop.py calls it: the next step's batch read and stacked in a thread while this step computes).
 Targets (issue 37): data wait <= 1% of the step on the tiny job; RSS flat in corpus size (10x within 10%);
-prepare on Ray >= 1.6x one process on 2 cores. Default runtime under 3 minutes on an idle 2-core machine.
+prepare on Ray >= 1.6x one process on 2 cores. Default runtime about 2-4 minutes on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -172,10 +173,15 @@ def bench_rss(root: Path, tokens: int) -> dict:
 
 
 def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
-    """The tiny job's step (seq_len 64, micro-batch 8, one process): time in ``dataset[i]`` per step as a share."""
+    """What the tiny job's step (seq_len 64, micro-batch 8, one process) waits for its data, as a share of the
+    step, through the step loop's own read-ahead (data/prefetch.py ``BatchPrefetcher``) called as the loop calls
+    it (worker/loop.py ``_read_ahead`` and ``_LoopHooks.load``): at the start of step ``s`` schedule this and the
+    next step's micro-batches, then ``take`` the batch; the wait is the time in ``take`` (the loop's "data"
+    phase). The first step of a run reads its own batch (nothing was scheduled before it): counted."""
     import torch
 
-    from elastictrain.data.cursor import step_sample_ids
+    from elastictrain.data.cursor import rank_micro_batches
+    from elastictrain.data.prefetch import BatchPrefetcher
     from elastictrain.models.gpt import GPT, GPTConfig, per_sample_loss
 
     torch.manual_seed(0)
@@ -186,20 +192,25 @@ def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
         sources["s3"] = PreparedWindows(s3[2], 64, storage_options=s3[1])
     out = {}
     for name, w in sources.items():
+        ahead = BatchPrefetcher(w, lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]})
         wait = total = 0.0
-        for s in range(steps):
-            t0 = time.perf_counter()
-            ids = step_sample_ids(s, 8, 0, len(w))
-            w.prefetch(list(ids) + list(step_sample_ids(s + 1, 8, 0, len(w))))
-            t = time.perf_counter()
-            items = [w[int(i)] for i in ids]
-            wait += time.perf_counter() - t
-            batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-            loss = per_sample_loss(model(batch["input"]), batch["target"]).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total += time.perf_counter() - t0
+        try:
+            for s in range(steps):
+                t0 = time.perf_counter()
+                (ids,) = rank_micro_batches(s, 0, 1, 8, 8, 0, len(w))
+                (nxt,) = rank_micro_batches(s + 1, 0, 1, 8, 8, 0, len(w))
+                ahead.schedule([ids, nxt])
+                t = time.perf_counter()
+                batch = ahead.take(ids)
+                wait += time.perf_counter() - t
+                loss = per_sample_loss(model(batch["input"]), batch["target"]).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                total += time.perf_counter() - t0
+        finally:
+            ahead.close()
+            w.close()
         out[f"{name}_wait_share"] = wait / total
         out[f"{name}_step_ms"] = 1e3 * total / steps
     return out
