@@ -1,6 +1,6 @@
 """Data benchmark (a script, not a test): prepare throughput, read throughput, RSS vs corpus size, data wait.
 
-    PYTHONPATH=. python benchmarks/data.py [--copies 8] [--files 8] [--no-s3] [--out data.json]
+    PYTHONPATH=. python benchmarks/data.py [--copies 160] [--files 8] [--no-s3] [--out data.json]
 
 Corpus: Python's docs (the built-in corpus's text) repeated ``--copies`` times over ``--files`` JSON-lines files
 (the default: ~20 M tokens, large enough that Ray's fixed costs do not decide the comparison; a real corpus is
