@@ -29,7 +29,11 @@ class Task:
       sample's math does not depend on which worker processes it.
     - ``optimizer_fn(params)`` builds the optimizer.
     - ``dataset_fn()`` returns a map-style dataset (``len`` and ``__getitem__(int) -> dict of tensors``);
-      every worker must build the same dataset.
+      every worker must build the same dataset. ``collate_fn(samples)`` (optional; default: stack each key)
+      makes a micro-batch of them. A dataset with ``prefetch(ids)`` (a prepared corpus) has the next step's
+      micro-batches read and collated in a background thread while a step computes
+      (:mod:`elastictrain.data.prefetch`): its ``__getitem__`` and ``collate_fn`` must then be thread-safe
+      pure functions of their inputs (no global RNG).
     - ``lr_fn(step)`` returns the learning-rate multiplier for a 0-based step (a pure function of step, so the
       schedule continues exactly after a resize or a resume). Default: constant 1.
     - ``parallelize_fn(model, mesh, plan)`` applies the layout for one membership generation and returns the

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastictrain.config import ParallelConfig, TrainConfig
 from elastictrain.checkpoint import host_copy
 from elastictrain.data.cursor import CursorState, eval_sample_ids, rank_micro_batches
+from elastictrain.data.prefetch import BatchPrefetcher
 from elastictrain.models.gpt import sample_seeds
 from elastictrain.parallel.init import init_by_name, inits_by_name
 from elastictrain.parallel.materialize import has_meta_params, load_seeded_init, materialize, params_on_meta
@@ -105,6 +106,9 @@ class StepRunner:
         self.dataset = task.dataset_fn()
         self.dataset_len = len(self.dataset)
         self.collate = task.collate_fn or _default_collate
+        # a dataset that reads by range (``prefetch``: a prepared corpus) gets its next step's batches assembled
+        # in a thread behind this step (data/prefetch.py); an in-memory one is read in the step, as it costs little
+        self.batches = BatchPrefetcher(self.dataset, self.collate) if hasattr(self.dataset, "prefetch") else None
         self.eval_dataset = task.eval_dataset_fn() if (train.eval_every and task.eval_dataset_fn) else None
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
@@ -233,6 +237,8 @@ class StepRunner:
         if self.device.type == "cuda":  # the state may be rebuilt or reloaded next: no copy may still read it
             host_copy.settle()
         self.rank, self.world_size, self.generation, self.layout = rank, world_size, generation, layout
+        if self.batches is not None:  # another group, maybe another step: its first step schedules its own
+            self.batches.reset()
         self.aborted.clear()  # a new generation's group: an abort of an earlier one is not about it
         self.ep, self.moe = None, False  # (set again below for this generation's layout)
         mesh = build_mesh(layout.dims, self.device)
@@ -423,21 +429,24 @@ class StepRunner:
         return float(total) / (g * self.train.eval_batches)
 
     def close_data(self) -> None:
-        """Stop the datasets' read-ahead threads and close their files (a dataset with ``close()``)."""
+        """Stop the batch read-ahead and the datasets' read-ahead threads, and close their files (a dataset with
+        ``close()``)."""
+        if self.batches is not None:
+            self.batches.close()
         for ds in (self.dataset, getattr(self, "eval_dataset", None)):
             close = getattr(ds, "close", None)
             if callable(close):
                 close()
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
-        """A dataset with ``prefetch(ids)`` (a prepared corpus on S3) starts reading this step's and the next
-        step's windows of this rank in its own threads: the next step's data loads behind this step."""
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if prefetch is None:
+        """With a batch read-ahead (a dataset with ``prefetch(ids)``: a prepared corpus), schedule this step's
+        and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
+        reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
+        if self.batches is None:
             return
         nxt = rank_micro_batches(s + 1, dp_rank, d, self.train.micro_batch, self.train.global_batch,
                                  self.train.seed, self.dataset_len)
-        prefetch([int(i) for ids in micro + nxt for i in ids])
+        self.batches.schedule(micro + nxt)
 
     def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
         """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written
@@ -553,9 +562,14 @@ class _LoopHooks:
     def load(self, k: int) -> MicroBatch:
         r, ids = self.r, self.micro[k]
         r._set_phase("data")  # waiting on storage is not computing: the watchdog names it, never replaces it
-        samples = [r.dataset[int(i)] for i in ids]
-        r._set_phase("compute")
-        batch = _to(r.collate(samples), r.device)
+        if r.batches is not None:  # assembled behind the previous step (the same batch a read here gives)
+            batch = r.batches.take(ids)
+            r._set_phase("compute")
+        else:
+            samples = [r.dataset[int(i)] for i in ids]
+            r._set_phase("compute")
+            batch = r.collate(samples)
+        batch = _to(batch, r.device)
         batch = shard_batch(batch, r.layout.dims, r.rank)  # cp: this rank's positions (seeds unchanged)
         seeds = sample_seeds(r.train.seed, self.s, ids)
         return MicroBatch([int(i) for i in ids], batch, seeds)
