@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import gc
 import os
 import socket
@@ -670,8 +671,11 @@ class Worker:
             self.runner.close_data()
 
 
+@functools.cache
 def worker_actor_class() -> Any:
     """The Ray actor class for :class:`Worker`: threaded so ``poll``, ``request_stop``, ``abort_group`` and
     ``fetch`` run beside ``run`` and ``join`` (a restoring one); every method that touches the model runs on the one
-    thread of the ``state`` concurrency group (see :data:`STATE_GROUP`)."""
+    thread of the ``state`` concurrency group (see :data:`STATE_GROUP`). One per process: Ray exports a class
+    to its cluster once per job (again after a new ``ray.init``), and a class made anew for every run was
+    exported anew (pickled and disassembled on the driver) by every run of a process."""
     return ray.remote(max_concurrency=4, concurrency_groups={STATE_GROUP: 1})(Worker)
