@@ -51,3 +51,28 @@ def test_local_ray_workers_have_the_worker_module_imported_before_any_work(ray_l
     fresh = {"env_vars": {"ELASTICTRAIN_PRELOAD_PROBE": uuid.uuid4().hex}}
     names = list(WORKER_PRELOAD_MODULES)
     assert ray.get(_imported.options(runtime_env=fresh).remote(names), timeout=300) == [True] * len(names)
+
+
+def test_the_worker_actor_module_imports_without_garbage_collection() -> None:
+    """Every worker process imports the worker actor's module (the preload above): no garbage collection
+    runs during its imports (torch, DTensor, DCP; collections there freed nothing and cost a quarter of
+    their CPU: docs/perf/2026-11-28-suite-time.md), and collection is on again once it is imported. In a
+    fresh interpreter a gc callback counts the collections that start while the module's imports run: after
+    its first statements (``_GC_WAS_ON`` set) and before its last import (``broadcast_state``)."""
+    import subprocess
+
+    probe = ("import gc, sys\n"
+             "seen = []\n"
+             "def during(phase, info):\n"
+             "    actor = sys.modules.get('elastictrain.worker.actor')\n"
+             "    if phase == 'start' and hasattr(actor, '_GC_WAS_ON') and not hasattr(actor, 'broadcast_state'):\n"
+             "        seen.append(info['generation'])\n"
+             "gc.callbacks.append(during)\n"
+             "import elastictrain.worker.actor\n"
+             "gc.callbacks.clear()\n"
+             "print(len(seen), gc.isenabled())\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "True"], out.stdout

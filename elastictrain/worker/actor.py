@@ -17,12 +17,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import gc
 import os
 import socket
 import threading
 import time
 from typing import Any
+
+# No garbage collection during the imports below (torch, DTensor, DCP: every worker process's start): they
+# allocate ~300k long-lived objects, and the collections they set off found nothing to free but cost a
+# quarter of the imports' CPU (docs/perf/2026-11-28-suite-time.md). Turned back on right after them; an
+# import that fails leaves it off in a process that cannot work anyway.
+_GC_WAS_ON = gc.isenabled()
+gc.disable()
 
 import ray
 import torch
@@ -40,6 +48,9 @@ from elastictrain.worker.faults import FaultInjector, InjectedFault
 from elastictrain.worker.gloo_sever import Connections, Snapshot
 from elastictrain.worker.loop import StepRunner
 from elastictrain.worker.state_sync import broadcast_state
+
+if _GC_WAS_ON:
+    gc.enable()
 
 
 STATE_GROUP = "state"
@@ -670,8 +681,11 @@ class Worker:
             self.runner.close_data()
 
 
+@functools.cache
 def worker_actor_class() -> Any:
     """The Ray actor class for :class:`Worker`: threaded so ``poll``, ``request_stop``, ``abort_group`` and
     ``fetch`` run beside ``run`` and ``join`` (a restoring one); every method that touches the model runs on the one
-    thread of the ``state`` concurrency group (see :data:`STATE_GROUP`)."""
+    thread of the ``state`` concurrency group (see :data:`STATE_GROUP`). One per process: Ray exports a class
+    to its cluster once per job (again after a new ``ray.init``), and a class made anew for every run was
+    exported anew (pickled and disassembled on the driver) by every run of a process."""
     return ray.remote(max_concurrency=4, concurrency_groups={STATE_GROUP: 1})(Worker)
