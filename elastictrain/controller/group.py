@@ -7,7 +7,8 @@ gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-p
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first once the run has trained a step
 (:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It imports
-at the lowest CPU priority (:mod:`elastictrain.worker.import_priority`), so its start takes little from training.
+in ``SCHED_IDLE`` until a replacement takes it (:mod:`elastictrain.worker.import_priority`), so its start takes
+from training only the CPU the training processes leave idle.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -31,7 +32,15 @@ from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
-from elastictrain.worker.import_priority import STANDBY_ENV
+from elastictrain.worker.import_priority import STANDBY_ENV, restore_process
+
+
+def _standby_facts(_: Any) -> tuple[str, int, Any]:
+    """Run in a standby process (``__ray_call__``): its node, pid and the priorities it trains at
+    (:func:`import_priority.training_priorities`; None when it was not lowered)."""
+    from elastictrain.worker import import_priority
+
+    return ray.get_runtime_context().get_node_id(), os.getpid(), import_priority.training_priorities()
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -255,10 +264,10 @@ class WorkerGroup:
         self._standby_node = self._bundle_node(index)
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
-            # a process of its own that imports at the lowest CPU priority (worker/import_priority.py)
+            # a process of its own that stays at the lowest CPU priority until taken (worker/import_priority.py)
             runtime_env={"env_vars": {STANDBY_ENV: "1"}},
         ).remote(self.config, self.task, -1)
-        self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+        self._standby_probe = self._standby.__ray_call__.remote(_standby_facts)
         # and builds what a fresh worker builds (model, data) ahead, so taking it only names the slot
         # (Worker.setup; measured 0.4-0.6 s of a replacement's start on 2 busy cores, now paid before a death)
         self._standby_setup = self._standby.setup.remote(None)
@@ -284,9 +293,10 @@ class WorkerGroup:
         if self._standby is None:
             return None
         done, _ = ray.wait([self._standby_probe], timeout=0)
+        pid = priorities = None
         if done:
             try:
-                node = ray.get(self._standby_probe)
+                node, pid, priorities = ray.get(self._standby_probe)
             except Exception:  # noqa: BLE001 - it died (its node went): start another later
                 self._drop_standby()
                 return None
@@ -296,6 +306,11 @@ class WorkerGroup:
             return None
         actor, self._standby, self._standby_probe, self._standby_node = self._standby, None, None, None
         self._standby_setup = None
+        # back to the training priority: from inside (its threads wait for the GIL) and, where it runs on this
+        # node, from outside at once (the bound on SCHED_IDLE's GIL hazard: worker/import_priority.py)
+        actor.wake.remote()
+        if priorities is not None and node == ray.get_runtime_context().get_node_id():
+            restore_process(pid, *priorities)
         return actor
 
     def _drop_standby(self) -> None:
