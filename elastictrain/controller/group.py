@@ -6,9 +6,9 @@ so a replacement waits for capacity instead of failing. A slot with a group of i
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first once the run has trained a step
-(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It imports
-in ``SCHED_IDLE`` until a replacement takes it (:mod:`elastictrain.worker.import_priority`), so its start takes
-from training only the CPU the training processes leave idle.
+(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It runs
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes it (:mod:`elastictrain.worker.import_priority`),
+so its start takes from training only the CPU the training processes leave idle.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -276,9 +276,9 @@ class WorkerGroup:
         """Start the run's first standby, on the node of the lowest member slot; once per run (after that a
         replacement that took the standby starts the next, :meth:`collect_ready`). The controller calls it
         once the first generation has completed a step: a process started earlier would take a core from
-        the workers' own start-up and first rendezvous; started then, it is up before a first failure
-        (its start costs a core for a few seconds while the run trains at full size), so the first
-        replacement of a run is warm too."""
+        the workers' own start-up and first rendezvous (Ray's start of the process runs at the workers'
+        priority); started then, it is up before a first failure (after Ray's start it runs in the idle
+        class, on the CPU the training leaves), so the first replacement of a run is warm too."""
         if self._standby_started or not self.config.workers.standby:
             return
         members = self.by_state(SlotState.MEMBER)
