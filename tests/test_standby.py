@@ -229,3 +229,53 @@ print(prio() == [(os.SCHED_OTHER, start)], ip.report()["low_threads"], os.enviro
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["True False True", "True 0 None"], out.stdout
+
+
+_LOWERING_CHILD = """
+import os, sys, threading
+done = threading.Event()
+threading.Thread(target=done.wait, daemon=True).start()  # a thread started before (Ray's, in a worker)
+import elastictrain.worker
+from elastictrain.worker import import_priority as ip
+print(ip.report()["lowered"], flush=True)
+sys.stdin.readline()  # the test reads /proc meanwhile
+"""
+
+
+def _standby_child(path: str):
+    import subprocess
+    import sys
+
+    from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV
+
+    env = {**os.environ, STANDBY_ENV: "1", PRIORITIES_ENV: path, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-c", _LOWERING_CHILD], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_the_group_puts_a_standby_back_from_outside_or_marks_it_before_it_lowers(tmp_path) -> None:
+    """The take from the group's side (``put_back``, no call into the standby, so no GIL of its): a standby
+    that lowered itself has every thread put back at the nice value it had, by pid, from the file it wrote
+    before lowering; one taken before it got that far finds the group's mark and never lowers itself."""
+    from elastictrain.worker.import_priority import put_back
+
+    if not _may_go_back(os.nice(0)):
+        pytest.skip("this user may not lower a nice value here: a standby is never lowered")
+    start = os.nice(0)
+    lowered = _standby_child(str(tmp_path / "a.json"))
+    try:
+        assert lowered.stdout.readline().strip() == "True"
+        assert _thread_priorities(lowered.pid) == {(5, 19)}
+        assert put_back(str(tmp_path / "a.json")).startswith("restored ")
+        assert _thread_priorities(lowered.pid) == {(0, start)}
+    finally:
+        lowered.communicate("\n", timeout=60)
+
+    assert put_back(str(tmp_path / "b.json")) == "marked"  # taken before its process got to lower itself
+    late = _standby_child(str(tmp_path / "b.json"))
+    try:
+        assert late.stdout.readline().strip() == "False"
+        assert _thread_priorities(late.pid) == {(0, start)}
+    finally:
+        late.communicate("\n", timeout=60)
+    assert put_back(str(tmp_path / "c.json")) == "marked" and put_back(str(tmp_path / "c.json")) == "not here"

@@ -19,7 +19,9 @@ import enum
 import operator
 import os
 import signal
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,15 +34,7 @@ from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
-from elastictrain.worker.import_priority import STANDBY_ENV, restore_process
-
-
-def _standby_facts(_: Any) -> tuple[str, int, Any]:
-    """Run in a standby process (``__ray_call__``): its node, pid and the priorities it trains at
-    (:func:`import_priority.training_priorities`; None when it was not lowered)."""
-    from elastictrain.worker import import_priority
-
-    return ray.get_runtime_context().get_node_id(), os.getpid(), import_priority.training_priorities()
+from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, put_back
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -163,6 +157,8 @@ class WorkerGroup:
     _standby_setup: Any = None  # the ObjectRef of its set-up ahead (model, data, no slot)
     _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
+    _standby_file: str | None = None  # where it writes its priorities before lowering them (same node only)
+    _marks: list[str] = []  # files of standbys taken: removed at shutdown (a mark must outlive the take)
     rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
 
     def __init__(self, config: JobConfig, task: Task) -> None:
@@ -262,12 +258,13 @@ class WorkerGroup:
             return
         self._standby_started = True
         self._standby_node = self._bundle_node(index)
+        self._standby_file = os.path.join(tempfile.gettempdir(), "elastictrain-standby", f"{uuid.uuid4().hex}.json")
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
             # a process of its own that stays at the lowest CPU priority until taken (worker/import_priority.py)
-            runtime_env={"env_vars": {STANDBY_ENV: "1"}},
+            runtime_env={"env_vars": {STANDBY_ENV: "1", PRIORITIES_ENV: self._standby_file}},
         ).remote(self.config, self.task, -1)
-        self._standby_probe = self._standby.__ray_call__.remote(_standby_facts)
+        self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
         # and builds what a fresh worker builds (model, data) ahead, so taking it only names the slot
         # (Worker.setup; measured 0.4-0.6 s of a replacement's start on 2 busy cores, now paid before a death)
         self._standby_setup = self._standby.setup.remote(None)
@@ -293,10 +290,9 @@ class WorkerGroup:
         if self._standby is None:
             return None
         done, _ = ray.wait([self._standby_probe], timeout=0)
-        pid = priorities = None
         if done:
             try:
-                node, pid, priorities = ray.get(self._standby_probe)
+                node = ray.get(self._standby_probe)
             except Exception:  # noqa: BLE001 - it died (its node went): start another later
                 self._drop_standby()
                 return None
@@ -306,12 +302,24 @@ class WorkerGroup:
             return None
         actor, self._standby, self._standby_probe, self._standby_node = self._standby, None, None, None
         self._standby_setup = None
-        # back to the training priority: from inside (its threads wait for the GIL) and, where it runs on this
-        # node, from outside at once (the bound on SCHED_IDLE's GIL hazard: worker/import_priority.py)
+        # back to the training priority: from inside (once its actor exists and has the GIL) and, where it runs
+        # on this node, from outside at once, imports still running or not (the bound on SCHED_IDLE's GIL
+        # hazard: worker/import_priority.py)
         actor.wake.remote()
-        if priorities is not None and node == ray.get_runtime_context().get_node_id():
-            restore_process(pid, *priorities)
+        if self._standby_file:
+            put_back(self._standby_file)  # a mark left there is removed at shutdown
+            self._marks = [*self._marks, self._standby_file]
+        self._standby_file = None
         return actor
+
+    def _forget_standby_files(self) -> None:
+        for path in [self._standby_file, *self._marks]:
+            if path:
+                try:
+                    os.unlink(path)
+                except OSError:  # never written (another node, not lowered) or already gone
+                    pass
+        self._standby_file, self._marks = None, []
 
     def _drop_standby(self) -> None:
         if self._standby is not None:
@@ -320,6 +328,9 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._standby, self._standby_probe, self._standby_node, self._standby_setup = None, None, None, None
+        if self._standby_file:  # its process is gone: so is the need for its file
+            self._marks = [*self._marks, self._standby_file]
+        self._standby_file = None
 
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
@@ -400,6 +411,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         self._drop_standby()
+        self._forget_standby_files()
         for slot in self.slots:
             if slot.actor is not None and slot.state in (SlotState.MEMBER, SlotState.READY):
                 try:

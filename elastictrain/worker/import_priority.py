@@ -25,7 +25,10 @@ The GIL hazard of ``SCHED_IDLE``: an idle-class thread that holds Python's GIL w
 stops every other thread of its process, the one that would run ``wake`` included. Two bounds: the take
 happens when a core is free (above), and where the taking controller runs on the standby's node it puts the
 threads back from outside too (:func:`restore_process`, by pid, no GIL needed), which is what the
-replacements of a single-node run rely on.
+replacements of a single-node run rely on; it finds the pid and the threads' nice values in the file the
+standby wrote before lowering itself (:data:`PRIORITIES_ENV`), so this works while the standby is still
+importing, before its actor exists to answer any call; and a standby taken before it lowered itself finds
+the group's mark there and never does (:func:`put_back`).
 
 Going back is a privilege: Linux lets a thread lower its nice value (or leave ``SCHED_IDLE``) only with
 ``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers
@@ -38,12 +41,16 @@ about.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import threading
 from dataclasses import dataclass
 
 STANDBY_ENV = "ELASTICTRAIN_STANDBY_PROCESS"
 """Set to "1" in a standby process's environment by the group; nobody else sets it."""
+PRIORITIES_ENV = "ELASTICTRAIN_STANDBY_PRIORITIES"
+"""A file path, set beside :data:`STANDBY_ENV` by the group: the standby writes its pid and each thread's nice
+value there before it lowers them (:func:`read_priorities`), so the group can put it back from outside."""
 LOW_NICE = 19
 _CAP_SYS_NICE = 23  # linux/capability.h
 IDLE, OTHER = "idle", "other"  # the scheduling classes used: SCHED_IDLE, SCHED_OTHER
@@ -139,24 +146,85 @@ def lower_if_standby() -> bool:
         if low == Priority(OTHER, nice):
             return False
         me = threading.get_native_id()
+        _thread_nice.clear()
+        for tid in _threads("self"):  # Ray's threads started before the preload, this one included
+            try:
+                _thread_nice[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+            except OSError:  # the thread ended meanwhile
+                pass
+        _thread_nice[me] = nice
+        if not _publish(nice):  # taken before it got here: it trains, it does not lower itself
+            return False
         try:  # this thread first: if it cannot, nothing changed
             _set_thread(me, low)
         except OSError:
             return False
-        _thread_nice.clear()
-        _thread_nice[me] = nice
-        for tid in _threads("self"):  # Ray's threads started before the preload
-            if tid == me:
-                continue
+        for tid in _thread_nice:
             try:
-                before = os.getpriority(os.PRIO_PROCESS, tid)
                 _set_thread(tid, low)
-                _thread_nice[tid] = before
             except OSError:  # the thread ended meanwhile
                 pass
         _lowered_from = nice
         _record["lowered"] = True
     return True
+
+
+def _claim(path: str, text: str) -> bool:
+    """Create ``path`` holding ``text``, whole, unless it exists (a hard link of a finished temporary file:
+    atomic, so the reader never sees half of it). True when this call created it."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _publish(nice: int) -> bool:
+    """Write this process's priorities to its :data:`PRIORITIES_ENV` file before lowering them. False when
+    the group has taken the standby already (its mark holds the path): then it must not lower itself."""
+    path = os.environ.get(PRIORITIES_ENV)
+    if not path:
+        return True
+    text = json.dumps({"pid": os.getpid(), "nice": nice, "threads": {str(t): n for t, n in _thread_nice.items()}})
+    try:
+        return _claim(path, text)
+    except OSError:  # cannot write: the group then relies on Worker.wake alone
+        return True
+
+
+def read_priorities(path: str) -> tuple[int, int, dict[int, int]] | None:
+    """What a standby wrote to its :data:`PRIORITIES_ENV` file: (pid, the nice value it trains at, each
+    thread's nice value before); None when there is no such file on this node, or it holds the group's mark."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return int(data["pid"]), int(data["nice"]), {int(t): int(n) for t, n in data["threads"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def put_back(path: str) -> str:
+    """The group's side of a take, on its own node: mark ``path`` taken so that a standby that has not lowered
+    itself yet never does ("marked"), or put back the threads of one that has ("restored N"); "not here" when
+    the file names no live process of this node. Never raises."""
+    try:
+        if _claim(path, json.dumps({"taken": True})):
+            return "marked"
+    except OSError:
+        return "not here"
+    written = read_priorities(path)
+    if written is None:
+        return "not here"
+    return f"restored {restore_process(*written)}"
 
 
 def restore_process(pid: int | str, nice: int, before: dict[int, int] | None = None) -> int:
@@ -188,13 +256,12 @@ def restore(by: str = "take") -> None:
         _record["restored_by"] = by
         os.environ.pop(STANDBY_ENV, None)  # processes it starts from now on are not standbys
     restore_process("self", nice, _thread_nice)
-
-
-def training_priorities() -> tuple[int, dict[int, int]] | None:
-    """While this process is lowered: the nice value it trains at and each thread's nice value before
-    (what :func:`restore_process` needs from outside); None when it is not lowered."""
-    with _lock:
-        return None if _lowered_from is None else (_lowered_from, dict(_thread_nice))
+    path = os.environ.pop(PRIORITIES_ENV, None)
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:  # the group removed it, or it lives on another node's disk
+            pass
 
 
 def report() -> dict[str, object]:
