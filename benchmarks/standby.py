@@ -12,8 +12,10 @@ steps ``W..N`` (the throughput benchmark's window) it reports, per run:
 - ``delay_ms/step``: the training processes' run-queue delay per step (summed over both): what another
   process on their cores took from them, whoever it was;
 - ``train_cpu_ms/step``: their CPU per step;
-- ``standby_cpu_s``: the standby's CPU seconds over the window, and over the whole run (all of it before a
-  take: nothing is killed here), with the share of the window it ran in the idle class.
+- ``standby_cpu_s_window`` / ``_run``: the standby's CPU seconds over the window and over the whole run (all
+  of it before a take: nothing is killed here); ``standby_idle_share``: the share of the window's samples
+  that saw it in ``SCHED_IDLE``; ``standby_cpu_s_before_low``: its CPU seconds when first seen in the idle
+  class (an upper bound on Ray's start of the process, which runs at the training priority).
 
 Wall-clock rates on a shared machine say little; these say where the CPU went. ``--ray-nice`` sets
 ``RAY_worker_niceness`` (0: the throughput benchmark's setting; 15: Ray's default, the recovery drill's).
@@ -130,10 +132,18 @@ def figures(samples: list, warmup: int) -> dict[str, float]:
                 total += 1
                 idle += policy == 5  # SCHED_IDLE
     last = {pid: c for _, _, _, stand in samples for pid, (c, _, _) in stand.items()}
+    # CPU seconds before it lowered itself (Ray's start of the process, at the training priority): the first
+    # sample that sees it in the idle class bounds it from above
+    before_low = {}
+    for _, _, _, stand in samples:
+        for pid, (c, _, policy) in stand.items():
+            if policy == 5:
+                before_low.setdefault(pid, c)
     return {
         "steps": steps, "delay_ms/step": 1000 * delay / steps, "train_cpu_ms/step": 1000 * cpu / steps,
         "standby_cpu_s_window": sum(last[p] - sb_window[p] for p in sb_window),
         "standby_cpu_s_run": sum(last.values()), "standby_idle_share": idle / total if total else 0.0,
+        "standby_cpu_s_before_low": sum(before_low.values()),
     }
 
 
