@@ -1,5 +1,5 @@
-"""``workers.standby``: the group keeps one worker process started ahead (the first once the run trained a
-step), and the next replacement runs in that process (no process start, no imports) while another standby is
+"""``workers.standby``: the group keeps one worker process started ahead (the first with the first generation's
+workers), and the next replacement runs in that process (no process start, no imports) while another standby is
 started. A real WorkerGroup and a real run on the session's local Ray; the evidence is the process id, no
 timing."""
 
@@ -136,7 +136,7 @@ def test_no_standby_when_turned_off(ray_local) -> None:
 
 
 def _wait_standby_started(bg: BackgroundRun, timeout: float = 120.0):
-    """The controller's standby actor, once it was started (by the controller, after the first step)."""
+    """The controller's standby actor, once it was started (by the controller, with the first workers)."""
     deadline = time.time() + timeout
     while time.time() < deadline and bg.thread.is_alive():
         controller = getattr(bg.trainer, "controller", None)
@@ -148,7 +148,7 @@ def _wait_standby_started(bg: BackgroundRun, timeout: float = 120.0):
 
 
 def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, ray_local) -> None:
-    """A run that has lost no worker yet keeps a standby once it trained a step, so its FIRST replacement
+    """A run that has lost no worker yet keeps a standby from its start, so its FIRST replacement
     (rank 1 SIGKILLed from outside, strict mode: the replacement must join) runs in that process."""
     # 0.1 s more per step on both ranks, every generation: the run outlasts the test's few calls below
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.1, "generation": None} for r in (0, 1)]

@@ -5,8 +5,8 @@ died gets a new actor in the same bundle: Ray re-places a bundle lost with its n
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
-no resources of its own) that the next replacement on its node runs in: the first once the run has trained a step
-(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It runs
+no resources of its own) that the next replacement on its node runs in: the first with the first generation's
+workers (:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It runs
 in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes it (:mod:`elastictrain.worker.import_priority`),
 so its start takes from training only the CPU the training processes leave idle.
 
@@ -270,18 +270,19 @@ class WorkerGroup:
         self._standby_setup = self._standby.setup.remote(None)
 
     def start_first_standby(self) -> None:
-        """Start the run's first standby, on the node of the lowest member slot; once per run (after that a
-        replacement that took the standby starts the next, :meth:`collect_ready`). The controller calls it
-        once the first generation has completed a step: a process started earlier would take a core from
-        the workers' own start-up and first rendezvous (Ray's start of the process runs at the workers'
-        priority); started then, it is up before a first failure (after Ray's start it runs in the idle
-        class, on the CPU the training leaves), so the first replacement of a run is warm too."""
+        """Start the run's first standby, on the node of the lowest member slot (or, before the first
+        generation, of the lowest starting one); once per run (after that a replacement that took the standby
+        starts the next, :meth:`collect_ready`). The controller calls it right after it spawned the first
+        generation's workers: Ray's start of the process (the part that runs at the workers' priority, before
+        it lowers itself) then falls in the run's start-up, which the cores spend importing anyway, and shows
+        in the run's wall time, not in its training; after that it runs in the idle class on the CPU the
+        training leaves, and is up before a first failure, so the first replacement of a run is warm too."""
         if self._standby_started or not self.config.workers.standby:
             return
-        members = self.by_state(SlotState.MEMBER)
-        if not members:
+        slots = self.by_state(SlotState.MEMBER) or self.by_state(SlotState.STARTING, SlotState.READY)
+        if not slots:
             return
-        self._start_standby(min(s.index for s in members))
+        self._start_standby(min(s.index for s in slots))
 
     def _take_standby(self, index: int) -> Any:
         """The standby process for slot ``index``, if one is on that slot's node. One still importing is
