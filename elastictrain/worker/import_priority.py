@@ -1,8 +1,8 @@
 """A standby process lives at the lowest CPU priority until it is taken; then it trains at the priority it
 started with.
 
-A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started while the run
-trains; everything it does before a replacement takes it (its imports: torch, DTensor, DCP, seconds of CPU;
+A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started beside the
+training processes (the first with them, the next after each replacement); everything it does before a replacement takes it (its imports: torch, DTensor, DCP, seconds of CPU;
 and its set-up ahead: model and data) would take CPU from the training processes beside it, on every node,
 after every failure. So for its whole life before the take it runs in the ``SCHED_IDLE`` class at nice 19
 (:func:`priority_for`, a pure rule of the phase): the scheduler then gives it the CPU the training processes
@@ -154,6 +154,7 @@ def lower_if_standby() -> bool:
                 pass
         _thread_nice[me] = nice
         if not _publish(nice):  # taken before it got here: it trains, it does not lower itself
+            os.environ.pop(STANDBY_ENV, None)
             return False
         try:  # this thread first: if it cannot, nothing changed
             _set_thread(me, low)
