@@ -279,3 +279,24 @@ def test_the_group_puts_a_standby_back_from_outside_or_marks_it_before_it_lowers
     finally:
         late.communicate("\n", timeout=60)
     assert put_back(str(tmp_path / "c.json")) == "marked" and put_back(str(tmp_path / "c.json")) == "not here"
+
+
+def test_sweep_removes_the_files_no_standby_needs(tmp_path) -> None:
+    """A standby killed before its group's shutdown may write its file after the group looked: the next
+    standby's start sweeps files of dead processes and old marks, and keeps a live one's and a fresh mark."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from elastictrain.worker.import_priority import MARK_TTL_S, put_back, sweep
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    files = {"dead": int(dead.stdout), "live": os.getpid()}
+    for name, pid in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"pid": pid, "nice": 0, "threads": {}}))
+    assert put_back(str(tmp_path / "old_mark.json")) == "marked"
+    assert put_back(str(tmp_path / "new_mark.json")) == "marked"
+    os.utime(tmp_path / "old_mark.json", (time.time() - MARK_TTL_S - 60,) * 2)
+    assert sweep(str(tmp_path), time.time()) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json", "new_mark.json"]

@@ -34,7 +34,7 @@ from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
-from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, put_back
+from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, put_back, sweep
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -258,7 +258,9 @@ class WorkerGroup:
             return
         self._standby_started = True
         self._standby_node = self._bundle_node(index)
-        self._standby_file = os.path.join(tempfile.gettempdir(), "elastictrain-standby", f"{uuid.uuid4().hex}.json")
+        folder = os.path.join(tempfile.gettempdir(), "elastictrain-standby")
+        sweep(folder, time.time())  # what standbys killed before their group could remove their files left
+        self._standby_file = os.path.join(folder, f"{uuid.uuid4().hex}.json")
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
             # a process of its own that stays at the lowest CPU priority until taken (worker/import_priority.py)

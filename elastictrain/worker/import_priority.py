@@ -28,7 +28,8 @@ threads back from outside too (:func:`restore_process`, by pid, no GIL needed), 
 replacements of a single-node run rely on; it finds the pid and the threads' nice values in the file the
 standby wrote before lowering itself (:data:`PRIORITIES_ENV`), so this works while the standby is still
 importing, before its actor exists to answer any call; and a standby taken before it lowered itself finds
-the group's mark there and never does (:func:`put_back`).
+the group's mark there and never does (:func:`put_back`). The files live in the node's temporary folder
+(``elastictrain-standby/``); the group removes them at shutdown and :func:`sweep` those of dead processes.
 
 Going back is a privilege: Linux lets a thread lower its nice value (or leave ``SCHED_IDLE``) only with
 ``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers
@@ -226,6 +227,35 @@ def put_back(path: str) -> str:
     if written is None:
         return "not here"
     return f"restored {restore_process(*written)}"
+
+
+MARK_TTL_S = 86400.0
+"""A mark (a standby taken before it lowered itself) older than this is swept: its process is long gone."""
+
+
+def sweep(folder: str, now: float) -> int:
+    """Remove the files in ``folder`` that no standby needs any more: those whose process is gone (one killed
+    between its start and its group's shutdown writes its file after the group looked), and marks older than
+    :data:`MARK_TTL_S`. Returns how many it removed; never raises."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".json")]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        written = read_priorities(path)
+        try:
+            if written is None:
+                stale = now - os.stat(path).st_mtime > MARK_TTL_S
+            else:
+                stale = not os.path.exists(f"/proc/{written[0]}")
+            if stale:
+                os.unlink(path)
+                removed += 1
+        except OSError:  # removed meanwhile
+            pass
+    return removed
 
 
 def restore_process(pid: int | str, nice: int, before: dict[int, int] | None = None) -> int:
