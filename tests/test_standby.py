@@ -1,5 +1,5 @@
-"""``workers.standby``: the group keeps one worker process started ahead (the first once the run trained a
-step), and the next replacement runs in that process (no process start, no imports) while another standby is
+"""``workers.standby``: the group keeps one worker process started ahead (the first with the first generation's
+workers), and the next replacement runs in that process (no process start, no imports) while another standby is
 started. A real WorkerGroup and a real run on the session's local Ray; the evidence is the process id, no
 timing."""
 
@@ -39,6 +39,20 @@ def _priority(actor) -> dict:
     return ray.get(actor.__ray_call__.remote(lambda _: import_priority.report()), timeout=180)
 
 
+def _thread_priorities(pid: int) -> set[tuple[int, int]]:
+    """(scheduling policy, nice) of every thread of ``pid``, from ``/proc/<pid>/task/*/stat`` (fields 41 and
+    19; policy 5 is SCHED_IDLE, 0 SCHED_OTHER): what the kernel runs it at, not what the process says."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+        except FileNotFoundError:  # the thread ended
+            continue
+        out.add((int(fields[38]), int(fields[16])))
+    return out
+
+
 def _may_go_back(nice: int) -> bool:
     """Whether a process of this user may lower its nice value back to ``nice`` here (Ray's workers inherit
     the capabilities and limits of this process)."""
@@ -76,25 +90,33 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         standby = group._standby  # ... and once it is up, a standby is started
         assert standby is not None
         standby_pid = _pid_of(standby)
-        ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, and on which node
-        # it imported at nice 19 and runs at the nice value it started with since (worker/import_priority.py);
-        # the cold replacement imported at normal priority
-        # restored by its __init__, or by the timer on a machine too busy for the imports to end within its
-        # bound; only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else it imported as before
+        ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, on which node, its pid
+        ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
+        # untaken, it lives at the lowest priority, every thread (worker/import_priority.py), after its set-up
+        # too; only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else at the training one
         cold, ahead = _priority(group.slots[0].actor), _priority(standby)
-        if _may_go_back(cold["nice"]):
-            assert ahead.pop("restored_by") in ("init", "timer")
-            assert ahead == {"lowered": True, "low_threads": 0, "nice": cold["nice"]}
+        # SCHED_OTHER; the main thread at the nice value Ray starts workers at, Ray's own threads at 0
+        trains_at = _thread_priorities(cold_info["pid"])
+        assert {policy for policy, _ in trains_at} == {0} and (0, cold["nice"]) in trains_at
+        assert cold == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
+        lowered = _may_go_back(cold["nice"])
+        if lowered:
+            assert ahead["lowered"] is True and ahead["restored_by"] is None and ahead["nice"] == cold["nice"]
+            assert _thread_priorities(standby_pid) == {(5, 19)}  # SCHED_IDLE at nice 19
         else:
             assert ahead == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
-        assert cold == {"lowered": False, "restored_by": None, "low_threads": 0, "nice": cold["nice"]}
+            assert _thread_priorities(standby_pid) == trains_at
 
-        ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
         group.kill(group.slots[0])
         group.spawn(0)
         info = _ready(group, 0)
         assert info["standby"] is True and info["pid"] == standby_pid and info["slot"] == 0
         assert info["prebuilt"] is True  # taking it only named the slot: no build after the death
+        # taken, it trains at the priority the cold worker trained at, every thread of it
+        assert _thread_priorities(standby_pid) == trains_at
+        taken = _priority(group.slots[0].actor)
+        assert taken == {"lowered": lowered, "restored_by": "take" if lowered else None, "low_threads": 0,
+                         "nice": cold["nice"]}
         assert group._standby is not None and group._standby is not standby  # the next one is on its way
         next_pid = _pid_of(group._standby)
         assert next_pid != standby_pid
@@ -114,7 +136,7 @@ def test_no_standby_when_turned_off(ray_local) -> None:
 
 
 def _wait_standby_started(bg: BackgroundRun, timeout: float = 120.0):
-    """The controller's standby actor, once it was started (by the controller, after the first step)."""
+    """The controller's standby actor, once it was started (by the controller, with the first workers)."""
     deadline = time.time() + timeout
     while time.time() < deadline and bg.thread.is_alive():
         controller = getattr(bg.trainer, "controller", None)
@@ -126,7 +148,7 @@ def _wait_standby_started(bg: BackgroundRun, timeout: float = 120.0):
 
 
 def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, ray_local) -> None:
-    """A run that has lost no worker yet keeps a standby once it trained a step, so its FIRST replacement
+    """A run that has lost no worker yet keeps a standby from its start, so its FIRST replacement
     (rank 1 SIGKILLed from outside, strict mode: the replacement must join) runs in that process."""
     # 0.1 s more per step on both ranks, every generation: the run outlasts the test's few calls below
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.1, "generation": None} for r in (0, 1)]
@@ -147,6 +169,21 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
     assert again[0]["standby"] is True and again[0]["pid"] == standby_pid, again[0]
 
 
+def test_a_standby_is_low_until_taken_and_only_where_it_may_go_back() -> None:
+    """The rule of the phase: ahead of the take SCHED_IDLE at nice 19, taken the training priority; and the
+    low one only where the process may go back (else a worker left low would lose its core for good)."""
+    from elastictrain.worker.import_priority import IDLE, OTHER, Phase, Priority, priority_for
+
+    assert priority_for(Phase.AHEAD, 15, True, True) == Priority(IDLE, 19)
+    assert priority_for(Phase.AHEAD, 0, True, True) == Priority(IDLE, 19)
+    assert priority_for(Phase.AHEAD, 0, True, False) == Priority(OTHER, 19)  # no SCHED_IDLE: nice 19 alone
+    assert priority_for(Phase.AHEAD, 15, False, True) == Priority(OTHER, 15)  # may not go back: as trained
+    assert priority_for(Phase.AHEAD, 19, True, False) == Priority(OTHER, 19)
+    for nice in (0, 15):
+        for may, idle in ((True, True), (True, False), (False, True)):
+            assert priority_for(Phase.TAKEN, nice, may, idle) == Priority(OTHER, nice)
+
+
 def test_a_standby_imports_at_low_priority_only_where_it_may_go_back() -> None:
     """Lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE >= 20 - nice (setpriority(2)); without either
     the standby imports at normal priority, since a worker left at nice 19 would lose its core."""
@@ -161,21 +198,28 @@ def test_a_standby_imports_at_low_priority_only_where_it_may_go_back() -> None:
 
 def test_a_standby_process_lowers_itself_before_torch_is_imported_and_goes_back() -> None:
     """In a process started as a standby (the group's environment variable), importing the worker package
-    (what Ray's preload of the actor module does first) puts the thread at nice 19 before torch is imported;
-    ``restore`` (the actor's __init__) puts it back and clears the variable for the process's children."""
+    (what Ray's preload of the actor module does first) puts every thread, one started before included, in
+    SCHED_IDLE at nice 19 before torch is imported; ``restore`` (the take) puts them all back and clears the
+    variable for the process's children."""
     import subprocess
     import sys
 
     from elastictrain.worker.import_priority import STANDBY_ENV
 
     code = """
-import os, sys
+import os, sys, threading
 start = os.getpriority(os.PRIO_PROCESS, 0)
+done = threading.Event()
+other = threading.Thread(target=done.wait, daemon=True)  # a thread started before (Ray's, in a worker)
+other.start()
+def prio():
+    return sorted({(os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
+                   for t in os.listdir("/proc/self/task")})
 import elastictrain.worker
 from elastictrain.worker import import_priority as ip
-print(os.getpriority(os.PRIO_PROCESS, 0), "torch" in sys.modules, ip.report()["lowered"])
+print(prio() == [(os.SCHED_IDLE, 19)], "torch" in sys.modules, ip.report()["lowered"])
 ip.restore()
-print(os.getpriority(os.PRIO_PROCESS, 0) == start, ip.report()["low_threads"], os.environ.get(ip.STANDBY_ENV))
+print(prio() == [(os.SCHED_OTHER, start)], ip.report()["low_threads"], os.environ.get(ip.STANDBY_ENV))
 """
     if not _may_go_back(os.nice(0)):
         pytest.skip("this user may not lower a nice value here (no CAP_SYS_NICE, RLIMIT_NICE too low): the standby "
@@ -184,4 +228,75 @@ print(os.getpriority(os.PRIO_PROCESS, 0) == start, ip.report()["low_threads"], o
     env = {**os.environ, STANDBY_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:2] == ["19 False True", "True 0 None"], out.stdout
+    assert out.stdout.split("\n")[:2] == ["True False True", "True 0 None"], out.stdout
+
+
+_LOWERING_CHILD = """
+import os, sys, threading
+done = threading.Event()
+threading.Thread(target=done.wait, daemon=True).start()  # a thread started before (Ray's, in a worker)
+import elastictrain.worker
+from elastictrain.worker import import_priority as ip
+print(ip.report()["lowered"], flush=True)
+sys.stdin.readline()  # the test reads /proc meanwhile
+"""
+
+
+def _standby_child(path: str):
+    import subprocess
+    import sys
+
+    from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV
+
+    env = {**os.environ, STANDBY_ENV: "1", PRIORITIES_ENV: path, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-c", _LOWERING_CHILD], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_the_group_puts_a_standby_back_from_outside_or_marks_it_before_it_lowers(tmp_path) -> None:
+    """The take from the group's side (``put_back``, no call into the standby, so no GIL of its): a standby
+    that lowered itself has every thread put back at the nice value it had, by pid, from the file it wrote
+    before lowering; one taken before it got that far finds the group's mark and never lowers itself."""
+    from elastictrain.worker.import_priority import put_back
+
+    if not _may_go_back(os.nice(0)):
+        pytest.skip("this user may not lower a nice value here: a standby is never lowered")
+    start = os.nice(0)
+    lowered = _standby_child(str(tmp_path / "a.json"))
+    try:
+        assert lowered.stdout.readline().strip() == "True"
+        assert _thread_priorities(lowered.pid) == {(5, 19)}
+        assert put_back(str(tmp_path / "a.json")).startswith("restored ")
+        assert _thread_priorities(lowered.pid) == {(0, start)}
+    finally:
+        lowered.communicate("\n", timeout=60)
+
+    assert put_back(str(tmp_path / "b.json")) == "marked"  # taken before its process got to lower itself
+    late = _standby_child(str(tmp_path / "b.json"))
+    try:
+        assert late.stdout.readline().strip() == "False"
+        assert _thread_priorities(late.pid) == {(0, start)}
+    finally:
+        late.communicate("\n", timeout=60)
+    assert put_back(str(tmp_path / "c.json")) == "marked" and put_back(str(tmp_path / "c.json")) == "not here"
+
+
+def test_sweep_removes_the_files_no_standby_needs(tmp_path) -> None:
+    """A standby killed before its group's shutdown may write its file after the group looked: the next
+    standby's start sweeps files of dead processes and old marks, and keeps a live one's and a fresh mark."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from elastictrain.worker.import_priority import MARK_TTL_S, put_back, sweep
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    files = {"dead": int(dead.stdout), "live": os.getpid()}
+    for name, pid in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"pid": pid, "nice": 0, "threads": {}}))
+    assert put_back(str(tmp_path / "old_mark.json")) == "marked"
+    assert put_back(str(tmp_path / "new_mark.json")) == "marked"
+    os.utime(tmp_path / "old_mark.json", (time.time() - MARK_TTL_S - 60,) * 2)
+    assert sweep(str(tmp_path), time.time()) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json", "new_mark.json"]

@@ -198,6 +198,7 @@ class Controller:
         t = self.config.timeouts
         for slot in self.group.slots:
             self.group.spawn(slot.index)
+        self.group.start_first_standby()  # after the workers: Ray starts their processes first
         deadline = time.time() + t.restart_grace_s
         while time.time() < deadline:
             for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
@@ -226,8 +227,6 @@ class Controller:
 
     def _running(self) -> Transition:
         self._observe()
-        if self.ledger.last_step > self.monitor.start_step:  # trained a step: the first standby may start
-            self.group.start_first_standby()
         if self.monitor.pending_failures:
             return State.RECOVERING, self.monitor.pending_failures[0].reason
         results = self.monitor.finished_runs()

@@ -5,9 +5,10 @@ died gets a new actor in the same bundle: Ray re-places a bundle lost with its n
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
-no resources of its own) that the next replacement on its node runs in: the first once the run has trained a step
-(:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It imports
-at the lowest CPU priority (:mod:`elastictrain.worker.import_priority`), so its start takes little from training.
+no resources of its own) that the next replacement on its node runs in: the first with the first generation's
+workers (:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It runs
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes it (:mod:`elastictrain.worker.import_priority`),
+so its start takes from training only the CPU the training processes leave idle.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -18,7 +19,9 @@ import enum
 import operator
 import os
 import signal
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +34,7 @@ from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
-from elastictrain.worker.import_priority import STANDBY_ENV
+from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, put_back, sweep
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -154,6 +157,8 @@ class WorkerGroup:
     _standby_setup: Any = None  # the ObjectRef of its set-up ahead (model, data, no slot)
     _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
+    _standby_file: str | None = None  # where it writes its priorities before lowering them (same node only)
+    _marks: list[str] = []  # files of standbys taken: removed at shutdown (a mark must outlive the take)
     rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
 
     def __init__(self, config: JobConfig, task: Task) -> None:
@@ -253,10 +258,13 @@ class WorkerGroup:
             return
         self._standby_started = True
         self._standby_node = self._bundle_node(index)
+        folder = os.path.join(tempfile.gettempdir(), "elastictrain-standby")
+        sweep(folder, time.time())  # what standbys killed before their group could remove their files left
+        self._standby_file = os.path.join(folder, f"{uuid.uuid4().hex}.json")
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
-            # a process of its own that imports at the lowest CPU priority (worker/import_priority.py)
-            runtime_env={"env_vars": {STANDBY_ENV: "1"}},
+            # a process of its own that stays at the lowest CPU priority until taken (worker/import_priority.py)
+            runtime_env={"env_vars": {STANDBY_ENV: "1", PRIORITIES_ENV: self._standby_file}},
         ).remote(self.config, self.task, -1)
         self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
         # and builds what a fresh worker builds (model, data) ahead, so taking it only names the slot
@@ -264,18 +272,19 @@ class WorkerGroup:
         self._standby_setup = self._standby.setup.remote(None)
 
     def start_first_standby(self) -> None:
-        """Start the run's first standby, on the node of the lowest member slot; once per run (after that a
-        replacement that took the standby starts the next, :meth:`collect_ready`). The controller calls it
-        once the first generation has completed a step: a process started earlier would take a core from
-        the workers' own start-up and first rendezvous; started then, it is up before a first failure
-        (its start costs a core for a few seconds while the run trains at full size), so the first
-        replacement of a run is warm too."""
+        """Start the run's first standby, on the node of the lowest member slot (or, before the first
+        generation, of the lowest starting one); once per run (after that a replacement that took the standby
+        starts the next, :meth:`collect_ready`). The controller calls it right after it spawned the first
+        generation's workers: Ray's start of the process (the part that runs at the workers' priority, before
+        it lowers itself) then falls in the run's start-up, which the cores spend importing anyway, and shows
+        in the run's wall time, not in its training; after that it runs in the idle class on the CPU the
+        training leaves, and is up before a first failure, so the first replacement of a run is warm too."""
         if self._standby_started or not self.config.workers.standby:
             return
-        members = self.by_state(SlotState.MEMBER)
-        if not members:
+        slots = self.by_state(SlotState.MEMBER) or self.by_state(SlotState.STARTING, SlotState.READY)
+        if not slots:
             return
-        self._start_standby(min(s.index for s in members))
+        self._start_standby(min(s.index for s in slots))
 
     def _take_standby(self, index: int) -> Any:
         """The standby process for slot ``index``, if one is on that slot's node. One still importing is
@@ -296,7 +305,24 @@ class WorkerGroup:
             return None
         actor, self._standby, self._standby_probe, self._standby_node = self._standby, None, None, None
         self._standby_setup = None
+        # back to the training priority: from inside (once its actor exists and has the GIL) and, where it runs
+        # on this node, from outside at once, imports still running or not (the bound on SCHED_IDLE's GIL
+        # hazard: worker/import_priority.py)
+        actor.wake.remote()
+        if self._standby_file:
+            put_back(self._standby_file)  # a mark left there is removed at shutdown
+            self._marks = [*self._marks, self._standby_file]
+        self._standby_file = None
         return actor
+
+    def _forget_standby_files(self) -> None:
+        for path in [self._standby_file, *self._marks]:
+            if path:
+                try:
+                    os.unlink(path)
+                except OSError:  # never written (another node, not lowered) or already gone
+                    pass
+        self._standby_file, self._marks = None, []
 
     def _drop_standby(self) -> None:
         if self._standby is not None:
@@ -305,6 +331,9 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._standby, self._standby_probe, self._standby_node, self._standby_setup = None, None, None, None
+        if self._standby_file:  # its process is gone: so is the need for its file
+            self._marks = [*self._marks, self._standby_file]
+        self._standby_file = None
 
     def collect_ready(self, timeout: float = 0.0) -> list[Slot]:
         """Slots whose set-up finished since the last call (now READY). Failed set-ups become DEAD and are
@@ -385,6 +414,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         self._drop_standby()
+        self._forget_standby_files()
         for slot in self.slots:
             if slot.actor is not None and slot.state in (SlotState.MEMBER, SlotState.READY):
                 try:

@@ -122,7 +122,8 @@ class Worker:
     """One training worker. Use :func:`worker_actor_class` to get the Ray actor class."""
 
     def __init__(self, config: JobConfig, task: Task, slot: int) -> None:
-        import_priority.restore()  # a standby imported at nice 19 (worker/import_priority.py); no longer
+        if slot >= 0:  # a standby (slot -1) stays at the low priority until taken (worker/import_priority.py)
+            import_priority.restore(by="init")
         self.config = config
         self.task = task
         self.slot = slot
@@ -150,6 +151,8 @@ class Worker:
         the slot, which then only names the slot: the model and data it built are a fresh worker's (built
         from the config and seed alone, never joined to a group), and ``prebuilt`` says so."""
         t0 = time.perf_counter()
+        if slot is not None:  # taken (if a standby): train at the training priority; wake() is the fast path
+            import_priority.restore(by="take")
         if slot is not None and slot != self.slot:
             self.slot = slot
             self._log = configure_worker_logging(slot)
@@ -176,6 +179,12 @@ class Worker:
             "state_bytes": 3 * sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),
         }
+
+    def wake(self) -> dict[str, Any]:
+        """A standby process was taken: put it back at the training priority now (not on the state thread,
+        where its set-up ahead may still run). Returns :func:`import_priority.report`."""
+        import_priority.restore(by="take")
+        return import_priority.report()
 
     def open_store(self, generation: int) -> tuple[str, int]:
         """Host the rendezvous store of a new generation (called on its rank 0). Returns host, port."""

@@ -1,43 +1,85 @@
-"""A standby process imports at the lowest CPU priority, and trains at the priority it started with.
+"""A standby process lives at the lowest CPU priority until it is taken; then it trains at the priority it
+started with.
 
-A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started while the run
-trains, often right after a replacement joined; its imports (torch, DTensor, DCP: seconds of CPU) would take
-a core from the training processes beside it, on every node, after every failure. The group starts it with
-:data:`STANDBY_ENV` in its environment (the actor's runtime env), and ``elastictrain/worker/__init__.py``
-calls :func:`lower_if_standby` before Ray's preload imports the worker actor's module: the importing thread
-goes to nice 19, so while the cores are busy it gets a small share of one (about 0.3 of the core it shares
-with a training process at Ray's nice 15, against 0.7 for that process) instead of an equal one. :func:`restore` (the worker actor's
-``__init__``, right after the imports) puts every thread of the process back at the nice value it had; a
-timer does it after :data:`BOUND_S` seconds if the imports have not finished by then.
+A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started beside the
+training processes (the first with them, the next after each replacement); everything it does before a
+replacement takes it (its imports: torch, DTensor, DCP, seconds of CPU; and its set-up ahead: model and
+data) would take CPU from the training processes beside it, on every node, after every failure. So for its whole life before the take it runs in the ``SCHED_IDLE`` class at nice 19
+(:func:`priority_for`, a pure rule of the phase): the scheduler then gives it the CPU the training processes
+leave (a core idle while they wait on a collective or on data) and preempts it as soon as one wakes, instead of
+a share of a busy core. The group starts it with :data:`STANDBY_ENV` in its environment (the actor's runtime
+env), and ``elastictrain/worker/__init__.py`` calls :func:`lower_if_standby` when Ray's preload imports the
+worker package: every thread the process has then (Ray's own included) goes to the low priority, and the
+threads started later inherit it. The actor's ``__init__`` leaves a standby (slot -1) there; taking it puts
+every thread back (:func:`restore`): the group calls ``Worker.wake`` when it hands the standby a slot, and the
+set-up with a slot calls it too. At that moment a core is free (the one the dead worker held), so even an
+idle-class process runs at once.
 
-Why nice 19 and not ``SCHED_IDLE``: an idle-class thread gets no CPU at all while the cores are busy, and
-it holds Python's GIL through the import, so no other thread of the process (the timer included) could run
-either: under load a replacement that took such a standby joined far later than with a normal-priority
-import (docs/perf/2026-11-23-code-figures.md). A thread at nice 19 still runs, only less.
+Not covered: Ray's own start of the process (``setup_worker.py``, the interpreter, ``import ray``, the
+connect to the raylet), which runs at the worker's priority before the preload. Lowering it too (a
+``py_executable`` runtime env wrapping the interpreter) was rejected: the raylet kills a worker that has not
+registered within ``RAY_worker_register_timeout_seconds`` (60 s by default), and an idle-class process on a
+node whose cores the training keeps busy may not get there in time; the standby would then never exist.
 
-Going back is a privilege: Linux lets a thread lower its nice value only with ``CAP_SYS_NICE`` or a
-``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers at). Without either,
-:func:`lower_if_standby` leaves the priority alone (imports at normal priority, as before): a worker left at
-nice 19 would lose its core to anything else on its node. Linux only; elsewhere nothing changes. Standard
-library only: it runs before the imports it is about.
+The GIL hazard of ``SCHED_IDLE``: an idle-class thread that holds Python's GIL while the cores are busy
+stops every other thread of its process, the one that would run ``wake`` included. Two bounds: the take
+happens when a core is free (above), and where the taking controller runs on the standby's node it puts the
+threads back from outside too (:func:`restore_process`, by pid, no GIL needed), which is what the
+replacements of a single-node run rely on; it finds the pid and the threads' nice values in the file the
+standby wrote before lowering itself (:data:`PRIORITIES_ENV`), so this works while the standby is still
+importing, before its actor exists to answer any call; and a standby taken before it lowered itself finds
+the group's mark there and never does (:func:`put_back`). The files live in the node's temporary folder
+(``elastictrain-standby/``); the group removes them at shutdown and :func:`sweep` those of dead processes.
+
+Going back is a privilege: Linux lets a thread lower its nice value (or leave ``SCHED_IDLE``) only with
+``CAP_SYS_NICE`` or a ``RLIMIT_NICE`` that allows the value (20 - nice: 5 for the nice 15 Ray starts workers
+at). Without either, :func:`lower_if_standby` leaves the priority alone (the standby runs at the training
+priority, as before this module): a worker left at the low priority would lose its core to anything else on
+its node. Linux only; elsewhere nothing changes. Standard library only: it runs before the imports it is
+about.
 """
 
 from __future__ import annotations
 
+import enum
+import json
 import os
 import threading
+from dataclasses import dataclass
 
 STANDBY_ENV = "ELASTICTRAIN_STANDBY_PROCESS"
 """Set to "1" in a standby process's environment by the group; nobody else sets it."""
-BOUND_S = 15.0
-"""At most this long at nice 19: a standby's imports take ~4 s of CPU, ~10 s at nice 19 beside two busy
-training processes on two cores."""
+PRIORITIES_ENV = "ELASTICTRAIN_STANDBY_PRIORITIES"
+"""A file path, set beside :data:`STANDBY_ENV` by the group: the standby writes its pid and each thread's nice
+value there before it lowers them (:func:`read_priorities`), so the group can put it back from outside."""
 LOW_NICE = 19
 _CAP_SYS_NICE = 23  # linux/capability.h
+IDLE, OTHER = "idle", "other"  # the scheduling classes used: SCHED_IDLE, SCHED_OTHER
 
 _lock = threading.Lock()
 _lowered_from: int | None = None  # the nice value the process had, while lowered
+_thread_nice: dict[int, int] = {}  # each thread's nice value before it was lowered (Ray's own threads run at 0)
 _record: dict[str, object] = {"lowered": False, "restored_by": None}
+
+
+class Phase(enum.Enum):
+    AHEAD = "ahead"  # started ahead: imports, set-up with no slot, waiting to be taken
+    TAKEN = "taken"  # a replacement runs in it: it trains
+
+
+@dataclass(frozen=True)
+class Priority:
+    policy: str  # IDLE or OTHER
+    nice: int
+
+
+def priority_for(phase: Phase, training_nice: int, may_go_back: bool, has_idle: bool) -> Priority:
+    """PURE: the priority of a standby process in ``phase``. Ahead of the take: ``SCHED_IDLE`` at nice 19
+    (nice 19 alone where the platform has no ``SCHED_IDLE``), but only where it ``may_go_back`` to
+    ``training_nice``; otherwise, and once taken, the training priority."""
+    if phase is Phase.TAKEN or not may_go_back or training_nice >= LOW_NICE and not has_idle:
+        return Priority(OTHER, training_nice)
+    return Priority(IDLE if has_idle else OTHER, LOW_NICE)
 
 
 def can_go_back(status: str, rlimit_nice: int, nice: int) -> bool:
@@ -58,6 +100,10 @@ def _supported() -> bool:
     return hasattr(os, "setpriority") and hasattr(threading, "get_native_id") and os.path.isdir("/proc/self/task")
 
 
+def _has_idle() -> bool:
+    return hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")
+
+
 def _may_go_back(nice: int) -> bool:
     import resource
 
@@ -69,9 +115,27 @@ def _may_go_back(nice: int) -> bool:
         return False
 
 
+def _set_thread(tid: int, priority: Priority) -> None:
+    """One thread (Linux: setpriority and sched_setscheduler act on a thread id). Raises OSError."""
+    if _has_idle():
+        policy = os.SCHED_IDLE if priority.policy == IDLE else os.SCHED_OTHER
+        if priority.policy == OTHER:  # leave the idle class first: nice is ignored in it
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, tid, priority.nice)
+    if _has_idle() and priority.policy == IDLE:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _threads(pid: int | str) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
 def lower_if_standby() -> bool:
-    """In a standby process (and where it can be undone), put the calling thread at nice :data:`LOW_NICE`
-    and arm the :data:`BOUND_S` timer; True when it did. Never raises."""
+    """In a standby process (and where it can be undone), put every thread of the process at the
+    :data:`Phase.AHEAD` priority until :func:`restore`; True when it did. Never raises."""
     global _lowered_from
     if os.environ.get(STANDBY_ENV) != "1" or not _supported():
         return False
@@ -79,25 +143,142 @@ def lower_if_standby() -> bool:
         if _lowered_from is not None:
             return False
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if nice >= LOW_NICE or not _may_go_back(nice):
+        low = priority_for(Phase.AHEAD, nice, _may_go_back(nice), _has_idle())
+        if low == Priority(OTHER, nice):
             return False
-        # started first: a new thread takes the nice value of the thread that starts it
-        timer = threading.Timer(BOUND_S, restore, kwargs={"by": "timer"})
-        timer.daemon = True
-        timer.start()
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_NICE)  # this thread only (Linux)
+        me = threading.get_native_id()
+        _thread_nice.clear()
+        for tid in _threads("self"):  # Ray's threads started before the preload, this one included
+            try:
+                _thread_nice[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+            except OSError:  # the thread ended meanwhile
+                pass
+        _thread_nice[me] = nice
+        if not _publish(nice):  # taken before it got here: it trains, it does not lower itself
+            os.environ.pop(STANDBY_ENV, None)
+            return False
+        try:  # this thread first: if it cannot, nothing changed
+            _set_thread(me, low)
         except OSError:
-            timer.cancel()
             return False
+        for tid in _thread_nice:
+            try:
+                _set_thread(tid, low)
+            except OSError:  # the thread ended meanwhile
+                pass
         _lowered_from = nice
         _record["lowered"] = True
     return True
 
 
-def restore(by: str = "init") -> None:
-    """Every thread of this process above the nice value it started with goes back to it (idempotent; never
-    raises). ``by`` says who did, in :func:`report`."""
+def _claim(path: str, text: str) -> bool:
+    """Create ``path`` holding ``text``, whole, unless it exists (a hard link of a finished temporary file:
+    atomic, so the reader never sees half of it). True when this call created it."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _publish(nice: int) -> bool:
+    """Write this process's priorities to its :data:`PRIORITIES_ENV` file before lowering them. False when
+    the group has taken the standby already (its mark holds the path): then it must not lower itself."""
+    path = os.environ.get(PRIORITIES_ENV)
+    if not path:
+        return True
+    text = json.dumps({"pid": os.getpid(), "nice": nice, "threads": {str(t): n for t, n in _thread_nice.items()}})
+    try:
+        return _claim(path, text)
+    except OSError:  # cannot write: the group then relies on Worker.wake alone
+        return True
+
+
+def read_priorities(path: str) -> tuple[int, int, dict[int, int]] | None:
+    """What a standby wrote to its :data:`PRIORITIES_ENV` file: (pid, the nice value it trains at, each
+    thread's nice value before); None when there is no such file on this node, or it holds the group's mark."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return int(data["pid"]), int(data["nice"]), {int(t): int(n) for t, n in data["threads"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def put_back(path: str) -> str:
+    """The group's side of a take, on its own node: mark ``path`` taken so that a standby that has not lowered
+    itself yet never does ("marked"), or put back the threads of one that has ("restored N"); "not here" when
+    the file names no live process of this node. Never raises."""
+    try:
+        if _claim(path, json.dumps({"taken": True})):
+            return "marked"
+    except OSError:
+        return "not here"
+    written = read_priorities(path)
+    if written is None:
+        return "not here"
+    return f"restored {restore_process(*written)}"
+
+
+MARK_TTL_S = 86400.0
+"""A mark (a standby taken before it lowered itself) older than this is swept: its process is long gone."""
+
+
+def sweep(folder: str, now: float) -> int:
+    """Remove the files in ``folder`` that no standby needs any more: those whose process is gone (one killed
+    between its start and its group's shutdown writes its file after the group looked), and marks older than
+    :data:`MARK_TTL_S`. Returns how many it removed; never raises."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".json")]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        written = read_priorities(path)
+        try:
+            if written is None:
+                stale = now - os.stat(path).st_mtime > MARK_TTL_S
+            else:
+                stale = not os.path.exists(f"/proc/{written[0]}")
+            if stale:
+                os.unlink(path)
+                removed += 1
+        except OSError:  # removed meanwhile
+            pass
+    return removed
+
+
+def restore_process(pid: int | str, nice: int, before: dict[int, int] | None = None) -> int:
+    """Every thread of process ``pid`` ("self": this one) in ``SCHED_IDLE`` or at :data:`LOW_NICE` goes to
+    ``SCHED_OTHER`` at the nice value it had before (``before``, by thread id), or at ``nice`` (one started
+    while lowered). From another process this needs no GIL of the target's (the group's bound on the idle
+    class's GIL hazard). Returns how many threads it moved; never raises."""
+    before = before or {}
+    moved = 0
+    for tid in _threads(pid):
+        try:
+            idle = _has_idle() and os.sched_getscheduler(tid) == os.SCHED_IDLE
+            if idle or os.getpriority(os.PRIO_PROCESS, tid) >= LOW_NICE > nice:
+                _set_thread(tid, Priority(OTHER, before.get(tid, nice)))
+                moved += 1
+        except OSError:  # the thread ended meanwhile, or not ours to change
+            pass
+    return moved
+
+
+def restore(by: str = "take") -> None:
+    """This process goes to the :data:`Phase.TAKEN` priority (the nice value it started with, ``SCHED_OTHER``)
+    if it was lowered (idempotent; never raises). ``by`` says who did, in :func:`report`."""
     global _lowered_from
     with _lock:
         if _lowered_from is None:
@@ -105,27 +286,27 @@ def restore(by: str = "init") -> None:
         nice, _lowered_from = _lowered_from, None
         _record["restored_by"] = by
         os.environ.pop(STANDBY_ENV, None)  # processes it starts from now on are not standbys
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return
-    for tid in tids:
+    restore_process("self", nice, _thread_nice)
+    path = os.environ.pop(PRIORITIES_ENV, None)
+    if path:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:  # the thread ended meanwhile
+            os.unlink(path)
+        except OSError:  # the group removed it, or it lives on another node's disk
             pass
 
 
 def report() -> dict[str, object]:
-    """What happened in this process: ``lowered`` (its imports ran at nice 19), ``restored_by`` ("init",
-    "timer" or None), ``low_threads`` (threads above the process's nice value now) and its ``nice`` value."""
-    nice = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    """What happened in this process: ``lowered`` (it lived at the low priority ahead of a take),
+    ``restored_by`` ("take", "init" or None), ``low_threads`` (threads in ``SCHED_IDLE`` or above the
+    nice value the process trains at, now) and that ``nice`` value (its main thread's; Ray's own threads
+    run at 0)."""
+    nice = _lowered_from if _lowered_from is not None else os.getpriority(os.PRIO_PROCESS, os.getpid())
     low = 0
     if _supported():
-        for tid in os.listdir("/proc/self/task"):
+        for tid in _threads("self"):
             try:
-                low += os.getpriority(os.PRIO_PROCESS, int(tid)) > nice
+                idle = _has_idle() and os.sched_getscheduler(tid) == os.SCHED_IDLE
+                low += idle or os.getpriority(os.PRIO_PROCESS, tid) > nice
             except OSError:
                 pass
     return {**_record, "low_threads": low, "nice": nice}
