@@ -21,17 +21,18 @@ C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interva
    Per kill it also reports death -> the replacement joined (the next generation at full size) and death
    -> the replacement's first step (the first step completed at full size; null when the next kill came
    first: the killer does not wait for the replacement).
-D. elastictrain alone, layouts against ddp on the same job (issue #39: kill -> next step under cp2 x dp2
-   and ep2 x dp2 <= 2x ddp's): 4 workers (``workers.min`` 2, the smallest world cp2 and ep2 accept), rank
-   1 SIGKILLed mid-step at step K by the injected fault, as in A, no durable checkpoint and the peer memory
-   tier at its default cadence, for four layouts: ddp (dp4) and cp2 x dp2 on the tiny dense GPT
-   (``seq_len`` 64, a multiple of 2 x cp), ddp (dp4) and ep2 x dp2 (``parallel.ep`` 2) on the same GPT
-   with an 8-expert top-2 MoE feed-forward in every block (``task.model.moe``). Rank 1 is cp (ep)
-   coordinate 1 of data replica 0. Each run gets ``layout_steps`` steps (80; ``--quick`` 40) and the kill
-   step drawn by the same ``--kill-seed`` over them, the same K for all four. Per layout: time to next
-   step, lost steps, the recovery source and world size, and the ratio to the ddp row of the same model
-   (cp2 x dp2 / ddp on the dense GPT, ep2 x dp2 / ddp on the MoE GPT) against the target (<= 2). D runs
-   only when named (``--only D``).
+D. elastictrain alone, layouts against ddp on the same job (issue #39: kill -> next step under cp2 x dp2 and
+   ep2 x dp2 <= 2x ddp's): 4 workers (``workers.min`` 2, the smallest world cp2 and ep2 accept), rank 1
+   SIGKILLed mid-step at step K by the injected fault, as in A (no durable checkpoint, the peer memory tier
+   off: the survivors hold every rank's state, the killed ep rank's experts on its expert replica), for four
+   layouts: ddp (dp4) and cp2 x dp2 on the tiny dense GPT (``seq_len`` 64, a multiple of 2 x cp), ddp (dp4)
+   and ep2 x dp2 (``parallel.ep`` 2) on the same GPT with an 8-expert top-2 MoE feed-forward in every block
+   (``task.model.moe``). Rank 1 is cp (ep) coordinate 1 of data replica 0. Each run gets ``layout_steps``
+   steps (80; ``--quick`` 40) and the kill step drawn by the same ``--kill-seed`` over them, the same K for
+   all four. Per layout: time to next step, lost steps, the recovery source and world size, the first
+   recovered step's own time (``first_step_after_s``: at the shrunk size, more accumulation), and the ratio
+   to the ddp row of the same model (cp2 x dp2 / ddp on the dense GPT, ep2 x dp2 / ddp on the MoE GPT)
+   against the target (<= 2). D runs only when named (``--only D``).
 
 Metrics, the same definitions for both systems (and for D's layouts):
 
@@ -144,7 +145,7 @@ def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spare
                ckpt_dir: Path | None = None, layout: Layout | None = None) -> Any:
     """The elastictrain job every scenario uses (Ray Train's loop copies its model and optimizer). With
     ``ckpt_dir``: a checkpoint every ``plan.ckpt_every`` steps there, Ray Train's cadence. With ``layout``
-    (scenario D): its world, parallel section and model, and the peer memory tier at its default cadence."""
+    (scenario D): its world, parallel section and model."""
     from elastictrain import build_config
 
     # the peer memory tier is off on elastictrain's side: Ray Train has none, and its rows without
@@ -161,9 +162,6 @@ def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spare
         "faults": faults or [],
     }
     if layout is not None:
-        # no Ray Train row to match here: the job as a user runs it (an expert's only replica may be
-        # gone when the world shrinks to whole ep groups; the tier then covers it)
-        spec["checkpoint"] = {"uri": None}
         # world 2 is the smallest size cp2 and ep2 accept (whole cp/ep groups): every layout gets it
         spec["workers"] = {**spec["workers"], "min": 2, "max": layout.world}
         spec["parallel"] = dict(layout.parallel)
@@ -286,10 +284,13 @@ def recovery_after(records: list[Record], t_kill: float) -> tuple[int, int, floa
 
 
 def elastictrain_outcome(name: str, records: list[Record], t_kill: float, summary: Record,
-                         n_steps: int, world: int = WORKERS) -> Outcome:
+                         n_steps: int, world: int | None = WORKERS) -> Outcome:
+    """``world``: the median step time is over the steps at ``world`` data ranks; None: over the steps
+    completed before the kill (a cp run's step events count data ranks, not workers)."""
     steps = [r for r in records if r["event"] == "step"]
     done_before, resumed, t_next = recovery_after(records, t_kill) or (0, None, float("nan"))
-    step_s = statistics.median(r["step_s"] for r in steps if r["world_size"] == world)
+    step_s = statistics.median(r["step_s"] for r in steps
+                               if (r["step"] <= done_before if world is None else r["world_size"] == world))
     failure = next((r for r in records if r["event"] == "failure"), {})
     recovered = next((r for r in records if r["event"] == "recovered"), {})
     return Outcome(
@@ -380,9 +381,12 @@ def scenario_layouts(plan: Plan, base: Path, fresh_ray: Callable[[], None]) -> l
         t_kill = recovered["time"] - recovered["downtime_s"]  # as in A: last progress before the kill
         summary = json.loads((run_dir / "summary.json").read_text())
         o = elastictrain_outcome(f"D {layout.name}, {layout.model}", records, t_kill, summary, plan.steps,
-                                 layout.world)
+                                 world=None)
+        first = next((r for r in records if r["event"] == "step" and r["step"] > recovered["step"]
+                      and r["time"] >= recovered["time"]), {})
+        # how much of the time to next step is that one step (at the shrunk size: more accumulation)
         o.detail.update(layout=layout.name, model=layout.model, world=layout.world, kill_step=plan.kill_step,
-                        steps=plan.steps)
+                        steps=plan.steps, first_step_after_s=first.get("step_s"))
         outcomes.append(o)
     return outcomes
 
@@ -729,16 +733,17 @@ def main(argv: list[str] | None = None) -> int:
     plan = dataclasses.replace(plan, chaos_ckpt_every=args.chaos_ckpt_every,
                                chaos_interval_s=args.chaos_interval or plan.chaos_interval_s,
                                chaos_s=args.chaos_s or plan.chaos_s)
-    print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every {plan.ckpt_every} "
-          "steps on both sides in the checkpointed rows", flush=True)
+    only = set(args.only or "ABC")
+    if only - {"D"}:
+        print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every "
+              f"{plan.ckpt_every} steps on both sides in the checkpointed rows", flush=True)
     out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):  # stale markers and logs of an earlier run would corrupt every figure
         p.error(f"--out {out} is not empty; give a new directory")
-    only = set(args.only or "ABC")
     if "D" in only:
         dplan = plan.for_layouts()
-        print(f"scenario D: kill step {dplan.kill_step} of {dplan.steps} (the same --kill-seed over D's steps)",
+        print(f"scenario D: kill step {dplan.kill_step} of {dplan.steps} (--kill-seed {seed} over D's steps)",
               flush=True)
 
     import ray
