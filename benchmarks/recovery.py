@@ -72,7 +72,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,11 +367,10 @@ LAYOUTS = (
 LAYOUT_TARGET = 2.0  # issue #39: kill -> next step under cp2 x dp2 and ep2 x dp2 <= 2x ddp's on the same job
 
 
-def scenario_layouts(plan: Plan, base: Path, fresh_ray: Callable[[], None]) -> list[Outcome]:
+def scenario_layouts(plan: Plan, base: Path, fresh_ray: Callable[[], None]) -> Iterator[Outcome]:
     """Scenario D: each of :data:`LAYOUTS` once, rank 1 SIGKILLed mid-step at ``plan.kill_step`` by the
     injected fault (scenario A's kill and metrics), each on a fresh local Ray so that every run finds the
-    same pool of pre-started worker processes."""
-    outcomes = []
+    same pool of pre-started worker processes. Yields each layout's outcome as its run ends."""
     for i, layout in enumerate(LAYOUTS):
         fault = {"rank": 1, "step": plan.kill_step, "point": "mid_step", "kind": "kill"}
         run_dir = base / f"et-layout{i}-{layout.name.replace(' ', '')}"
@@ -387,8 +386,7 @@ def scenario_layouts(plan: Plan, base: Path, fresh_ray: Callable[[], None]) -> l
         # how much of the time to next step is that one step (at the shrunk size: more accumulation)
         o.detail.update(layout=layout.name, model=layout.model, world=layout.world, kill_step=plan.kill_step,
                         steps=plan.steps, first_step_after_s=first.get("step_s"))
-        outcomes.append(o)
-    return outcomes
+        yield o
 
 
 def layout_ratios(outcomes: list[Outcome]) -> list[tuple[str, float, bool]]:
