@@ -54,7 +54,8 @@ Usage::
     # endurance under churn (issue #21 item 13): a kill every 15 s over ~100 s, a checkpoint every 20 steps;
     # C's rows give goodput and, per kill, death_to_replacement_first_step_s_each
     python benchmarks/recovery.py --only C --chaos-interval 15 --chaos-ckpt-every 20
-    # layouts against ddp on one job (issue #39): about 4 minutes on an idle 2-core machine (--quick: less)
+    # layouts against ddp on one job (issue #39): four runs of 80 steps on 4 workers, under 4 minutes on an
+    # idle 2-core machine (--quick: 40 steps each; most of a run is start-up either way)
     python benchmarks/recovery.py --only D --kill-seed 1
 """
 
