@@ -1,7 +1,7 @@
 """Recovery benchmark: elastictrain against Ray Train V2 on the same model, data, schedule and kill.
 
-One process, one Ray instance (C's runs each start on a fresh one), three scenarios (2 CPU workers, tiny GPT, builtin:pydoc, global batch 32,
-micro batch 8):
+One process, one Ray instance (C's and D's runs each start on a fresh one), four scenarios (A-C: 2 CPU
+workers, tiny GPT, builtin:pydoc, global batch 32, micro batch 8; D: 4 CPU workers, the same job):
 
 A. elastictrain, rank 1 SIGKILLed mid-step at step K: once through the injected fault (``faults``), once
    by an external ``os.kill`` of the pid from the ``worker_started`` event (not only the injected path).
@@ -21,8 +21,20 @@ C. elastictrain alone: the current rank-1 worker SIGKILLed every ``chaos_interva
    Per kill it also reports death -> the replacement joined (the next generation at full size) and death
    -> the replacement's first step (the first step completed at full size; null when the next kill came
    first: the killer does not wait for the replacement).
+D. elastictrain alone, layouts against ddp on the same job (issue #39: kill -> next step under cp2 x dp2 and
+   ep2 x dp2 <= 2x ddp's): 4 workers (``workers.min`` 2, the smallest world cp2 and ep2 accept), rank 1
+   SIGKILLed mid-step at step K by the injected fault, as in A (no durable checkpoint, the peer memory tier
+   off: the survivors hold every rank's state, the killed ep rank's experts on its expert replica), for four
+   layouts: ddp (dp4) and cp2 x dp2 on the tiny dense GPT (``seq_len`` 64, a multiple of 2 x cp), ddp (dp4)
+   and ep2 x dp2 (``parallel.ep`` 2) on the same GPT with an 8-expert top-2 MoE feed-forward in every block
+   (``task.model.moe``). Rank 1 is cp (ep) coordinate 1 of data replica 0. Each run gets ``layout_steps``
+   steps (80; ``--quick`` 40) and the kill step drawn by the same ``--kill-seed`` over them, the same K for
+   all four. Per layout: time to next step, lost steps, the recovery source and world size, the first
+   recovered step's own time (``first_step_after_s``: at the shrunk size, more accumulation), and the ratio
+   to the ddp row of the same model (cp2 x dp2 / ddp on the dense GPT, ep2 x dp2 / ddp on the MoE GPT)
+   against the target (<= 2). D runs only when named (``--only D``).
 
-Metrics, the same definitions for both systems:
+Metrics, the same definitions for both systems (and for D's layouts):
 
 - time to next step: from the kill to the first completed step of the recovered run. Exact kill time for
   Ray Train and for external kills; for the injected elastictrain kill the last progress before the kill
@@ -42,6 +54,9 @@ Usage::
     # endurance under churn (issue #21 item 13): a kill every 15 s over ~100 s, a checkpoint every 20 steps;
     # C's rows give goodput and, per kill, death_to_replacement_first_step_s_each
     python benchmarks/recovery.py --only C --chaos-interval 15 --chaos-ckpt-every 20
+    # layouts against ddp on one job (issue #39): four runs of 80 steps on 4 workers, under 4 minutes on an
+    # idle 2-core machine (--quick: 40 steps each; most of a run is start-up either way)
+    python benchmarks/recovery.py --only D --kill-seed 1
 """
 
 from __future__ import annotations
@@ -58,7 +73,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,15 +105,21 @@ class Plan:
     chaos_s: float = 100.0
     chaos_interval_s: float = 20.0
     chaos_ckpt_every: int = 0  # scenario C: a checkpoint every this many steps (0: none)
+    layout_steps: int = 80  # scenario D: steps of each layout's run (4 workers: slower steps than A's)
+    kill_seed: int | None = None  # what ``kill_step`` was drawn with (``with_random_kill``)
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(steps=150, kill_step=60, ckpt_every=10, chaos_s=24.0, chaos_interval_s=8.0)
+        return cls(steps=150, kill_step=60, ckpt_every=10, chaos_s=24.0, chaos_interval_s=8.0, layout_steps=40)
 
     def with_random_kill(self, seed: int) -> Plan:
         """The same plan with ``kill_step`` drawn uniformly from ``[steps/4, steps/2]``."""
         k = random.Random(seed).randint(self.steps // 4, self.steps // 2)
-        return dataclasses.replace(self, kill_step=k)
+        return dataclasses.replace(self, kill_step=k, kill_seed=seed)
+
+    def for_layouts(self) -> Plan:
+        """Scenario D's plan: ``layout_steps`` steps, the kill step drawn by the same seed over them."""
+        return dataclasses.replace(self, steps=self.layout_steps).with_random_kill(self.kill_seed or 0)
 
 
 @dataclass
@@ -122,16 +143,17 @@ def goodput(times: list[float], n_steps: int, step_s: float) -> float:
 
 
 def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spares: int = 0,
-               ckpt_dir: Path | None = None) -> Any:
+               ckpt_dir: Path | None = None, layout: Layout | None = None) -> Any:
     """The elastictrain job every scenario uses (Ray Train's loop copies its model and optimizer). With
-    ``ckpt_dir``: a checkpoint every ``plan.ckpt_every`` steps there, Ray Train's cadence."""
+    ``ckpt_dir``: a checkpoint every ``plan.ckpt_every`` steps there, Ray Train's cadence. With ``layout``
+    (scenario D): its world, parallel section and model."""
     from elastictrain import build_config
 
     # the peer memory tier is off on elastictrain's side: Ray Train has none, and its rows without
     # checkpoints must mean no snapshot of any kind (survivors are the source of a single kill anyway)
     ckpt = ({"uri": str(ckpt_dir), "every_steps": plan.ckpt_every, "resume": "never", "memory_every_steps": 0}
             if ckpt_dir else {"uri": None, "memory_every_steps": 0})
-    return build_config({
+    spec: Record = {
         "checkpoint": ckpt,
         "name": "recovery-bench",
         "train": {"steps": steps, "seed": SEED, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
@@ -139,7 +161,13 @@ def job_config(plan: Plan, steps: int, faults: list[Record] | None = None, spare
         "workers": {"min": 1, "max": WORKERS, "cpus_per_worker": 1, "spares": spares},
         "recovery": {"max_failures": 20, "max_failures_per_rank": 20},
         "faults": faults or [],
-    })
+    }
+    if layout is not None:
+        # world 2 is the smallest size cp2 and ep2 accept (whole cp/ep groups): every layout gets it
+        spec["workers"] = {**spec["workers"], "min": 2, "max": layout.world}
+        spec["parallel"] = dict(layout.parallel)
+        spec["task"] = {"model": {"moe": dict(layout.moe) if layout.moe else None}}
+    return build_config(spec)
 
 
 # ------------------------------------------------------------------------------------ following a run
@@ -257,10 +285,13 @@ def recovery_after(records: list[Record], t_kill: float) -> tuple[int, int, floa
 
 
 def elastictrain_outcome(name: str, records: list[Record], t_kill: float, summary: Record,
-                         n_steps: int) -> Outcome:
+                         n_steps: int, world: int | None = WORKERS) -> Outcome:
+    """``world``: the median step time is over the steps at ``world`` data ranks; None: over the steps
+    completed before the kill (a cp run's step events count data ranks, not workers)."""
     steps = [r for r in records if r["event"] == "step"]
     done_before, resumed, t_next = recovery_after(records, t_kill) or (0, None, float("nan"))
-    step_s = statistics.median(r["step_s"] for r in steps if r["world_size"] == WORKERS)
+    step_s = statistics.median(r["step_s"] for r in steps
+                               if (r["step"] <= done_before if world is None else r["world_size"] == world))
     failure = next((r for r in records if r["event"] == "failure"), {})
     recovered = next((r for r in records if r["event"] == "recovered"), {})
     return Outcome(
@@ -268,7 +299,8 @@ def elastictrain_outcome(name: str, records: list[Record], t_kill: float, summar
         goodput([_t(r) for r in steps], n_steps, step_s),
         {"killed_during_step": done_before + 1, "resumed_from_step": resumed, "median_step_s": round(step_s, 4),
          "failure_detected_after_s": failure.get("detected_after_s"),
-         "recovered_downtime_s": recovered.get("downtime_s"), "summary_lost_steps": summary.get("lost_steps"),
+         "recovered_downtime_s": recovered.get("downtime_s"), "recovered_source": recovered.get("source"),
+         "recovered_world_size": recovered.get("world_size"), "summary_lost_steps": summary.get("lost_steps"),
          "summary_goodput": summary.get("goodput", {}).get("fraction"), "wall_s": summary.get("wall_s")})
 
 
@@ -308,6 +340,69 @@ def scenario_external(plan: Plan, base: Path, ckpt: bool) -> Outcome:
     summary = json.loads((run_dir / "summary.json").read_text())
     return elastictrain_outcome(f"elastictrain external SIGKILL{_ck(ckpt, plan)}", records, kills[0], summary,
                                 plan.steps)
+
+
+# ------------------------------------------------------------------------------------ scenario D
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One of scenario D's runs: a layout of the same job on ``world`` workers. ``model`` names the model
+    (the ratio's denominator is the ``ddp`` layout of the same model); ``moe`` is ``task.model.moe``."""
+
+    name: str
+    model: str
+    parallel: dict[str, Any]
+    moe: dict[str, Any] | None = None
+    world: int = 4
+
+
+MOE = {"experts": 8, "top_k": 2, "every": 1}
+# the tiny GPT's seq_len (64) is a multiple of 2 x cp; rank 1 is cp (ep) coordinate 1 of data replica 0
+LAYOUTS = (
+    Layout("ddp", "dense GPT", {"plan": "ddp"}),
+    Layout("cp2 x dp2", "dense GPT", {"plan": "ddp", "cp": 2}),
+    Layout("ddp", "MoE GPT (8 experts)", {"plan": "ddp"}, MOE),
+    Layout("ep2 x dp2", "MoE GPT (8 experts)", {"plan": "ddp", "ep": 2}, MOE),
+)
+LAYOUT_TARGET = 2.0  # issue #39: kill -> next step under cp2 x dp2 and ep2 x dp2 <= 2x ddp's on the same job
+
+
+def scenario_layouts(plan: Plan, base: Path, fresh_ray: Callable[[], None]) -> Iterator[Outcome]:
+    """Scenario D: each of :data:`LAYOUTS` once, rank 1 SIGKILLed mid-step at ``plan.kill_step`` by the
+    injected fault (scenario A's kill and metrics), each on a fresh local Ray so that every run finds the
+    same pool of pre-started worker processes. Yields each layout's outcome as its run ends."""
+    for i, layout in enumerate(LAYOUTS):
+        fault = {"rank": 1, "step": plan.kill_step, "point": "mid_step", "kind": "kill"}
+        run_dir = base / f"et-layout{i}-{layout.name.replace(' ', '')}"
+        fresh_ray()
+        records = run_elastictrain(job_config(plan, plan.steps, [fault], layout=layout), run_dir)
+        recovered = next(r for r in records if r["event"] == "recovered")
+        t_kill = recovered["time"] - recovered["downtime_s"]  # as in A: last progress before the kill
+        summary = json.loads((run_dir / "summary.json").read_text())
+        o = elastictrain_outcome(f"D {layout.name}, {layout.model}", records, t_kill, summary, plan.steps,
+                                 world=None)
+        first = next((r for r in records if r["event"] == "step" and r["step"] > recovered["step"]
+                      and r["time"] >= recovered["time"]), {})
+        # how much of the time to next step is that one step (at the shrunk size: more accumulation)
+        o.detail.update(layout=layout.name, model=layout.model, world=layout.world, kill_step=plan.kill_step,
+                        steps=plan.steps, first_step_after_s=first.get("step_s"))
+        yield o
+
+
+def layout_ratios(outcomes: list[Outcome]) -> list[tuple[str, float, bool]]:
+    """For every scenario-D row that is not ddp: (its name, its time to next step over the ddp row's of the
+    same model, whether that is within :data:`LAYOUT_TARGET`)."""
+    rows = [o for o in outcomes if "layout" in o.detail]
+    ddp = {o.detail["model"]: o for o in rows if o.detail["layout"] == "ddp"}
+    found = []
+    for o in rows:
+        base = ddp.get(o.detail["model"])
+        if o.detail["layout"] == "ddp" or base is None:
+            continue
+        ratio = o.time_to_next_step_s / base.time_to_next_step_s
+        found.append((o.name, ratio, ratio <= LAYOUT_TARGET))
+    return found
 
 
 # ------------------------------------------------------------------------------------ Ray Train V2
@@ -610,6 +705,9 @@ def report(outcomes: list[Outcome], out: Path) -> bool:
     for name, o in by.items():
         if name.startswith("elastictrain chaos"):
             checks.append((f"{name}: goodput vs failure-free >= 0.9", o.goodput >= 0.9))
+    for name, ratio, ok in layout_ratios(outcomes):
+        print(f"{name} / ddp of the same model: time-to-next-step x{ratio:.3f} (target <= {LAYOUT_TARGET:g})")
+        checks.append((f"{name}: time-to-next-step <= {LAYOUT_TARGET:g}x ddp's on the same model", ok))
     for text, ok in checks:
         print(f"  [{'PASS' if ok else 'FAIL'}] {text}")
     (out / "results.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
@@ -621,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short smoke run (~2 minutes)")
     p.add_argument("--out", type=Path, help="keep run directories here (default: a temporary directory)")
-    p.add_argument("--only", choices=["A", "B", "C"], action="append", help="run only these scenarios")
+    p.add_argument("--only", choices=["A", "B", "C", "D"], action="append",
+                   help="run only these scenarios (default A, B and C; D only when named)")
     p.add_argument("--verbose", action="store_true", help="show worker logs")
     p.add_argument("--kill-seed", type=int, default=None, help="seed of the random kill step (default: random)")
     p.add_argument("--chaos-interval", type=float, default=None, help="scenario C: seconds between kills")
@@ -633,13 +732,18 @@ def main(argv: list[str] | None = None) -> int:
     plan = dataclasses.replace(plan, chaos_ckpt_every=args.chaos_ckpt_every,
                                chaos_interval_s=args.chaos_interval or plan.chaos_interval_s,
                                chaos_s=args.chaos_s or plan.chaos_s)
-    print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every {plan.ckpt_every} "
-          "steps on both sides in the checkpointed rows", flush=True)
+    only = set(args.only or "ABC")
+    if only - {"D"}:
+        print(f"kill step {plan.kill_step} of {plan.steps} (--kill-seed {seed}); checkpoints every "
+              f"{plan.ckpt_every} steps on both sides in the checkpointed rows", flush=True)
     out = args.out or Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):  # stale markers and logs of an earlier run would corrupt every figure
         p.error(f"--out {out} is not empty; give a new directory")
-    only = set(args.only or "ABC")
+    if "D" in only:
+        dplan = plan.for_layouts()
+        print(f"scenario D: kill step {dplan.kill_step} of {dplan.steps} (--kill-seed {seed} over D's steps)",
+              flush=True)
 
     import ray
 
@@ -673,6 +777,10 @@ def main(argv: list[str] | None = None) -> int:
         if "C" in only:
             step_s = next((o.detail["median_step_s"] for o in outcomes if o.name.startswith("elastictrain")), 0.1)
             for outcome in scenario_chaos(plan, out, step_s, fresh_ray):
+                outcomes.append(outcome)
+                print(f"[{time.time() - t0:5.0f}s] {outcome}", flush=True)
+        if "D" in only:
+            for outcome in scenario_layouts(dplan, out, fresh_ray):
                 outcomes.append(outcome)
                 print(f"[{time.time() - t0:5.0f}s] {outcome}", flush=True)
         print(f"total {time.time() - t0:.0f}s; run directories under {out}; load average "
