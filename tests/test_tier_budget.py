@@ -29,6 +29,29 @@ def test_the_default_budget_is_the_jobs_need_capped_by_free_memory() -> None:
     assert given.budget == GIB // 2 and given.reason == "checkpoint.memory_budget_gib"
 
 
+@pytest.mark.parametrize("plan,shard,pp,tp,world,parts", [
+    ("ddp", 1, 1, 1, 4, 1), ("fsdp", 1, 1, 1, 4, 4), ("hsdp", 2, 1, 1, 4, 2), ("ddp", 1, 2, 1, 4, 2),
+    ("ddp", 1, 1, 2, 4, 2), ("fsdp", 1, 2, 2, 8, 8), ("hsdp", 2, 2, 1, 8, 4)])
+def test_one_snapshot_of_each_part_fits_the_sized_budget(plan, shard, pp, tp, world, parts) -> None:
+    """One rank per part of the state sends snapshots (replicas would send the same bytes again), and the
+    keeper's default budget holds what those ranks of one node send. Before: every DDP rank sent the whole
+    state against a budget sized for state / world, so a 4-rank node's keeper evicted on every snapshot."""
+    from elastictrain.controller.gather import snapshot_pushers
+    from elastictrain.parallel.plan import PlanSpec, resolve
+
+    layout = resolve(PlanSpec(plan, global_batch=16, micro_batch=1, shard_size=shard, pp=pp, tp=tp,
+                              pp_schedule="gpipe"), world)
+    pushers = snapshot_pushers(layout)
+    assert len(pushers) == parts == len(set(map(layout.dims.holder_key, range(world))))
+    assert {layout.dims.holder_key(r) for r in pushers} == set(layout.dims.holder_keys())
+    assert min(pushers) == 0
+    state = 4_800_000_000
+    per_part = state // parts  # what each pusher sends (equal parts)
+    on_node = len(pushers)  # every rank on one node: the worst case for its keeper
+    tier = size_budget(state, world=len(pushers), ranks_per_node=on_node, node_free_bytes=None, configured_gib=None)
+    assert tier.budget >= 2 * per_part * on_node  # KEEP_PER_RANK = 2 snapshots of each pusher fit
+
+
 @pytest.mark.slow
 def test_a_tier_too_small_for_the_layout_is_said_at_start(tmp_path, ray_local) -> None:
     from elastictrain import build_config

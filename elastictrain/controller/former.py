@@ -157,7 +157,7 @@ class GenerationFormer:
         if self.config.checkpoint.memory_every_steps:
             self.sources.start_keepers()
             self.sources.size_keepers(chosen, layout)
-            keepers = self.sources.keepers_for(chosen)
+            keepers = self.sources.keepers_for(chosen, layout)
             try:
                 self.rt.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
                             timeout=self.config.timeouts.poll_s)

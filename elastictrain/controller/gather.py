@@ -91,6 +91,15 @@ def slot_step(slot: Slot) -> int:
     return int(slot.info.get("step", 0))
 
 
+def snapshot_pushers(layout: Layout) -> set[int]:
+    """PURE: the ranks that send peer-tier snapshots: the lowest rank of each :meth:`MeshDims.holder_key`
+    (one copy of every part of the state; a replica's would repeat it). Under DDP that is rank 0 alone."""
+    first: dict[tuple[int, ...], int] = {}
+    for r in range(layout.dims.world_size):
+        first.setdefault(layout.dims.holder_key(r), r)
+    return set(first.values())
+
+
 def _split(layout: Layout) -> bool:
     """No rank of ``layout`` holds the whole state as a DDP replica (sharded, staged or tensor-parallel)."""
     return not layout.dims.holds_whole_state
@@ -135,12 +144,13 @@ class SourceGatherer:
         from elastictrain.checkpoint.tier_budget import size_budget, tier_shortfall
 
         state = max(int(s.info.get("state_bytes") or 0) for s in chosen)
+        pushers = snapshot_pushers(layout)  # one snapshot of each part of the state: `parts` of state / parts
         per_node: dict[str, int] = {}
-        for s in chosen:
+        for r, s in enumerate(chosen):
             node = str(s.info.get("node_id"))
-            per_node[node] = per_node.get(node, 0) + 1
+            per_node[node] = per_node.get(node, 0) + (r in pushers)
         free = self.rt.free_memory(set(per_node))
-        ranks, world = max(per_node.values()), len(chosen)
+        ranks, world = max(1, max(per_node.values())), len(pushers)
         ck = self.config.checkpoint
         tier = size_budget(state, world, ranks, min(free) if free else None, ck.memory_budget_gib)
         self._budget = tier.budget
@@ -164,17 +174,21 @@ class SourceGatherer:
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
 
-    def keepers_for(self, chosen: list[Slot]) -> list[tuple[Any, bool]]:
+    def keepers_for(self, chosen: list[Slot], layout: Layout) -> list[tuple[Any, bool]]:
         """Each member's keeper -- on the next node in the ring, never its own unless it is alone -- and
         whether it is on another node (then the member keeps its own newest snapshots too: they outlive
-        that keeper's node; on its own node they would die with it, and add nothing)."""
+        that keeper's node; on its own node they would die with it, and add nothing). ``chosen`` in rank
+        order. Only the lowest rank of each part of the state (:func:`snapshot_pushers`) gets a keeper: a
+        replica's snapshot is the same bytes, and the budget is sized for one copy of each part."""
         if not self.keepers:
             return [(None, False)] * len(chosen)
         from elastictrain.checkpoint import keeper_ring
 
         own = [str(s.info.get("node_id")) for s in chosen]
         nodes = keeper_ring(own, list(self.keepers))
-        return [(self.keepers.get(n) if n else None, n is not None and n != o) for n, o in zip(nodes, own)]
+        pushers = snapshot_pushers(layout)
+        return [(self.keepers.get(n) if n and r in pushers else None, n is not None and n != o and r in pushers)
+                for r, (n, o) in enumerate(zip(nodes, own))]
 
     def ask_peer_tier(self, generation: int) -> None:
         """Ask every keeper for its catalog now, so the answers arrive while the survivors leave the failed

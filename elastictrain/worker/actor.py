@@ -492,8 +492,9 @@ class Worker:
             self._start_save(step)
         k = self.config.checkpoint.memory_every_steps
         if self._replicator is not None and k and step % k == 0:
-            # Every rank snapshots its own DCP state (under DDP that is the whole state); the copy is the
-            # stall, sending it to the keeper on another node runs on the replicator's thread.
+            # A rank with a keeper (the lowest rank of each part of the state: controller/gather.py
+            # snapshot_pushers; under DDP rank 0 alone) snapshots its own DCP state; the copy is the stall,
+            # sending it to the keeper on another node runs on the replicator's thread.
             self._replicator.push(step, self._dcp_state())
 
     def _dcp_state(self) -> dict[str, Any]:
