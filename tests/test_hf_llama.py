@@ -186,12 +186,14 @@ def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
                workers={"min": world, "max": world}, parallel=parallel)
 
 
-def _first_step(rank: int, world: int, layouts: list[dict[str, Any]], source: str, port: int, out: str) -> None:
-    """One rank: per layout the worker's StepRunner (the task as the driver builds it), the initial values
-    (init_from_seed: the source's weights), one step; rank 0 keeps each step's loss and audited samples."""
+def _first_step(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]], port: int, out: str) -> None:
+    """One rank: per (source, layout) the worker's StepRunner (the task as the driver builds it), the
+    initial values (init_from_seed: the source's weights, each slice DCP asks for recorded), one step; every
+    rank keeps each step's loss and audited samples, the slices it read and the slices it holds."""
     import torch.distributed as dist
 
     from elastictrain.config import build_config
+    from elastictrain.models import hf_weights
     from elastictrain.parallel.plan import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
@@ -200,21 +202,81 @@ def _first_step(rank: int, world: int, layouts: list[dict[str, Any]], source: st
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    reads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    make_reader = hf_weights.make_reader
+
+    def recording_reader(*args: Any, **kwargs: Any) -> Any:  # the loader's own reader, its requests noted
+        reader = make_reader(*args, **kwargs)
+        read_data = reader.read_data
+
+        def read(plan: Any, planner: Any) -> Any:
+            reads.extend((r.storage_index.fqn, tuple(r.storage_offsets), tuple(r.lengths)) for r in plan.items)
+            return read_data(plan, planner)
+
+        reader.read_data = read
+        return reader
+
+    hf_weights.make_reader = recording_reader
     results = []
     try:
-        for parallel in layouts:
+        for source, parallel in runs:
             cfg = build_config(_spec(world, source, **parallel))
             runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             assert runner.uninitialized  # every layout: no step-0 values until the source is loaded
+            reads.clear()
             runner.init_from_seed()
+            held = _held_slices(runner.model, runner.task.init_weights.tied)
             record = runner.run_step(False)[0]
-            results.append({"layout": parallel, "loss": record.loss, "ids": sorted(record.sample_ids),
-                            "mesh": runner.mesh})
-        if rank == 0:
-            torch.save(results, out)
+            results.append({"layout": parallel, "source": source, "loss": record.loss,
+                            "ids": sorted(record.sample_ids), "mesh": runner.mesh, "reads": list(reads),
+                            "held": held})
+        torch.save(results, f"{out}.{rank}")
     finally:
+        hf_weights.make_reader = make_reader
         dist.destroy_process_group()
+
+
+def _held_slices(model: torch.nn.Module, tied: bool) -> set[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(Hugging Face name, global offsets, lengths) of every tensor slice this rank holds (a DTensor's local
+    shard, a plain tensor whole); empty shards are left out (nothing to read)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from elastictrain.models.hf_llama import hf_from_ours
+
+    held = set()
+    for name, t in model.state_dict().items():
+        hf = "model.embed_tokens.weight" if tied and name.endswith("output.weight") else hf_from_ours(name)
+        if isinstance(t, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        else:
+            shape, offset = tuple(t.shape), (0,) * t.dim()
+        if all(n > 0 for n in shape):
+            held.add((hf, tuple(offset), tuple(shape)))
+    return held
+
+
+def _layout_runs(tmp_path: Path, world: int, runs: list[tuple[str, dict[str, Any]]]) -> list[list[dict]]:
+    """Each rank's results of :func:`_first_step` over ``runs``."""
+    out = str(tmp_path / "got.pt")
+    run_ranks(_first_step, (world, runs, free_port(), out), nprocs=world)
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+def _check_against_transformers(got: list[list[dict]], models: dict[str, Any], world: int) -> None:
+    """Step 1's loss is transformers' on the very samples step 1 took; every rank read exactly the slices it
+    holds, each once (never a whole tensor it shards, never a tensor of another stage)."""
+    for i, r in enumerate(got[0]):
+        batch = _batch(_spec(world, r["source"]), r["ids"])
+        want = hf_loss(models[r["source"]], batch)
+        assert len(r["ids"]) == 8, r["layout"]
+        assert abs(r["loss"] - want) <= LOSS_RTOL * abs(want), (r["layout"], r["mesh"], r["loss"], want)
+        for rank, ranks in enumerate(got):
+            mine = ranks[i]
+            assert mine["loss"] == r["loss"] and mine["ids"] == r["ids"], (r["layout"], rank)
+            assert len(mine["reads"]) == len(set(mine["reads"])), (r["layout"], rank, "a slice read twice")
+            assert set(mine["reads"]) == mine["held"], (r["layout"], rank, set(mine["reads"]) ^ mine["held"])
 
 
 def _batch(cfg_spec: dict[str, Any], ids: list[int]) -> dict[str, torch.Tensor]:
@@ -230,14 +292,22 @@ def test_first_loss_equals_transformers_under_each_layout(tmp_path):
     hf = save_hf(tmp_path / "src")
     source = str(tmp_path / "src")
     layouts = [{"plan": "fsdp"}, {"tp": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"plan": "ddp"}]
-    out = str(tmp_path / "got.pt")
-    run_ranks(_first_step, (2, layouts, source, free_port(), out), nprocs=2)
-    got = torch.load(out)
-    batch = _batch(_spec(2, source), got[0]["ids"])
-    want = hf_loss(hf, batch)
-    for r in got:
-        assert r["ids"] == got[0]["ids"] and len(r["ids"]) == 8, r["layout"]
-        assert abs(r["loss"] - want) <= LOSS_RTOL * abs(want), (r["layout"], r["mesh"], r["loss"], want)
+    got = _layout_runs(tmp_path, 2, [(source, p) for p in layouts])
+    _check_against_transformers(got, {source: hf}, 2)
+
+
+def test_first_loss_equals_transformers_under_4_rank_products(tmp_path):
+    """hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp, pp x tp, pp x fsdp (2 x 2 each), and a tied head
+    (Llama 3.2's tie_word_embeddings) split over pipeline stages (parallel/tied.py): under pp x ddp and
+    pp x fsdp."""
+    hf, tied = save_hf(tmp_path / "src"), save_hf(tmp_path / "tied", tied=True, seed=1)
+    source, tsource = str(tmp_path / "src"), str(tmp_path / "tied")
+    runs = [(source, {"plan": "hsdp", "shard_size": 2}), (source, {"plan": "fsdp", "tp": 2}),
+            (source, {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}),
+            (source, {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}),
+            (tsource, {"pp": 2, "pp_schedule": "1f1b"}), (tsource, {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"})]
+    got = _layout_runs(tmp_path, 4, runs)
+    _check_against_transformers(got, {source: hf, tsource: tied}, 4)
 
 
 # ------------------------------------------------------------------------------------------------ errors
