@@ -310,6 +310,89 @@ def test_first_loss_equals_transformers_under_4_rank_products(tmp_path):
     _check_against_transformers(got, {source: hf, tsource: tied}, 4)
 
 
+def _train_and_save(rank: int, world: int, source: str, parallel: dict[str, Any], port: int, root: str,
+                    out: str) -> None:
+    """One rank: load the source under ``parallel``, take two steps, save the training state as the worker
+    does (CheckpointWriter, its own gloo group) and keep the full values of the tensors this rank holds; rank
+    0 commits the step with the driver's fingerprint (which ``ckpt export --format hf`` reads the shape from)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.checkpoint import CheckpointStore, CheckpointWriter
+    from elastictrain.checkpoint.compat import driver_fingerprint
+    from elastictrain.config import CheckpointConfig, build_config
+    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        spec = _spec(world, source, **parallel)
+        spec["train"]["steps"] = 2
+        cfg = build_config(spec)
+        runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
+        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+        runner.init_from_seed()
+        for _ in range(2):
+            runner.run_step(False)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+        writer = CheckpointWriter(CheckpointConfig(), root, rank, world, group)
+        try:
+            writer.save_async(runner.step, runner.state.state_dict(), wait=True)
+            reports = writer.wait(60)
+        finally:
+            writer.close()
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, reports)
+        if rank == 0:
+            meta = {"world_size": world, "fingerprint": driver_fingerprint(cfg, None, builtin_task=True)}
+            CheckpointStore(root).commit(runner.step, [r for rs in everyone for r in rs], meta)
+        held = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                for n, t in runner.model.state_dict().items()}
+        torch.save(held, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 2, "tp": 2, "pp_schedule": "gpipe"},
+                                      {"plan": "hsdp", "shard_size": 2}], ids=["pp2xtp2", "hsdp2x2"])
+def test_export_from_a_sharded_checkpoint_reloads_in_transformers(tmp_path, parallel):
+    """A source loaded under pp x tp (or hsdp), trained two steps and checkpointed as the worker does,
+    exported with ``elastictrain ckpt export --format hf``: transformers loads the trained weights (every
+    tensor exactly the values the ranks held) and gives our Llama's logits on them."""
+    from click.testing import CliRunner
+
+    from elastictrain.checkpoint.cli import ckpt
+    from elastictrain.models.hf_llama import ours_from_hf
+
+    source = tmp_path / "src"
+    start = save_hf(source, scaling=LLAMA3_ROPE).state_dict()
+    root, out = tmp_path / "ckpt", str(tmp_path / "held.pt")
+    run_ranks(_train_and_save, (4, str(source), parallel, free_port(), str(root), out), nprocs=4)
+    trained: dict[str, torch.Tensor] = {}
+    for r in range(4):
+        for name, t in torch.load(f"{out}.{r}").items():
+            assert name not in trained or torch.equal(trained[name], t), name  # replicas and tp peers agree
+            trained[name] = t
+    for name, t in start.items():  # trained: the export cannot pass by copying the source
+        assert not torch.equal(t, trained[ours_from_hf(name)]), name
+    res = CliRunner().invoke(ckpt, ["export", str(root / "step_000000002"), "--format", "hf",
+                                    "--out", str(tmp_path / "hf_out")])
+    assert res.exit_code == 0, res.output
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_out")).eval()
+    assert {ours_from_hf(n) for n in back.state_dict()} == set(trained)
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, trained[ours_from_hf(name)]), name
+    ours = ours_from(source)
+    ours.load_state_dict(trained)
+    x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (back(input_ids=x).logits - ours(x)).abs().max().item() <= LOGIT_ATOL
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def _run_cli(tmp_path: Path, source: Path, *sets: str) -> subprocess.CompletedProcess:
     import yaml
