@@ -186,10 +186,14 @@ def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
                workers={"min": world, "max": world}, parallel=parallel)
 
 
-def _first_step(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]], port: int, out: str) -> None:
-    """One rank: per (source, layout) the worker's StepRunner (the task as the driver builds it), the
-    initial values (init_from_seed: the source's weights, each slice DCP asks for recorded), one step; every
-    rank keeps each step's loss and audited samples, the slices it read and the slices it holds."""
+Run = tuple[str, dict[str, Any], "str | None"]  # (source, parallel settings, checkpoint root to save into)
+
+
+def _first_step(rank: int, world: int, runs: list[Run], port: int, out: str) -> None:
+    """One rank: per run the worker's StepRunner (the task as the driver builds it), the initial values
+    (init_from_seed: the source's weights, each slice DCP asks for recorded), one step; every rank keeps each
+    step's loss and audited samples, the slices it read and the slices it holds. A run with a checkpoint root
+    then takes a second step and saves as the worker does (:func:`_save`)."""
     import torch.distributed as dist
 
     from elastictrain.config import build_config
@@ -219,7 +223,7 @@ def _first_step(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]], p
     hf_weights.make_reader = recording_reader
     results = []
     try:
-        for source, parallel in runs:
+        for source, parallel, save_root in runs:
             cfg = build_config(_spec(world, source, **parallel))
             runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
@@ -230,11 +234,41 @@ def _first_step(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]], p
             record = runner.run_step(False)[0]
             results.append({"layout": parallel, "source": source, "loss": record.loss,
                             "ids": sorted(record.sample_ids), "mesh": runner.mesh, "reads": list(reads),
-                            "held": held})
+                            "held": held, "trained": _save(runner, cfg, save_root) if save_root else None})
         torch.save(results, f"{out}.{rank}")
     finally:
         hf_weights.make_reader = make_reader
         dist.destroy_process_group()
+
+
+def _save(runner: Any, cfg: Any, root: str) -> dict[str, torch.Tensor]:
+    """A second step, then the training state saved as the worker saves it (CheckpointWriter on its own
+    gloo group) and committed by rank 0 with the driver's fingerprint (which ``ckpt export --format hf``
+    reads the shape from). Returns the full values of the tensors this rank holds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.checkpoint import CheckpointStore, CheckpointWriter
+    from elastictrain.checkpoint.compat import driver_fingerprint
+    from elastictrain.config import CheckpointConfig
+
+    runner.run_step(False)
+    world = dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    writer = CheckpointWriter(CheckpointConfig(), root, dist.get_rank(), world, group)
+    try:
+        writer.save_async(runner.step, runner.state.state_dict(), wait=True)
+        reports = writer.wait(60)
+    finally:
+        writer.close()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, reports)
+    if dist.get_rank() == 0:
+        meta = {"world_size": world, "fingerprint": driver_fingerprint(cfg, None, builtin_task=True)}
+        CheckpointStore(root).commit(runner.step, [r for rs in everyone for r in rs], meta)
+    dist.destroy_process_group(group)
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for n, t in runner.model.state_dict().items()}
 
 
 def _held_slices(model: torch.nn.Module, tied: bool) -> set[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -257,7 +291,7 @@ def _held_slices(model: torch.nn.Module, tied: bool) -> set[tuple[str, tuple[int
     return held
 
 
-def _layout_runs(tmp_path: Path, world: int, runs: list[tuple[str, dict[str, Any]]]) -> list[list[dict]]:
+def _layout_runs(tmp_path: Path, world: int, runs: list[Run]) -> list[list[dict]]:
     """Each rank's results of :func:`_first_step` over ``runs``."""
     out = str(tmp_path / "got.pt")
     run_ranks(_first_step, (world, runs, free_port(), out), nprocs=world)
@@ -292,101 +326,61 @@ def test_first_loss_equals_transformers_under_each_layout(tmp_path):
     hf = save_hf(tmp_path / "src")
     source = str(tmp_path / "src")
     layouts = [{"plan": "fsdp"}, {"tp": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"plan": "ddp"}]
-    got = _layout_runs(tmp_path, 2, [(source, p) for p in layouts])
+    got = _layout_runs(tmp_path, 2, [(source, p, None) for p in layouts])
     _check_against_transformers(got, {source: hf}, 2)
 
 
-def test_first_loss_equals_transformers_under_4_rank_products(tmp_path):
-    """hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp, pp x tp, pp x fsdp (2 x 2 each), and a tied head
-    (Llama 3.2's tie_word_embeddings) split over pipeline stages (parallel/tied.py): under pp x ddp and
-    pp x fsdp."""
-    hf, tied = save_hf(tmp_path / "src"), save_hf(tmp_path / "tied", tied=True, seed=1)
-    source, tsource = str(tmp_path / "src"), str(tmp_path / "tied")
-    runs = [(source, {"plan": "hsdp", "shard_size": 2}), (source, {"plan": "fsdp", "tp": 2}),
-            (source, {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}),
-            (source, {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}),
-            (tsource, {"pp": 2, "pp_schedule": "1f1b"}), (tsource, {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"})]
-    got = _layout_runs(tmp_path, 4, runs)
-    _check_against_transformers(got, {source: hf, tsource: tied}, 4)
+PRODUCTS = [("src", {"plan": "hsdp", "shard_size": 2}, "hsdp"), ("src", {"plan": "fsdp", "tp": 2}, None),
+            ("src", {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}, "pp_tp"),
+            ("src", {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}, None),
+            ("tied", {"pp": 2, "pp_schedule": "1f1b"}, None), ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None)]
 
 
-def _train_and_save(rank: int, world: int, source: str, parallel: dict[str, Any], port: int, root: str,
-                    out: str) -> None:
-    """One rank: load the source under ``parallel``, take two steps, save the training state as the worker
-    does (CheckpointWriter, its own gloo group) and keep the full values of the tensors this rank holds; rank
-    0 commits the step with the driver's fingerprint (which ``ckpt export --format hf`` reads the shape from)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from elastictrain.checkpoint import CheckpointStore, CheckpointWriter
-    from elastictrain.checkpoint.compat import driver_fingerprint
-    from elastictrain.config import CheckpointConfig, build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
-    from elastictrain.task import builtin_task
-    from elastictrain.worker.faults import FaultInjector
-    from elastictrain.worker.loop import StepRunner
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        spec = _spec(world, source, **parallel)
-        spec["train"]["steps"] = 2
-        cfg = build_config(spec)
-        runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
-        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-        runner.init_from_seed()
-        for _ in range(2):
-            runner.run_step(False)
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
-        writer = CheckpointWriter(CheckpointConfig(), root, rank, world, group)
-        try:
-            writer.save_async(runner.step, runner.state.state_dict(), wait=True)
-            reports = writer.wait(60)
-        finally:
-            writer.close()
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, reports)
-        if rank == 0:
-            meta = {"world_size": world, "fingerprint": driver_fingerprint(cfg, None, builtin_task=True)}
-            CheckpointStore(root).commit(runner.step, [r for rs in everyone for r in rs], meta)
-        held = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-                for n, t in runner.model.state_dict().items()}
-        torch.save(held, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def products(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[list[dict]]]:
+    """One set of 4 gloo ranks through :data:`PRODUCTS`: hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp,
+    pp x tp, pp x fsdp (2 x 2 each), and a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
+    stages (parallel/tied.py) under pp x ddp and pp x fsdp; the hsdp and pp x tp runs also checkpoint step 2
+    into ``<dir>/ckpt_<name>``. Returns (dir, transformers' model per source path, each rank's results)."""
+    tmp = tmp_path_factory.mktemp("products")
+    models = {str(tmp / "src"): save_hf(tmp / "src", scaling=LLAMA3_ROPE),
+              str(tmp / "tied"): save_hf(tmp / "tied", tied=True, seed=1)}
+    runs = [(str(tmp / src), p, str(tmp / f"ckpt_{save}") if save else None) for src, p, save in PRODUCTS]
+    return tmp, models, _layout_runs(tmp, 4, runs)
 
 
-@pytest.mark.parametrize("parallel", [{"pp": 2, "tp": 2, "pp_schedule": "gpipe"},
-                                      {"plan": "hsdp", "shard_size": 2}], ids=["pp2xtp2", "hsdp2x2"])
-def test_export_from_a_sharded_checkpoint_reloads_in_transformers(tmp_path, parallel):
-    """A source loaded under pp x tp (or hsdp), trained two steps and checkpointed as the worker does,
-    exported with ``elastictrain ckpt export --format hf``: transformers loads the trained weights (every
-    tensor exactly the values the ranks held) and gives our Llama's logits on them."""
+def test_first_loss_equals_transformers_under_4_rank_products(products):
+    _, models, got = products
+    _check_against_transformers(got, models, 4)
+
+
+@pytest.mark.parametrize("name", ["pp_tp", "hsdp"])
+def test_export_from_a_sharded_checkpoint_reloads_in_transformers(products, tmp_path, name):
+    """A source loaded under pp2 x tp2 (or hsdp 2 x 2), trained two steps and checkpointed as the worker
+    does, exported with ``elastictrain ckpt export --format hf``: transformers loads the trained weights
+    (every tensor exactly the values the ranks held, none the source's) and gives our Llama's logits on them."""
     from click.testing import CliRunner
 
     from elastictrain.checkpoint.cli import ckpt
     from elastictrain.models.hf_llama import ours_from_hf
 
-    source = tmp_path / "src"
-    start = save_hf(source, scaling=LLAMA3_ROPE).state_dict()
-    root, out = tmp_path / "ckpt", str(tmp_path / "held.pt")
-    run_ranks(_train_and_save, (4, str(source), parallel, free_port(), str(root), out), nprocs=4)
+    tmp, models, got = products
+    i = next(k for k, run in enumerate(PRODUCTS) if run[2] == name)
     trained: dict[str, torch.Tensor] = {}
-    for r in range(4):
-        for name, t in torch.load(f"{out}.{r}").items():
-            assert name not in trained or torch.equal(trained[name], t), name  # replicas and tp peers agree
-            trained[name] = t
-    for name, t in start.items():  # trained: the export cannot pass by copying the source
-        assert not torch.equal(t, trained[ours_from_hf(name)]), name
-    res = CliRunner().invoke(ckpt, ["export", str(root / "step_000000002"), "--format", "hf",
+    for ranks in got:
+        for n, t in ranks[i]["trained"].items():
+            assert n not in trained or torch.equal(trained[n], t), n  # replicas and tp peers agree
+            trained[n] = t
+    for n, t in models[str(tmp / "src")].state_dict().items():  # trained: an export of the source would fail
+        assert not torch.equal(t, trained[ours_from_hf(n)]), n
+    res = CliRunner().invoke(ckpt, ["export", str(tmp / f"ckpt_{name}" / "step_000000002"), "--format", "hf",
                                     "--out", str(tmp_path / "hf_out")])
     assert res.exit_code == 0, res.output
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_out")).eval()
     assert {ours_from_hf(n) for n in back.state_dict()} == set(trained)
-    for name, t in back.state_dict().items():
-        assert torch.equal(t, trained[ours_from_hf(name)]), name
-    ours = ours_from(source)
+    for n, t in back.state_dict().items():
+        assert torch.equal(t, trained[ours_from_hf(n)]), n
+    ours = ours_from(tmp / "src")
     ours.load_state_dict(trained)
     x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
