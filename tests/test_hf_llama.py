@@ -5,8 +5,13 @@ with ``save_pretrained`` (nothing downloaded).
 * in one process: our Llama loaded from the directory gives transformers' logits (tied and untied heads,
   with and without Llama 3.1 rope scaling); the written directory's config.json round-trips;
 * on real gloo processes through the worker's own step path (StepRunner.attach + init_from_seed + run_step,
-  as tests/test_tensor_parallel.py does) under fsdp2, tp2, pp2 and ddp2: step 1's loss equals transformers'
-  own mean next-token loss over the very samples step 1 took (the sample audit);
+  as tests/test_tensor_parallel.py does) under fsdp2, tp2, pp2 and ddp2 (2 ranks), and under hsdp
+  (dp_replicate 2 x dp_shard 2), fsdp2 x tp2, pp2 x tp2, pp2 x fsdp2 and a tied head split over pipeline
+  stages (pp2 x ddp2, pp2 x fsdp2) on 4 ranks: step 1's loss equals transformers' own mean next-token loss
+  over the very samples step 1 took (the sample audit), and every rank asked the reader for exactly the
+  slices it holds (its DTensor shards, its stages' tensors), each once;
+* the hsdp and pp2 x tp2 runs, trained a second step and checkpointed as the worker does, exported with
+  ``ckpt export --format hf``: transformers loads the trained weights and gives our logits on them;
 * runs on local Ray, ddp with one worker, through ``Trainer`` (the driver's checks, the replicated sync
   that loads the source): the same; a run branched from its checkpoint after the source was zeroed repeats
   its step (a resume never rereads the source); its checkpoint exported with the CLI and loaded by
@@ -19,10 +24,13 @@ Tolerances (and why): in one process both models run the same fp32 operations in
 1e-5 absolute (logits ~ 1) for a different SDPA kernel choice. Across layouts, FSDP/TP/PP compute the same
 fp32 math with the sums of a matrix product split over ranks (tp) or the micro-batches' losses summed in
 another order: measured within 2.2e-8 relative of transformers' loss (~5.6) under fsdp2 and pp2, equal
-under tp2 and ddp2; we allow 1e-5 relative, as tests/test_tensor_parallel.py does for the same reasons. A
-loading bug moves them by far more (measured by breaking the code): the gate and up projections swapped in
-the name table move the logits by 3.7e-2; the seeded values kept instead of the source's (init_from_seed
-not calling the task's init_weights) move step 1's loss by 1.4e-2 relative in every layout.
+under tp2 and ddp2, within 2.2e-8 under each 4-rank product; we allow 1e-5 relative, as
+tests/test_tensor_parallel.py does for the same reasons. A loading bug moves them by far more (measured by
+breaking the code): the gate and up projections swapped in the name table move the logits by 3.7e-2; the
+seeded values kept instead of the source's (init_from_seed not calling the task's init_weights) move step 1's
+loss by 1.4e-2 relative in every 2-rank layout, by 1.0e-2 (untied) and 1.4e-3 (tied) in every 4-rank one. A
+loader that reads whole tensors and keeps its shard (full_state_dict loads) gives the right loss and fails
+the read check; an export with gate and up swapped fails the exported-weights check.
 """
 
 from __future__ import annotations
@@ -186,7 +194,7 @@ def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
                workers={"min": world, "max": world}, parallel=parallel)
 
 
-Run = tuple[str, dict[str, Any], "str | None"]  # (source, parallel settings, checkpoint root to save into)
+Run = tuple[str, dict[str, Any], str | None]  # (source, parallel settings, checkpoint root to save into)
 
 
 def _first_step(rank: int, world: int, runs: list[Run], port: int, out: str) -> None:
@@ -330,10 +338,12 @@ def test_first_loss_equals_transformers_under_each_layout(tmp_path):
     _check_against_transformers(got, {source: hf}, 2)
 
 
+# (source directory, parallel settings, name of the checkpoint its step 2 is saved as, or None)
 PRODUCTS = [("src", {"plan": "hsdp", "shard_size": 2}, "hsdp"), ("src", {"plan": "fsdp", "tp": 2}, None),
             ("src", {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}, "pp_tp"),
             ("src", {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}, None),
-            ("tied", {"pp": 2, "pp_schedule": "1f1b"}, None), ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None)]
+            ("tied", {"pp": 2, "pp_schedule": "1f1b"}, None),
+            ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None)]
 
 
 @pytest.fixture(scope="module")
