@@ -187,9 +187,9 @@ def test_export_refuses_a_checkpoint_of_another_model():
 
 
 # ------------------------------------------------------------------------------- layouts on gloo processes
-def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
-    return job(task={"kind": "llama", "init_from": source, "model": {"seq_len": SEQ},
-                     "optimizer": {"lr": 3e-3, "warmup_steps": 0}},
+def _spec(world: int, source: str, *, options: dict[str, Any] | None = None, **parallel: Any) -> dict[str, Any]:
+    return job(task={"kind": "llama", "init_from": source, "init_from_storage_options": options or {},
+                     "model": {"seq_len": SEQ}, "optimizer": {"lr": 3e-3, "warmup_steps": 0}},
                train={"steps": 1, "global_batch": 8, "micro_batch": 2, "audit_samples": True},
                workers={"min": world, "max": world}, parallel=parallel)
 
@@ -197,11 +197,12 @@ def _spec(world: int, source: str, **parallel: Any) -> dict[str, Any]:
 Run = tuple[str, dict[str, Any], str | None]  # (source, parallel settings, checkpoint root to save into)
 
 
-def _first_step(rank: int, world: int, runs: list[Run], port: int, out: str) -> None:
+def _first_step(rank: int, world: int, runs: list[Run], options: dict[str, dict], port: int, out: str) -> None:
     """One rank: per run the worker's StepRunner (the task as the driver builds it), the initial values
     (init_from_seed: the source's weights, each slice DCP asks for recorded), one step; every rank keeps each
     step's loss and audited samples, the slices it read and the slices it holds. A run with a checkpoint root
-    then takes a second step and saves as the worker does (:func:`_save`)."""
+    then takes a second step and saves as the worker does (:func:`_save`). ``options``: storage options by
+    source (an ``s3://`` one)."""
     import torch.distributed as dist
 
     from elastictrain.config import build_config
@@ -232,7 +233,7 @@ def _first_step(rank: int, world: int, runs: list[Run], port: int, out: str) -> 
     results = []
     try:
         for source, parallel, save_root in runs:
-            cfg = build_config(_spec(world, source, **parallel))
+            cfg = build_config(_spec(world, source, options=options.get(source), **parallel))
             runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
             runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             assert runner.uninitialized  # every layout: no step-0 values until the source is loaded
@@ -299,18 +300,20 @@ def _held_slices(model: torch.nn.Module, tied: bool) -> set[tuple[str, tuple[int
     return held
 
 
-def _layout_runs(tmp_path: Path, world: int, runs: list[Run]) -> list[list[dict]]:
+def _layout_runs(tmp_path: Path, world: int, runs: list[Run], options: dict[str, dict] | None = None
+                 ) -> list[list[dict]]:
     """Each rank's results of :func:`_first_step` over ``runs``."""
     out = str(tmp_path / "got.pt")
-    run_ranks(_first_step, (world, runs, free_port(), out), nprocs=world)
+    run_ranks(_first_step, (world, runs, options or {}, free_port(), out), nprocs=world)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
-def _check_against_transformers(got: list[list[dict]], models: dict[str, Any], world: int) -> None:
+def _check_against_transformers(got: list[list[dict]], models: dict[str, Any], world: int,
+                                options: dict[str, dict] | None = None) -> None:
     """Step 1's loss is transformers' on the very samples step 1 took; every rank read exactly the slices it
     holds, each once (never a whole tensor it shards, never a tensor of another stage)."""
     for i, r in enumerate(got[0]):
-        batch = _batch(_spec(world, r["source"]), r["ids"])
+        batch = _batch(_spec(world, r["source"], options=(options or {}).get(r["source"])), r["ids"])
         want = hf_loss(models[r["source"]], batch)
         assert len(r["ids"]) == 8, r["layout"]
         assert abs(r["loss"] - want) <= LOSS_RTOL * abs(want), (r["layout"], r["mesh"], r["loss"], want)
@@ -343,25 +346,37 @@ PRODUCTS = [("src", {"plan": "hsdp", "shard_size": 2}, "hsdp"), ("src", {"plan":
             ("src", {"pp": 2, "tp": 2, "pp_schedule": "gpipe"}, "pp_tp"),
             ("src", {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}, None),
             ("tied", {"pp": 2, "pp_schedule": "1f1b"}, None),
-            ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None)]
+            ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None),
+            ("s3", {"plan": "fsdp", "tp": 2}, None)]
 
 
 @pytest.fixture(scope="module")
-def products(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[list[dict]]]:
+def products(tmp_path_factory: pytest.TempPathFactory, s3_server: Any
+             ) -> tuple[Path, dict[str, Any], dict[str, dict], list[list[dict]]]:
     """One set of 4 gloo ranks through :data:`PRODUCTS`: hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp,
     pp x tp, pp x fsdp (2 x 2 each), and a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
-    stages (parallel/tied.py) under pp x ddp and pp x fsdp; the hsdp and pp x tp runs also checkpoint step 2
-    into ``<dir>/ckpt_<name>``. Returns (dir, transformers' model per source path, each rank's results)."""
+    stages (parallel/tied.py) under pp x ddp and pp x fsdp, and fsdp x tp again from an ``s3://`` copy in
+    index-sharded files (a real moto endpoint: the ranged reader, whose tensor-parallel row-wise slices cut
+    columns); the hsdp and pp x tp runs also checkpoint step 2 into ``<dir>/ckpt_<name>``. Returns (dir,
+    transformers' model by source URI, storage options by source URI, each rank's results)."""
+    import s3fs
+
     tmp = tmp_path_factory.mktemp("products")
-    models = {str(tmp / "src"): save_hf(tmp / "src", scaling=LLAMA3_ROPE),
-              str(tmp / "tied"): save_hf(tmp / "tied", tied=True, seed=1)}
-    runs = [(str(tmp / src), p, str(tmp / f"ckpt_{save}") if save else None) for src, p, save in PRODUCTS]
-    return tmp, models, _layout_runs(tmp, 4, runs)
+    hf = save_hf(tmp / "src", scaling=LLAMA3_ROPE)
+    hf.save_pretrained(str(tmp / "sharded"), max_shard_size="100KB")
+    fs = s3fs.S3FileSystem(**s3_server.options())
+    fs.mkdir("products")
+    fs.put(str(tmp / "sharded") + "/", "products/llama/", recursive=True)
+    uris = {"src": str(tmp / "src"), "tied": str(tmp / "tied"), "s3": "s3://products/llama"}
+    models = {uris["src"]: hf, uris["tied"]: save_hf(tmp / "tied", tied=True, seed=1), uris["s3"]: hf}
+    options = {uris["s3"]: s3_server.options()}
+    runs = [(uris[src], p, str(tmp / f"ckpt_{save}") if save else None) for src, p, save in PRODUCTS]
+    return tmp, models, options, _layout_runs(tmp, 4, runs, options)
 
 
 def test_first_loss_equals_transformers_under_4_rank_products(products):
-    _, models, got = products
-    _check_against_transformers(got, models, 4)
+    _, models, options, got = products
+    _check_against_transformers(got, models, 4, options)
 
 
 @pytest.mark.parametrize("name", ["pp_tp", "hsdp"])
@@ -374,7 +389,7 @@ def test_export_from_a_sharded_checkpoint_reloads_in_transformers(products, tmp_
     from elastictrain.checkpoint.cli import ckpt
     from elastictrain.models.hf_llama import ours_from_hf
 
-    tmp, models, got = products
+    tmp, models, _, got = products
     i = next(k for k, run in enumerate(PRODUCTS) if run[2] == name)
     trained: dict[str, torch.Tensor] = {}
     for ranks in got:
