@@ -316,7 +316,7 @@ def _check_against_transformers(got: list[list[dict]], models: dict[str, Any], w
         batch = _batch(_spec(world, r["source"], options=(options or {}).get(r["source"])), r["ids"])
         want = hf_loss(models[r["source"]], batch)
         assert len(r["ids"]) == 8, r["layout"]
-        assert abs(r["loss"] - want) <= LOSS_RTOL * abs(want), (r["layout"], r["mesh"], r["loss"], want)
+        assert abs(r["loss"] - want) <= LOSS_RTOL * abs(want), (r["source"], r["mesh"], r["loss"], want)
         for rank, ranks in enumerate(got):
             mine = ranks[i]
             assert mine["loss"] == r["loss"] and mine["ids"] == r["ids"], (r["layout"], rank)
