@@ -6,8 +6,9 @@ with ``save_pretrained`` (nothing downloaded).
   with and without Llama 3.1 rope scaling); the written directory's config.json round-trips;
 * on real gloo processes through the worker's own step path (StepRunner.attach + init_from_seed + run_step,
   as tests/test_tensor_parallel.py does) under fsdp2, tp2, pp2 and ddp2 (2 ranks), and under hsdp
-  (dp_replicate 2 x dp_shard 2), fsdp2 x tp2, pp2 x tp2, pp2 x fsdp2 and a tied head split over pipeline
-  stages (pp2 x ddp2, pp2 x fsdp2) on 4 ranks: step 1's loss equals transformers' own mean next-token loss
+  (dp_replicate 2 x dp_shard 2), fsdp2 x tp2, pp2 x tp2, pp2 x fsdp2, a tied head (split over pipeline
+  stages under pp2 x ddp2, pp2 x fsdp2, pp2 x tp2; sharded under fsdp2 x tp2) and fsdp2 x tp2 from an
+  ``s3://`` source on 4 ranks: step 1's loss equals transformers' own mean next-token loss
   over the very samples step 1 took (the sample audit), and every rank asked the reader for exactly the
   slices it holds (its DTensor shards, its stages' tensors), each once;
 * the hsdp and pp2 x tp2 runs, trained a second step and checkpointed as the worker does, exported with
@@ -347,6 +348,7 @@ PRODUCTS = [("src", {"plan": "hsdp", "shard_size": 2}, "hsdp"), ("src", {"plan":
             ("src", {"pp": 2, "plan": "fsdp", "pp_schedule": "gpipe"}, None),
             ("tied", {"pp": 2, "pp_schedule": "1f1b"}, None),
             ("tied", {"pp": 2, "plan": "fsdp", "pp_schedule": "1f1b"}, None),
+            ("tied", {"pp": 2, "tp": 2, "pp_schedule": "1f1b"}, None), ("tied", {"plan": "fsdp", "tp": 2}, None),
             ("s3", {"plan": "fsdp", "tp": 2}, None)]
 
 
@@ -355,7 +357,7 @@ def products(tmp_path_factory: pytest.TempPathFactory, s3_server: Any
              ) -> tuple[Path, dict[str, Any], dict[str, dict], list[list[dict]]]:
     """One set of 4 gloo ranks through :data:`PRODUCTS`: hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp,
     pp x tp, pp x fsdp (2 x 2 each), and a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
-    stages (parallel/tied.py) under pp x ddp and pp x fsdp, and fsdp x tp again from an ``s3://`` copy in
+    stages (parallel/tied.py) under pp x ddp, pp x fsdp and pp x tp, and under fsdp x tp; fsdp x tp again from an ``s3://`` copy in
     index-sharded files (a real moto endpoint: the ranged reader, whose tensor-parallel row-wise slices cut
     columns); the hsdp and pp x tp runs also checkpoint step 2 into ``<dir>/ckpt_<name>``. Returns (dir,
     transformers' model by source URI, storage options by source URI, each rank's results)."""
