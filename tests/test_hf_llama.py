@@ -356,11 +356,12 @@ PRODUCTS = [("src", {"plan": "hsdp", "shard_size": 2}, "hsdp"), ("src", {"plan":
 def products(tmp_path_factory: pytest.TempPathFactory, s3_server: Any
              ) -> tuple[Path, dict[str, Any], dict[str, dict], list[list[dict]]]:
     """One set of 4 gloo ranks through :data:`PRODUCTS`: hsdp (dp_replicate 2 x dp_shard 2), fsdp x tp,
-    pp x tp, pp x fsdp (2 x 2 each), and a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
-    stages (parallel/tied.py) under pp x ddp, pp x fsdp and pp x tp, and under fsdp x tp; fsdp x tp again from an ``s3://`` copy in
-    index-sharded files (a real moto endpoint: the ranged reader, whose tensor-parallel row-wise slices cut
-    columns); the hsdp and pp x tp runs also checkpoint step 2 into ``<dir>/ckpt_<name>``. Returns (dir,
-    transformers' model by source URI, storage options by source URI, each rank's results)."""
+    pp x tp, pp x fsdp (2 x 2 each); a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
+    stages (parallel/tied.py) under pp x ddp, pp x fsdp and pp x tp, and sharded under fsdp x tp; fsdp x tp
+    again from an ``s3://`` copy in index-sharded files (a real moto endpoint: the ranged reader, whose
+    tensor-parallel row-wise slices cut columns). The hsdp and pp x tp runs also checkpoint step 2 into
+    ``<dir>/ckpt_<name>``. Returns (dir, transformers' model by source URI, storage options by source URI,
+    each rank's results)."""
     import s3fs
 
     tmp = tmp_path_factory.mktemp("products")
