@@ -81,7 +81,8 @@ def test_the_worker_actor_module_imports_without_garbage_collection() -> None:
 # What a worker's start must not import: each is imported where it is used (DCP where a state is saved, loaded
 # or synced; pipelining for pp > 1; the Hugging Face and Arrow stacks for those models and data; s3fs for
 # s3:// paths). DTensor, FSDP2 and tensor parallel are not here: DDP's constructor imports torch._dynamo, which
-# imports all three, so every worker pays for them anyway (docs/perf/2026-11-28-worker-imports.md).
+# imports all three, so every worker pays for them anyway ("What a worker imports" in
+# docs/perf/2026-11-28-suite-time.md).
 _LAZY_AT_WORKER_START = ("torch.distributed.checkpoint", "torch.distributed.elastic",
                          "torch.distributed.pipelining", "transformers", "tokenizers", "safetensors", "pyarrow",
                          "s3fs")
