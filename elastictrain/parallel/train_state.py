@@ -12,10 +12,9 @@ cursor defines the same data order (a different global batch, seed or dataset fa
 
 from __future__ import annotations
 
-from typing import Any
-
 import functools
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +37,7 @@ def _state_dict_api() -> ModuleType:
     return api
 
 
+@functools.cache
 def _sharded() -> Any:
     """The options of every sharded (per-rank) state dict here: DTensors stay sharded, tensors stay put."""
     api = _state_dict_api()
