@@ -21,7 +21,7 @@ from elastictrain.task_loader import task_from_config
 
 
 # What a Ray worker process imports before it takes work (Ray's ``preload_python_modules``): the worker
-# actor's module, i.e. torch, DTensor and DCP, most of a worker's start (docs/perf/2026-11-23-code-figures.md).
+# actor's module, i.e. torch, DTensor and FSDP, most of a worker's start (docs/perf/2026-11-23-code-figures.md).
 # Ray pre-starts idle worker processes (as many as the node's CPUs, for its first driver), and an actor
 # placed on one of them then starts in well under a second. Ray 2.60 does not start new idle workers to
 # replace used ones, so this speeds up the workers that find a pre-started process (the first ones), not

@@ -43,10 +43,13 @@ def _cli(tmp_path: Path, spec: dict, *args: str) -> subprocess.CompletedProcess:
 # Past the warm-up at step 4 (warmup_steps 1): the cosine of steps 2..4 depends on train.steps, so a longer
 # run changes the schedule (the extension test); the other tests only need a finished run's commits.
 _OPT = {"optimizer": {"lr": 3e-3, "warmup_steps": 1}}
+# One worker: these rules (rerun, extend, start over, a corrupt shard) are decided by the driver and a rank's
+# load whatever the world size; a second worker process would add a process start to each run, nothing more.
+_ONE = {"min": 1, "max": 1}
 
 
 def _finished_spec(root: Path, **train) -> dict:
-    return job(name="base", train={"steps": 4, **train}, checkpoint=_ckpt(root), task=_OPT)
+    return job(name="base", train={"steps": 4, **train}, checkpoint=_ckpt(root), task=_OPT, workers=_ONE)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def test_changed_schedule_refused_then_extended_on_purpose(tmp_path, ray_local, 
     assert "checkpoint error" in err and "schedule: the learning-rate multiplier at step" in err
     assert "checkpoint.accept_changes=[schedule]" in err and "checkpoint.resume=never" in err
     assert "Traceback" not in err
-    ok = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT,
+    ok = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT, workers=_ONE,
                                checkpoint=_ckpt(tmp_path, accept_changes=["schedule"])), name="ext")
     (resumed,) = ok.of("resumed")
     assert resumed["step"] == 4 and ok.summary["final_step"] == 6 and ok.result.exit_code == 0
@@ -125,8 +128,8 @@ def test_resume_never_isolates_the_new_run(tmp_path, ray_local, finished):
     old_root = finished.copy_to(tmp_path)  # run "base": commits 2 and 4
     old = {str(p): p.read_bytes() for p in old_root.glob("step_*/manifest.json")}
     assert len(old) == 2
-    fresh = run_job(tmp_path, job(name="base", train={"steps": 6}, checkpoint=_ckpt(tmp_path, resume="never")),
-                    name="fresh")
+    fresh = run_job(tmp_path, job(name="base", train={"steps": 6}, workers=_ONE,
+                                  checkpoint=_ckpt(tmp_path, resume="never")), name="fresh")
     assert fresh.result.exit_code == 0 and not fresh.of("resumed")
     new_id = fresh.summary["run_id"]
     assert new_id.startswith("base-") and fresh.summary["checkpoint_root"] == str(tmp_path / "ckpt" / new_id)
@@ -201,7 +204,7 @@ def test_corrupt_explicit_checkpoint_found_by_the_rank_is_exit_3(tmp_path, ray_l
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     ck = _ckpt(tmp_path, resume=str(step_dir), accept_changes=["schedule"])
-    run = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT, checkpoint=ck), name="b")
+    run = run_job(tmp_path, job(name="base", train={"steps": 6}, task=_OPT, workers=_ONE, checkpoint=ck), name="b")
     assert run.result.exit_code == 3 and run.summary["failures"] == 0
     (failed,) = run.of("run_failed")
     assert "SHA-256 mismatch" in failed["reason"] and shard.name in failed["reason"]

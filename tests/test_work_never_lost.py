@@ -19,8 +19,9 @@ def _ck(tmp_path: Path, **extra) -> dict:
 
 def test_a_finished_run_always_commits_its_final_step(tmp_path, ray_local):
     """every_steps 0 (and a train.steps that is no multiple of it): the final step is committed, and the
-    same job run again is "already finished" instead of training from step 0 again."""
-    spec = job(name="fin", train={"steps": 7}, checkpoint=_ck(tmp_path, every_steps=0))
+    same job run again is "already finished" instead of training from step 0 again. One worker: the rule is
+    the controller's, whatever the world size ("trunk" below commits off the cadence on 2)."""
+    spec = job(name="fin", train={"steps": 7}, checkpoint=_ck(tmp_path, every_steps=0), workers={"min": 1, "max": 1})
     run = run_job(tmp_path, spec, name="a")
     assert run.result.exit_code == 0
     assert [e["step"] for e in run.of("checkpoint_saved")] == [7], run.of("checkpoint_failed")

@@ -1,6 +1,6 @@
 """The private local Ray of ``elastictrain run`` starts its worker processes with the worker actor's module
 already imported (Ray's ``preload_python_modules``), so an actor placed on a pre-started process skips the
-imports (torch, DTensor, DCP: most of a worker's start). Checked in two links, no timing: ``Trainer._init_ray``
+imports (torch, DTensor, FSDP: most of a worker's start). Checked in two links, no timing: ``Trainer._init_ray``
 starts its private Ray with ``local_ray_system_config()``, and a worker process of a Ray started with that
 system config (the session's local Ray, tests/conftest.py) has the module imported before it does any work."""
 
@@ -55,7 +55,7 @@ def test_local_ray_workers_have_the_worker_module_imported_before_any_work(ray_l
 
 def test_the_worker_actor_module_imports_without_garbage_collection() -> None:
     """Every worker process imports the worker actor's module (the preload above): no garbage collection
-    runs during its imports (torch, DTensor, DCP; collections there freed nothing and cost a quarter of
+    runs during its imports (torch, DTensor, FSDP; collections there freed nothing and cost a quarter of
     their CPU: docs/perf/2026-11-28-suite-time.md), and collection is on again once it is imported. In a
     fresh interpreter a gc callback counts the collections that start while the module's imports run: after
     its first statements (``_GC_WAS_ON`` set) and before its last import (``broadcast_state``)."""
@@ -76,3 +76,28 @@ def test_the_worker_actor_module_imports_without_garbage_collection() -> None:
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "True"], out.stdout
+
+
+# What a worker's start must not import: each is imported where it is used (DCP where a state is saved, loaded
+# or synced; pipelining for pp > 1; the Hugging Face and Arrow stacks for those models and data; s3fs for
+# s3:// paths). DTensor, FSDP2 and tensor parallel are not here: DDP's constructor imports torch._dynamo, which
+# imports all three, so every worker pays for them anyway ("What a worker imports" in
+# docs/perf/2026-11-28-suite-time.md).
+_LAZY_AT_WORKER_START = ("torch.distributed.checkpoint", "torch.distributed.elastic",
+                         "torch.distributed.pipelining", "transformers", "tokenizers", "safetensors", "pyarrow",
+                         "s3fs")
+
+
+def test_the_worker_actor_module_leaves_dcp_pipelining_and_hf_unimported() -> None:
+    """Importing the worker actor's module (every worker process's preload) in a fresh interpreter leaves the
+    heavy modules that only some runs use unimported (:data:`_LAZY_AT_WORKER_START`)."""
+    import subprocess
+
+    probe = ("import sys\n"
+             "import elastictrain.worker.actor\n"
+             f"print(' '.join(n for n in {_LAZY_AT_WORKER_START!r} if n in sys.modules) or 'none')\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["none"], f"imported at worker start: {out.stdout.strip()}"

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 
 @contextlib.contextmanager
@@ -74,5 +73,8 @@ def load_seeded_init(model: nn.Module, build: Callable[[], nn.Module], rank: int
     """Fill ``model`` (parallelized, materialized) with the values of ``build()``, which rank 0 alone calls:
     each tensor is broadcast from rank 0 and every rank keeps its slice. Collective over the default
     group; ``build`` must seed itself (it is the same build a non-meta start uses)."""
+    # here, not at the top: DCP is imported where a state is moved, not by every worker's start
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     full = build().state_dict() if rank == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -12,26 +12,36 @@ cursor defines the same data order (a different global batch, seed or dataset fa
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
 from elastictrain.checkpoint.dcp_quiet import quiet_single_process_notice
-from elastictrain.checkpoint.safe_bytes import SafeLoadPlanner
 from elastictrain.data.cursor import CursorState
 from elastictrain.parallel.optim import init_state
 
-_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 _PROGRESS_KEYS = ("step", "global_batch", "seed", "dataset_len")
+
+
+@functools.cache
+def _state_dict_api() -> ModuleType:
+    """``torch.distributed.checkpoint.state_dict``, imported on the first state moved rather than by every
+    worker's start (this module is on the worker actor's import chain; a worker that never saves, loads or
+    syncs never needs DCP: tests/test_worker_preload.py)."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    return api
+
+
+@functools.cache
+def _sharded() -> Any:
+    """The options of every sharded (per-rank) state dict here: DTensors stay sharded, tensors stay put."""
+    api = _state_dict_api()
+    return api.StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
 def model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -39,19 +49,20 @@ def model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None)
     state is materialised (``parallel.optim.init_state``) so a load has tensors to fill. Works for plain,
     DDP and FSDP2 modules."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=_SHARDED)}
+        return {"model": _state_dict_api().get_model_state_dict(model, options=_sharded())}
     init_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
+    model_sd, optim_sd = _state_dict_api().get_state_dict(model, optimizer, options=_sharded())
     return {"model": model_sd, "optim": optim_sd}
 
 
 def load_model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
     """Put ``state`` (shaped like :func:`model_optim_state`, filled by a load) into the live objects."""
     if optimizer is None or "optim" not in state:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_SHARDED)
+        _state_dict_api().set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={},
+                                         options=_sharded())
         return
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_SHARDED)
+    _state_dict_api().set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                     optim_state_dict=state["optim"], options=_sharded())
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -125,6 +136,10 @@ class TrainingState:
         back, not every tensor copied onto itself through ``set_state_dict`` (one DTensor dispatch per
         tensor, each deciding its sharding afresh on a new mesh: docs/perf/2026-11-23-code-figures.md).
         Where anything does not alias, ``set_state_dict`` loads it all."""
+        import torch.distributed.checkpoint as dcp
+
+        from elastictrain.checkpoint.safe_bytes import SafeLoadPlanner
+
         target = self.state_dict()
         # asked first: a refused .metadata raises its own one-line error here, where inside dcp.load DCP
         # would log a traceback per rank and retry with rank-local metadata (a durable reader reads it once)
@@ -149,5 +164,6 @@ class TrainingState:
             import torch.distributed as dist
 
             return gather_full_state(self.model, dist.get_rank())
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        api = _state_dict_api()
+        return api.get_model_state_dict(self.model, options=api.StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))

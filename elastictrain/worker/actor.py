@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-# No garbage collection during the imports below (torch, DTensor, DCP: every worker process's start): they
+# No garbage collection during the imports below (torch, DTensor, FSDP: every worker process's start): they
 # allocate ~300k long-lived objects, and the collections they set off found nothing to free but cost a
 # quarter of the imports' CPU (docs/perf/2026-11-28-suite-time.md). Turned back on right after them; an
 # import that fails leaves it off in a process that cannot work anyway.

@@ -3,7 +3,7 @@ started with.
 
 A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started beside the
 training processes (the first with them, the next after each replacement); everything it does before a
-replacement takes it (its imports: torch, DTensor, DCP, seconds of CPU; and its set-up ahead: model and
+replacement takes it (its imports: torch, DTensor, FSDP, seconds of CPU; and its set-up ahead: model and
 data) would take CPU from the training processes beside it, on every node, after every failure. So for its whole life before the take it runs in the ``SCHED_IDLE`` class at nice 19
 (:func:`priority_for`, a pure rule of the phase): the scheduler then gives it the CPU the training processes
 leave (a core idle while they wait on a collective or on data) and preempts it as soon as one wakes, instead of
