@@ -57,6 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from elastictrain.parallel.blockwise import blockwise_causal_attention, blockwise_supported
+
 __all__ = [
     "cp_attention",
     "cp_grad_scale",
@@ -182,12 +184,25 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered over
     ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query attention,
     as the model does without cp), and every query at position ``p`` attends to the keys at positions ``<= p``
-    (``F.scaled_dot_product_attention`` with a mask from the positions: for the head-tail layout one cached
-    additive bias, :func:`_bias`; no dropout). ``kv_pos``: the global positions of the gathered keys; None means
-    the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be
-    :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
+    (no dropout). For the head-tail layout (``kv_pos`` None) on CPU in float32/float64 that is
+    :func:`~elastictrain.parallel.blockwise.blockwise_causal_attention`: per query chunk the key chunks before
+    it unmasked and its own causal, merged by log-sum-exp, no mask held; elsewhere (CUDA, other dtypes, an
+    explicit ``kv_pos``) ``F.scaled_dot_product_attention`` with a mask from the positions (for the
+    head-tail layout one cached additive bias, :func:`_bias`). ``kv_pos``: the global positions of the
+    gathered keys; None means the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires
+    ``q_pos`` to be :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
     cp = dist.get_world_size(group)
     k, v = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
+    if kv_pos is None and cp > 1 and blockwise_supported(q, k, v):  # the head-tail layout on CPU: no mask
+        _check_split(q.shape[2] * cp, cp)
+        return blockwise_causal_attention(q, k, v, cp, dist.get_rank(group), n_rep=n_rep)
+    return _masked_attention(q, k, v, q_pos, kv_pos, group, n_rep)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      kv_pos: torch.Tensor | None, group: Any, n_rep: int) -> torch.Tensor:
+    """:func:`cp_attention` over already gathered ``k``/``v`` with SDPA and a mask from the positions."""
+    cp = dist.get_world_size(group)
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     if kv_pos is None:  # the head-tail layout (q_pos: this group rank's cp_positions): its cached mask
