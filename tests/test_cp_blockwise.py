@@ -146,3 +146,22 @@ def _rank(rank: int, cp: int, seq_len: int, n_rep: int, port: int) -> None:
 @pytest.mark.parametrize("cp,seq_len,n_rep", [(2, 256, 2), (4, 128, 1)])
 def test_cp_attention_matches_masked_path_and_one_process_on_gloo(cp: int, seq_len: int, n_rep: int) -> None:
     run_ranks(_rank, (cp, seq_len, n_rep, free_port()), nprocs=cp)
+
+
+def test_the_planner_prices_the_mask_only_where_the_attention_keeps_one() -> None:
+    """On a CPU cluster in fp32 cp attention is blockwise (no mask): the planner's activations leave the
+    ``T / C x T`` bias out there, and keep it on GPUs and on CPU in bf16 (the masked path)."""
+    from elastictrain.planner.cluster import CPU_DEFAULTS, GPU_DEFAULTS
+    from elastictrain.planner.inputs import Candidate, Cluster, ModelShape, Training
+    from elastictrain.planner.memory import activation_bytes, cp_mask_bytes, cp_mask_held, memory
+
+    model = ModelShape(layers=4, hidden=256, heads=4, seq_len=2048, vocab=256)
+    fp32, bf16 = Training(global_batch=2, micro_batch=1), Training(global_batch=2, micro_batch=1, precision="bf16")
+    cpu = Cluster(nodes=1, devices_per_node=2, device_memory=24 * 2 ** 30, **CPU_DEFAULTS)
+    gpu = Cluster(nodes=1, devices_per_node=2, **GPU_DEFAULTS)
+    two = Candidate(cp=2, micro_batch=1)
+    assert not cp_mask_held(cpu, fp32) and cp_mask_held(cpu, bf16) and cp_mask_held(gpu, fp32)
+    mask = cp_mask_bytes(model, fp32, two)
+    assert mask == 1024 * 2048 * 4 and cp_mask_bytes(model, fp32, two, masked=False) == 0
+    assert memory(model, fp32, gpu, two).activations == activation_bytes(model, fp32, two)
+    assert memory(model, fp32, cpu, two).activations == pytest.approx(activation_bytes(model, fp32, two) - mask)
