@@ -7,8 +7,9 @@ key/query pairs). :func:`cp_positions` is the one place that says which global p
 
 The attention (collective): queries stay local; keys and values are all-gathered over the cp group
 (:func:`gather_sequence`: forward all-gather, backward reduce-scatter, so each key's gradient is summed back
-to the rank that owns it) and :func:`cp_attention` masks by GLOBAL position: a query at position ``p``
-attends to the keys at positions ``<= p``, the causal attention of one process. Nothing in it is random
+to the rank that owns it) and :func:`cp_attention` is causal by GLOBAL position: a query at position ``p``
+attends to the keys at positions ``<= p``, the causal attention of one process (on CPU in fp32/fp64 without
+a mask, blockwise: :mod:`elastictrain.parallel.blockwise`; elsewhere with one). Nothing in it is random
 (the built-in models' dropout is on the attention's output, a function of (seed, step, sample id,
 position); attention-weight dropout is not offered under cp).
 
@@ -37,7 +38,7 @@ Under pipeline parallelism (``parallel.pp > 1``) each stage's attention gathers 
 ITS stage (the cp ranks of one pp coordinate), and no position crosses a stage boundary: every stage rank
 loads the step's micro-batches (the last stage needs the targets anyway), so each derives its own
 positions from (cp rank, cp, seq_len) through :func:`shard_sequence` -- the same three numbers the
-attention's head-tail mask (:func:`_bias`) is built from, so positions and mask cannot disagree. The
+attention's head-tail chunks (blockwise) or mask (:func:`_bias`) are built from, so they cannot disagree. The
 schedule hands them to every stage as the ``positions`` keyword, expanded to one row per sample
 (``[b, t]``): torch's schedule cuts every tensor keyword on dim 0 into micro-batches, which would cut a
 ``[t]`` tensor of positions instead. A stage takes row 0 (:func:`stage_positions`). The last stage's loss
