@@ -86,7 +86,11 @@ class _Blockwise(torch.autograd.Function):
         kg, vg = _reorder(k, order), _reorder(v, order)
         kr, vr = _repeat(kg, n_rep), _repeat(vg, n_rep)
         scale = q.shape[-1] ** -0.5
-        outs, lses = [], []
+        b, h, t, d = q.shape
+        # laid out [B, t, H, D] as SDPA's output is: the model's transpose(1, 2).reshape is then a view, and
+        # the output projection saves this very storage instead of a copy
+        merged_out = q.new_empty(b, t, h, d).transpose(1, 2)
+        lses = []
         for i, j in enumerate((rank, 2 * cp - 1 - rank)):
             qi = q[:, :, i * c:(i + 1) * c]
             out, lse = _flash(qi, kr[:, :, j * c:(j + 1) * c], vr[:, :, j * c:(j + 1) * c], True, scale)
@@ -96,9 +100,9 @@ class _Blockwise(torch.autograd.Function):
                 out = (out * torch.exp(lse - merged).unsqueeze(-1).to(out.dtype)
                        + out_a * torch.exp(lse_a - merged).unsqueeze(-1).to(out.dtype))
                 lse = merged
-            outs.append(out)
+            merged_out[:, :, i * c:(i + 1) * c] = out
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = merged_out, torch.cat(lses, dim=2)
         ctx.save_for_backward(q, kg, vg, out, lse)
         ctx.cp, ctx.rank, ctx.n_rep, ctx.scale = cp, rank, n_rep, scale
         return out
