@@ -17,10 +17,11 @@ not move them.
 Printed, each beside its target:
 
 * activations per rank, cpC over cp1 (target <= 0.6 at seq_len >= 2048 with C = 2): half the positions,
-  plus the keys and values gathered from the other rank and the causal mask of the rank's queries over all
-  keys;
-* the planner's activations (``elastictrain.planner.memory.activation_bytes``, one micro-batch, no pipeline)
-  for cp1 and cpC over the measured bytes (target: within 10% for cpC).
+  plus the keys and values gathered from the other rank (no mask: on CPU in fp32 the attention is
+  blockwise, ``elastictrain/parallel/blockwise.py``);
+* the planner's activations (``elastictrain.planner.memory.activation_bytes``, one micro-batch, no pipeline,
+  a CPU cluster: ``cp_mask_held`` false) for cp1 and cpC over the measured bytes (target: within 10% for
+  cpC).
 
 Figures: ``docs/perf/2026-11-28-cp.md``.
 """
@@ -109,10 +110,15 @@ def predicted(args: argparse.Namespace, cp: int) -> float:
     from elastictrain.config import build_config
     from elastictrain.planner import Candidate
     from elastictrain.planner.job import model_shape, training
-    from elastictrain.planner.memory import activation_bytes
+    from elastictrain.planner.inputs import Cluster
+    from elastictrain.planner.cluster import CPU_DEFAULTS
+    from elastictrain.planner.memory import activation_bytes, cp_mask_held
 
     cfg = build_config(_job(args, cp))
-    return activation_bytes(model_shape(cfg), training(cfg), Candidate(cp=cp, micro_batch=args.micro_batch))
+    train = training(cfg)
+    here = Cluster(nodes=1, devices_per_node=cp, device_memory=24 * 2 ** 30, **CPU_DEFAULTS)  # gloo, CPU
+    return activation_bytes(model_shape(cfg), train, Candidate(cp=cp, micro_batch=args.micro_batch),
+                            cp_mask=cp_mask_held(here, train))
 
 
 def main() -> None:

@@ -7,8 +7,9 @@ key/query pairs). :func:`cp_positions` is the one place that says which global p
 
 The attention (collective): queries stay local; keys and values are all-gathered over the cp group
 (:func:`gather_sequence`: forward all-gather, backward reduce-scatter, so each key's gradient is summed back
-to the rank that owns it) and :func:`cp_attention` masks by GLOBAL position: a query at position ``p``
-attends to the keys at positions ``<= p``, the causal attention of one process. Nothing in it is random
+to the rank that owns it) and :func:`cp_attention` is causal by GLOBAL position: a query at position ``p``
+attends to the keys at positions ``<= p``, the causal attention of one process (on CPU in fp32/fp64 without
+a mask, blockwise: :mod:`elastictrain.parallel.blockwise`; elsewhere with one). Nothing in it is random
 (the built-in models' dropout is on the attention's output, a function of (seed, step, sample id,
 position); attention-weight dropout is not offered under cp).
 
@@ -37,7 +38,7 @@ Under pipeline parallelism (``parallel.pp > 1``) each stage's attention gathers 
 ITS stage (the cp ranks of one pp coordinate), and no position crosses a stage boundary: every stage rank
 loads the step's micro-batches (the last stage needs the targets anyway), so each derives its own
 positions from (cp rank, cp, seq_len) through :func:`shard_sequence` -- the same three numbers the
-attention's head-tail mask (:func:`_bias`) is built from, so positions and mask cannot disagree. The
+attention's head-tail chunks (blockwise) or mask (:func:`_bias`) are built from, so they cannot disagree. The
 schedule hands them to every stage as the ``positions`` keyword, expanded to one row per sample
 (``[b, t]``): torch's schedule cuts every tensor keyword on dim 0 into micro-batches, which would cut a
 ``[t]`` tensor of positions instead. A stage takes row 0 (:func:`stage_positions`). The last stage's loss
@@ -56,6 +57,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from elastictrain.parallel.blockwise import blockwise_causal_attention, blockwise_supported
 
 __all__ = [
     "cp_attention",
@@ -182,12 +185,25 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     any number of local heads (tensor parallelism splits them; cp does not care). K and V are gathered over
     ``group`` (:func:`gather_sequence`), then each kv head is repeated ``n_rep`` times (grouped-query attention,
     as the model does without cp), and every query at position ``p`` attends to the keys at positions ``<= p``
-    (``F.scaled_dot_product_attention`` with a mask from the positions: for the head-tail layout one cached
-    additive bias, :func:`_bias`; no dropout). ``kv_pos``: the global positions of the gathered keys; None means
-    the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires ``q_pos`` to be
-    :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
+    (no dropout). For the head-tail layout (``kv_pos`` None) on CPU in float32/float64 that is
+    :func:`~elastictrain.parallel.blockwise.blockwise_causal_attention`: per query chunk the key chunks before
+    it unmasked and its own causal, merged by log-sum-exp, no mask held; elsewhere (CUDA, other dtypes, an
+    explicit ``kv_pos``) ``F.scaled_dot_product_attention`` with a mask from the positions (for the
+    head-tail layout one cached additive bias, :func:`_bias`). ``kv_pos``: the global positions of the
+    gathered keys; None means the head-tail layout's (:func:`kv_positions` of ``t * cp``), which requires
+    ``q_pos`` to be :func:`cp_positions`. Returns ``[B, Hq, t, D]``."""
     cp = dist.get_world_size(group)
     k, v = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
+    if kv_pos is None and cp > 1 and blockwise_supported(q, k, v):  # the head-tail layout on CPU: no mask
+        _check_split(q.shape[2] * cp, cp)
+        return blockwise_causal_attention(q, k, v, cp, dist.get_rank(group), n_rep=n_rep)
+    return _masked_attention(q, k, v, q_pos, kv_pos, group, n_rep)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      kv_pos: torch.Tensor | None, group: Any, n_rep: int) -> torch.Tensor:
+    """:func:`cp_attention` over already gathered ``k``/``v`` with SDPA and a mask from the positions."""
+    cp = dist.get_world_size(group)
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     if kv_pos is None:  # the head-tail layout (q_pos: this group rank's cp_positions): its cached mask

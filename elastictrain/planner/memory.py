@@ -28,7 +28,8 @@ the last one the output head: the larger of the two is taken):
   the logits (and their gradient) of one micro-batch in fp32 on the last stage. Context parallel (``cp =
   C``) holds ``T / C`` positions of each sample: every term above at ``s = T / C``, plus per block the
   keys and values gathered from the other cp ranks (:func:`cp_attention_bytes`), and once the causal mask
-  of its queries over all keys (:func:`cp_mask_bytes`); FSDP shards the state over ``dp_shard x cp``
+  of its queries over all keys (:func:`cp_mask_bytes`) where the attention keeps one (GPUs, and CPU below
+  fp32: :func:`cp_mask_held`; CPU fp32 attends blockwise without a mask); FSDP shards the state over ``dp_shard x cp``
   (:func:`state_shards`);
 * **experts** (mixture of experts, :attr:`ModelShape.experts`): the parameter counts include every expert;
   under expert parallel each rank holds ``1 / ep`` of them (weights, gradients and optimizer state:
@@ -147,11 +148,17 @@ def cp_attention_bytes(model: ModelShape, train: Training, c: Candidate) -> floa
     return 2 * (c.cp - 1) / c.cp * b * t * model.kv_width / c.tp * train.activation_bytes
 
 
-def cp_mask_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
+def cp_mask_bytes(model: ModelShape, train: Training, c: Candidate, *, masked: bool = True) -> float:
     """The causal mask of this rank's ``T / C`` queries over all ``T`` keys, an additive bias in the compute
     dtype that every layer's attention saves: one cached tensor per rank (parallel/context.py's ``_bias``),
-    0 without cp."""
-    return 0.0 if c.cp == 1 else model.seq_len // c.cp * model.seq_len * train.activation_bytes
+    0 without cp, and 0 where the attention needs no mask (``masked=False``: :func:`cp_mask_held`)."""
+    return 0.0 if c.cp == 1 or not masked else model.seq_len // c.cp * model.seq_len * train.activation_bytes
+
+
+def cp_mask_held(cluster: Cluster, train: Training) -> bool:
+    """Whether cp attention keeps the head-tail mask: on GPUs (the masked SDPA path), and on CPU unless the
+    compute dtype is fp32 (parallel/blockwise.py's mask-free path takes fp32/fp64 CPU tensors only)."""
+    return cluster.kind != "cpu" or train.precision != "fp32"
 
 
 def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
@@ -171,8 +178,10 @@ def selective_block_bytes(model: ModelShape, train: Training, c: Candidate) -> f
     return s * b * h * kept * train.activation_bytes / 2 + cp_attention_bytes(model, train, c)
 
 
-def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
-    """Activations the worst rank holds at its peak (module docstring)."""
+def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True,
+                     cp_mask: bool = True) -> float:
+    """Activations the worst rank holds at its peak (module docstring); ``cp_mask``: whether cp attention
+    keeps its mask (:func:`cp_mask_held`; True, the GPU's case, when the cluster is not known)."""
     s, b, h = model.seq_len // c.cp, c.micro_batch, model.hidden
     blocks = math.ceil(model.layers / c.pp)
     full = block_activation_bytes(model, train, c, flash=flash)
@@ -195,7 +204,7 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     held = in_flight(c.schedule, c.pp, _microbatches(train, c), c.stages_per_rank)
     stage = held * per_stage / c.stages_per_rank
     logits = 2 * s * b * model.vocab * 4 / c.tp
-    return stage + extra + logits + cp_mask_bytes(model, train, c)
+    return stage + extra + logits + cp_mask_bytes(model, train, c, masked=cp_mask)
 
 
 def _fsdp_gathered(model: ModelShape, train: Training, c: Candidate, n: float) -> float:
@@ -268,7 +277,7 @@ def memory(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -
     kept = state_params(model, c)
     params, grads = kept * w, kept * g
     optimizer = kept * (master + OPTIMIZER_BYTES[train.optimizer])
-    acts = activation_bytes(model, train, c)
+    acts = activation_bytes(model, train, c, cp_mask=cp_mask_held(cluster, train))
     if _grads_unsharded_in_pipeline(c):
         grads = n * g  # the stage's whole gradient, in the reduce dtype, until the step's last backward
     if not _grads_held_at_peak(train, c):
