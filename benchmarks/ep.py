@@ -55,7 +55,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, ep: int, out: str) -
     import torch.distributed as dist
 
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

@@ -114,7 +114,7 @@ def _timed(step_fn: Any, steps: int, warmup: int) -> list[float]:
 def run_elastictrain(size: str, args: argparse.Namespace) -> tuple[list[float], int, Any]:
     import torch
 
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from elastictrain.config import build_config  # noqa: E402
-from elastictrain.parallel.plan import resolve, spec_from_config  # noqa: E402
+from elastictrain.parallel.layout import resolve, spec_from_config  # noqa: E402
 from elastictrain.task import builtin_task  # noqa: E402
 from elastictrain.worker import memory_peak  # noqa: E402
 from elastictrain.worker.faults import FaultInjector  # noqa: E402

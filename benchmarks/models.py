@@ -75,7 +75,7 @@ def run_variant(spec: dict[str, Any], rank: int, world: int, device: Any, steps:
 
     from elastictrain.config import build_config
     from elastictrain.flops import mfu
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

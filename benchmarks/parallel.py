@@ -148,7 +148,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     import torch.distributed as dist
 
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -467,7 +467,7 @@ def _print_tp_rows(tp: int, base: Row | None, rows: list[Row]) -> None:
 def _print_pp_rows(pp: int, base: Row, pipes: list[Row]) -> None:
     """The issue's pipeline targets, each figure printed beside its target."""
     from elastictrain.parallel.bubble import SCHEDULES, formula_bubble, schedule_bubble
-    from elastictrain.parallel.plan import default_stages_per_rank
+    from elastictrain.parallel.layout import default_stages_per_rank
 
     m = pipes[0].accum
     print(f"\npipeline rows: pp{pp} (D = 1, m = {m} micro-batches) against ddp{pp}, both on {pp} processes, "

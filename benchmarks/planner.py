@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, layout: 
     import torch.distributed as dist
 
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -175,7 +175,7 @@ def measure_in_rounds(layouts: list[str], world: int, args: argparse.Namespace, 
 
 def predict(layout: str, world: int, args: argparse.Namespace, figures: dict):
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.planner import Candidate, Cluster, evaluate
     from elastictrain.planner.cluster import CPU_DEFAULTS, _memory_bytes
     from elastictrain.planner.job import model_shape, training

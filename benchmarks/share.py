@@ -63,7 +63,7 @@ def predict(args: argparse.Namespace, layout: str) -> dict:
     """The planner's bytes for the worst rank of ``layout`` (planner/memory.py): the share (params, grads and
     optimizer state of its part, plain: what it owns, 16 bytes per parameter), activations and gathered."""
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.planner import Candidate, Cluster
     from elastictrain.planner.cluster import CPU_DEFAULTS
     from elastictrain.planner.job import model_shape, training

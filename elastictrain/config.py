@@ -261,7 +261,7 @@ class WorkersConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """The parallel layout; resolved per world size by :mod:`elastictrain.parallel.plan`."""
+    """The parallel layout; resolved per world size by :mod:`elastictrain.parallel.layout`."""
 
     plan: Literal["ddp", "fsdp", "hsdp", "auto"] = Field("ddp", description="auto: the planner picks the "
                                                          "layout at start (elastictrain plan)")
@@ -305,7 +305,7 @@ class ParallelConfig(_Section):
     def _ep_composes(self) -> ParallelConfig:
         if self.ep == 1:
             return self
-        from elastictrain.parallel.plan import ep_rule  # imports torch: not on the --help path
+        from elastictrain.parallel.layout import ep_rule  # imports torch: not on the --help path
 
         why = ep_rule(self.cp, self.tp, self.ep, self.plan, self.pp)
         if why:
@@ -323,7 +323,7 @@ class ParallelConfig(_Section):
     def _stages_fit_schedule(self) -> ParallelConfig:
         if self.stages_per_rank is None:  # every schedule name is valid then (the Literal checked it)
             return self
-        from elastictrain.parallel.plan import stages_rule  # imports torch: not on the --help path
+        from elastictrain.parallel.layout import stages_rule  # imports torch: not on the --help path
 
         why = stages_rule(self.pp_schedule, self.stages_per_rank)
         if why:
@@ -464,7 +464,7 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _layout_possible(self) -> JobConfig:
-        from elastictrain.parallel.plan import is_valid, spec_from_config, valid_world_sizes
+        from elastictrain.parallel.layout import is_valid, spec_from_config, valid_world_sizes
 
         if self.parallel.plan == "auto":  # the planner picks a layout valid at workers.min/max at start
             self._axes_rules()
@@ -499,12 +499,12 @@ class JobConfig(_Section):
 
     def _axes_rules(self) -> None:
         """``parallel.cp`` against the sequence length (head-tail chunks) and the layout
-        (:func:`elastictrain.parallel.plan.cp_layout_rule`); ``parallel.ep`` against the model's experts (the
-        layout rules of ep: :func:`elastictrain.parallel.plan.ep_rule`)."""
+        (:func:`elastictrain.parallel.layout.cp_layout_rule`); ``parallel.ep`` against the model's experts (the
+        layout rules of ep: :func:`elastictrain.parallel.layout.ep_rule`)."""
         p = self.parallel
         if p.cp == 1 and p.ep == 1:
             return
-        from elastictrain.parallel.plan import cp_layout_rule, cp_rule
+        from elastictrain.parallel.layout import cp_layout_rule, cp_rule
 
         if p.cp > 1 and self.task.kind != "python":  # a python task's sequence length is its dataset's
             why = cp_rule(p.cp, self.task.model.seq_len)
@@ -535,7 +535,7 @@ class JobConfig(_Section):
             llama = t.llama.shape()
         layers, layers_key = (llama["n_layers"], "task.llama.n_layers") if llama else (m.n_layer, "task.model.n_layer")
         if p.pp > 1:
-            from elastictrain.parallel.plan import default_stages_per_rank
+            from elastictrain.parallel.layout import default_stages_per_rank
 
             stages = p.pp * (p.stages_per_rank or default_stages_per_rank(p.pp_schedule))
             if layers < stages:
@@ -548,7 +548,7 @@ class JobConfig(_Section):
                                  "the first and the last stage (the embedding and the tied head) on one rank; "
                                  "set parallel.pp_schedule to 1f1b or interleaved_1f1b, or tie_embeddings=false")
         if p.tp > 1:
-            from elastictrain.parallel.plan import tp_rule
+            from elastictrain.parallel.layout import tp_rule
 
             vocab_key = "the vocabulary (task.model.vocab_size" + (")" if m.vocab_size else ": the data's)")
             if vocab is None and m.vocab_size is None and (vocab := _prepared_vocab(t.data)) is not None:

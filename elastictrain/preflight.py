@@ -70,7 +70,7 @@ def check_plan_on_gpus(config: JobConfig, gpus_per_node: int | None) -> None:
     (``gpus_per_node``, the smallest GPU node of the cluster) as its shard group and ``workers.min`` or
     ``workers.max`` is not a whole number of such groups. The config check cannot know the GPUs of a node;
     without this one every worker would start before the first rendezvous found no usable world size."""
-    from elastictrain.parallel.plan import is_valid, spec_from_config
+    from elastictrain.parallel.layout import is_valid, spec_from_config
 
     p, w = config.parallel, config.workers
     if p.plan != "hsdp" or not w.use_gpu or p.shard_size is not None or not gpus_per_node:

@@ -36,12 +36,12 @@ class Task:
       pure functions of their inputs (no global RNG).
     - ``lr_fn(step)`` returns the learning-rate multiplier for a 0-based step (a pure function of step, so the
       schedule continues exactly after a resize or a resume). Default: constant 1.
-    - ``parallelize_fn(model, mesh, plan)`` applies the layout for one membership generation and returns the
+    - ``parallelize_fn(model, mesh, parallel)`` applies the layout for one membership generation and returns the
       module to train: ``mesh`` is the generation's DeviceMesh (axes ``dp_replicate`` and/or ``dp_shard``,
       and ``tp`` innermost under ``parallel.tp > 1``; under ``parallel.pp > 1`` it is called once per stage
       module with the stage's submesh: every axis but ``pp``),
-      ``plan`` the ``ParallelConfig``. Called on a freshly built model whenever the layout is sharded (FSDP2
-      changes modules in place); the optimizer is built afterwards from the returned parameters. Default
+      ``parallel`` the ``ParallelConfig`` (the job's ``parallel`` section). Called on a freshly built model
+      whenever the layout is sharded (FSDP2 changes modules in place); the optimizer is built afterwards from the returned parameters. Default
       (None): :func:`elastictrain.parallel.parallelize.parallelize` -- float8, activation checkpointing and
       compile of each repeated block as asked (:mod:`elastictrain.parallel.speed`), then DDP, or ``fully_shard`` on each repeated block (the children of a ``ModuleList`` of one class)
       and then the root; under ``tp > 1`` first the model's ``tp_plan(sequence_parallel)`` (a

@@ -54,7 +54,7 @@ def llama_tp_plan(model: nn.Module) -> dict[str, Any]:
 class ParallelizeLlama:
     """``Task.parallelize_fn``: the Llama plan on the mesh's ``tp`` axis, then the data-parallel layout."""
 
-    def __call__(self, model: nn.Module, mesh: Any, plan: Any) -> nn.Module:
+    def __call__(self, model: nn.Module, mesh: Any, parallel: Any) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
         from elastictrain.parallel.parallelize import parallelize_dp
@@ -62,13 +62,13 @@ class ParallelizeLlama:
 
         tp_mesh = tp_submesh(mesh)
         if tp_mesh is not None:
-            if plan.sequence_parallel:
+            if parallel.sequence_parallel:
                 raise TensorParallelError("examples.tp_llama's plan has no sequence parallel: set "
                                           "parallel.sequence_parallel: false")
             # src_data_rank=None: each rank splits its own copy (every rank built the same seeded model);
             # torch's default scatters from rank 0, which hangs a recovery where a survivor rebuilds on meta.
             parallelize_module(model, tp_mesh, llama_tp_plan(model), src_data_rank=None)
-        return parallelize_dp(model, mesh, plan)
+        return parallelize_dp(model, mesh, parallel)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def _train(rank: int, world: int, runs: list[tuple[dict[str, Any], dict[str, Any
     import torch.distributed as dist
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

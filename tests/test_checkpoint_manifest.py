@@ -18,7 +18,7 @@ from elastictrain.checkpoint import (
     ShardReport,
     UnsafeMetadataError,
     loads_metadata,
-    retention_plan,
+    retention_victims,
 )
 from elastictrain.checkpoint.manifest import (
     build_manifest,
@@ -106,11 +106,11 @@ def test_step_dir_names_sort_and_parse() -> None:
 
 
 def test_retention_examples() -> None:
-    assert retention_plan([10, 20, 30, 40, 50], [], keep_last=2, keep_every=20) == [10, 30]
-    assert retention_plan([10, 20, 30], [5, 25, 35], keep_last=1, keep_every=0, in_use=frozenset({10})) == [5, 20, 25]
-    assert retention_plan([], [1, 2], keep_last=1, keep_every=0) == []
+    assert retention_victims([10, 20, 30, 40, 50], [], keep_last=2, keep_every=20) == [10, 30]
+    assert retention_victims([10, 20, 30], [5, 25, 35], keep_last=1, keep_every=0, in_use=frozenset({10})) == [5, 20, 25]
+    assert retention_victims([], [1, 2], keep_last=1, keep_every=0) == []
     with pytest.raises(ValueError, match="keep_last"):
-        retention_plan([1], [], keep_last=0, keep_every=0)
+        retention_victims([1], [], keep_last=0, keep_every=0)
 
 
 @given(
@@ -122,7 +122,7 @@ def test_retention_examples() -> None:
 )
 def test_retention_invariants(committed: set, uncommitted: set, keep_last: int, keep_every: int, in_use: set) -> None:
     uncommitted -= committed
-    delete = set(retention_plan(committed, uncommitted, keep_last, keep_every, frozenset(in_use)))
+    delete = set(retention_victims(committed, uncommitted, keep_last, keep_every, frozenset(in_use)))
     assert not delete & in_use
     if committed:
         newest = max(committed)

@@ -55,7 +55,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     import torch.distributed as dist
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -162,7 +162,7 @@ def test_stage_positions_takes_one_row_of_the_schedules_per_sample_positions() -
 def test_the_planner_searches_and_prices_cp_x_pp() -> None:
     """`plan --all-axes` now offers cp x pp (every schedule), runnable; a stage holds layers / pp blocks of
     activations at T / cp positions, and the stage boundary sends one cp shard's activations (1/cp of pp's)."""
-    from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, memory, plan, step_time
+    from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, memory, rank_layouts, step_time
     from elastictrain.planner.search import why_invalid
     from elastictrain.planner.steptime import moved_bytes
 
@@ -170,7 +170,7 @@ def test_the_planner_searches_and_prices_cp_x_pp() -> None:
     train = Training(global_batch=8, micro_batch=1)
     gpu = Cluster(nodes=1, devices_per_node=8, device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB,
                   inter_node_bw=50 * GB)
-    both = [e for e in plan(model, train, gpu, 8, runnable_only=False) if e.candidate.cp > 1 and e.candidate.pp > 1]
+    both = [e for e in rank_layouts(model, train, gpu, 8, runnable_only=False) if e.candidate.cp > 1 and e.candidate.pp > 1]
     assert both and all(e.runnable for e in both)
     assert {e.candidate.schedule for e in both} >= {"gpipe", "1f1b", "interleaved_1f1b"}
     pp, cppp = Candidate(pp=2, micro_batch=1), Candidate(pp=2, cp=2, micro_batch=1)  # same micro-batches

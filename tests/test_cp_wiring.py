@@ -154,7 +154,7 @@ def _eval_rank(rank: int, world: int, cp: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

@@ -91,7 +91,7 @@ from torch.utils._pytree import tree_leaves
 from elastictrain import build_config
 from elastictrain.checkpoint.memory_dcp import take_snapshot
 from elastictrain.checkpoint.staging import StagingPool
-from elastictrain.parallel.plan import resolve, spec_from_config
+from elastictrain.parallel.layout import resolve, spec_from_config
 from elastictrain.task import builtin_task
 from elastictrain.worker.faults import FaultInjector
 from elastictrain.worker.loop import StepRunner

@@ -208,7 +208,7 @@ def _first_step(rank: int, world: int, runs: list[Run], options: dict[str, dict]
 
     from elastictrain.config import build_config
     from elastictrain.models import hf_weights
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

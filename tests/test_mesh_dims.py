@@ -9,7 +9,7 @@ import pytest
 
 from elastictrain.config import ConfigError, build_config
 from elastictrain.parallel.dims import AXES, MeshDims
-from elastictrain.parallel.plan import PlanSpec, cp_rule, resolve, valid_world_sizes
+from elastictrain.parallel.layout import LayoutSpec, cp_rule, resolve, valid_world_sizes
 from tests.conftest import job
 
 SIZES = (1, 2, 3)
@@ -80,7 +80,7 @@ def test_every_whole_state_question_agrees():
     from elastictrain.controller.gather import _split
 
     for plan, shard, pp, tp in itertools.product(("ddp", "fsdp", "hsdp"), (1, 2), (1, 2), (1, 2)):
-        spec = PlanSpec(plan, global_batch=16, micro_batch=1, shard_size=shard, pp=pp, tp=tp, pp_schedule="gpipe")
+        spec = LayoutSpec(plan, global_batch=16, micro_batch=1, shard_size=shard, pp=pp, tp=tp, pp_schedule="gpipe")
         for w in valid_world_sizes(spec, 8):
             layout = resolve(spec, w)
             assert layout.replicated is layout.dims.holds_whole_state is (not _split(layout)), (plan, shard, w)
@@ -93,7 +93,7 @@ def test_a_one_rank_fsdp_runner_is_not_a_replica():
     import torch.distributed as dist
 
     from elastictrain.parallel.parallelize import _has_dtensor
-    from elastictrain.parallel.plan import spec_from_config
+    from elastictrain.parallel.layout import spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -126,7 +126,7 @@ def test_expert_parallel_groups_factor_the_data_ranks():
 
 
 def test_cp_is_a_world_axis_and_shrinks_in_whole_blocks():
-    spec = PlanSpec("fsdp", global_batch=8, micro_batch=1, cp=2, tp=2)
+    spec = LayoutSpec("fsdp", global_batch=8, micro_batch=1, cp=2, tp=2)
     assert valid_world_sizes(spec, 40) == [4, 8, 16, 32]  # whole pp x cp x tp blocks; D divides 8
     layout = resolve(spec, 16)
     assert layout.dims.names == ("dp_shard", "cp", "tp") and layout.dims.shape == (4, 2, 2)
@@ -138,7 +138,7 @@ def test_cp_is_a_world_axis_and_shrinks_in_whole_blocks():
 
 
 def test_ep_must_divide_the_data_ranks():
-    spec = PlanSpec("ddp", global_batch=12, micro_batch=1, ep=2)
+    spec = LayoutSpec("ddp", global_batch=12, micro_batch=1, ep=2)
     assert valid_world_sizes(spec, 12) == [2, 4, 6, 12]
     with pytest.raises(Exception, match=r"parallel.ep=2 does not divide the data-parallel size 3 .*valid "
                                         r"parallel.ep values there: \[1, 3\].*\[2, 4, 6, 12\]"):

@@ -56,7 +56,7 @@ def _status_kb(field: str) -> int:
 
 
 def _start(rank: int, cfg: Any):
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

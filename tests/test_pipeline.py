@@ -56,7 +56,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     import torch.distributed as dist
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -195,7 +195,7 @@ def test_pp2_by_dp2_matches_one_process(tmp_path, one_process):
 def test_a_task_without_pipeline_hooks_is_refused():
     from elastictrain.config import build_config
     from elastictrain.parallel.pipeline import build_pipeline
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
 
     cfg = build_config(_spec(2, pp=2))
     with pytest.raises(PipelineError, match=r"parallel.pp > 1 needs Task.pipeline .*or set parallel.pp=1"):

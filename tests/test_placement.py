@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from elastictrain.parallel.placement import PlacementError, node_slots, order_members, place
-from elastictrain.parallel.plan import MeshDims
+from elastictrain.parallel.layout import MeshDims
 
 
 def dims(tp: int = 1, dp: int = 1, pp: int = 1) -> MeshDims:

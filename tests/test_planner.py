@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, evaluate, memory, plan, step_time
+from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, evaluate, memory, rank_layouts, step_time
 from elastictrain.planner import comm, explain, pipeline
 from elastictrain.planner.search import candidates, is_runnable, runnable_axes
 from elastictrain.planner.memory import _fsdp_gathered, block_activation_bytes
@@ -70,7 +70,7 @@ def test_a_plan_that_cannot_fit_is_refused_with_its_shortfall():
     assert e.memory.shortfall > 1e12
     text = explain.refusal(e, one)
     assert "does not fit" in text and f"{e.memory.shortfall:.0f} bytes" in text
-    ranked = plan(LLAMA70, train, one)
+    ranked = rank_layouts(LLAMA70, train, one)
     assert ranked and not ranked[0].fits and "None of the" in explain.why(ranked, one)
 
 
@@ -106,7 +106,7 @@ def test_10000_gpus_are_planned_from_a_pruned_search():
     found = list(candidates(LLAMA70, train, cl, 10000))
     assert 100 < len(found) < 2000
     assert all(c.world_size == 10000 and c.tp <= 8 for c in found)
-    ranked = plan(LLAMA70, train, cl, runnable_only=False)
+    ranked = rank_layouts(LLAMA70, train, cl, runnable_only=False)
     assert ranked[0].fits and ranked[0].candidate.tp > 1 and ranked[0].candidate.pp > 1  # 3D wins at this size
     paragraph = explain.why(ranked, cl)
     assert "wins" in paragraph and "runner-up" in paragraph
@@ -114,22 +114,22 @@ def test_10000_gpus_are_planned_from_a_pruned_search():
 
 def test_only_runnable_axes_are_chosen(monkeypatch):
     """Every axis runs today, so the filter is checked with one taken away (tp, as before parallel.tp
-    existed): plan() then offers no tp layout, and ranks them all, marked not runnable, when asked to."""
+    existed): rank_layouts() then offers no tp layout, and ranks them all, marked not runnable, when asked to."""
     from elastictrain.planner import search
 
     cl = Cluster(nodes=2, devices_per_node=8, **H100)
     train = Training(global_batch=64, micro_batch=1, precision="mixed", activation_bytes=2)
     assert runnable_axes() == {"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"}
-    everything = plan(LLAMA70, train, cl)
+    everything = rank_layouts(LLAMA70, train, cl)
     assert any(e.candidate.tp > 1 for e in everything) and all(e.runnable for e in everything)
     assert all(e.candidate.cp == 1 for e in everything)  # cp is searched when asked (--all-axes) only
     no_tp = frozenset({"dp_replicate", "dp_shard", "pp", "cp"})
     assert not is_runnable(Candidate(tp=2), no_tp) and is_runnable(Candidate(tp=2, pp=2), runnable_axes())
     assert not is_runnable(Candidate(pp=2), frozenset({"dp_replicate"}))
     monkeypatch.setattr(search, "runnable_axes", lambda: no_tp)
-    chosen = plan(LLAMA70, train, cl)
+    chosen = rank_layouts(LLAMA70, train, cl)
     assert chosen and all(e.candidate.tp == 1 and e.runnable for e in chosen)
-    ranked = plan(LLAMA70, train, cl, runnable_only=False)
+    ranked = rank_layouts(LLAMA70, train, cl, runnable_only=False)
     assert {e.candidate.tp > 1 for e in ranked} == {True, False}
     assert all(e.runnable == (e.candidate.tp == 1) for e in ranked)
 
@@ -692,6 +692,6 @@ def test_context_parallel_is_priced_activations_over_cp_and_kv_all_gathers():
     groups = {(w, size) for w, _, size, _ in collective_calls(model, train, gpu, two).groups}
     assert groups >= {("cp", 2), ("replicate", 4)}  # DDP's group: dp_replicate x cp
     assert step_time(model, train, gpu, two).cp_s > 0 and step_time(model, train, gpu, one).cp_s == 0
-    asked = plan(model, train, gpu, 4, runnable_only=False)
+    asked = rank_layouts(model, train, gpu, 4, runnable_only=False)
     assert {e.candidate.cp for e in asked} == {1, 2, 4} and all(e.runnable for e in asked)
-    assert {e.candidate.cp for e in plan(model, train, gpu, 4)} == {1}
+    assert {e.candidate.cp for e in rank_layouts(model, train, gpu, 4)} == {1}

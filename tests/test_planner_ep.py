@@ -14,7 +14,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from elastictrain.planner import GIB, Candidate, Cluster, ModelShape, Training, memory, plan, step_time
+from elastictrain.planner import GIB, Candidate, Cluster, ModelShape, Training, memory, rank_layouts, step_time
 from elastictrain.planner.memory import moe_block_extra_bytes, rank_params
 from elastictrain.planner.steptime import EP_SPLIT_SYNC_S, moved_bytes, step_flops
 
@@ -109,16 +109,16 @@ def test_ep_x_fsdp_state_share_and_expert_units() -> None:
 
 def test_all_axes_search_prices_ep_and_marks_what_runs() -> None:
     cl = Cluster(nodes=1, devices_per_node=8, **GPU)
-    ranked = plan(MOE, TRAIN, cl, runnable_only=False)
+    ranked = rank_layouts(MOE, TRAIN, cl, runnable_only=False)
     eps = {e.candidate.ep for e in ranked}
     assert eps == {1, 2, 4, 8}, eps
-    for e in ranked:  # ep runs under ddp or fsdp without tp/pp/cp only (parallel.plan.ep_rule)
+    for e in ranked:  # ep runs under ddp or fsdp without tp/pp/cp only (parallel.layout.ep_rule)
         c = e.candidate
         runs = c.layout_name in ("ddp", "fsdp") and c.tp == 1 and c.pp == 1 and c.cp == 1
         assert e.runnable == (c.ep == 1 or runs), c.describe()
     assert any(e.runnable and e.candidate.ep > 1 and e.candidate.layout_name == "fsdp" for e in ranked)
-    assert {e.candidate.ep for e in plan(DENSE, TRAIN, cl, runnable_only=False)} == {1}
-    assert any(e.candidate.ep > 1 for e in plan(MOE, TRAIN, cl))  # and runnable ones are chosen from
+    assert {e.candidate.ep for e in rank_layouts(DENSE, TRAIN, cl, runnable_only=False)} == {1}
+    assert any(e.candidate.ep > 1 for e in rank_layouts(MOE, TRAIN, cl))  # and runnable ones are chosen from
 
 
 def test_plan_all_axes_cli_lists_ep(monkeypatch) -> None:

@@ -298,13 +298,13 @@ def test_pick_source_property(steps: dict[int, int]) -> None:
 
 def test_save_membership_takes_the_largest_valid_world_whatever_the_mode():
     """Preempted while recovering: any world size the plan runs at can save (a checkpoint reshards)."""
-    from elastictrain.parallel.plan import PlanSpec
+    from elastictrain.parallel.layout import LayoutSpec
 
-    assert save_membership(available=1, spec=PlanSpec("ddp", 16, 4)).world_size == 1
-    assert save_membership(available=3, spec=PlanSpec("ddp", 16, 4)).world_size == 2  # 16 = 4 x 2 x 2
-    hsdp = save_membership(available=3, spec=PlanSpec("hsdp", 16, 2, shard_size=2))
+    assert save_membership(available=1, spec=LayoutSpec("ddp", 16, 4)).world_size == 1
+    assert save_membership(available=3, spec=LayoutSpec("ddp", 16, 4)).world_size == 2  # 16 = 4 x 2 x 2
+    hsdp = save_membership(available=3, spec=LayoutSpec("hsdp", 16, 2, shard_size=2))
     assert hsdp.action == "go" and hsdp.world_size == 2, hsdp
-    none = save_membership(available=0, spec=PlanSpec("ddp", 16, 4))
+    none = save_membership(available=0, spec=LayoutSpec("ddp", 16, 4))
     assert none.action == "fail" and "nothing to save" in none.reason
 
 
@@ -329,21 +329,21 @@ def test_budget_counts_a_lost_node_once() -> None:
 def test_elastic_membership_under_tp_keeps_whole_tp_groups_and_pipelines() -> None:
     """tp is a factor of the plan resolution: fewer workers than the layout needs shrink to the largest
     world of whole TP groups (and whole pipelines of them); too few for one group waits."""
-    from elastictrain.parallel.plan import PlanSpec
+    from elastictrain.parallel.layout import LayoutSpec
 
-    def decide(spec: PlanSpec, available: int, max_workers: int) -> tuple[str, int]:
+    def decide(spec: LayoutSpec, available: int, max_workers: int) -> tuple[str, int]:
         m = decide_membership(available=available, current=max_workers, mode="elastic", min_workers=1,
                               max_workers=max_workers, global_batch=spec.global_batch,
                               micro_batch=spec.micro_batch, waiting_since=None, now=0.0,
                               wait_limit_s=60, spec=spec)
         return m.action, m.world_size
 
-    tp2 = PlanSpec("ddp", 16, 2, tp=2)
+    tp2 = LayoutSpec("ddp", 16, 2, tp=2)
     assert decide(tp2, 3, 4) == ("go", 2)   # tp2 x dp2 lost one: tp2 x dp1, the spare rank waits
     assert decide(tp2, 4, 4) == ("go", 4)   # grows back once the replacement is ready
     assert decide(tp2, 1, 4) == ("wait", 2)  # not one whole TP group
-    assert decide(PlanSpec("ddp", 16, 2, tp=2, pp=2), 7, 8) == ("go", 4)  # one pipeline of TP groups
-    assert decide(PlanSpec("fsdp", 16, 2, tp=2), 5, 6) == ("go", 4)
+    assert decide(LayoutSpec("ddp", 16, 2, tp=2, pp=2), 7, 8) == ("go", 4)  # one pipeline of TP groups
+    assert decide(LayoutSpec("fsdp", 16, 2, tp=2), 5, 6) == ("go", 4)
 
 
 # ------------------------------------------------------------------------------------- failure kinds

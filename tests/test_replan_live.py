@@ -9,7 +9,7 @@ import copy
 import json
 
 from elastictrain import build_config
-from elastictrain.parallel.plan import resolve, spec_from_config
+from elastictrain.parallel.layout import resolve, spec_from_config
 from elastictrain.planner.cluster import CPU_DEFAULTS
 from elastictrain.planner.inputs import Cluster
 from elastictrain.planner.live import Replanner
@@ -134,7 +134,7 @@ def test_a_replicated_generation_followed_by_a_sharded_one_serves_snapshots(ray_
     from elastictrain.controller.gather import PeerRestore, Previous, SourceGatherer
     from elastictrain.controller.group import Slot, SlotState
     from elastictrain.events import EventLog
-    from elastictrain.parallel.plan import Layout, MeshDims
+    from elastictrain.parallel.layout import Layout, MeshDims
 
     @ray.remote(num_cpus=0)
     class Survivor:

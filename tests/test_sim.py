@@ -13,7 +13,7 @@ from elastictrain.controller import policy
 from elastictrain.controller.ledger import Ledger
 from elastictrain.controller.monitor import POLL_SWEEP
 from elastictrain.events import EventLog, read_events
-from elastictrain.parallel.plan import PlanSpec, valid_world_sizes
+from elastictrain.parallel.layout import LayoutSpec, valid_world_sizes
 from elastictrain.sim.scenarios import promised_worlds, run_scenario, sim_config
 from elastictrain.worker.loop import StepRecord
 
@@ -93,7 +93,7 @@ def test_stragglers_found_by_sorted_medians_are_the_pairwise_ones(seed: int) -> 
 @pytest.mark.parametrize("seed", range(10))
 def test_membership_searched_downwards_is_the_largest_valid_size(seed: int) -> None:
     rng = random.Random(seed)
-    spec = PlanSpec("ddp", rng.choice([720, 1000, 4096, 5040]), rng.choice([1, 2, 4]))
+    spec = LayoutSpec("ddp", rng.choice([720, 1000, 4096, 5040]), rng.choice([1, 2, 4]))
     top = rng.randint(8, 300)
     for available in range(0, top + 3):
         d = policy.decide_membership(available=available, current=top, mode="elastic", min_workers=1,

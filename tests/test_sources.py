@@ -165,7 +165,7 @@ def test_gatherer_reads_a_pipeline_by_stage(ray_local, tmp_path) -> None:
     from elastictrain.controller.gather import PeerRestore, Previous, SourceGatherer
     from elastictrain.controller.group import Slot, SlotState
     from elastictrain.events import EventLog
-    from elastictrain.parallel.plan import Layout, MeshDims
+    from elastictrain.parallel.layout import Layout, MeshDims
     from tests.conftest import job
 
     @ray.remote(num_cpus=0)

@@ -191,7 +191,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     rank 0 saves each run's losses, compile_s per step and the gathered whole model."""
     import torch.distributed as dist
 
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -254,7 +254,7 @@ def test_compiled_blocks_train_like_eager_under_ddp2_and_fsdp2(tmp_path):
 def _profiled_losses(tmp_path, profile: dict[str, Any] | None) -> tuple[list[float], list[dict[str, Any]]]:
     import torch.distributed as dist
 
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

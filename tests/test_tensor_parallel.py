@@ -58,7 +58,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     import torch.distributed.checkpoint as dcp
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
@@ -234,17 +234,17 @@ def test_bad_tp_config_at_the_cli_is_one_line_exit_2(tmp_path) -> None:
 
 def test_plan_puts_tp_innermost() -> None:
     """The mesh order of the shared design: pp, dp_replicate, dp_shard, tp; tp groups are consecutive ranks."""
-    from elastictrain.parallel.plan import PlanSpec, resolve, valid_world_sizes
+    from elastictrain.parallel.layout import LayoutSpec, resolve, valid_world_sizes
 
-    spec = PlanSpec("hsdp", 16, 1, shard_size=2, pp=2, tp=2)
+    spec = LayoutSpec("hsdp", 16, 1, shard_size=2, pp=2, tp=2)
     layout = resolve(spec, 16)
     assert layout.dims.names == ("pp", "dp_replicate", "dp_shard", "tp") and layout.dims.shape == (2, 2, 2, 2)
     assert [layout.dims.coord(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
     assert [(layout.dims.coord(r)["pp"], layout.dims.dp_rank(r)) for r in (0, 1, 2, 7, 8, 15)] == [(0, 0), (0, 0), (0, 1), (0, 3), (1, 0), (1, 3)]
     assert not layout.replicated and layout.sequence_parallel
     assert valid_world_sizes(spec, 40) == [8, 16, 32]
-    assert not resolve(PlanSpec("ddp", 8, 1, tp=2, sequence_parallel=False), 4).sequence_parallel
-    plain = resolve(PlanSpec("ddp", 8, 1), 4)  # without tp every formula is today's
+    assert not resolve(LayoutSpec("ddp", 8, 1, tp=2, sequence_parallel=False), 4).sequence_parallel
+    plain = resolve(LayoutSpec("ddp", 8, 1), 4)  # without tp every formula is today's
     assert plain.dims.names == ("dp_replicate",) and plain.dims.dp_rank(3) == 3 and plain.replicated
 
 

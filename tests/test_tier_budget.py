@@ -37,9 +37,9 @@ def test_one_snapshot_of_each_part_fits_the_sized_budget(plan, shard, pp, tp, wo
     keeper's default budget holds what those ranks of one node send. Before: every DDP rank sent the whole
     state against a budget sized for state / world, so a 4-rank node's keeper evicted on every snapshot."""
     from elastictrain.controller.gather import snapshot_pushers
-    from elastictrain.parallel.plan import PlanSpec, resolve
+    from elastictrain.parallel.layout import LayoutSpec, resolve
 
-    layout = resolve(PlanSpec(plan, global_batch=16, micro_batch=1, shard_size=shard, pp=pp, tp=tp,
+    layout = resolve(LayoutSpec(plan, global_batch=16, micro_batch=1, shard_size=shard, pp=pp, tp=tp,
                               pp_schedule="gpipe"), world)
     pushers = snapshot_pushers(layout)
     assert len(pushers) == parts == len(set(map(layout.dims.holder_key, range(world))))

@@ -10,7 +10,7 @@ CLI: the click group :data:`ckpt`.
 
 from elastictrain.checkpoint.errors import CheckpointError
 from elastictrain.checkpoint.manifest import FileInfo, Manifest, ManifestError, ShardReport
-from elastictrain.checkpoint.retention import retention_plan
+from elastictrain.checkpoint.retention import retention_victims
 from elastictrain.checkpoint.store import CheckpointStore
 
 # Imported on first use: torch and DCP (the loader, the writer, the metadata reader), ray (the peer tier),
@@ -58,5 +58,5 @@ __all__ = [
     "load_checkpoint",
     "loads_metadata",
     "loads_plain",
-    "retention_plan",
+    "retention_victims",
 ]

@@ -37,7 +37,7 @@ from elastictrain.checkpoint.store import CheckpointStore
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumeDecision:
     """What :func:`plan_resume` decided. ``run_id`` is the effective run id (the checkpoint root's name)."""
 
     run_id: str
@@ -61,19 +61,19 @@ def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None = None) -> ResumePlan:
+def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None = None) -> ResumeDecision:
     """Decide the run id, store, resume checkpoint and lineage of a run. Raises CheckpointError (exit 3)
     with the reason and the ways out."""
     c, run_id = config.checkpoint, config.stable_id
     fp = driver_fingerprint(config, lr_fn, builtin_task)
     if c.uri is None:
-        return ResumePlan(run_id, fingerprint=fp)
+        return ResumeDecision(run_id, fingerprint=fp)
     now = time.time() if now is None else now
     opts = dict(c.storage_options)
     store = CheckpointStore(storage.join(c.uri.rstrip("/"), run_id), opts)
     if c.resume == "never":
         if not store.has_step_dirs():
-            return ResumePlan(run_id, store, None, new_lineage(), fp)
+            return ResumeDecision(run_id, store, None, new_lineage(), fp)
         return _fresh_elsewhere(config, run_id, now, fp, f"checkpoint.resume=never and {store.root_uri} already "
                                                          "holds checkpoints of another run")
     if c.resume == "auto":
@@ -86,8 +86,8 @@ def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None =
                     f"{damaged}) is damaged: {'; '.join(skipped)}. Ways out: repair or remove them, point "
                     "checkpoint.resume at a good step directory, sign the ones you trust (elastictrain ckpt sign), "
                     "or start fresh with --set checkpoint.resume=never")
-            return ResumePlan(run_id, store, None, new_lineage(), fp)
-        return _checked(config, ResumePlan(run_id, store, manifest, lineage_of(manifest.meta) or new_lineage(), fp),
+            return ResumeDecision(run_id, store, None, new_lineage(), fp)
+        return _checked(config, ResumeDecision(run_id, store, manifest, lineage_of(manifest.meta) or new_lineage(), fp),
                         lr_fn)
     manifest = store.resolve(c.resume)
     if manifest is None:
@@ -95,25 +95,25 @@ def plan_resume(config: Any, lr_fn: Any, builtin_task: bool, now: float | None =
     conflicts = [m for m in store.committed()
                  if m.step > manifest.step or lineage_of(m.meta) != lineage_of(manifest.meta)]
     if manifest.location.rstrip("/").rsplit("/", 1)[0] == store.root_uri and not conflicts:
-        plan = ResumePlan(run_id, store, manifest, lineage_of(manifest.meta) or new_lineage(), fp)
+        plan = ResumeDecision(run_id, store, manifest, lineage_of(manifest.meta) or new_lineage(), fp)
     elif not store.has_step_dirs():
-        plan = ResumePlan(run_id, store, manifest, new_lineage(), fp)
+        plan = ResumeDecision(run_id, store, manifest, new_lineage(), fp)
     else:
         fresh = _fresh_elsewhere(config, run_id, now, fp, f"{store.root_uri} holds checkpoints of another "
                                                           f"trajectory than {manifest.location}")
-        plan = ResumePlan(fresh.run_id, fresh.store, manifest, fresh.lineage, fp, fresh.note)
+        plan = ResumeDecision(fresh.run_id, fresh.store, manifest, fresh.lineage, fp, fresh.note)
     return _checked(config, plan, lr_fn)
 
 
-def _fresh_elsewhere(config: Any, run_id: str, now: float, fp: dict[str, Any], why: str) -> ResumePlan:
+def _fresh_elsewhere(config: Any, run_id: str, now: float, fp: dict[str, Any], why: str) -> ResumeDecision:
     c = config.checkpoint
     new_id = unique_run_id(run_id, now)
     store = CheckpointStore(storage.join(c.uri.rstrip("/"), new_id), dict(c.storage_options))
     note = f"{why}: this run uses the new run id {new_id} (checkpoints under {store.root_uri})"
-    return ResumePlan(new_id, store, None, new_lineage(), fp, note)
+    return ResumeDecision(new_id, store, None, new_lineage(), fp, note)
 
 
-def _checked(config: Any, plan: ResumePlan, lr_fn: Any) -> ResumePlan:
+def _checked(config: Any, plan: ResumeDecision, lr_fn: Any) -> ResumeDecision:
     m = plan.manifest
     saved = m.meta.get("fingerprint")
     finished = m.step >= config.train.steps
@@ -126,4 +126,4 @@ def _checked(config: Any, plan: ResumePlan, lr_fn: Any) -> ResumePlan:
     why = refusal(diffs, config.checkpoint.accept_changes, m.location, plan.run_id)
     if why:
         raise CheckpointError(why)
-    return ResumePlan(plan.run_id, plan.store, m, plan.lineage, plan.fingerprint, plan.note, finished)
+    return ResumeDecision(plan.run_id, plan.store, m, plan.lineage, plan.fingerprint, plan.note, finished)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def retention_plan(
+def retention_victims(
     committed: Iterable[int],
     uncommitted: Iterable[int],
     keep_last: int,

@@ -33,7 +33,7 @@ from elastictrain.checkpoint.manifest import (
     parse_step_dir,
     step_dir_name,
 )
-from elastictrain.checkpoint.retention import retention_plan
+from elastictrain.checkpoint.retention import retention_victims
 from elastictrain.checkpoint.signing import key_from_env
 
 _FROM_ENV: Any = object()
@@ -239,7 +239,7 @@ class CheckpointStore:
 
     def retain(self, keep_last: int, keep_every: int, in_use: Iterable[int] = frozenset(),
                lineage: str | None = None) -> list[int]:
-        """Delete what :func:`retention_plan` says; returns the deleted steps. Step directories whose
+        """Delete what :func:`retention_victims` says; returns the deleted steps. Step directories whose
         manifest is refused on read are never deleted (an operator looks at them; ``ckpt ls`` lists why).
 
         With ``lineage``, only that trajectory's committed checkpoints count and may go: another run's
@@ -251,7 +251,7 @@ class CheckpointStore:
         others = {m.step for m in good if lineage is not None and lineage_of(m.meta) != lineage}
         good = [m for m in good if m.step not in others]
         in_use = frozenset(in_use) | others
-        delete = retention_plan([m.step for m in good], sorted(bad), keep_last, keep_every, frozenset(in_use))
+        delete = retention_victims([m.step for m in good], sorted(bad), keep_last, keep_every, frozenset(in_use))
         committed = {m.step for m in good}
         for step in delete:
             if step in committed:

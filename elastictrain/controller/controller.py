@@ -46,7 +46,7 @@ from elastictrain.controller.monitor import POLL_INTERVAL_S, Killed, WorkerMonit
 from elastictrain.controller.recovery import Recovery
 from elastictrain.controller.state import TERMINAL, State, StateMachine
 from elastictrain.events import EventLog
-from elastictrain.parallel.plan import Layout, resolve, spec_from_config
+from elastictrain.parallel.layout import Layout, resolve, spec_from_config
 from elastictrain.task import Task
 
 log = logging.getLogger("elastictrain.controller")
@@ -72,7 +72,7 @@ class Controller:
                  planned: Any = None) -> None:
         """``group``: the worker group to drive (default: a real :class:`WorkerGroup`; tests pass a fake
         one with the same interface to step the state machine through its paths). ``resume_plan``: the driver's
-        :class:`~elastictrain.checkpoint.resume.ResumePlan` (lineage, fingerprint). ``planned``: the start-time
+        :class:`~elastictrain.checkpoint.resume.ResumeDecision` (lineage, fingerprint). ``planned``: the start-time
         choice of ``parallel.plan: auto`` (:class:`~elastictrain.planner.job.Choice`): each generation formed
         at another world size is then re-planned (:meth:`_replan`)."""
         self.config = config
@@ -456,11 +456,11 @@ class Controller:
         )
 
     def layout(self, world_size: int) -> Layout:
-        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/layout.py)."""
         return resolve(self.plan_spec, world_size)
 
     def layout(self, world_size: int) -> Layout:
-        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/plan.py)."""
+        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/layout.py)."""
         return resolve(self.plan_spec, world_size)
 
     def _replan(self, world: int) -> None:

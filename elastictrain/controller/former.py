@@ -28,7 +28,7 @@ from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.recovery import Recovery
 from elastictrain.events import EventLog
 from elastictrain.parallel.placement import arrange
-from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.layout import Layout
 
 log = logging.getLogger("elastictrain.controller")
 

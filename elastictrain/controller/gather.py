@@ -30,7 +30,7 @@ from elastictrain.controller.detect import blame
 from elastictrain.controller.group import MemberCallFailed, Slot, call_members, describe_remote_error
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.events import EventLog
-from elastictrain.parallel.plan import Layout, MeshDims
+from elastictrain.parallel.layout import Layout, MeshDims
 
 log = logging.getLogger("elastictrain.controller")
 
@@ -308,7 +308,7 @@ class SourceGatherer:
                 resume = PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
         return Gathered(resume, decision.chosen.kind, decision.reason, last_step)
 
-    def survivor_restore(self, pool: list[Slot], cand: sources.Candidate, prev: Previous,
+    def survivor_restore(self, pool: list[Slot], cand: sources.SourceCandidate, prev: Previous,
                          generation: int) -> PeerRestore:
         """Survivors ``cand.ranks`` (found in ``pool``, members of the next generation or not) snapshot their
         live shards (collective-free) and serve them; every member of the next generation then reads its

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from elastictrain.config import RecoveryConfig, TimeoutsConfig
 from elastictrain.controller.kinds import Charge, FailureKind
-from elastictrain.parallel.plan import CPU_DEFAULT_SHARD_SIZE, PlanSpec, is_valid, valid_world_sizes
+from elastictrain.parallel.layout import CPU_DEFAULT_SHARD_SIZE, LayoutSpec, is_valid, valid_world_sizes
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Membership:
     reason: str
 
 
-def save_membership(*, available: int, spec: PlanSpec) -> Membership:
+def save_membership(*, available: int, spec: LayoutSpec) -> Membership:
     """Preempted while recovering (or waiting for workers): how many of the ``available`` workers (survivors
     plus ready joiners) form a generation that only saves what they hold. Any world size the plan can run
     at serves -- a checkpoint reshards on load -- so neither ``recovery.mode`` nor ``workers.min`` applies:
@@ -61,16 +61,16 @@ def suspect_after(step_times: Sequence[float], t: TimeoutsConfig, poll_interval_
 def decide_membership(
     *, available: int, current: int, mode: str, min_workers: int, max_workers: int, global_batch: int,
     micro_batch: int, waiting_since: float | None, now: float, wait_limit_s: float, plan: str = "ddp",
-    shard_size: int = CPU_DEFAULT_SHARD_SIZE, spec: PlanSpec | None = None,
+    shard_size: int = CPU_DEFAULT_SHARD_SIZE, spec: LayoutSpec | None = None,
     valid: Callable[[int], bool] | None = None,
 ) -> Membership:
     """How many workers form the next generation, given ``available`` ready workers (survivors plus
-    ready joiners). Elastic: the largest world size valid for the plan (see parallel/plan.py; hsdp needs
+    ready joiners). Elastic: the largest world size valid for the plan (see parallel/layout.py; hsdp needs
     whole shard groups, so a broken group re-plans to fewer, whole groups; pp whole pipelines); strict:
     exactly ``current``. ``spec`` (the job's whole plan, pp included) replaces plan/shard_size when given.
     ``valid`` (``parallel.plan: auto``: some layout of the job runs and fits at that size, planner/live.py)
     replaces the plan's own rule."""
-    spec = spec or PlanSpec(plan, global_batch, micro_batch, shard_size)
+    spec = spec or LayoutSpec(plan, global_batch, micro_batch, shard_size)
     ok = valid or (lambda w: is_valid(spec, w)[0])
     waited = 0.0 if waiting_since is None else now - waiting_since
     if mode == "strict":

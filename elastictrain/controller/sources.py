@@ -33,7 +33,7 @@ KINDS = ("peer", "memory", "checkpoint", "scratch")  # also the ``source`` of th
 
 
 @dataclass(frozen=True)
-class Candidate:
+class SourceCandidate:
     kind: str
     step: int
     ranks: tuple[int, ...]  # peer: the survivors to read from (one per (stage, shard coordinate)); else ()
@@ -44,8 +44,8 @@ class Candidate:
 class SourceDecision:
     """The chosen source (``ranked[0]``), every viable one best first, and the lost completed steps."""
 
-    chosen: Candidate
-    ranked: tuple[Candidate, ...]
+    chosen: SourceCandidate
+    ranked: tuple[SourceCandidate, ...]
     lost_steps: int
     reason: str
 
@@ -56,7 +56,7 @@ _EVERY = {"pp": "every stage's", "tp": "every tp coordinate's", "cp": "every cp 
           "ep": "every ep coordinate's"}
 
 
-def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | None, str]:
+def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[SourceCandidate | None, str]:
     world = dims.world_size
     inside = bool(survivors) and min(survivors) >= 0 and max(survivors) < world  # (the usual case: no copy)
     alive = survivors if inside else {r: s for r, s in survivors.items() if 0 <= r < world}
@@ -88,7 +88,7 @@ def _peer(dims: MeshDims, survivors: Mapping[int, int]) -> tuple[Candidate | Non
                       f"{' x '.join(str(dims.size(n)) for _, n in axes)} (mesh {mesh})")
     ranks = tuple(holders[k] for k in need)
     every = " ".join([_EVERY[n] for n in dims.holder_axes() if n in _EVERY and dims.size(n) > 1] + ["every shard"])
-    return Candidate("peer", newest, ranks, f"survivors {list(ranks)} hold {every} at step {newest}"), ""
+    return SourceCandidate("peer", newest, ranks, f"survivors {list(ranks)} hold {every} at step {newest}"), ""
 
 
 def rank_sources(
@@ -114,7 +114,7 @@ def rank_sources(
                              f"dp_shard={dp_shard} cp={cp} tp={tp}")
         plan = "ddp" if dp_shard == 1 else "fsdp" if dp_replicate == 1 else "hsdp"
         dims = MeshDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, plan=plan)
-    found: list[Candidate] = []
+    found: list[SourceCandidate] = []
     notes: list[str] = []
     peer, why = _peer(dims, survivors)
     if peer is not None:
@@ -124,16 +124,16 @@ def rank_sources(
     complete = [s for s, ok in memory.items() if ok]
     if complete:
         step = max(complete)
-        found.append(Candidate("memory", step, (), f"the peer memory tier holds a complete snapshot of step {step}"))
+        found.append(SourceCandidate("memory", step, (), f"the peer memory tier holds a complete snapshot of step {step}"))
     elif memory:
         notes.append(f"the peer memory tier's snapshots (steps {sorted(memory)}) are incomplete")
     else:
         notes.append("the peer memory tier holds no snapshot")
     if durable_step is not None:
-        found.append(Candidate("checkpoint", durable_step, (), f"committed checkpoint of step {durable_step}"))
+        found.append(SourceCandidate("checkpoint", durable_step, (), f"committed checkpoint of step {durable_step}"))
     else:
         notes.append("no committed checkpoint" if storage_asked else "storage not asked")
-    found.append(Candidate("scratch", 0, (), "no source holds training state: restart from step 0"))
+    found.append(SourceCandidate("scratch", 0, (), "no source holds training state: restart from step 0"))
     ranked = tuple(sorted(found, key=lambda c: (-c.step, KINDS.index(c.kind))))
     chosen = ranked[0]
     lost = max(0, last_step - chosen.step)

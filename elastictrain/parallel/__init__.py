@@ -1,4 +1,4 @@
-"""Parallel layouts: the mesh as data (pure, :mod:`.dims`), plan resolution (pure, :mod:`.plan`), one small
+"""Parallel layouts: the mesh as data (pure, :mod:`.dims`), layout resolution (pure, :mod:`.layout`), one small
 ``parallelize_*`` function per layout (:mod:`.parallelize`), the per-generation mesh (:mod:`.mesh`) and the
 layout-agnostic training state (:mod:`.train_state`). The step loop asks the parallelized model, never the
 plan name.
@@ -13,8 +13,8 @@ __all__ = [
     "PLANS",
     "Layout",
     "MeshDims",
-    "PlanError",
-    "PlanSpec",
+    "LayoutError",
+    "LayoutSpec",
     "effective_shard_size",
     "is_valid",
     "resolve",
@@ -24,7 +24,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from elastictrain.parallel import plan
+        from elastictrain.parallel import layout
 
-        return getattr(plan, name)
+        return getattr(layout, name)
     raise AttributeError(f"module 'elastictrain.parallel' has no attribute {name!r}")

@@ -17,7 +17,7 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
 Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``pp = cp = tp = 1``
-(:func:`elastictrain.parallel.plan.ep_rule` refuses the rest at config time), so the data ranks are the world.
+(:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data ranks are the world.
 """
 
 from __future__ import annotations

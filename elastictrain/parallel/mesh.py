@@ -8,7 +8,7 @@ import os
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elastictrain.parallel.plan import MeshDims
+from elastictrain.parallel.layout import MeshDims
 
 
 def worker_device(use_gpu: bool) -> torch.device:

@@ -1,6 +1,6 @@
 """Apply a layout to a model: one small function per layout, in torchtitan's shape.
 
-``parallelize(model, mesh, plan)`` is :class:`~elastictrain.task.Task`'s default ``parallelize_fn``:
+``parallelize(model, mesh, parallel)`` is :class:`~elastictrain.task.Task`'s default ``parallelize_fn``:
 under ``parallel.tp > 1`` the model's tensor-parallel plan on the ``tp`` axis first
 (:mod:`elastictrain.parallel.tensor`), then float8 linears, activation checkpointing (full or selective)
 and ``torch.compile`` on each repeated block as asked (:mod:`elastictrain.parallel.speed`), then DDP, or FSDP2 (``fully_shard`` each repeated block, then the root) on a 1-D (``fsdp``) or 2-D
@@ -65,7 +65,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None
     apply(model, mode)
 
 
-def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+def parallelize_ddp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> nn.Module:
     """Replicate: DistributedDataParallel over the mesh's (only) group. State is assumed equal on every rank
     already (set by the restore step), so DDP's init broadcast is skipped. Gradients are views of DDP's
     reduction buckets (``gradient_as_bucket_view``): no second copy of every gradient
@@ -85,26 +85,26 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                            else {"broadcast_buffers": False})
 
 
-def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> nn.Module:
     """FSDP2: shard each repeated block, then the root (which takes the remaining parameters). A 2-D mesh
     (replicate x shard) gives HSDP. An expert-parallel model's experts first, over their own replicas
     (:func:`shard_experts`). bf16: bf16 parameters in forward/backward, fp32 gradient reduction and
     fp32 master parameters / optimizer state.
 
-    ``plan.reshard_after_forward`` (ZeRO-3) frees every block's gathered parameters after its forward except
+    ``parallel.reshard_after_forward`` (ZeRO-3) frees every block's gathered parameters after its forward except
     the last block's and the root's: backward starts with them, so freeing them would only gather them again
     at once (torchtitan's default; FSDP2's own rule for the root). Two all-gathers fewer per micro-batch, for
     one block's parameters held through the loss."""
     mp = MixedPrecisionPolicy()
-    if plan.mixed_precision == "bf16":
+    if parallel.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    shard_experts(model, mesh, mp, reshard=plan.reshard_after_forward)
+    shard_experts(model, mesh, mp, reshard=parallel.reshard_after_forward)
     blocks = repeated_blocks(model)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1,
+        fully_shard(block, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward and i < len(blocks) - 1,
                     mp_policy=mp)
     # None: FSDP2 keeps the root's parameters gathered from forward to backward (an explicit True would not)
-    fully_shard(model, mesh=mesh, reshard_after_forward=None if plan.reshard_after_forward else False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if parallel.reshard_after_forward else False, mp_policy=mp)
     return model
 
 
@@ -144,18 +144,18 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, 
             layer.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> nn.Module:
     """The default ``Task.parallelize_fn``: tensor parallelism (a mesh with a ``tp`` axis: the model's
     ``tp_plan``), then :func:`parallelize_dp`."""
     from elastictrain.parallel.tensor import parallelize_tp, tp_submesh
 
     tp_mesh = tp_submesh(mesh)
     if tp_mesh is not None:
-        parallelize_tp(model, tp_mesh, plan)
-    return parallelize_dp(model, mesh, plan)
+        parallelize_tp(model, tp_mesh, parallel)
+    return parallelize_dp(model, mesh, parallel)
 
 
-def parallelize_dp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
+def parallelize_dp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig) -> nn.Module:
     """float8, activation checkpointing and compile on each repeated block
     (:func:`elastictrain.parallel.speed.apply_block_transforms`), then DDP or FSDP2/HSDP on the data-parallel
     axes of ``mesh``. A mesh with a
@@ -167,10 +167,10 @@ def parallelize_dp(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> 
 
     tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
     mesh = dp_submesh(mesh)
-    apply_block_transforms(model, plan)  # float8, activation checkpointing, compile (parallel/speed.py)
-    if plan.plan == "ddp":
-        return model if tensor_parallel else parallelize_ddp(model, mesh, plan)
-    return parallelize_fsdp(model, mesh, plan)
+    apply_block_transforms(model, parallel)  # float8, activation checkpointing, compile (parallel/speed.py)
+    if parallel.plan == "ddp":
+        return model if tensor_parallel else parallelize_ddp(model, mesh, parallel)
+    return parallelize_fsdp(model, mesh, parallel)
 
 
 @dataclass

@@ -82,7 +82,7 @@ from elastictrain.parallel.parallelize import (
     dp_submesh,
     stage_submesh,
 )
-from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.layout import Layout
 from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
 from elastictrain.parallel.tensor import average_grads, local_loss, parallelize_tp, settle_grads, tp_submesh

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from elastictrain.parallel.plan import MeshDims
+from elastictrain.parallel.layout import MeshDims
 
 
 class PlacementError(ValueError):

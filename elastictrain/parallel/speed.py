@@ -152,11 +152,11 @@ def apply_compile(model: nn.Module) -> int:
     return n
 
 
-def apply_block_transforms(model: nn.Module, plan: ParallelConfig) -> None:
-    """float8, activation checkpointing, compile, as ``plan`` asks, in that order (module doc)."""
-    if plan.float8:
+def apply_block_transforms(model: nn.Module, parallel: ParallelConfig) -> None:
+    """float8, activation checkpointing, compile, as ``parallel`` asks, in that order (module doc)."""
+    if parallel.float8:
         apply_float8(model)
-    if plan.ac_mode != "none":
-        apply_activation_checkpointing(model, plan.ac_mode)
-    if plan.compile:
+    if parallel.ac_mode != "none":
+        apply_activation_checkpointing(model, parallel.ac_mode)
+    if parallel.compile:
         apply_compile(model)

@@ -7,9 +7,9 @@ out) are the edges."""
 
 from elastictrain.planner.inputs import GB, GIB, Candidate, Cluster, ModelShape, PlannerInputError, Training
 from elastictrain.planner.memory import Memory, memory
-from elastictrain.planner.search import Estimate, evaluate, plan, rank, runnable_axes, why_invalid
+from elastictrain.planner.search import Estimate, evaluate, rank_layouts, rank, runnable_axes, why_invalid
 from elastictrain.planner.steptime import StepTime, step_time
 
 __all__ = ["GB", "GIB", "Candidate", "Cluster", "Estimate", "Memory", "ModelShape", "PlannerInputError",
-           "StepTime", "Training", "evaluate", "memory", "plan", "rank", "runnable_axes", "step_time",
+           "StepTime", "Training", "evaluate", "memory", "rank", "rank_layouts", "runnable_axes", "step_time",
            "why_invalid"]

@@ -149,7 +149,7 @@ def runtime_probe(job: dict[str, Any], rank: int, world: int) -> float:
     """Peak resident bytes of this process after two steps of ``job`` (a built-in task's config as a
     mapping) with its model shrunk to one block of width 8, as ddp over the current default group."""
     from elastictrain import build_config
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.planner.inputs import Candidate, Cluster, ModelShape, PlannerInputError, Training
-from elastictrain.planner.search import Estimate, evaluate, plan
+from elastictrain.planner.search import Estimate, evaluate, rank_layouts
 
 _SHAPE_KEYS = {"layers": int, "hidden": int, "heads": int, "seq_len": int, "vocab": int, "ffn_mult": float,
                "params": float}
@@ -95,7 +95,7 @@ def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None
              runnable_only: bool = True) -> list[Estimate]:
     """Every candidate for the job at ``world`` devices, ranked best first (see the module docstring)."""
     model, train = model_shape(config, shape), training(config)
-    ranked = plan(model, train, cluster, world, runnable_only=runnable_only,
+    ranked = rank_layouts(model, train, cluster, world, runnable_only=runnable_only,
                   reshard_after_forward=config.parallel.reshard_after_forward)
     if _sharded_only(config):
         ranked = [e for e in ranked if e.candidate.dp_shard > 1 or e.candidate.dp == 1]
@@ -103,7 +103,7 @@ def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None
 
 
 def candidate_of(layout: Any, config: Any) -> Candidate:
-    """The planner's view of a resolved :class:`~elastictrain.parallel.plan.Layout` (its ``MeshDims`` as
+    """The planner's view of a resolved :class:`~elastictrain.parallel.layout.Layout` (its ``MeshDims`` as
     they are), with the job's settings a layout does not carry (the one Layout -> Candidate converter)."""
     d, p = layout.dims, config.parallel
     return Candidate(d, schedule=layout.pp_schedule if d.pp > 1 else "1f1b",
@@ -115,7 +115,7 @@ def candidate_of(layout: Any, config: Any) -> Candidate:
 
 def configured(config: Any, cluster: Cluster, world: int, shape: str | None = None) -> Estimate | None:
     """The job's own layout at ``world`` priced, or None when it cannot run there (or ``plan: auto``)."""
-    from elastictrain.parallel.plan import PlanError, resolve, spec_from_config
+    from elastictrain.parallel.layout import LayoutError, resolve, spec_from_config
 
     p = config.parallel
     if p.plan not in ("ddp", "fsdp", "hsdp"):
@@ -123,7 +123,7 @@ def configured(config: Any, cluster: Cluster, world: int, shape: str | None = No
     gpus = cluster.devices_per_node if config.workers.use_gpu else None
     try:
         layout = resolve(spec_from_config(config, gpus), world)
-    except PlanError:
+    except LayoutError:
         return None
     c = candidate_of(layout, config)
     return evaluate(model_shape(config, shape), training(config), cluster, c)

@@ -1,8 +1,8 @@
 """``parallel.plan: auto`` across resizes: the controller's edge to :func:`.replan.decide`.
 
-A generation's :class:`~elastictrain.parallel.plan.Layout` in, the decision for the next world size out,
-with the :class:`~elastictrain.parallel.plan.PlanSpec` that resolves the chosen layout there (the one
-resolver, parallel/plan.py, still answers "which mesh and which accumulation"). The job fixes what a
+A generation's :class:`~elastictrain.parallel.layout.Layout` in, the decision for the next world size out,
+with the :class:`~elastictrain.parallel.layout.LayoutSpec` that resolves the chosen layout there (the one
+resolver, parallel/layout.py, still answers "which mesh and which accumulation"). The job fixes what a
 ``Layout`` does not carry: the micro-batch size, activation checkpointing, FSDP's ``reshard_after_forward``
 and, with ``parallel.meta_init``, sharded layouts only (the same rule the
 start-time choice keeps, :mod:`.job`). The cluster is the one the start-time choice priced (Ray's figures
@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elastictrain.parallel.plan import Layout, PlanError, PlanSpec, resolve
+from elastictrain.parallel.layout import Layout, LayoutError, LayoutSpec, resolve
 from elastictrain.planner import job as planner_job
 from elastictrain.planner.job import candidate_of
 from elastictrain.planner.inputs import Candidate, Cluster
 from elastictrain.planner.replan import Replan, decide
-from elastictrain.planner.search import Estimate, evaluate, plan
+from elastictrain.planner.search import Estimate, evaluate, rank_layouts
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Replanned:
     """What the next generation runs: the decision (with its reason) and the spec that resolves it."""
 
     decision: Replan
-    spec: PlanSpec
+    spec: LayoutSpec
     layout: Layout
     old: Estimate  # the running layout at its own world size
 
@@ -39,8 +39,8 @@ class Replanned:
                                                                                   self.layout.dims.shape))}
 
 
-def spec_of(c: Candidate, base: PlanSpec, sharded_only: bool = False) -> PlanSpec:
-    """The :class:`PlanSpec` whose layout at ``c.world_size`` is ``c`` (batch sizes kept from ``base``)."""
+def spec_of(c: Candidate, base: LayoutSpec, sharded_only: bool = False) -> LayoutSpec:
+    """The :class:`LayoutSpec` whose layout at ``c.world_size`` is ``c`` (batch sizes kept from ``base``)."""
     name = c.layout_name if c.dp > 1 else ("fsdp" if sharded_only else "ddp")
     return replace(base, plan=name, shard_size=c.dp_shard if name == "hsdp" else base.shard_size, pp=c.pp,
                    pp_schedule=c.schedule if c.pp > 1 else base.pp_schedule,
@@ -63,7 +63,7 @@ class Replanner:
     def _allowed(self, c: Candidate) -> bool:
         return not self.sharded_only or c.dp_shard > 1 or c.dp == 1
 
-    def decide(self, old: Layout, spec: PlanSpec, world: int, steps_left: int) -> Replanned | None:
+    def decide(self, old: Layout, spec: LayoutSpec, world: int, steps_left: int) -> Replanned | None:
         """The layout for ``world`` workers after running ``old`` (resolved from ``spec``), or None when no
         runnable layout fits there."""
         was = candidate_of(old, self.config)
@@ -74,13 +74,13 @@ class Replanner:
         new = spec_of(got.new.candidate, spec, self.sharded_only)
         try:
             layout = resolve(new, world)
-        except PlanError:  # the planner and the resolver disagree on a rule: not run (the caller keeps its spec)
+        except LayoutError:  # the planner and the resolver disagree on a rule: not run (the caller keeps its spec)
             return None
         return Replanned(got, new, layout, evaluate(self.model, self.train, self.cluster, was))
 
     def runs_at(self, world: int) -> bool:
         """Whether some runnable layout of the job fits at ``world`` (the membership rule under ``auto``)."""
         if world not in self._runs:
-            ranked = plan(self.model, self.train, self.cluster, world, **self.search) if world > 0 else []
+            ranked = rank_layouts(self.model, self.train, self.cluster, world, **self.search) if world > 0 else []
             self._runs[world] = any(e.fits and self._allowed(e.candidate) for e in ranked)
         return self._runs[world]

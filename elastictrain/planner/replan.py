@@ -22,7 +22,7 @@ from typing import Any
 
 from elastictrain.planner.inputs import OPTIMIZER_BYTES, PRECISIONS, Candidate, Cluster, ModelShape, Training
 from elastictrain.planner.memory import stage_params
-from elastictrain.planner.search import Estimate, evaluate, plan, why_invalid
+from elastictrain.planner.search import Estimate, evaluate, rank_layouts, why_invalid
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ def decide(model: ModelShape, train: Training, cluster: Cluster, old: Candidate,
            **search: Any) -> Replan | None:
     """The layout for ``world`` devices after a resize (module docstring), or None when nothing runnable
     fits there. ``allowed``: which candidates the job can run at all (e.g. sharded ones only; the running
-    family is kept only if allowed too). ``search`` goes to :func:`.search.plan` (e.g. ``micro_batches``)."""
+    family is kept only if allowed too). ``search`` goes to :func:`.search.rank_layouts` (e.g. ``micro_batches``)."""
     ok = allowed or (lambda c: True)
-    ranked = [e for e in plan(model, train, cluster, world, **search) if e.fits and ok(e.candidate)]
+    ranked = [e for e in rank_layouts(model, train, cluster, world, **search) if e.fits and ok(e.candidate)]
     if not ranked:
         return None
     best = ranked[0]

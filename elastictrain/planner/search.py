@@ -4,7 +4,7 @@
 micro-batch size, activation checkpointing; for a mixture-of-experts model every expert-parallel degree
 that divides the data-parallel size and the experts). **What may be chosen** to run is the subset the code base
 runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
-and a new axis is one more name there). ``plan(..., runnable_only=False)`` ranks everything, marking each
+and a new axis is one more name there). ``rank_layouts(..., runnable_only=False)`` ranks everything, marking each
 candidate ``runnable``; it is also the only search of the runnable axes in :data:`ASKED_AXES` (context
 parallel: ``elastictrain plan --all-axes``).
 
@@ -39,7 +39,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp or fsdp without pp/tp/cp: is_runnable, parallel.plan.ep_rule)
+    axes.add("ep")  # (under ddp or fsdp without pp/tp/cp: is_runnable, parallel.layout.ep_rule)
     return frozenset(axes)
 
 
@@ -50,7 +50,7 @@ ASKED_AXES = frozenset({"cp"})
 
 
 def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
-    from elastictrain.parallel.plan import ep_rule
+    from elastictrain.parallel.layout import ep_rule
 
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
     return ep_ok and all(getattr(c, axis) == 1 or axis in axes
@@ -102,7 +102,7 @@ def evaluate(model: ModelShape, train: Training, cluster: Cluster, c: Candidate,
 def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> str | None:
     """The rule ``c`` breaks (None when it can run at all): the data rule on the data-parallel size, TP
     dividing the heads, one block per virtual stage at least, the schedule's own micro-batch rule."""
-    from elastictrain.parallel.plan import schedule_rule
+    from elastictrain.parallel.layout import schedule_rule
 
     if train.global_batch % (c.dp * c.micro_batch):
         return (f"global_batch={train.global_batch} is not a multiple of data-parallel size {c.dp} x "
@@ -146,7 +146,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
-    chunks, not for a mixture-of-experts model (``parallel.plan.cp_layout_rule``)."""
+    chunks, not for a mixture-of-experts model (``parallel.layout.cp_layout_rule``)."""
     allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
     for cp in _divisors(world):
         if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0 and not model.experts):
@@ -213,7 +213,7 @@ def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
                                             e.time.comm_s, e.memory.total))
 
 
-def plan(model: ModelShape, train: Training, cluster: Cluster, world: int | None = None, *,
+def rank_layouts(model: ModelShape, train: Training, cluster: Cluster, world: int | None = None, *,
          runnable_only: bool = True, **options) -> list[Estimate]:
     """Every pruned candidate for ``world`` devices (default: the whole cluster), priced and ranked best
     first. ``runnable_only`` keeps to :func:`runnable_axes`; ``options`` go to :func:`candidates`."""

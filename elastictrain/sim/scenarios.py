@@ -23,7 +23,7 @@ from elastictrain.config import JobConfig, build_config
 from elastictrain.controller import policy
 from elastictrain.controller.controller import Controller
 from elastictrain.events import EventLog
-from elastictrain.parallel.plan import spec_from_config
+from elastictrain.parallel.layout import spec_from_config
 from elastictrain.sim import machine
 from elastictrain.sim.group import SimGroup
 from elastictrain.sim.world import Fault, SimWorld

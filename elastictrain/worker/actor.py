@@ -40,7 +40,7 @@ from elastictrain import worker_reply
 from elastictrain.config import JobConfig
 from elastictrain.logs import configure_worker_logging, one_line, set_worker_rank
 from elastictrain.parallel.mesh import worker_device
-from elastictrain.parallel.plan import Layout, resolve, spec_from_config
+from elastictrain.parallel.layout import Layout, resolve, spec_from_config
 from elastictrain.task import Task
 from elastictrain.worker import import_priority
 from elastictrain.worker.errors import classify_step_error

@@ -41,7 +41,7 @@ from elastictrain.parallel.context_wiring import cp_coord, shard_batch
 from elastictrain.parallel.context_wiring import wire_model as wire_context_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
-from elastictrain.parallel.plan import Layout
+from elastictrain.parallel.layout import Layout
 from elastictrain.parallel.precision import autocast, autocast_dtype
 from elastictrain.parallel.train_state import TrainingState
 from elastictrain.task import Task
@@ -280,13 +280,13 @@ class StepRunner:
             self.state.model = self.pm.model
         return kept
 
-    def _attach_pipeline(self, mesh: Any, layout: Layout, plan: ParallelConfig) -> bool:
+    def _attach_pipeline(self, mesh: Any, layout: Layout, parallel: ParallelConfig) -> bool:
         """Build this rank's pipeline stages from a fresh meta copy of the model (parallel/pipeline.py): no
         state survives a re-mesh, the values come from a restore or the seeded init. Returns False."""
         from elastictrain.parallel.pipeline import build_pipeline
 
         self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
-                                 self.task.parallelize_fn, plan, self.device,
+                                 self.task.parallelize_fn, parallel, self.device,
                                  materialize_fn=materialize)
         self.model = self.pm.model
         self.uninitialized = True
@@ -662,7 +662,7 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _default_parallelize(model: torch.nn.Module, mesh: Any, plan: ParallelConfig) -> torch.nn.Module:
+def _default_parallelize(model: torch.nn.Module, mesh: Any, parallel: ParallelConfig) -> torch.nn.Module:
     from elastictrain.parallel.parallelize import parallelize
 
-    return parallelize(model, mesh, plan)
+    return parallelize(model, mesh, parallel)

@@ -48,12 +48,12 @@ CPU_DEFAULT_SHARD_SIZE = 2
 _LISTED = 64
 
 
-class PlanError(ValueError):
+class LayoutError(ValueError):
     """A world size (or config) that a plan cannot use; the message lists the usable world sizes."""
 
 
 @dataclass(frozen=True)
-class PlanSpec:
+class LayoutSpec:
     """What resolution needs from the config: the plan, hsdp's shard group size and the batch sizes."""
 
     plan: str
@@ -150,7 +150,7 @@ def effective_shard_size(shard_size: int | None, use_gpu: bool, gpus_per_node: i
     return CPU_DEFAULT_SHARD_SIZE
 
 
-def _dims(spec: PlanSpec, world_size: int) -> MeshDims | str:
+def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
     """Mesh dims for ``world_size``, or the reason the plan cannot use it."""
     block = {"pp": spec.pp, "cp": spec.cp, "tp": spec.tp}  # the axes a shrink or grow moves whole
     for name, v in (*block.items(), ("ep", spec.ep)):
@@ -182,7 +182,7 @@ def _dims(spec: PlanSpec, world_size: int) -> MeshDims | str:
     return f"parallel.plan={spec.plan!r} is not one of {list(PLANS)}"
 
 
-def _try(spec: PlanSpec, world_size: int) -> Layout | str:
+def _try(spec: LayoutSpec, world_size: int) -> Layout | str:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         return f"world size must be a positive int, got {world_size!r}"
     dims = _dims(spec, world_size)
@@ -213,19 +213,19 @@ def _try(spec: PlanSpec, world_size: int) -> Layout | str:
                   pp_schedule=spec.pp_schedule, stages_per_rank=v, sp=sp)
 
 
-def valid_world_sizes(spec: PlanSpec, max_world: int) -> list[int]:
+def valid_world_sizes(spec: LayoutSpec, max_world: int) -> list[int]:
     """Every world size in ``1..max_world`` that ``spec`` can run at, ascending."""
     return [w for w in range(1, max_world + 1) if isinstance(_try(spec, w), Layout)]
 
 
-def is_valid(spec: PlanSpec, world_size: int) -> tuple[bool, str]:
+def is_valid(spec: LayoutSpec, world_size: int) -> tuple[bool, str]:
     """Whether ``spec`` can run at ``world_size``, with the reason (the layout, or the rule broken)."""
     got = _try(spec, world_size)
     return (True, got.reason) if isinstance(got, Layout) else (False, got)
 
 
-def resolve(spec: PlanSpec, world_size: int) -> Layout:
-    """The layout of ``spec`` at ``world_size``. Raises :class:`PlanError` naming the rule broken and
+def resolve(spec: LayoutSpec, world_size: int) -> Layout:
+    """The layout of ``spec`` at ``world_size``. Raises :class:`LayoutError` naming the rule broken and
     the usable world sizes."""
     got = _try(spec, world_size)
     if isinstance(got, Layout):
@@ -233,14 +233,14 @@ def resolve(spec: PlanSpec, world_size: int) -> Layout:
     usable = valid_world_sizes(spec, _LISTED)
     what = (f"parallel.plan={spec.plan}" + (f", pp={spec.pp} ({spec.pp_schedule})" if spec.pp > 1 else "")
             + "".join(f", {k}={getattr(spec, k)}" for k in ("cp", "tp", "ep") if getattr(spec, k) > 1))
-    raise PlanError(f"{got}; usable world sizes (1..{_LISTED}) for {what}: "
+    raise LayoutError(f"{got}; usable world sizes (1..{_LISTED}) for {what}: "
                     f"{usable or 'none'}; change the worker count, the batch sizes or the plan")
 
 
-def spec_from_config(config: object, gpus_per_node: int | None = None) -> PlanSpec:
-    """The :class:`PlanSpec` of a ``JobConfig`` (duck-typed to keep this module free of the config)."""
+def spec_from_config(config: object, gpus_per_node: int | None = None) -> LayoutSpec:
+    """The :class:`LayoutSpec` of a ``JobConfig`` (duck-typed to keep this module free of the config)."""
     p, t, w = config.parallel, config.train, config.workers  # type: ignore[attr-defined]
-    return PlanSpec(p.plan, t.global_batch, t.micro_batch,
+    return LayoutSpec(p.plan, t.global_batch, t.micro_batch,
                     effective_shard_size(p.shard_size, w.use_gpu, gpus_per_node),
                     pp=p.pp, pp_schedule=p.pp_schedule, stages_per_rank=p.stages_per_rank, tp=p.tp,
                     sequence_parallel=p.sequence_parallel, cp=p.cp, ep=p.ep)
