@@ -143,6 +143,24 @@ def _whole_bytes(model: dict[str, Any]) -> dict[str, int]:
         return _held_bytes(GPT(GPTConfig(vocab_size=256, **{**model, "moe": MoEConfig(**model["moe"])})))
 
 
+def test_an_expert_s_initial_values_depend_on_seed_layer_and_index_only() -> None:
+    """init_by_name seeds each expert on its own: experts 0-3 of an 8-expert layer equal those of a
+    4-expert one (so a rank holding experts 4-7 builds no others), and two experts differ. Against the
+    whole-layer draw (one normal_ over ``[E, ...]``): w_out's experts differ between the two models."""
+    from elastictrain.models.gpt import GPT, GPTConfig
+    from elastictrain.models.moe import MoEConfig
+
+    def built(experts: int) -> GPT:
+        model = GPT(GPTConfig(vocab_size=64, **{**SMALL, "moe": MoEConfig(experts=experts, top_k=2)}))
+        init_by_name(model, model, 7)
+        return model
+
+    four, eight = built(4).blocks[1].moe, built(8).blocks[1].moe
+    for name in four.expert_names:
+        assert torch.equal(getattr(four, name), getattr(eight, name)[:4]), name
+    assert not torch.equal(eight.w_out[4], eight.w_out[5]) and torch.equal(eight.b_out, torch.zeros_like(eight.b_out))
+
+
 def test_meta_init_is_allowed_under_ddp_with_ep() -> None:
     assert _config(SMALL, 1, meta_init=True).parallel.meta_init
 
