@@ -120,7 +120,8 @@ def _ranks(rank: int, runs: list[dict[str, Any]], port: int, out: str, ckpt: str
             del runner
             gc.collect()  # (reference cycles: the next run's measure starts with this one freed)
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, [{k: r[k] for k in ("start", "rebuild", "load", "held") if k in r} for r in results])
+        keys = ("start", "rebuild", "load", "held")
+        dist.all_gather_object(gathered, [{k: r[k] for k in keys if k in r} for r in results])
         if rank == 0:
             for i, r in enumerate(results):
                 r["ranks"] = [g[i] for g in gathered]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,7 +66,8 @@ def init_by_name(model: nn.Module, root: nn.Module, seed: int) -> None:
     """Give every parameter of ``model`` (whole, or this rank's part: stages, tp or fsdp shards; memory
     already allocated) its initial value: per module holding parameters, a full-size CPU copy of its own
     parameters is filled by ``root.init_module`` under :func:`module_seed`, and this rank keeps its slice
-    (an MoE layer's stacked experts: one held expert at a time, under :func:`expert_seed`). No collective. The global RNG state is left as it was. A parameter reachable under two names (tied) is
+    (an MoE layer's stacked experts: one held expert at a time, under :func:`expert_seed`). No collective.
+    The global RNG state is left as it was. A parameter reachable under two names (tied) is
     initialised once, under the first. Raises :class:`InitError` if ``init_module`` left a floating-point
     value unset (it is filled with NaN first)."""
     done: set[int] = set()
@@ -85,13 +87,14 @@ def init_by_name(model: nn.Module, root: nn.Module, seed: int) -> None:
             done.update(id(p) for p in own.values())
 
 
-def _init_shadow(module: nn.Module, root: nn.Module, name: str, shape_of) -> dict[str, torch.Tensor]:
+def _init_shadow(module: nn.Module, root: nn.Module, name: str,
+                 shape_of: Callable[[torch.Tensor], tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """``root.init_module`` on a CPU copy of ``module`` holding only its own parameters, each of
     ``shape_of(parameter)`` (its full size, or one expert's), under the generator state set by the caller.
     Returns the values by parameter name. Raises :class:`InitError` for a value left unset (NaN)."""
     shadow = copy.copy(module)  # same class (isinstance checks in init_module hold), own params only
     shadow._modules = {}
-    shadow._parameters = {n: (None if p is None else nn.Parameter(_blank(p, shape_of(p)), requires_grad=p.requires_grad))
+    shadow._parameters = {n: None if p is None else nn.Parameter(_blank(p, shape_of(p)), requires_grad=p.requires_grad)
                           for n, p in module._parameters.items()}
     root.init_module(shadow)
     values = {}
