@@ -169,7 +169,8 @@ def test_meta_init_is_allowed_under_ddp_with_ep() -> None:
 def test_ddp_ep2_meta_build_trains_the_numbers_of_the_whole_build(tmp_path) -> None:
     """ep2 under ddp from a meta build (the start), and rebuilt on meta after step 2 (a new generation)
     loading a durable checkpoint: every step's loss and the final parameters equal those of the whole
-    build run through without a rebuild."""
+    build run through without a rebuild. Against a build seeding each rank's experts by their local index
+    (rank 1's experts 2-3 given experts 0-1's values): step 1's loss differs (5.57576 against 5.57500)."""
     runs = _run(tmp_path, [{"model": SMALL, "steps": 4, "parallel": {"meta_init": True}, "rebuild_at": 2},
                            {"model": SMALL, "steps": 4, "parallel": {}}])
     meta, whole = runs
@@ -187,7 +188,10 @@ def test_ddp_ep2_rank_holds_the_dense_part_and_half_the_experts(tmp_path) -> Non
     runtime, while it builds (the start with its step-0 values, the rebuild), and by
     at most the state's 16 bytes per held parameter plus the same slack while it loads the checkpoint. A tiny
     run first takes the process's one-time costs. The whole build (meta_init off: the start of every
-    ddp x ep run before) grows by more than the whole model: the measure sees it."""
+    ddp x ep run before) grows by more than the whole model: the measure sees it (seen: start 51 MiB, rebuild
+    0.1 MiB -- memory is counted where written: the load writes it --, load 174 MiB, whole start 117 MiB;
+    bounds 64 and 185 MiB). Against broken builds: the rebuild built whole (the former ddp x ep rule):
+    rebuild 87 MiB > 64; the experts initialised a whole layer at a time: start 89 MiB > 64."""
     whole = _whole_bytes(BIG)
     share = whole["dense"] + whole["experts"] // 2
     slack = whole["dense"] + whole["experts"] // 8 + 8 * MIB
