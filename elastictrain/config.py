@@ -283,7 +283,7 @@ class ParallelConfig(_Section):
                                              "checkpointing and before FSDP")
     float8: bool = Field(False, description="float8 (torchao, rowwise) matmuls in the large linears; CUDA "
                                             "GPUs of compute capability >= 8.9 with torchao installed")
-    meta_init: bool = Field(False, description="fsdp/hsdp, pp > 1 or tp > 1: build the model on the meta "
+    meta_init: bool = Field(False, description="fsdp/hsdp, pp > 1, tp > 1 or ep > 1: build the model on the meta "
                                                "device, split it, then give each rank's part its initial "
                                                "values (no rank holds the whole model)")
     pp: int = Field(1, ge=1, description="pipeline stages' ranks: the world is pp x the data-parallel size; "
@@ -346,10 +346,10 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _meta_init_needs_sharding(self) -> ParallelConfig:
-        if self.meta_init and self.plan == "ddp" and self.pp == 1 and self.tp == 1:
+        if self.meta_init and self.plan == "ddp" and self.pp == 1 and self.tp == 1 and self.ep == 1:
             raise ValueError("parallel.meta_init=true needs a layout where no rank holds the whole model "
                              "(plain DDP holds it on every rank); set parallel.plan=fsdp (or hsdp), "
-                             "parallel.pp > 1 or parallel.tp > 1, or parallel.meta_init=false")
+                             "parallel.pp > 1, parallel.tp > 1 or parallel.ep > 1, or parallel.meta_init=false")
         return self
 
 

@@ -82,22 +82,27 @@ def _token_counts(run) -> None:
         assert all(len(c) == m["moe"]["experts"] and sum(c) == slots for c in counts.values()), counts
 
 
-@pytest.mark.parametrize("world, plan", [(2, "ddp"), (4, "ddp"), (4, "fsdp")], ids=["ep2", "ep2xdp2", "fsdp4xep2"])
-def test_ep_matches_one_process(tmp_path, ray_local, one_process, world, plan) -> None:
-    """ep2 (2 workers), ep2 x dp2 (4) and fsdp4 x ep2 (4: experts FSDP-sharded over their 2 replicas, the
-    rest over all 4): every step's loss, the final parameters, the sample audit, the token counts (and, under
-    ep2, the report's table of them). Against broken builds: the expert gradients not reduced (no sum over
+@pytest.mark.parametrize("world, plan, meta", [(2, "ddp", False), (2, "ddp", True), (4, "ddp", False),
+                                               (4, "fsdp", False)],
+                         ids=["ep2", "ep2-meta", "ep2xdp2", "fsdp4xep2"])
+def test_ep_matches_one_process(tmp_path, ray_local, one_process, world, plan, meta) -> None:
+    """ep2 (2 workers; built whole, and on meta with ``parallel.meta_init``: each rank materializes the dense
+    part and its own experts, given their step-0 values at the first sync), ep2 x dp2 (4) and fsdp4 x ep2 (4:
+    experts FSDP-sharded over their 2 replicas, the rest over all 4): every step's loss, the final
+    parameters, the sample audit, the token counts (and, under ep2, the report's table of them). Against
+    broken builds: ep2-meta with each rank's experts seeded by their local index (rank 1's experts 2-3 given
+    experts 0-1's values): the losses differ from step 1; the expert gradients not reduced (no sum over
     replicas, no 1/D): final blocks.0.moe.w_out off by 8e-5 > 1e-5 in both ddp runs (AdamW normalises most
     of a scale error away; the parameters still catch it); DDP not told to ignore the experts: the run fails
     at step 1 (DDP mixes DTensor and Tensor); under fsdp, the loop's ``reduce_grads`` also run after FSDP's
     reduce-scatter (the expert gradients reduced twice): the losses of steps 2-4 differ (step 2: 5.5853
     against 5.5807)."""
-    run = run_job(tmp_path, _spec(world, ep=2, plan=plan), name=f"ep2-{world}-{plan}")
+    run = run_job(tmp_path, _spec(world, ep=2, plan=plan, meta_init=meta), name=f"ep2-{world}-{plan}-{meta}")
     _audited(run, STEPS)
     assert run.of("step")[0]["mesh"].startswith(plan), run.of("step")[0]
     _token_counts(run)
     assert_same_numbers(run, one_process)
-    if world == 2:  # the report tables the load per expert from the same events
+    if world == 2 and not meta:  # the report tables the load per expert from the same events
         _report_tables_the_load(run, tmp_path)
 
 

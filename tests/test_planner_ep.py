@@ -150,3 +150,14 @@ def test_plan_auto_runs_the_ep_it_priced() -> None:
     concrete, choice = choose(cfg, cl, [4])
     assert concrete.parallel.ep == choice.estimate.candidate.ep == choice.parallel["ep"]
     assert concrete.parallel.ep == 1 or concrete.parallel.plan in ("ddp", "fsdp")
+
+
+def test_meta_init_keeps_ddp_ep_among_the_layouts_that_hold_no_whole_model() -> None:
+    """With ``parallel.meta_init`` the planner picks only layouts where no rank holds the whole model: ddp x
+    ep (each rank holds 1/ep of the experts, built on meta) is one, plain ddp is not. Against the older
+    filter (fsdp or no data ranks only): ddp x ep is dropped."""
+    from elastictrain.planner.job import holds_no_whole_model
+
+    assert holds_no_whole_model(Candidate(dp_replicate=2, ep=2))
+    assert holds_no_whole_model(Candidate(dp_shard=4, ep=2)) and holds_no_whole_model(Candidate(tp=2))
+    assert not holds_no_whole_model(Candidate(dp_replicate=2))

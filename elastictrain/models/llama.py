@@ -303,8 +303,8 @@ class Llama(nn.Module):
     def init_module(self, module: nn.Module) -> None:
         """Initialise ``module``'s own parameters (not its children's) from torch's default generator, by
         :meth:`init_weights`'s rule: a Linear's or Embedding's weight ``normal(0, 0.02)``, a norm's weight 1,
-        an MoE layer's stacked experts by its ``reset_parameters`` (whole-size here: ``init_by_name`` keeps
-        this rank's expert slice). The per-module contract of elastictrain/parallel/init.py."""
+        an MoE layer's stacked experts by its ``reset_parameters`` (``init_by_name`` calls it on one expert
+        at a time). The per-module contract of elastictrain/parallel/init.py."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         elif isinstance(module, (RMSNorm, MoEFeedForward)):

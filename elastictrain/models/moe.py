@@ -114,8 +114,8 @@ class MoEFeedForward(nn.Module):
     def reset_parameters(self) -> None:
         """The experts' own parameters: normal(0.02) weights and zero biases (the dense MLP's init). The
         ``router`` is a child ``nn.Linear``, initialised by the model's rule for linears (the per-module
-        contract of elastictrain/parallel/init.py); a sharded expert tensor is initialised whole by that
-        module, which keeps this rank's slice, so the values do not depend on the ep degree."""
+        contract of elastictrain/parallel/init.py). That module calls this on a one-expert copy, once per
+        expert a rank holds, each under its own seed, so the values do not depend on the ep degree."""
         for name in self.expert_names:
             p = getattr(self, name)
             if name.startswith("b_"):

@@ -6,8 +6,9 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :func:`attach_expert_parallel` (in ``StepRunner.attach``, before ``parallelize_fn``): the data ranks
   factored as ``(edp, ep)``, ep innermost (:meth:`MeshDims.ep_group_ranks` gives the rows), built per
   generation over the current default group like the other axes (parallel/mesh.py); the model's experts
-  sharded over ``mesh["ep"]``; DDP told to ignore them (they are not replicated: their gradients are
-  reduced by :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
+  sharded over ``mesh["ep"]`` (a meta model's stay meta: ``StepRunner.attach`` then gives the dense part and
+  this rank's experts memory before DDP wraps it); DDP told to ignore them (they are not replicated: their
+  gradients are reduced by :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
 * :meth:`ExpertParallel.reduce_grads` (after the last backward, before the clip, inside the framework's
   collective phase): under ``ddp``. Under ``fsdp`` (ep x fsdp, torchtitan's composition) the plan's
   ``fully_shard`` shards the experts over ``mesh["edp"]`` and the dense part over every data rank

@@ -11,7 +11,8 @@ config and the pure cost model.
   the others; planner/memory.py prices what each holds);
 * the search: every runnable layout (:func:`.search.runnable_axes`), with and without activation
   checkpointing; FSDP's ``reshard_after_forward`` as the job sets it. With ``parallel.meta_init`` only
-  sharded layouts are chosen (the config refuses plain ddp there).
+  layouts where no rank holds the whole model are chosen (:func:`holds_no_whole_model`; the config refuses
+  plain ddp there).
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def _sharded_only(config: Any) -> bool:
     return config.parallel.meta_init
 
 
+def holds_no_whole_model(c: Candidate) -> bool:
+    """Whether a ``parallel.meta_init`` job may run ``c``: no data rank holds the whole model (FSDP shards
+    it, ep > 1 splits the experts) or there is one data rank (pp / tp split the model)."""
+    return c.dp_shard > 1 or c.dp == 1 or c.dims.ep > 1
+
+
 def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None, *,
              runnable_only: bool = True) -> list[Estimate]:
     """Every candidate for the job at ``world`` devices, ranked best first (see the module docstring)."""
@@ -98,7 +105,7 @@ def job_plan(config: Any, cluster: Cluster, world: int, shape: str | None = None
     ranked = rank_layouts(model, train, cluster, world, runnable_only=runnable_only,
                   reshard_after_forward=config.parallel.reshard_after_forward)
     if _sharded_only(config):
-        ranked = [e for e in ranked if e.candidate.dp_shard > 1 or e.candidate.dp == 1]
+        ranked = [e for e in ranked if holds_no_whole_model(e.candidate)]
     return ranked
 
 

@@ -4,7 +4,7 @@ A generation's :class:`~elastictrain.parallel.layout.Layout` in, the decision fo
 with the :class:`~elastictrain.parallel.layout.LayoutSpec` that resolves the chosen layout there (the one
 resolver, parallel/layout.py, still answers "which mesh and which accumulation"). The job fixes what a
 ``Layout`` does not carry: the micro-batch size, activation checkpointing, FSDP's ``reshard_after_forward``
-and, with ``parallel.meta_init``, sharded layouts only (the same rule the
+and, with ``parallel.meta_init``, layouts where no rank holds the whole model only (the same rule the
 start-time choice keeps, :mod:`.job`). The cluster is the one the start-time choice priced (Ray's figures
 with ``parallel.calibration``'s): a resize changes the world size, not the devices' speed or memory.
 """
@@ -61,7 +61,7 @@ class Replanner:
         self._runs: dict[int, bool] = {}
 
     def _allowed(self, c: Candidate) -> bool:
-        return not self.sharded_only or c.dp_shard > 1 or c.dp == 1
+        return not self.sharded_only or planner_job.holds_no_whole_model(c)
 
     def decide(self, old: Layout, spec: LayoutSpec, world: int, steps_left: int) -> Replanned | None:
         """The layout for ``world`` workers after running ``old`` (resolved from ``spec``), or None when no

@@ -112,7 +112,8 @@ class StepRunner:
         self.eval_dataset = task.eval_dataset_fn() if (train.eval_every and task.eval_dataset_fn) else None
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
-        if self.parallel.plan != "ddp" or self.parallel.pp > 1 or self.parallel.tp > 1:  # rebuilds copy it
+        if self.parallel.plan != "ddp" or self.parallel.pp > 1 or self.parallel.tp > 1 or self.parallel.ep > 1:
+            # a sharded layout's rebuilds copy it
             self._meta_template = self._build_meta_model()
         # parallel.meta_init: no rank holds the whole model; values come at the first sync or restore
         self.model = self._meta_model() if self.parallel.meta_init else self._fresh_model()
@@ -252,14 +253,17 @@ class StepRunner:
         pristine = (self.model is not None and self.pm is None and self.step == 0
                     and not isinstance(self.model, FSDPModule))
         if not kept and not pristine:  # fully_shard changed the module in place (or release() dropped it)
-            # a sharded rebuild is always filled by a restore (or init_from_seed): no values needed here; an
-            # expert-parallel one under ddp is built whole (its dense part goes into DDP, which takes no meta
-            # tensors); under fsdp it is a meta build like any sharded one
-            ddp_ep = layout.dims.ep > 1 and layout.dims.plan == "ddp"
-            self.model = self._fresh_model() if whole or ddp_ep else self._meta_model()
+            # a sharded rebuild (expert-parallel ones included) is always filled by a restore (or
+            # init_from_seed): built on meta, no values needed here
+            self.model = self._fresh_model() if whole else self._meta_model()
             self.uninitialized = whole and self.task.init_weights is not None
         # experts sharded over the ep mesh and hidden from DDP, before parallelize_fn wraps the model
         self.ep = attach_expert_parallel(self.model, layout.dims, self.device)
+        if self.ep is not None and not self.ep.fsdp and has_meta_params(self.model):
+            # ddp x ep: DDP takes no meta tensors; the dense part gets memory whole, the experts only the
+            # ep slice this rank holds (no rank ever holds the others' experts)
+            materialize(self.model, self.device)
+            self.uninitialized = True
         module = (self.task.parallelize_fn or _default_parallelize)(self.model, mesh, plan)
         if has_meta_params(module):  # this rank's shards get memory now; values at restore or sync
             materialize(module, self.device)
