@@ -81,7 +81,7 @@ def _ranks(rank: int, runs: list[dict[str, Any]], port: int, out: str, ckpt: str
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from elastictrain.parallel.plan import resolve, spec_from_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
     from elastictrain.worker.faults import FaultInjector
     from elastictrain.worker.loop import StepRunner
