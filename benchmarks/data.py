@@ -194,7 +194,8 @@ def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
         sources["s3"] = PreparedWindows(s3[2], 64, storage_options=s3[1])
     out = {}
     for name, w in sources.items():
-        ahead = BatchPrefetcher(w, lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]})
+        ahead = BatchPrefetcher(w, lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]},
+                                batch=w.batch)  # as the loop builds it for the default collate
         wait = total = first = 0.0
         try:
             for s in range(steps + 1):

@@ -93,6 +93,21 @@ class PreparedWindows:
         x = torch.from_numpy(tokens.astype(np.int64))
         return {"input": x[:-1], "target": x[1:]}
 
+    def batch(self, ids: Any) -> dict[str, torch.Tensor]:
+        """The windows ``ids`` as one batch: exactly ``_default_collate([self[i] for i in ids])`` of the step loop
+        (``input`` and ``target`` stacked, int64, contiguous), read into one array instead of one tensor per
+        window: the step loop's read-ahead thread holds Python's interpreter lock for less of the step."""
+        ids = [operator.index(i) for i in ids]
+        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
+        for j, i in enumerate(ids):
+            if not 0 <= i < self._len:
+                raise IndexError(f"sample index {i} out of range [0, {self._len})")
+            with self._lock:
+                ahead = self._ahead.pop(i, None) if self._ahead else None
+            out[j] = ahead.result() if ahead is not None else self._read_window(i)
+        x = torch.from_numpy(out)
+        return {"input": x[:, :-1].contiguous(), "target": x[:, 1:].contiguous()}
+
     def prefetch(self, ids: Any) -> None:
         """Read the windows ``ids`` in background threads (remote URIs; a memory map needs none). Call with
         the current and the next step's ids of this rank: windows asked for before and not in ``ids`` are

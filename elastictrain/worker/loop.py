@@ -108,7 +108,10 @@ class StepRunner:
         self.collate = task.collate_fn or _default_collate
         # a dataset that reads by range (``prefetch``: a prepared corpus) gets its next step's batches assembled
         # in a thread behind this step (data/prefetch.py); an in-memory one is read in the step, as it costs little
-        self.batches = BatchPrefetcher(self.dataset, self.collate) if hasattr(self.dataset, "prefetch") else None
+        # a prepared corpus reads a whole micro-batch into one array when the collate is the default one
+        fast = getattr(self.dataset, "batch", None) if task.collate_fn is None else None
+        self.batches = (BatchPrefetcher(self.dataset, self.collate, batch=fast)
+                        if hasattr(self.dataset, "prefetch") else None)
         self.eval_dataset = task.eval_dataset_fn() if (train.eval_every and task.eval_dataset_fn) else None
         self.cursor = CursorState(0, train.global_batch, train.seed, max(1, self.dataset_len))
         self._meta_template: torch.nn.Module | None = None
