@@ -11,13 +11,14 @@ GB-TB); tokenizer: a 2,048-id byte-level BPE trained on it here (nothing downloa
   units in this one process (``local_process=True``); the outputs are checked byte-identical. Both sides
   tokenize with one thread (``RAYON_NUM_THREADS=1``): the pair compares processes, not thread pools.
 - read: tokens/s one worker reads as random windows (seq_len 1024) from the local shards (pread) and from a
-  moto S3 server (ranged GETs, with and without the read-ahead), against what an 8B model's step consumes on
+  moto S3 server (its own process, as an S3 endpoint is another machine) (ranged GETs, with and without the read-ahead), against what an 8B model's step consumes on
   one H100 (6 * 8e9 FLOPs per token at 40% of 989 TFLOP/s bf16: ~8,200 tokens/s).
 - rss: a reader's resident memory after the same 4,000 windows from a 1x and a 10x corpus (subprocesses).
 - wait: the time a step of the tiny GPT (seq_len 64, micro-batch 8) waits for its batch, as a share of the
   step, local and on S3, measured through the step loop's own read-ahead (data/prefetch.py, called as
   worker/loop.py calls it: the next step's batch read and stacked in a thread while this step computes); the
-  share is the steady state (steps after the first), the first step's own read is reported apart.
+  share is the steady state (steps after the first), the first step's own read is reported apart. It runs in a
+  fresh process, as a worker does (not beside this one's Ray driver and S3 clients).
 Targets (issue 37): data wait <= 1% of the step on the tiny job; RSS flat in corpus size (10x within 10%);
 prepare on Ray >= 1.6x one process on 2 cores. Default runtime about 2-4 minutes on an idle 2-core machine.
 """
@@ -104,20 +105,39 @@ def read_rate(w: PreparedWindows, n: int, ahead: bool) -> float:
     return n * (w.seq_len + 1) / (time.perf_counter() - t)
 
 
-def start_s3(root: Path) -> tuple[object, dict, str]:
-    import s3fs
-    from moto.server import ThreadedMotoServer
+class _MotoProcess:
+    """moto's S3 server in its own process, as a real S3 endpoint is on another machine: in this process its
+    thread would take Python's interpreter lock from the step it serves."""
 
+    def __init__(self, port: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import socket
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_s3(root: Path) -> tuple[object, dict, str]:
     import socket
+
+    import s3fs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per ranged GET
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = _MotoProcess(port)
     opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
             "skip_instance_cache": True}
     fs = s3fs.S3FileSystem(**opts)
@@ -171,6 +191,16 @@ def bench_rss(root: Path, tokens: int) -> dict:
         out[name] = {"tokens": n, **json.loads(r.stdout)}
     out["ratio_10x_to_1x"] = out["10x"]["rss_kib"] / out["1x"]["rss_kib"]
     return out
+
+
+def wait_in_a_fresh_process(prepared: Path, s3: tuple | None) -> dict:
+    """:func:`bench_wait` in a new interpreter, as a worker process is: this one holds what the earlier
+    figures left (a Ray driver shut down, S3 clients and their event-loop thread) that no worker has."""
+    r = subprocess.run([sys.executable, __file__, "--wait-of", str(prepared),
+                        "--wait-s3", json.dumps(None if s3 is None else [s3[1], s3[2]])],
+                       capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.path.join(
+                           os.path.dirname(os.path.abspath(__file__)), "..")})
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
@@ -232,7 +262,16 @@ def main() -> None:
     ap.add_argument("--no-s3", action="store_true", help="skip the moto S3 measurements")
     ap.add_argument("--rss-tokens", type=int, default=4_000_000, help="tokens of the 1x corpus of the RSS check")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--wait-of", default=None, help=argparse.SUPPRESS)  # (wait_in_a_fresh_process's child)
+    ap.add_argument("--wait-s3", default="null", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.wait_of:
+        s3 = json.loads(args.wait_s3)
+        import torch
+
+        torch.set_num_threads(1)  # one intra-op thread, as the tiny job's workers on this machine (1 CPU each)
+        print(json.dumps(bench_wait(Path(args.wait_of), None if s3 is None else (None, s3[0], s3[1]))))
+        return
     # one thread for the one-process side (set before `tokenizers` starts its pool: training the tokenizer
     # would start it with every core), as each Ray task has: the pair compares processes, not thread pools
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -245,7 +284,7 @@ def main() -> None:
             s3 = start_s3(root / "one")
         figures["read"] = bench_read(root / "one", s3)
         figures["rss"] = bench_rss(root, args.rss_tokens)
-        figures["wait"] = bench_wait(root / "one", s3)
+        figures["wait"] = wait_in_a_fresh_process(root / "one", s3)
     finally:
         if s3:
             s3[0].stop()
