@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import _job  # noqa: E402 - the same job as the throughput benchmark
 
-STANDBY_MARK = b"ELASTICTRAIN_STANDBY_PROCESS=1"
+STANDBY_MARK = b"ELASTICTRAIN_STANDBY_PROCESS="  # =start (the first) or =ahead (later ones)
 
 
 def _stat(pid: int) -> tuple[float, float, int] | None:
@@ -65,7 +65,7 @@ def _standbys(raylet: int) -> list[int]:
             if ppid != raylet:
                 continue
             with open(f"/proc/{name}/environ", "rb") as f:
-                if STANDBY_MARK in f.read().split(b"\0"):
+                if any(v.startswith(STANDBY_MARK) for v in f.read().split(b"\0")):
                     out.append(int(name))
         except (OSError, ValueError, IndexError):
             pass

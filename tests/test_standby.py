@@ -160,6 +160,9 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
     assert started["standby"] is False  # the first generation's workers start as their own processes
     os.kill(started["pid"], signal.SIGKILL)
     standby_pid = _pid_of(standby)  # threaded actor: answers beside its set-up, before the run can end
+    # started with the run, it imports at the workers' priority (done in seconds, not smeared over the run)
+    first = _priority(standby)
+    assert first["lowered"] is False and first["low_threads"] == 0, first
     run = bg.finish(timeout=300)
     assert run.result.exit_code == 0, run.summary.get("error")
     assert run.summary["failures"] == 1 and run.summary["final_step"] == 40
@@ -175,6 +178,8 @@ def test_a_standby_is_low_until_taken_and_only_where_it_may_go_back() -> None:
     from elastictrain.worker.import_priority import IDLE, OTHER, Phase, Priority, priority_for
 
     assert priority_for(Phase.AHEAD, 15, True, True) == Priority(IDLE, 19)
+    for nice in (0, 15):  # the run's first standby, started with the first workers: at their priority
+        assert priority_for(Phase.START, nice, True, True) == Priority(OTHER, nice)
     assert priority_for(Phase.AHEAD, 0, True, True) == Priority(IDLE, 19)
     assert priority_for(Phase.AHEAD, 0, True, False) == Priority(OTHER, 19)  # no SCHED_IDLE: nice 19 alone
     assert priority_for(Phase.AHEAD, 15, False, True) == Priority(OTHER, 15)  # may not go back: as trained
@@ -225,7 +230,7 @@ print(prio() == [(os.SCHED_OTHER, start)], ip.report()["low_threads"], os.enviro
         pytest.skip("this user may not lower a nice value here (no CAP_SYS_NICE, RLIMIT_NICE too low): the standby "
                     "imports at normal priority, as test_a_standby_imports_at_low_priority_only_where_it_may_go_back "
                     "decides")
-    env = {**os.environ, STANDBY_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, STANDBY_ENV: "ahead", "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["True False True", "True 0 None"], out.stdout
@@ -248,7 +253,7 @@ def _standby_child(path: str):
 
     from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV
 
-    env = {**os.environ, STANDBY_ENV: "1", PRIORITIES_ENV: path, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, STANDBY_ENV: "ahead", PRIORITIES_ENV: path, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen([sys.executable, "-c", _LOWERING_CHILD], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
 

@@ -6,9 +6,10 @@ so a replacement waits for capacity instead of failing. A slot with a group of i
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
-workers (:meth:`WorkerGroup.start_first_standby`), the next each time a replacement that took one is up. It runs
-in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes it (:mod:`elastictrain.worker.import_priority`),
-so its start takes from training only the CPU the training processes leave idle.
+workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement that took
+one is up. Those later ones run in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them
+(:mod:`elastictrain.worker.import_priority`), so their start takes from training only the CPU the training
+processes leave idle.
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -34,7 +35,7 @@ from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
-from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, put_back, sweep
+from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, Phase, put_back, sweep
 
 
 def describe_remote_error(exc: BaseException, limit: int = 500) -> str:
@@ -249,9 +250,10 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001 - unknown: the standby is not used
             return None
 
-    def _start_standby(self, index: int) -> None:
-        """Start a standby process on the node of slot ``index``'s bundle. It asks for no resources (the
-        slot it will take holds them) and does nothing until :meth:`spawn` hands it a slot. CPU workers
+    def _start_standby(self, index: int, phase: Phase = Phase.AHEAD) -> None:
+        """Start a standby process on the node of slot ``index``'s bundle, in ``phase`` (its CPU priority
+        until taken: :func:`~elastictrain.worker.import_priority.priority_for`). It asks for no resources
+        (the slot it will take holds them) and does nothing until :meth:`spawn` hands it a slot. CPU workers
         only: a process started without a GPU cannot take one later."""
         w = self.config.workers
         if not w.standby or w.use_gpu or self._standby is not None:
@@ -263,8 +265,9 @@ class WorkerGroup:
         self._standby_file = os.path.join(folder, f"{uuid.uuid4().hex}.json")
         self._standby = self._actor_cls.options(
             num_cpus=0, scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
-            # a process of its own that stays at the lowest CPU priority until taken (worker/import_priority.py)
-            runtime_env={"env_vars": {STANDBY_ENV: "1", PRIORITIES_ENV: self._standby_file}},
+            # a process of its own; started while the run trains, it stays at the lowest CPU priority until
+            # taken (worker/import_priority.py)
+            runtime_env={"env_vars": {STANDBY_ENV: phase.value, PRIORITIES_ENV: self._standby_file}},
         ).remote(self.config, self.task, -1)
         self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
         # and builds what a fresh worker builds (model, data) ahead, so taking it only names the slot
@@ -275,16 +278,17 @@ class WorkerGroup:
         """Start the run's first standby, on the node of the lowest member slot (or, before the first
         generation, of the lowest starting one); once per run (after that a replacement that took the standby
         starts the next, :meth:`collect_ready`). The controller calls it right after it spawned the first
-        generation's workers: Ray's start of the process (the part that runs at the workers' priority, before
-        it lowers itself) then falls in the run's start-up, which the cores spend importing anyway, and shows
-        in the run's wall time, not in its training; after that it runs in the idle class on the CPU the
-        training leaves, and is up before a first failure, so the first replacement of a run is warm too."""
+        generation's workers, and it starts at their priority (``Phase.START``): its start then falls in the
+        run's start-up, which the cores spend importing anyway, is done in seconds and shows in the run's wall
+        time, not in its steps (in the idle class it was smeared over the whole run, 5-15% of the throughput;
+        docs/perf/2026-11-28-standby-first.md); and it is up before a first failure, so the first
+        replacement of a run is warm too."""
         if self._standby_started or not self.config.workers.standby:
             return
         slots = self.by_state(SlotState.MEMBER) or self.by_state(SlotState.STARTING, SlotState.READY)
         if not slots:
             return
-        self._start_standby(min(s.index for s in slots))
+        self._start_standby(min(s.index for s in slots), Phase.START)
 
     def _take_standby(self, index: int) -> Any:
         """The standby process for slot ``index``, if one is on that slot's node. One still importing is

@@ -1,19 +1,30 @@
-"""A standby process lives at the lowest CPU priority until it is taken; then it trains at the priority it
-started with.
+"""A standby process started while the run trains lives at the lowest CPU priority until it is taken; the
+run's first standby, started with the first workers, runs at the workers' priority; taken, every standby
+trains at the priority it started with.
 
 A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started beside the
 training processes (the first with them, the next after each replacement); everything it does before a
-replacement takes it (its imports: torch, DTensor, FSDP, seconds of CPU; and its set-up ahead: model and
-data) would take CPU from the training processes beside it, on every node, after every failure. So for its whole life before the take it runs in the ``SCHED_IDLE`` class at nice 19
-(:func:`priority_for`, a pure rule of the phase): the scheduler then gives it the CPU the training processes
-leave (a core idle while they wait on a collective or on data) and preempts it as soon as one wakes, instead of
-a share of a busy core. The group starts it with :data:`STANDBY_ENV` in its environment (the actor's runtime
-env), and ``elastictrain/worker/__init__.py`` calls :func:`lower_if_standby` when Ray's preload imports the
-worker package: every thread the process has then (Ray's own included) goes to the low priority, and the
-threads started later inherit it. The actor's ``__init__`` leaves a standby (slot -1) there; taking it puts
-every thread back (:func:`restore`): the group calls ``Worker.wake`` when it hands the standby a slot, and the
-set-up with a slot calls it too. At that moment a core is free (the one the dead worker held), so even an
-idle-class process runs at once.
+replacement takes it (its imports: torch, DTensor, FSDP, about 5 CPU seconds on a quiet 2-core machine; and
+its set-up ahead: model and data) takes CPU from whatever runs beside it. The phase it starts in decides
+(:func:`priority_for`, a pure rule):
+
+- ``START`` (the run's first standby, started right after the first generation's workers): the cores are
+  importing anyway, so it starts at the workers' priority and is done in seconds, before the steps are under
+  way. In the idle class it would be smeared over the whole run instead: quietly, 600 steps of the throughput
+  benchmark's job (about 22 s) left it at 3.5 of its 5 CPU seconds, still importing in every gap of the
+  training processes' collectives, and cost 5-15% of their throughput for all of it.
+- ``AHEAD`` (every later standby, started while the run trains, after a replacement): the ``SCHED_IDLE``
+  class at nice 19: the scheduler then gives it the CPU the training processes leave (a core idle while
+  they wait on a collective or on data) and preempts it as soon as one wakes, instead of a share of a busy
+  core; a run that just lost a worker does not also lose a third of its CPU to the next standby's start.
+
+The group starts it with :data:`STANDBY_ENV` naming the phase in its environment (the actor's runtime env),
+and ``elastictrain/worker/__init__.py`` calls :func:`lower_if_standby` when Ray's preload imports the worker
+package: in the ``AHEAD`` phase every thread the process has then (Ray's own included) goes to the low
+priority, and the threads started later inherit it. The actor's ``__init__`` leaves a standby (slot -1)
+there; taking it puts every thread back (:func:`restore`): the group calls ``Worker.wake`` when it hands the
+standby a slot, and the set-up with a slot calls it too. At that moment a core is free (the one the dead
+worker held), so even an idle-class process runs at once.
 
 Not covered: Ray's own start of the process (``setup_worker.py``, the interpreter, ``import ray``, the
 connect to the raylet), which runs at the worker's priority before the preload. Lowering it too (a
@@ -48,7 +59,8 @@ import threading
 from dataclasses import dataclass
 
 STANDBY_ENV = "ELASTICTRAIN_STANDBY_PROCESS"
-"""Set to "1" in a standby process's environment by the group; nobody else sets it."""
+"""Set to the :class:`Phase` value a standby process starts in (``start`` or ``ahead``) in its environment by
+the group; nobody else sets it."""
 PRIORITIES_ENV = "ELASTICTRAIN_STANDBY_PRIORITIES"
 """A file path, set beside :data:`STANDBY_ENV` by the group: the standby writes its pid and each thread's nice
 value there before it lowers them (:func:`read_priorities`), so the group can put it back from outside."""
@@ -63,7 +75,8 @@ _record: dict[str, object] = {"lowered": False, "restored_by": None}
 
 
 class Phase(enum.Enum):
-    AHEAD = "ahead"  # started ahead: imports, set-up with no slot, waiting to be taken
+    START = "start"  # the run's first standby, started with the first workers: the cores import anyway
+    AHEAD = "ahead"  # started ahead while the run trains: imports, set-up with no slot, waiting to be taken
     TAKEN = "taken"  # a replacement runs in it: it trains
 
 
@@ -74,10 +87,11 @@ class Priority:
 
 
 def priority_for(phase: Phase, training_nice: int, may_go_back: bool, has_idle: bool) -> Priority:
-    """PURE: the priority of a standby process in ``phase``. Ahead of the take: ``SCHED_IDLE`` at nice 19
-    (nice 19 alone where the platform has no ``SCHED_IDLE``), but only where it ``may_go_back`` to
-    ``training_nice``; otherwise, and once taken, the training priority."""
-    if phase is Phase.TAKEN or not may_go_back or training_nice >= LOW_NICE and not has_idle:
+    """PURE: the priority of a standby process in ``phase``. Started ahead while the run trains (``AHEAD``):
+    ``SCHED_IDLE`` at nice 19 (nice 19 alone where the platform has no ``SCHED_IDLE``), but only where it
+    ``may_go_back`` to ``training_nice``; otherwise, started with the run (``START``) and once taken, the
+    training priority."""
+    if phase is not Phase.AHEAD or not may_go_back or training_nice >= LOW_NICE and not has_idle:
         return Priority(OTHER, training_nice)
     return Priority(IDLE if has_idle else OTHER, LOW_NICE)
 
@@ -134,16 +148,17 @@ def _threads(pid: int | str) -> list[int]:
 
 
 def lower_if_standby() -> bool:
-    """In a standby process (and where it can be undone), put every thread of the process at the
-    :data:`Phase.AHEAD` priority until :func:`restore`; True when it did. Never raises."""
+    """In a standby process started in the :data:`Phase.AHEAD` phase (and where it can be undone), put every
+    thread of the process at that phase's priority until :func:`restore`; True when it did. Never raises."""
     global _lowered_from
-    if os.environ.get(STANDBY_ENV) != "1" or not _supported():
+    phase = {p.value: p for p in Phase}.get(os.environ.get(STANDBY_ENV, ""))
+    if phase is None or not _supported():
         return False
     with _lock:
         if _lowered_from is not None:
             return False
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        low = priority_for(Phase.AHEAD, nice, _may_go_back(nice), _has_idle())
+        low = priority_for(phase, nice, _may_go_back(nice), _has_idle())
         if low == Priority(OTHER, nice):
             return False
         me = threading.get_native_id()
