@@ -298,8 +298,9 @@ class ParallelConfig(_Section):
                                                              "sequence; null = on when tp > 1")
     cp: int = Field(1, ge=1, description="context-parallel ranks (mesh axis between dp_shard and tp): each "
                                          "sample's sequence is split over them; the world is pp x dp x cp x tp")
-    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep data-parallel ranks that share "
-                                         "tokens and split the experts; must divide the data-parallel size")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep data x cp ranks that share "
+                                         "tokens and split the experts; must divide the data-parallel size x cp "
+                                         "(hsdp: shard_size x cp)")
 
     @model_validator(mode="after")
     def _ep_composes(self) -> ParallelConfig:
@@ -510,7 +511,7 @@ class JobConfig(_Section):
             why = cp_rule(p.cp, self.task.model.seq_len)
             if why:
                 raise ValueError(why.replace("seq_len=", "task.model.seq_len=", 1))
-        why = cp_layout_rule(p.cp, self.task.kind != "python" and self.task.model.moe is not None)
+        why = cp_layout_rule(p.cp, self.task.kind != "python" and self.task.model.moe is not None, p.plan)
         if why:
             raise ValueError(why)
         if p.ep > 1 and self.task.kind != "python":  # a python task's model is checked at attach

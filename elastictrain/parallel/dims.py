@@ -19,9 +19,13 @@ Roles (what an axis does to the training state and to the data):
 * ``batch_axes`` (``dp_replicate``, ``dp_shard``): ranks that see different samples;
 * ``seq_axes`` (``cp``): ranks that see different positions of the same samples.
 
-Expert parallel (``ep``) is not a world axis: it factors the data-parallel ranks of one
-(pp, cp, tp) coordinate into groups of ``ep`` consecutive data ranks that exchange tokens (all-to-all)
-and hold different experts (:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`).
+Expert parallel (``ep``) is not a world axis: it factors the data x context-parallel ranks of one
+(pp, tp) coordinate (torchtitan's ``dp_shard x cp = efsdp x ep``; each cp rank routes other tokens of the
+same samples, which is all a dispatch needs), numbered ``dp_rank x cp + cp`` (:meth:`MeshDims.ep_index`),
+into groups of ``ep`` consecutive ones that exchange tokens (all-to-all) and hold different experts
+(:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`). Under ``hsdp`` a group stays
+inside one replica (``ep`` divides ``dp_shard x cp``), so the experts are HSDP too: replicated over
+``dp_replicate``, FSDP-sharded over the rest of the shard ranks.
 Pure: no torch.distributed.
 """
 
@@ -61,8 +65,12 @@ class MeshDims:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MeshDims.{name} must be an int >= 1, got {v!r}")
-        if self.dp % self.ep:
-            raise ValueError(f"MeshDims.ep={self.ep} must divide the data-parallel size {self.dp}")
+        if self.dp * self.cp % self.ep:
+            what = "data-parallel size" + (f" x cp {self.dp * self.cp}" if self.cp > 1 else f" {self.dp}")
+            raise ValueError(f"MeshDims.ep={self.ep} must divide the {what}")
+        if self.plan == "hsdp" and self.dp_shard * self.cp % self.ep:
+            raise ValueError(f"MeshDims.ep={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp} under "
+                             "hsdp (an ep group inside one replica)")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -227,24 +235,31 @@ class MeshDims:
         return {n: getattr(self, n) for n in SNAPSHOT_AXES}
 
     # ------------------------------------------------------------------ expert parallel
+    def ep_index(self, rank: int) -> int:
+        """``rank``'s index among the data x cp ranks of its (pp, tp) coordinate, ``dp_rank x cp + cp``
+        (the order expert parallel factors into ``(edp, ep)``; the data rank without cp)."""
+        return self.dp_rank(rank) * self.cp + self.coord(rank)["cp"]
+
     def ep_coord(self, rank: int) -> int:
         """``rank``'s position in its expert-parallel group (which experts it holds)."""
-        return self.dp_rank(rank) % self.ep
+        return self.ep_index(rank) % self.ep
 
     def ep_group_ranks(self, rank: int) -> list[int]:
-        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive data ranks of the same
-        (pp, cp, tp) coordinate, ``rank`` included, ascending."""
-        return self._data_ranks(rank, lambda d: d // self.ep == self.dp_rank(rank) // self.ep)
+        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive data x cp ranks
+        (:meth:`ep_index`) of the same (pp, tp) coordinate, ``rank`` included, ascending."""
+        return self._ep_ranks(rank, lambda e: e // self.ep == self.ep_index(rank) // self.ep)
 
     def expert_replica_ranks(self, rank: int) -> list[int]:
-        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp/cp/tp coordinate):
-        their expert gradients are averaged together."""
-        return self._data_ranks(rank, lambda d: d % self.ep == self.ep_coord(rank))
+        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp/tp coordinate):
+        their expert gradients are summed together."""
+        return self._ep_ranks(rank, lambda e: e % self.ep == self.ep_coord(rank))
 
-    def _data_ranks(self, rank: int, keep: object) -> list[int]:
+    def _ep_ranks(self, rank: int, keep: object) -> list[int]:
         c = self.coord(rank)
         out = []
-        for d in range(self.dp):
-            if keep(d):  # type: ignore[operator]
-                out.append(self.rank({**c, "dp_replicate": d // self.dp_shard, "dp_shard": d % self.dp_shard}))
+        for e in range(self.dp * self.cp):
+            if keep(e):  # type: ignore[operator]
+                d = e // self.cp
+                out.append(self.rank({**c, "dp_replicate": d // self.dp_shard, "dp_shard": d % self.dp_shard,
+                                      "cp": e % self.cp}))
         return sorted(out)

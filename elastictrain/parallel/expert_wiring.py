@@ -3,22 +3,28 @@ its data-parallel wrapper, the expert gradients reduced after the backward, and 
 
 The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, one function per concern:
 
-* :func:`attach_expert_parallel` (in ``StepRunner.attach``, before ``parallelize_fn``): the data ranks
-  factored as ``(edp, ep)``, ep innermost (:meth:`MeshDims.ep_group_ranks` gives the rows), built per
-  generation over the current default group like the other axes (parallel/mesh.py); the model's experts
-  sharded over ``mesh["ep"]`` (a meta model's stay meta: ``StepRunner.attach`` then gives the dense part and
-  this rank's experts memory before DDP wraps it); DDP told to ignore them (they are not replicated: their
-  gradients are reduced by :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
+* :func:`attach_expert_parallel` (in ``StepRunner.attach``, before ``parallelize_fn``): the data x cp ranks
+  factored as ``(edp, ep)``, ep innermost (:meth:`MeshDims.ep_group_ranks` gives the rows; under ``hsdp``
+  the edp part split again as ``(dp_replicate, efsdp)``), built per generation over the current default
+  group like the other axes (parallel/mesh.py); the model's experts sharded over ``mesh["ep"]`` (a meta
+  model's stay meta: ``StepRunner.attach`` then gives the dense part and this rank's experts memory before
+  DDP wraps it); DDP told to ignore them (they are not replicated: their gradients are reduced by
+  :meth:`ExpertParallel.reduce_grads`, over ``mesh["edp"]``).
 * :meth:`ExpertParallel.reduce_grads` (after the last backward, before the clip, inside the framework's
   collective phase): under ``ddp``. Under ``fsdp`` (ep x fsdp, torchtitan's composition) the plan's
   ``fully_shard`` shards the experts over ``mesh["edp"]`` and the dense part over every data rank
-  (:func:`elastictrain.parallel.parallelize.shard_experts`), and FSDP's reduce-scatter reduces the expert
-  gradients: ``reduce_grads`` does nothing.
+  (:func:`elastictrain.parallel.parallelize.shard_experts`); under ``hsdp`` over the 2-D
+  ``(dp_replicate, efsdp)`` replica mesh (HSDP for the experts too); FSDP's reduce-scatter (and HSDP's
+  all-reduce) reduces the expert gradients: ``reduce_grads`` does nothing.
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``pp = cp = tp = 1``
-(:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data ranks are the world.
+Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp`` with ``pp = tp = 1``, and ``cp > 1`` under ddp
+or fsdp (:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data x cp
+ranks are the world. Under cp an ep group may span cp ranks: they hold other tokens of the same samples,
+and a token's expert output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean
+over the ranks the dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial,
+parallel/context.py).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from elastictrain.parallel.expert import (
     step_token_counts,
 )
 
-__all__ = ["ExpertParallel", "TokenTally", "attach_expert_parallel", "ep_mesh_rows"]
+__all__ = ["ExpertParallel", "TokenTally", "attach_expert_parallel", "ep_mesh_layout", "ep_mesh_rows"]
 
 
 def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
@@ -50,10 +56,22 @@ def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
     return [dims.ep_group_ranks(r) for r in firsts]
 
 
+def ep_mesh_layout(dims: MeshDims) -> tuple[list, tuple[str, ...]]:
+    """The expert mesh of ``dims`` as nested rank lists and its axis names: ``(edp, ep)`` (ddp, fsdp), or
+    under ``hsdp`` ``(dp_replicate, efsdp, ep)``: the rows of :func:`ep_mesh_rows` grouped by replica
+    (an ep group never leaves one, ``MeshDims``' rule), ``efsdp = dp_shard x cp / ep``."""
+    rows = ep_mesh_rows(dims)
+    if dims.plan != "hsdp":
+        return rows, ("edp", "ep")
+    per = len(rows) // dims.dp_replicate
+    return [rows[i * per:(i + 1) * per] for i in range(dims.dp_replicate)], ("dp_replicate", "efsdp", "ep")
+
+
 @dataclass
 class ExpertParallel:
-    """A generation's expert-parallel wiring: its ``(edp, ep)`` mesh, the gradient scale ``1 / D`` and
-    whether FSDP reduces the expert gradients (``fsdp``: ep x fsdp) or :meth:`reduce_grads` does (ddp)."""
+    """A generation's expert-parallel wiring: its expert mesh (:func:`ep_mesh_layout`), the gradient scale
+    ``1 / (D x cp)`` and whether FSDP reduces the expert gradients (ep x fsdp/hsdp) or :meth:`reduce_grads`
+    does (ddp)."""
 
     mesh: DeviceMesh
     scale: float
@@ -64,8 +82,15 @@ class ExpertParallel:
         return self.mesh["ep"]
 
     @property
+    def replica_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts: ``edp``, or under hsdp the 2-D ``(dp_replicate, efsdp)``."""
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh[names[:-1]] if len(names) > 2 else self.mesh[names[0]]
+
+    @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The ranks holding the same experts (None with one ep group: nothing to reduce over)."""
+        """The ranks holding the same experts (None with one ep group: nothing to reduce over). Only ddp's
+        1-D ``edp`` reduces through it (a 2-D replica mesh is FSDP's)."""
         return self.mesh["edp"].get_group() if self.mesh.size(0) > 1 else None
 
     def reduce_grads(self, model: nn.Module) -> None:
@@ -79,22 +104,24 @@ class ExpertParallel:
 def attach_expert_parallel(model: nn.Module, dims: MeshDims, device: torch.device) -> ExpertParallel | None:
     """Make ``model`` (plain, not yet wrapped) expert-parallel for ``dims``; None when ``dims.ep == 1``.
 
-    Collective over the default group (builds the ``(edp, ep)`` mesh: every rank calls it, in the same order
-    relative to other group creations). Shards every MoE layer's experts over ``mesh["ep"]`` (the slice of
-    the values the model holds now), keeps ``mesh["edp"]`` on each layer for an FSDP plan to shard the
-    experts over, and, under ddp, marks them for a DistributedDataParallel to ignore. Raises
+    Collective over the default group (builds the expert mesh of :func:`ep_mesh_layout`: every rank calls
+    it, in the same order relative to other group creations). Shards every MoE layer's experts over
+    ``mesh["ep"]`` (the slice of the values the model holds now), keeps the replica mesh
+    (:attr:`ExpertParallel.replica_mesh`) on each layer for an FSDP/HSDP plan to shard the experts over,
+    and, under ddp, marks them for a DistributedDataParallel to ignore. Raises
     ValueError when the model has no MoE layer or its expert count does not divide by ``ep``."""
     if dims.ep == 1:
         return None
     if not moe_layers(model):
         raise ValueError(f"parallel.ep={dims.ep} needs a mixture-of-experts model (no MoEFeedForward layer "
                          "found); set task.model.moe or parallel.ep=1")
-    mesh = DeviceMesh(device.type, torch.tensor(ep_mesh_rows(dims), dtype=torch.int), mesh_dim_names=("edp", "ep"))
-    enable_expert_parallel(model, mesh["ep"], mesh["edp"])
-    fsdp = dims.plan == "fsdp"
-    if not fsdp:
+    ranks, names = ep_mesh_layout(dims)
+    mesh = DeviceMesh(device.type, torch.tensor(ranks, dtype=torch.int), mesh_dim_names=names)
+    wiring = ExpertParallel(mesh, 1.0 / (dims.dp * dims.cp), dims.plan in ("fsdp", "hsdp"))
+    enable_expert_parallel(model, mesh["ep"], wiring.replica_mesh)
+    if not wiring.fsdp:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
-    return ExpertParallel(mesh, 1.0 / dims.dp, fsdp)
+    return wiring
 
 
 @dataclass

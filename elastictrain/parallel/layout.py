@@ -9,7 +9,8 @@ Rules, checked together:
 * the mesh is ``pp x dp_replicate x dp_shard x cp x tp`` (:class:`~elastictrain.parallel.dims.MeshDims`,
   outermost first). ``W = pp * D * cp * tp`` with ``D = dp_replicate * dp_shard`` the data-parallel size of
   each (pipeline stage, cp, tp coordinate): ``W`` must be a multiple of ``pp * cp * tp`` (a shrink or grow
-  moves whole blocks of them); ``parallel.ep`` must divide ``D`` (:func:`ep_rule` for what it composes with);
+  moves whole blocks of them); ``parallel.ep`` must divide ``D x cp`` (under hsdp ``shard_size x cp``;
+  :func:`ep_rule` for what it composes with);
 * ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
   ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
   be a positive multiple of ``shard_size``);
@@ -163,9 +164,10 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
         whole = "whole " + " of whole ".join(groups)
         return f"{what} needs a multiple of {n} workers ({whole}), got {world_size}"
     d = world_size // n
-    if d % spec.ep:
-        valid = [e for e in range(1, d + 1) if d % e == 0]
-        return (f"parallel.ep={spec.ep} does not divide the data-parallel size {d} (world {world_size} / "
+    if d * spec.cp % spec.ep:  # ep factors the data x cp ranks (torchtitan's dp_shard x cp = efsdp x ep)
+        valid = [e for e in range(1, d * spec.cp + 1) if d * spec.cp % e == 0]
+        what = f"data-parallel size {d}" + (f" x cp={spec.cp}" if spec.cp > 1 else "")
+        return (f"parallel.ep={spec.ep} does not divide the {what} (world {world_size} / "
                 f"{n}); valid parallel.ep values there: {valid}")
     axes = dict(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep)
     if spec.plan == "ddp":
@@ -178,6 +180,11 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
             per = (f" data-parallel ranks (world {world_size} / {' / '.join(f'{k}={v}' for k, v in block.items() if v > 1)})"
                    if n > 1 else " workers")
             return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
+        if s * spec.cp % spec.ep:  # an ep group stays inside one replica: the experts are HSDP too
+            valid = [e for e in range(1, s * spec.cp + 1) if s * spec.cp % e == 0]
+            cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
+            return (f"parallel.ep={spec.ep} under hsdp must divide parallel.shard_size={s}{cp} (an expert-parallel "
+                    f"group inside one replica); valid parallel.ep values there: {valid}")
         return MeshDims(dp_replicate=d // s, dp_shard=s, plan="hsdp", **axes)
     return f"parallel.plan={spec.plan!r} is not one of {list(PLANS)}"
 
@@ -259,31 +266,39 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
-def cp_layout_rule(cp: int, moe: bool) -> str | None:
-    """Why ``cp`` cannot run with the rest of the job (None when it can): a mixture-of-experts model's
-    load-balancing loss on a slice of a sample is not that sample's. (Pipeline stages run context-parallel,
-    every schedule: each stage gathers K/V over its own cp peers, parallel/context.py.)"""
+def cp_layout_rule(cp: int, moe: bool, plan: str = "ddp") -> str | None:
+    """Why ``cp`` cannot run with the rest of the job (None when it can). A mixture-of-experts model runs
+    context-parallel: its load-balancing loss takes each sample's per-expert statistics summed over the cp
+    ranks (models/moe.py), so it is the sample's; under ``ddp`` and ``fsdp`` (``hsdp`` with MoE and cp is
+    later work). (Pipeline stages run context-parallel, every schedule: each stage gathers K/V over its own
+    cp peers, parallel/context.py.)"""
     if cp == 1:
         return None
-    if moe:
-        return (f"parallel.cp={cp} with task.model.moe: a mixture-of-experts load-balancing loss over a slice of "
-                "each sample is not the sample's; remove task.model.moe or set parallel.cp=1")
+    if moe and plan not in ("ddp", "fsdp"):
+        return (f"parallel.cp={cp} with task.model.moe and parallel.plan={plan}: a mixture-of-experts model runs "
+                "context-parallel under plan ddp or fsdp only for now (valid with cp > 1 and moe: plan ddp, fsdp); "
+                "set parallel.plan=fsdp (or ddp), or parallel.cp=1")
     return None
 
 
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
-    data-parallel ranks ``D = edp x ep`` of a ``ddp`` or ``fsdp`` plan (torchtitan's ``dp_shard = efsdp x
-    ep`` with cp = tp = 1: under fsdp the experts are FSDP-sharded over the edp ranks, the dense part over
-    all D); hsdp, cp, tp and pp with ep are later work."""
+    data x context-parallel ranks ``D x cp = edp x ep`` (torchtitan's ``dp_shard x cp = efsdp x ep``): under
+    ``ddp`` the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are
+    FSDP-sharded over them, under ``hsdp`` (``ep`` dividing ``dp_shard``) HSDP over (``dp_replicate``,
+    ``efsdp``); an ep group may span cp ranks (ddp, fsdp). hsdp with cp, tp and pp with ep are later work."""
     if ep == 1:
         return None
-    if cp > 1 or tp > 1:
+    if tp > 1:
         return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
-                "data-parallel ranks only for now; set parallel.cp=1 and parallel.tp=1, or parallel.ep=1")
-    if plan not in ("ddp", "fsdp"):
-        return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp or fsdp only "
-                "for now (valid with ep > 1: plan ddp, fsdp); set parallel.plan=fsdp (or ddp), or parallel.ep=1")
+                "data-parallel ranks only for now; set parallel.tp=1, or parallel.ep=1")
+    if plan not in ("ddp", "fsdp", "hsdp"):
+        return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp, fsdp or hsdp "
+                "(valid with ep > 1: plan ddp, fsdp, hsdp); set parallel.plan=fsdp, or parallel.ep=1")
+    if cp > 1 and plan == "hsdp":
+        return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.plan=hsdp: expert parallel over cp ranks runs "
+                "under plan ddp or fsdp only for now (valid with ep > 1 and cp > 1: plan ddp, fsdp); set "
+                "parallel.plan=fsdp (or ddp), parallel.cp=1, or parallel.ep=1")
     if pp > 1:
         return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
                 "now; set parallel.pp=1, or parallel.ep=1")

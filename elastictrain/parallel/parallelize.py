@@ -109,18 +109,22 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfi
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
-    """ep x fsdp (torchtitan's rule): each expert-parallel MoE layer's experts FSDP-sharded over the ranks
-    that hold the same experts (its ``edp`` mesh), its router over ``mesh`` (all data ranks, as the rest of
-    the model). Nothing for a model without expert-parallel layers. Call before the blocks' ``fully_shard``.
+    """ep x fsdp/hsdp (torchtitan's rule): each expert-parallel MoE layer's experts FSDP-sharded over the ranks
+    that hold the same experts (its ``edp`` mesh; under hsdp the 2-D ``(dp_replicate, efsdp)`` mesh: HSDP,
+    replicated over the replicas, sharded over the rest of the shard ranks), its router over ``mesh`` (all
+    data ranks, as the rest of the model). Nothing for a model without expert-parallel layers. Call before
+    the blocks' ``fully_shard``.
 
     Shard dim 1 of the stacked ``[E, ...]`` experts (torchtitan's choice when ``edp x ep`` may exceed E):
     dim 0 is already ep's, so each rank holds ``1 / (ep x edp)`` of every expert tensor as plain
     ``Shard`` placements (no ``_StridedShard`` for DCP to map). Gradients: a rank's expert gradient already
     sums its ep group's tokens (the all-to-all's backward), so the edp reduce-scatter SUMS and divides by
-    the number of data ranks ``D = mesh.size()``, not by ``edp`` (``set_gradient_divide_factor``): the
-    gradient of the mean loss, as ddp's :func:`~elastictrain.parallel.expert.reduce_expert_grads`. gloo has
-    no PREMUL_SUM, so there the divide is a separate op after a SUM (not when edp is one rank: torch 2.13's
-    FSDP2 then divides the copied gradient by the factor AND post-divides it again). Raises ValueError when a layer is
+    the number of data ranks ``D = mesh.size()`` (x cp under cp: the ranks the dense gradients are averaged
+    over), not by ``edp`` (``set_gradient_divide_factor``; under hsdp the factor covers the reduce-scatter
+    over ``efsdp`` and the SUM all-reduce over ``dp_replicate`` together): the gradient of the mean loss, as
+    ddp's :func:`~elastictrain.parallel.expert.reduce_expert_grads`. gloo has no PREMUL_SUM, so there the
+    divide is a separate op after a SUM (not when the shard dim is one rank: torch 2.13's FSDP2 then divides
+    the copied gradient by the factor AND post-divides it again). Raises ValueError when a layer is
     expert-parallel without a replica mesh (made so by hand, not by
     :func:`~elastictrain.parallel.expert_wiring.attach_expert_parallel`)."""
     from torch.distributed.tensor import Shard
@@ -140,7 +144,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, 
         fully_shard(layer, mesh=edp, reshard_after_forward=reshard, mp_policy=mp,
                     shard_placement_fn=lambda _p: Shard(1))
         layer.set_gradient_divide_factor(float(mesh.size()))
-        if mesh.device_type == "cpu" and edp.size() > 1:  # (over one rank torch 2.13 would divide twice)
+        if mesh.device_type == "cpu" and edp.size(edp.ndim - 1) > 1:  # (over one rank torch 2.13 divides twice)
             layer.set_force_sum_reduction_for_comms(True)
 
 

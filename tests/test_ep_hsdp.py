@@ -1,0 +1,154 @@
+"""Expert parallel composed with HSDP (ep x hsdp, issue 39), on 4 real gloo processes.
+
+hsdp 2x2 x ep2 (dp_replicate 2, dp_shard 2 = ep: efsdp 1) and hsdp 1x4 x ep2 (efsdp 2): the experts sharded
+over the ep group inside the shard axis, HSDP over ``(dp_replicate, efsdp)``, the dense part HSDP over the
+data mesh, wired as the step loop does it (``attach_expert_parallel`` then the default ``parallelize``).
+Three SGD steps with the framework's clip, each of two micro-batches (the first under
+``ParallelModel.accumulating``: HSDP's replica all-reduce deferred): every step's per-sample losses, the
+clipped gradient norm and, after each step, every parameter (gathered whole) equal the one-process run's AND
+the ddp ep2 x dp2 run's (the same 4 ranks, the same data: the ddp path's gradient scale). Each rank holds
+``1 / (ep x efsdp)`` of every expert tensor, replicated over ``dp_replicate``. The hsdp x ep state saved by
+DCP loads by name into one process's model.
+
+Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the same per-row math, with the
+gradient sums in another order (reduce-scatter and all-reduce instead of one all-reduce).
+
+Against broken builds (run before trusting it): the experts' FSDP over the ``efsdp`` axis alone (the replica
+mesh's last dim, no HSDP: replicas never summed): the 2x2 run's step-0 clipped norm differs; gloo's forced
+SUM kept at efsdp 1 (``edp.size() > 1`` instead of the shard dim's size: torch divides twice): the 2x2 run's
+step-0 norm differs; the divide factor left at FSDP's default (no ``set_gradient_divide_factor``): both
+runs' step-0 norms differ (see the commit notes of tests/test_ep_hsdp.py in docs/design.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+
+from tests.checkpoint_fixtures import free_port
+from tests.ranks import run_ranks
+from tests.test_expert_parallel import ATOL, RTOL, _build, _data, _losses
+
+STEPS, EP, BATCH, WORLD = 3, 2, 8, 4
+MAX_NORM = 0.05  # clips at every step (the norms are ~0.2-0.6): the norm over every shard matters
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _hsdp(replicate: int, cpu: torch.device):
+    """An hsdp (replicate x WORLD/replicate) x ep2 model and its wrapper, as the step loop builds them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.expert_wiring import attach_expert_parallel
+    from elastictrain.parallel.parallelize import parallelize, wrap
+
+    shard = WORLD // replicate
+    model = _build("gpt")
+    ep = attach_expert_parallel(model, MeshDims(dp_replicate=replicate, dp_shard=shard, plan="hsdp", ep=EP), cpu)
+    assert ep is not None and ep.fsdp
+    assert ep.mesh.mesh_dim_names == ("dp_replicate", "efsdp", "ep") and tuple(ep.mesh.shape) == (replicate, shard // EP, EP)
+    mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    module = parallelize(model, mesh, ParallelConfig(plan="hsdp", shard_size=shard))
+    return model, ep, wrap(module, mesh)
+
+
+def _layouts(rank: int, port: int, ckpt: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.models.gpt import GPT
+    from elastictrain.parallel import optim
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.expert import expert_parameter_names
+    from elastictrain.parallel.expert_wiring import attach_expert_parallel
+    from elastictrain.parallel.parallelize import ParallelModel, parallelize_ddp
+    from tests.test_expert_parallel import _GPT
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        cpu = torch.device("cpu")
+        ref = _build("gpt")
+        # ddp ep2 x dp2: the path whose gradient scale hsdp must equal
+        ddp_model = _build("gpt")
+        ddp_ep = attach_expert_parallel(ddp_model, MeshDims(dp_replicate=WORLD, ep=EP), cpu)
+        ddp = ParallelModel(parallelize_ddp(ddp_model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=(
+            "dp_replicate",)), ParallelConfig()), None)
+        runs = {"ddp": (ddp_model, ddp_ep, ddp)}
+        for replicate in (2, 1):
+            runs[f"hsdp{replicate}x{WORLD // replicate}"] = _hsdp(replicate, cpu)
+        for name in ("hsdp2x2", "hsdp1x4"):
+            _share_rule(runs[name][0], expert_parameter_names(runs[name][0]), replicate=int(name[4]))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, foreach=False)
+                for m in (ref, *(r[0] for r in runs.values()))]
+        per = BATCH // WORLD
+        mine = slice(per * rank, per * rank + per)
+        for step in range(STEPS):
+            inputs, targets = _data(BATCH * (step + 1))
+            inputs, targets = inputs[-BATCH:], targets[-BATCH:]
+            ref_losses = _losses(ref, inputs, targets)
+            ref_losses.mean().backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, foreach=False)
+            assert float(want) > MAX_NORM, float(want)
+            for name, (model, ep, pm) in runs.items():
+                got_losses = []
+                for k in range(per):  # one sample per micro-batch; the first accumulates
+                    one = slice(mine.start + k, mine.start + k + 1)
+                    with pm.accumulating() if k < per - 1 else contextlib.nullcontext():
+                        losses = _losses(pm.module, inputs[one], targets[one])
+                        (losses.sum() * WORLD / BATCH).backward()  # the step loop's scale: sum x D / G
+                    got_losses.append(losses.detach())
+                torch.testing.assert_close(torch.cat(got_losses), ref_losses[mine], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} losses: {m}")
+                ep.reduce_grads(model)
+                got = optim.clip_grad_norm(pm.module.parameters(), MAX_NORM, foreach=False)
+                torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} grad norm: {m}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            whole = {n: _gathered(r[0]) for n, r in runs.items()}
+            for k, v in ref.state_dict().items():
+                for n in runs:
+                    torch.testing.assert_close(whole[n][k], v, atol=ATOL, rtol=RTOL,
+                                               msg=lambda m, s=step, n=n, k=k: f"{n} step {s} {k}: {m}")
+        # the hsdp x ep state by name: DCP's (replicate, efsdp, ep) expert shards load into one process's model
+        dcp.save(runs["hsdp2x2"][0].state_dict(), checkpoint_id=ckpt)
+        dist.barrier()
+        if rank == 0:
+            one = GPT(_GPT).state_dict()  # other values (a fresh seed-less build): all overwritten
+            dcp.load(one, checkpoint_id=ckpt, no_dist=True)
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(one[k], v, atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k} loaded: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _share_rule(model: torch.nn.Module, experts: list[str], replicate: int) -> None:
+    """Every expert tensor: this rank holds 1 / (ep x efsdp) of it, the same part as its replicas."""
+    from torch.distributed.tensor import Replicate
+
+    params = dict(model.named_parameters())
+    for name in experts:
+        p = params[name]
+        assert p.to_local().numel() * (WORLD // replicate) == p.numel(), (name, p.placements, p.to_local().shape)
+        assert p.device_mesh.mesh_dim_names == ("dp_replicate", "efsdp", "ep"), (name, p.device_mesh)
+        assert isinstance(p.placements[0], Replicate), p.placements
+
+
+def test_hsdp_ep2_equals_ddp_ep2_and_one_process(tmp_path) -> None:
+    """hsdp 2x2 x ep2 (efsdp 1) and hsdp 1x4 x ep2 (efsdp 2) in the same 4 processes."""
+    run_ranks(_layouts, (free_port(), str(tmp_path / "ckpt")), nprocs=WORLD)
