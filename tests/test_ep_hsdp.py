@@ -14,10 +14,11 @@ Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the 
 gradient sums in another order (reduce-scatter and all-reduce instead of one all-reduce).
 
 Against broken builds (run before trusting it): the experts' FSDP over the ``efsdp`` axis alone (the replica
-mesh's last dim, no HSDP: replicas never summed): the 2x2 run's step-0 clipped norm differs; gloo's forced
-SUM kept at efsdp 1 (``edp.size() > 1`` instead of the shard dim's size: torch divides twice): the 2x2 run's
-step-0 norm differs; the divide factor left at FSDP's default (no ``set_gradient_divide_factor``): both
-runs' step-0 norms differ (see the commit notes of tests/test_ep_hsdp.py in docs/design.md).
+mesh's last dim, no HSDP: replicas never summed): the share rule fails (mesh ``(efsdp, ep)``) and, without it,
+the 2x2 run's step-0 clipped norm differs ("Scalars are not close"); gloo's forced SUM kept at efsdp 1
+(``edp.size() > 1`` instead of the shard dim's size: torch divides twice): the 2x2 run's step-0 norm differs;
+the divide factor left at FSDP's default (no ``set_gradient_divide_factor``): the 2x2 run's step-0 norm
+differs.
 """
 
 from __future__ import annotations
