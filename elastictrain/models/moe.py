@@ -16,6 +16,13 @@ Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE
 (1 * coef when perfectly balanced; ``f`` carries no gradient, ``P`` trains the router). After each forward a
 layer holds ``aux_loss`` (``[B]``, in the graph) and ``tokens_per_expert`` (``[E]`` int64, this rank's
 token slots per expert, detached); :func:`moe_aux_loss` and :func:`moe_token_counts` collect them.
+
+Context parallelism (``cp_group`` set by :func:`elastictrain.parallel.context.enable_context_parallel`): a
+rank holds ``T / cp`` positions of each sample, so ``f`` and ``P`` are formed from the per-expert slot
+counts and router-probability sums SUMMED over the cp group (one all-reduce of ``[B, 2E]`` floats) before
+the loss: ``aux_b`` is then the sample's, the same value on every cp rank. Its gradient follows the cp
+rule of :func:`elastictrain.parallel.context.cp_grad_scale`: ``cp`` times this rank's partial (the
+one-process gradient through its own positions), so the mean over the dp x cp ranks is one process's.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MoEConfig", "MoEFeedForward", "moe_aux_loss", "moe_layers", "moe_token_counts"]
+__all__ = ["MoEConfig", "MoEFeedForward", "cp_sample_stats", "moe_aux_loss", "moe_layers", "moe_token_counts"]
 
 Activation = Literal["gelu", "swiglu"]
 
@@ -103,6 +110,7 @@ class MoEFeedForward(nn.Module):
         self.dispatch: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.cp_group: object = None  # context parallel: the load-balance statistics are summed over it
         self.reset_parameters()
 
     @property
@@ -157,8 +165,13 @@ class MoEFeedForward(nn.Module):
         counts = torch.bincount(slots, minlength=e)
         self.tokens_per_expert = counts.detach()
         # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
-        f = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float() / (t * k)
-        self.aux_loss = self.cfg.aux_coef * e * (f * probs.mean(dim=1)).sum(dim=-1)
+        slots_per_expert = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float()
+        if self.cp_group is None:
+            f, p = slots_per_expert / (t * k), probs.mean(dim=1)
+        else:  # this rank's positions only: the sample's statistics are the sums over the cp ranks
+            slots_per_expert, p_sum, whole = cp_sample_stats(slots_per_expert, probs.sum(dim=1), t, self.cp_group)
+            f, p = slots_per_expert / (whole * k), p_sum / whole
+        self.aux_loss = self.cfg.aux_coef * e * (f * p).sum(dim=-1)
         tokens = x.reshape(b * t, d).repeat_interleave(k, dim=0)  # one row per slot, slot order
         if self.dispatch is None:
             y = _local_dispatch(self, tokens, slots)
@@ -166,6 +179,27 @@ class MoEFeedForward(nn.Module):
             y = self.dispatch(self, tokens, slots)
         out = (y.view(b * t, k, d) * gates.reshape(b * t, k, 1).to(y.dtype)).sum(dim=1)
         return out.view(b, t, d)
+
+
+def cp_sample_stats(slots: torch.Tensor, p_sum: torch.Tensor, t: int, group: object
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each sample's per-expert slot counts ``slots`` ``[B, E]`` (no gradient) and router-probability sums
+    ``p_sum`` ``[B, E]`` over its ``t`` local positions, summed over the context-parallel ``group``: returns
+    ``(slots, p_sum, T)`` of the whole samples (``T = t x cp``), the same values on every cp rank. One
+    all-reduce of both. The gradient of the returned ``p_sum`` is ``cp`` times this rank's own
+    (:func:`elastictrain.parallel.context.cp_grad_scale`: every cp rank's loss holds the whole sample's term,
+    and the dp x cp mean of the gradients must be one process's)."""
+    import torch.distributed as dist
+
+    from elastictrain.parallel.context import cp_grad_scale
+
+    cp = dist.get_world_size(group)
+    e = slots.shape[-1]
+    total = torch.cat([slots.detach(), p_sum.detach().to(slots.dtype)], dim=-1)
+    dist.all_reduce(total, group=group)
+    scaled = p_sum * cp_grad_scale(cp)
+    p_total = total[:, e:].to(p_sum.dtype) + (scaled - scaled.detach())  # value: the sum; gradient: cp x own
+    return total[:, :e], p_total, t * cp
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

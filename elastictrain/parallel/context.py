@@ -298,8 +298,10 @@ def context_parallel_refusal(model: nn.Module) -> str | None:
     """None when ``model`` can run context-parallel, else the one line naming what it lacks: modules with
     a ``cp_group`` attribute (its attention, run by :func:`cp_attention` when the group is set) and a
     forward that takes ``positions`` (the global positions :func:`shard_sequence` adds)."""
+    from elastictrain.models.moe import MoEFeedForward  # (its hook sums load-balance statistics: no attention)
+
     missing = []
-    if not _hooked(model):
+    if not [m for m in _hooked(model) if not isinstance(m, MoEFeedForward)]:
         missing.append("no module with a cp_group attribute (attention that calls "
                        "elastictrain.parallel.context.cp_attention when it is set)")
     params = inspect.signature(model.forward).parameters

@@ -1,0 +1,144 @@
+"""Expert parallel composed with context parallel, and a mixture-of-experts model under cp (issue 39), on 4
+real gloo processes.
+
+cp2 x dp2 with the experts replicated (the load-balancing loss's statistics summed over cp), cp2 x dp2 x ep2
+(each ep group IS a cp group: its two ranks hold the two halves of the same samples), cp2 x dp2 x ep4 (one
+ep group over every rank: dp and cp) and cp2 x fsdp2 x ep2 (the experts FSDP-sharded over their edp replicas,
+the dense part over ``dp_shard x cp``), wired as the step loop does it (``attach_expert_parallel``,
+``build_mesh``, the default ``parallelize``, the cp group set on the model, each micro-batch cut by
+``shard_sequence``). Three SGD steps with the framework's clip: every step's per-sample losses (language model
+plus load balance: the whole sample's on each cp rank), the clipped gradient norm and, after each step,
+every parameter (gathered whole) equal the one-process run's; the per-expert token counts summed over the
+ranks are one process's.
+
+The model's ``aux_coef`` is 0.5 (not 0.01): the load-balancing term then moves the losses and the router's
+gradients far beyond the tolerance when it is wrong.
+
+Tolerance: tests/test_expert_parallel.py's (float32 atol 1e-6 / rtol 1e-5): the same per-token math; the
+attention merges key blocks by log-sum-exp (parallel/blockwise.py) and the sums run in another order.
+
+Against broken builds (run before trusting it): the load-balance statistics not summed over cp (each rank's
+own positions as if they were the sample): cp2xdp2's step-0 losses differ; summed but with the one-rank
+gradient (no ``cp_grad_scale``): cp2xdp2's step-0 clipped norm differs; the expert gradient scale 1 / D instead
+of 1 / (D x cp): cp2xdp2xep2's step-0 norm differs; ep groups of data ranks of one cp coordinate (the pre-cp
+``ep_index`` without cp, groups that never span cp): ``MeshDims`` builds no valid expert mesh (rows overlap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+
+from tests.checkpoint_fixtures import free_port
+from tests.ranks import run_ranks
+from tests.test_expert_parallel import _GPT, ATOL, RTOL, _data
+
+STEPS, BATCH, WORLD, CP = 3, 8, 4, 2
+MAX_NORM = 0.05
+CFG = dataclasses.replace(_GPT, moe=dataclasses.replace(_GPT.moe, aux_coef=0.5))
+
+
+def _build() -> torch.nn.Module:
+    from elastictrain.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cp_rank: int | None) -> torch.Tensor:
+    from elastictrain.parallel.context import shard_sequence
+    from elastictrain.task import _gpt_loss
+
+    batch = {"input": inputs, "target": targets}
+    if cp_rank is not None:
+        batch = shard_sequence(batch, CP, cp_rank)
+    return _gpt_loss(module, batch, torch.zeros(len(inputs), dtype=torch.int64))
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _layout(dims, rank: int):
+    """(model, ExpertParallel or None, wrapped module) of ``dims`` on this rank, as ``StepRunner.attach``."""
+    from elastictrain.config import ParallelConfig
+    from elastictrain.parallel.context import enable_context_parallel
+    from elastictrain.parallel.expert_wiring import attach_expert_parallel
+    from elastictrain.parallel.mesh import build_mesh
+    from elastictrain.parallel.parallelize import parallelize
+
+    cpu = torch.device("cpu")
+    model = _build()
+    ep = attach_expert_parallel(model, dims, cpu)
+    mesh = build_mesh(dims, cpu)
+    module = parallelize(model, mesh, ParallelConfig(plan=dims.plan, cp=dims.cp, ep=dims.ep))
+    enable_context_parallel(model, mesh["cp"].get_group())
+    return model, ep, module
+
+
+def _layouts(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from elastictrain.models.moe import moe_token_counts
+    from elastictrain.parallel import optim
+    from elastictrain.parallel.dims import MeshDims
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        ref = _build()
+        layouts = {
+            "cp2xdp2": MeshDims(dp_replicate=2, cp=CP),
+            "cp2xdp2xep2": MeshDims(dp_replicate=2, cp=CP, ep=2),
+            "cp2xdp2xep4": MeshDims(dp_replicate=2, cp=CP, ep=4),
+            "cp2xfsdp2xep2": MeshDims(dp_shard=2, cp=CP, ep=2, plan="fsdp"),
+        }
+        runs = {name: _layout(dims, rank) for name, dims in layouts.items()}
+        assert runs["cp2xdp2xep2"][1].ep_mesh.mesh.tolist() == [2 * (rank // 2), 2 * (rank // 2) + 1]  # a cp group
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, foreach=False)
+                for m in (ref, *(r[0] for r in runs.values()))]
+        dp_rank, cp_rank = layouts["cp2xdp2"].dp_rank(rank), layouts["cp2xdp2"].coord(rank)["cp"]
+        per = BATCH // 2
+        mine = slice(per * dp_rank, per * dp_rank + per)
+        for step in range(STEPS):
+            inputs, targets = _data(BATCH * (step + 1))
+            inputs, targets = inputs[-BATCH:], targets[-BATCH:]
+            ref_losses = _loss(ref, inputs, targets, None)
+            ref_counts = torch.stack(list(moe_token_counts(ref).values()))
+            ref_losses.mean().backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, foreach=False)
+            assert float(want) > MAX_NORM, float(want)
+            for name, (model, ep, module) in runs.items():
+                losses = _loss(module, inputs[mine], targets[mine], cp_rank)
+                torch.testing.assert_close(losses, ref_losses[mine], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} losses: {m}")
+                counts = torch.stack(list(moe_token_counts(model).values()))
+                dist.all_reduce(counts)  # the step event's counts: summed over every rank (dp and cp)
+                assert torch.equal(counts, ref_counts), (name, step, counts, ref_counts)
+                (losses.sum() * 2 / BATCH).backward()  # the step loop's scale: sum x D / G (D without cp)
+                if ep is not None:
+                    ep.reduce_grads(model)
+                got = optim.clip_grad_norm(module.parameters(), MAX_NORM, foreach=False)
+                torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s} grad norm: {m}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            whole = {n: _gathered(r[0]) for n, r in runs.items()}
+            for k, v in ref.state_dict().items():
+                for n in runs:
+                    torch.testing.assert_close(whole[n][k], v, atol=ATOL, rtol=RTOL,
+                                               msg=lambda m, s=step, n=n, k=k: f"{n} step {s} {k}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep_x_cp_and_moe_under_cp_equal_one_process() -> None:
+    run_ranks(_layouts, (free_port(),), nprocs=WORLD)
