@@ -20,8 +20,9 @@ attention merges key blocks by log-sum-exp (parallel/blockwise.py) and the sums 
 Against broken builds (run before trusting it): the load-balance statistics not summed over cp (each rank's
 own positions as if they were the sample): cp2xdp2's step-0 losses differ; summed but with the one-rank
 gradient (no ``cp_grad_scale``): cp2xdp2's step-0 clipped norm differs; the expert gradient scale 1 / D instead
-of 1 / (D x cp): cp2xdp2xep2's step-0 norm differs; ep groups of data ranks of one cp coordinate (the pre-cp
-``ep_index`` without cp, groups that never span cp): ``MeshDims`` builds no valid expert mesh (rows overlap).
+of 1 / (D x cp): cp2xdp2xep2's step-0 norm differs; ``ep_index`` without cp (the data rank alone: the two cp
+ranks of a data rank would hold the same experts and no group would span cp): the expert mesh is built wrong
+(torch's DeviceMesh raises: it does not hold this rank).
 """
 
 from __future__ import annotations
@@ -142,3 +143,11 @@ def _layouts(rank: int, port: int) -> None:
 
 def test_ep_x_cp_and_moe_under_cp_equal_one_process() -> None:
     run_ranks(_layouts, (free_port(),), nprocs=WORLD)
+
+
+def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path) -> None:
+    """The worker's StepRunner under cp2 x dp2 x ep2 (ddp; each ep group a cp group), as
+    tests/test_ep_hsdp.py's hsdp loop: every step's loss, token counts, audit, final parameters, digest."""
+    from tests.test_ep_hsdp import assert_loop_equals_one_process, loop_spec
+
+    assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, cp=CP, ep=2), "ddp: dp_replicate=2 x cp=2")

@@ -548,7 +548,7 @@ class StepRunner:
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
-            along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
+            along["edp"] = self.layout.dims.ep_index(self.rank) // self.layout.dims.ep == 0
         skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
         state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
         return local_part(state, plain_primary=all(along.values()), primary_along=along)
