@@ -147,7 +147,11 @@ def test_ep_x_cp_and_moe_under_cp_equal_one_process() -> None:
 
 def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path) -> None:
     """The worker's StepRunner under cp2 x dp2 x ep2 (ddp; each ep group a cp group), as
-    tests/test_ep_hsdp.py's hsdp loop: every step's loss, token counts, audit, final parameters, digest."""
+    tests/test_ep_hsdp.py's hsdp loop: every step's loss, token counts, audit, final parameters, digest.
+    Against broken builds: the load-balance statistics not summed over cp: step 1's loss 6.06081 against
+    6.05989; the digest's first ep group taken by data rank (``dp_rank // ep``, not ``ep_index``): the experts
+    counted twice ("blocks.0.moe.b_in has 512 elements but the ranks counted 1024"); an expert DTensor not
+    spanning cp in the digest: counted half."""
     from tests.test_ep_hsdp import assert_loop_equals_one_process, loop_spec
 
     assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, cp=CP, ep=2), "ddp: dp_replicate=2 x cp=2")
