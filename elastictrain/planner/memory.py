@@ -33,8 +33,9 @@ the last one the output head: the larger of the two is taken):
   (:func:`state_shards`);
 * **experts** (mixture of experts, :attr:`ModelShape.experts`): the parameter counts include every expert;
   under expert parallel each rank holds ``1 / ep`` of them (weights, gradients and optimizer state:
-  :func:`rank_params`), and under ep x fsdp FSDP shards that share over the ``edp = dp_shard / ep``
-  ranks holding the same experts: ``1 / dp_shard`` of the experts per rank, as of the dense part
+  :func:`rank_params`), and under ep x fsdp/hsdp FSDP shards that share over the ``efsdp = dp_shard x cp / ep``
+  ranks of a shard group holding the same experts: ``1 / (dp_shard x cp)`` of the experts per rank, as of
+  the dense part
   (:func:`state_params`); an MoE block's MLP activations are those of ``top_k`` token slots plus the slots'
   dispatch buffers (:func:`moe_block_extra_bytes`);
 * **headroom**: the runtime's own bytes (:attr:`Cluster.runtime_bytes`) and the allocator's fragmentation
@@ -104,14 +105,15 @@ def rank_params(model: ModelShape, c: Candidate) -> float:
 
 def state_params(model: ModelShape, c: Candidate) -> float:
     """Parameters whose state (weights, gradients, optimizer) one rank keeps between steps: :func:`rank_params`
-    over the FSDP shard group (:func:`state_shards`). Under ep x fsdp the experts' ``1 / ep`` share is
-    sharded again over their ``edp = dp_shard / ep`` replicas (parallel/parallelize.py ``shard_experts``),
-    so every rank keeps ``1 / (ep x edp) = 1 / dp_shard`` of the experts, as of the dense part."""
+    over the FSDP shard group (:func:`state_shards`). Under ep x fsdp/hsdp the experts' ``1 / ep`` share is
+    sharded again over their ``efsdp = dp_shard x cp / ep`` replicas of one shard group
+    (parallel/parallelize.py ``shard_experts``; hsdp replicates that over ``dp_replicate``), so every rank
+    keeps ``1 / (ep x efsdp) = 1 / (dp_shard x cp)`` of the experts, as of the dense part."""
     shard = state_shards(c)
     if shard == 1 or c.ep == 1:
         return rank_params(model, c) / shard
     dense = rank_params(model, c) - stage_expert_params(model, c) / (c.tp * c.ep)
-    return dense / shard + stage_expert_params(model, c) / (c.tp * c.ep * (c.dp_shard // c.ep))
+    return dense / shard + stage_expert_params(model, c) / (c.tp * c.ep * (shard // c.ep))
 
 
 def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> float:

@@ -39,7 +39,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp or fsdp without pp/tp/cp: is_runnable, parallel.layout.ep_rule)
+    axes.add("ep")  # (under ddp, fsdp or hsdp without pp/tp, cp under ddp/fsdp: is_runnable, layout.ep_rule)
     return frozenset(axes)
 
 
@@ -49,12 +49,15 @@ def runnable_axes() -> frozenset[str]:
 ASKED_AXES = frozenset({"cp"})
 
 
-def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
-    from elastictrain.parallel.layout import ep_rule
+def is_runnable(c: Candidate, axes: frozenset[str], moe: bool = False) -> bool:
+    """Whether elastictrain runs ``c`` with ``axes`` searched (``moe``: the model has experts, whose cp rule
+    is :func:`~elastictrain.parallel.layout.cp_layout_rule`'s)."""
+    from elastictrain.parallel.layout import cp_layout_rule, ep_rule
 
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
-    return ep_ok and all(getattr(c, axis) == 1 or axis in axes
-                         for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+    cp_ok = cp_layout_rule(c.cp, moe, c.layout_name) is None
+    return ep_ok and cp_ok and all(getattr(c, axis) == 1 or axis in axes
+                                   for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def evaluate(model: ModelShape, train: Training, cluster: Cluster, c: Candidate,
     """Price one candidate (no validity check: see :func:`why_invalid`)."""
     axes = runnable_axes() if axes is None else axes
     return Estimate(c, memory(model, train, cluster, c), step_time(model, train, cluster, c),
-                    microbatches(train, c), is_runnable(c, axes))
+                    microbatches(train, c), is_runnable(c, axes, bool(model.experts)))
 
 
 def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> str | None:
@@ -146,10 +149,11 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
-    chunks, not for a mixture-of-experts model (``parallel.layout.cp_layout_rule``)."""
+    chunks (a mixture-of-experts model's too: its load-balance statistics are summed over cp; what runs is
+    ``parallel.layout.cp_layout_rule``'s, :func:`is_runnable`)."""
     allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
     for cp in _divisors(world):
-        if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0 and not model.experts):
+        if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0):
             yield from _candidates_at_cp(model, train, cluster, world, cp, micro_batches, schedules,
                                          checkpointing, allowed, sequence_parallel, reshard_after_forward)
 
@@ -192,10 +196,11 @@ def _candidates_at_cp(model: ModelShape, train: Training, cluster: Cluster, worl
 
 
 def _with_ep(model: ModelShape, c: Candidate, allowed: frozenset[str]) -> Iterator[Candidate]:
-    """``c`` with each expert-parallel degree > 1 that divides both its data-parallel size and the experts."""
+    """``c`` with each expert-parallel degree > 1 that divides both its data x cp ranks (hsdp: its shard x cp
+    ranks, an ep group inside one replica: ``MeshDims``' rule) and the experts."""
     if not model.experts or "ep" not in allowed:
         return
-    for ep in _divisors(c.dp):
+    for ep in _divisors((c.dp_shard if c.layout_name == "hsdp" else c.dp) * c.cp):
         if ep > 1 and model.experts % ep == 0:
             yield c.with_dims(ep=ep)
 

@@ -49,11 +49,14 @@
   forward, ``(ep-1)/ep`` of them leaving the rank), the same backward (and forward again under activation
   checkpointing), on the critical path like TP's; each forward first exchanges the per-expert counts and
   reads them on the host (the uneven split sizes): a device-to-host sync per MoE layer and forward on GPUs
-  (:data:`EP_SPLIT_SYNC_S`). DDP all-reduces the dense gradients over every data rank; the experts' over
-  their ``dp / ep`` replicas. Under ep x fsdp each MoE layer's experts are an FSDP unit of their own over
-  those ``edp = dp_shard / ep`` replicas (gathered and reduce-scattered there, ``1 / ep`` of the experts'
-  bytes), its router one over every data rank, the rest of the model as under fsdp. Compute counts the
-  active parameters: each token runs ``top_k`` experts;
+  (:data:`EP_SPLIT_SYNC_S`). ep factors the data x cp ranks (a cp rank routes ``1 / cp`` of its samples'
+  tokens; an ep group's link is that of ``ep`` consecutive data x cp ranks). DDP all-reduces the dense
+  gradients over every data x cp rank; the experts' over their ``dp x cp / ep`` replicas. Under ep x fsdp
+  each MoE layer's experts are an FSDP unit of their own over the ``efsdp = dp_shard x cp / ep`` replicas
+  of a shard group (gathered and reduce-scattered there, ``1 / ep`` of the experts' bytes; under hsdp
+  their reduced shard is all-reduced across ``dp_replicate`` too), its router one over the shard group,
+  the rest of the model as under fsdp/hsdp. Compute counts the active parameters: each token runs
+  ``top_k`` experts;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
@@ -298,12 +301,13 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
         moe = math.ceil(model.moe_layers / c.pp)
         forwards = 2 if c.recompute != "none" else 1
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
-        edp = c.dp // c.ep
-        if c.dp_shard > 1:  # ep x fsdp: per MoE layer an expert unit over edp and a router unit over dp_shard
-            gathers = 2 if c.reshard_after_forward else 1
-            groups += [("fsdp", m * gathers * moe, edp, edp - 1), ("fsdp", m * moe, edp, rs(edp)),
-                       ("fsdp", m * gathers * moe, c.dp_shard, c.dp_shard - 1),
-                       ("fsdp", m * moe, c.dp_shard, rs(c.dp_shard))]
+        edp = c.dp * c.cp // c.ep  # the ranks holding the same experts (ep factors the data x cp ranks)
+        if c.dp_shard > 1:  # ep x fsdp/hsdp: per MoE layer an expert unit over efsdp, a router unit over the shards
+            gathers, efsdp, shards = 2 if c.reshard_after_forward else 1, c.dp_shard * c.cp // c.ep, c.dp_shard * c.cp
+            groups += [("fsdp", m * gathers * moe, efsdp, efsdp - 1), ("fsdp", m * moe, efsdp, rs(efsdp)),
+                       ("fsdp", m * gathers * moe, shards, shards - 1), ("fsdp", m * moe, shards, rs(shards))]
+            if c.dp_replicate > 1:  # hsdp: the expert unit's reduced shard all-reduced across the replicas
+                groups.append(("replicate", moe, c.dp_replicate, ar(c.dp_replicate)))
         elif edp > 1:  # the experts' gradients over their replicas, one all-reduce per stacked tensor
             groups.append(("replicate", moe * EXPERT_TENSORS.get(model.arch, 4), edp, ar(edp)))
     shards = c.dp_shard * c.cp  # FSDP's group: dp_shard x cp (memory.state_shards)
@@ -349,7 +353,7 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
         shards = c.dp_shard * c.cp  # dp_shard x cp (memory.state_shards)
-        dense, edp = n - experts, c.dp // c.ep  # ep x fsdp: the experts' share gathered over its edp replicas
+        dense, edp = n - experts, shards // c.ep  # ep x fsdp/hsdp: the experts' share gathered over efsdp
         moved["dp_shard"] = m * (gathers * comm.all_gather_s(dense * train.compute_param_bytes, shards, 1.0)
                                  + reduce_scatter(grad_bytes, shards, 1.0))
         if experts:
@@ -362,17 +366,21 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / (c.dp_shard * (c.cp if c.dp_shard > 1 else 1)),
                                               replicas, 1.0)
     if experts and c.dp_shard == 1:  # ddp: the experts all-reduced over their replicas (fsdp: above)
-        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp // c.ep, 1.0)
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp * c.cp // c.ep, 1.0)
+    elif experts and c.dp_replicate > 1:  # hsdp: each efsdp shard of the experts across the replicas
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train) / (c.dp_shard * c.cp // c.ep),
+                                                   c.dp_replicate, 1.0)
     return moved
 
 
 def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """Bytes a rank's all-to-alls send in one step (0 without expert parallel): per MoE layer of its stage,
     ``2 x top_k x tokens x hidden`` activation bytes forward (dispatch and combine), the same backward and,
-    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank."""
+    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank. A cp rank routes
+    ``1 / cp`` of its samples' tokens."""
     if c.ep == 1 or not model.experts:
         return 0.0
-    tokens = train.global_batch * model.seq_len / c.dp
+    tokens = train.global_batch * model.seq_len / (c.dp * c.cp)
     passes = 3 if c.recompute != "none" else 2
     per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
     return math.ceil(model.moe_layers / c.pp) * per_layer * (c.ep - 1) / c.ep
@@ -433,6 +441,6 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
 
 
 def _ep_link(cluster: Cluster, c: Candidate) -> float:
-    """An ep group's link: ``ep`` consecutive data ranks, the innermost data axis's stride apart."""
-    axis = "dp_shard" if c.dp_shard > 1 else "dp_replicate"
+    """An ep group's link: ``ep`` consecutive data x cp ranks, the innermost such axis's stride apart."""
+    axis = "cp" if c.cp > 1 else "dp_shard" if c.dp_shard > 1 else "dp_replicate"
     return comm.link_bw(cluster, c.dims.stride(axis), c.ep)
