@@ -77,9 +77,10 @@ def test_cp2_x_fsdp2_and_cp2_x_tp2_match_one_process(tmp_path, ray_local, one_pr
 
 
 @pytest.mark.parametrize("sections, needle", [
-    ({"parallel": {"cp": 2}, "workers": {"min": 2, "max": 2},
+    ({"parallel": {"cp": 2, "plan": "hsdp", "shard_size": 2}, "workers": {"min": 4, "max": 4},
       "task": {"model": {**TASK["model"], "moe": {"experts": 2, "top_k": 1}}}},
-     "parallel.cp=2 with task.model.moe: a mixture-of-experts load-balancing loss"),
+     "parallel.cp=2 with task.model.moe and parallel.plan=hsdp: a mixture-of-experts model runs context-parallel "
+     "under plan ddp or fsdp only"),
 ])
 def test_cp_with_moe_is_refused_naming_the_fix(sections, needle) -> None:
     from elastictrain.config import ConfigError, build_config

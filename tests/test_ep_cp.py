@@ -155,3 +155,22 @@ def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path) -> None:
     from tests.test_ep_hsdp import assert_loop_equals_one_process, loop_spec
 
     assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, cp=CP, ep=2), "ddp: dp_replicate=2 x cp=2")
+
+
+def test_ep_groups_factor_the_data_x_cp_ranks() -> None:
+    """Pure: ep numbers the data x cp ranks ``dp_rank x cp + cp`` (torchtitan's ``dp_shard x cp = efsdp x ep``):
+    ep2 under cp2 x dp2 groups each data rank's two cp ranks; ep4 spans both; the layout lists valid ep."""
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.layout import LayoutSpec, is_valid
+
+    dims = MeshDims(dp_replicate=2, cp=2, ep=2)
+    assert [dims.ep_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert [dims.ep_group_ranks(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [dims.expert_replica_ranks(r) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert MeshDims(dp_replicate=2, cp=2, ep=4).ep_group_ranks(3) == [0, 1, 2, 3]
+    tp = MeshDims(dp_shard=2, cp=2, tp=2, plan="fsdp", ep=2)  # (pure: the rank order with tp innermost)
+    assert tp.ep_group_ranks(5) == [5, 7] and tp.expert_replica_ranks(0) == [0, 4]
+    ok, why = is_valid(LayoutSpec("ddp", 8, 1, cp=2, ep=4), 4)  # 2 data ranks x cp2: ep4 factors them
+    assert ok, why
+    ok, why = is_valid(LayoutSpec("ddp", 8, 1, cp=2, ep=3), 6)
+    assert not ok and "parallel.ep=3 does not divide the data-parallel size 3 x cp=2" in why and "[1, 2, 3, 6]" in why

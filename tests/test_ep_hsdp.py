@@ -230,3 +230,23 @@ def test_hsdp2x2_ep2_step_loop_equals_one_process(tmp_path) -> None:
     divided twice): final blocks.0.moe.w_in off by 3.9e-4 > 1e-5."""
     assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, plan="hsdp", shard_size=2, ep=2),
                                    "hsdp: dp_replicate=2 x dp_shard=2")
+
+
+def test_hsdp_ep_groups_stay_inside_a_replica() -> None:
+    """Pure: under hsdp an ep group is inside one replica (ep divides dp_shard), the expert mesh is
+    ``(dp_replicate, efsdp, ep)``; an ep that would cross replicas is refused naming the valid values."""
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.expert_wiring import ep_mesh_layout
+    from elastictrain.parallel.layout import LayoutSpec, is_valid
+
+    dims = MeshDims(dp_replicate=2, dp_shard=4, plan="hsdp", ep=2)
+    assert ep_mesh_layout(dims) == ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ("dp_replicate", "efsdp", "ep"))
+    assert ep_mesh_layout(MeshDims(dp_replicate=4, ep=2))[1] == ("edp", "ep")
+    ok, why = is_valid(LayoutSpec("hsdp", 8, 1, shard_size=2, ep=4), 4)
+    assert not ok and "parallel.ep=4 under hsdp must divide parallel.shard_size=2" in why and "[1, 2]" in why
+    try:
+        MeshDims(dp_replicate=2, dp_shard=2, plan="hsdp", ep=4)
+    except ValueError as e:
+        assert "must divide dp_shard x cp = 2 under hsdp" in str(e)
+    else:
+        raise AssertionError("an ep group across replicas was accepted")
