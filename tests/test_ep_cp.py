@@ -172,5 +172,5 @@ def test_ep_groups_factor_the_data_x_cp_ranks() -> None:
     assert tp.ep_group_ranks(5) == [5, 7] and tp.expert_replica_ranks(0) == [0, 4]
     ok, why = is_valid(LayoutSpec("ddp", 8, 1, cp=2, ep=4), 4)  # 2 data ranks x cp2: ep4 factors them
     assert ok, why
-    ok, why = is_valid(LayoutSpec("ddp", 8, 1, cp=2, ep=3), 6)
-    assert not ok and "parallel.ep=3 does not divide the data-parallel size 3 x cp=2" in why and "[1, 2, 3, 6]" in why
+    ok, why = is_valid(LayoutSpec("ddp", 6, 1, cp=2, ep=4), 6)
+    assert not ok and "parallel.ep=4 does not divide the data-parallel size 3 x cp=2" in why and "[1, 2, 3, 6]" in why
