@@ -177,7 +177,8 @@ def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) 
     model's mixture-of-experts layers of that sample's load-balancing loss (a function of the sample alone,
     elastictrain/models/moe.py), so the per-sample loss contract holds with MoE. Under context parallelism
     (``batch["positions"]``: this rank's part of each sample) the whole sample's loss summed over the cp
-    ranks (:func:`elastictrain.parallel.context.cp_sample_loss`; MoE is refused there)."""
+    ranks (:func:`elastictrain.parallel.context.cp_sample_loss`; the MoE layers sum their load-balance
+    statistics over the cp group themselves, so their aux term is the sample's there too)."""
     from elastictrain.models.gpt import per_sample_loss
     from elastictrain.models.moe import moe_aux_loss
     from elastictrain.parallel.context import cp_group_of, cp_sample_loss
