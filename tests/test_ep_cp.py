@@ -174,3 +174,19 @@ def test_ep_groups_factor_the_data_x_cp_ranks() -> None:
     assert ok, why
     ok, why = is_valid(LayoutSpec("ddp", 6, 1, cp=2, ep=4), 6)
     assert not ok and "parallel.ep=4 does not divide the data-parallel size 3 x cp=2" in why and "[1, 2, 3, 6]" in why
+
+
+def test_cp_ep_recovery_coverage_by_expert_replica() -> None:
+    """Pure: under cp2 x dp2 x ep2 (ddp) rank 1 (data rank 0, cp 1: experts of ep coordinate 1) is covered by
+    rank 3 (data rank 1, cp 1: the same experts); under ep4 every rank holds other experts: no peer covers."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+
+    def decide(dims, survivors):
+        return rank_sources(dp_replicate=2, dp_shard=1, survivors=survivors, memory={}, durable_step=2,
+                            last_step=5, dims=dims)
+
+    ep2 = MeshDims(dp_replicate=2, cp=2, ep=2)
+    assert [ep2.ep_coord(r) for r in range(4)] == [0, 1, 0, 1]
+    assert decide(ep2, {0: 5, 2: 5, 3: 5}).chosen.kind == "peer"
+    assert decide(MeshDims(dp_replicate=2, cp=2, ep=4), {0: 5, 2: 5, 3: 5}).chosen.kind == "checkpoint"

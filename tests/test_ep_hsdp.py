@@ -250,3 +250,21 @@ def test_hsdp_ep_groups_stay_inside_a_replica() -> None:
         assert "must divide dp_shard x cp = 2 under hsdp" in str(e)
     else:
         raise AssertionError("an ep group across replicas was accepted")
+
+
+def test_hsdp_ep_recovery_coverage_by_replica() -> None:
+    """Pure: under hsdp 2x2 x ep2 a rank's replica (other dp_replicate, same shard and ep coordinate) holds
+    its part: losing rank 1 is covered by rank 3 (a peer restore); losing both of them is not."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+
+    dims = MeshDims(dp_replicate=2, dp_shard=2, plan="hsdp", ep=2)
+    assert dims.holder_key(1) == dims.holder_key(3) != dims.holder_key(0)
+
+    def decide(survivors, memory=None):
+        return rank_sources(dp_replicate=2, dp_shard=2, survivors=survivors, memory=memory or {}, durable_step=2,
+                            last_step=5, dims=dims)
+
+    got = decide({0: 5, 2: 5, 3: 5})
+    assert got.chosen.kind == "peer" and got.lost_steps == 0, got.reason
+    assert decide({0: 5, 2: 5}, {5: True}).chosen.kind == "memory"

@@ -219,7 +219,11 @@ class MeshDims:
         return tuple((self.stride(n), getattr(self, n)) for n in self.holder_axes() if n != "ep")
 
     def holder_keys(self) -> list[tuple[int, ...]]:
-        """Every :meth:`holder_key` of the layout, in lexicographic order."""
+        """Every :meth:`holder_key` of the layout, in lexicographic order. Under ep the ep coordinate is a
+        function of the others where ep factors the shard ranks (hsdp: ``dp_shard x cp = efsdp x ep``), so
+        only the keys some rank has are listed (not the product, whose other keys no rank could cover)."""
+        if self.ep > 1:
+            return sorted({self.holder_key(r) for r in range(self.world_size)})
         keys = [()]
         for a in self.holder_axes():
             keys = [(*k, i) for k in keys for i in range(getattr(self, a))]
