@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import os
 
+import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
@@ -268,3 +269,34 @@ def test_hsdp_ep_recovery_coverage_by_replica() -> None:
     got = decide({0: 5, 2: 5, 3: 5})
     assert got.chosen.kind == "peer" and got.lost_steps == 0, got.reason
     assert decide({0: 5, 2: 5}, {5: True}).chosen.kind == "memory"
+
+
+@pytest.mark.slow
+def test_hsdp2x2_ep2_rank_killed_recovers_from_its_replica(tmp_path, ray_local) -> None:
+    """hsdp 2x2 x ep2 on 4 real Ray workers (replicas {0, 1} and {2, 3}; ranks 1 and 3 hold the same dense
+    shard and experts), the peer tier every step: rank 1 is SIGKILLed mid-step with no spare. Rank 3 holds
+    rank 1's part, so the survivors serve every part of the state (source peer, lost steps <= 1); the 3 left
+    shrink to one replica (hsdp 1x2 x ep2) and the run finishes with every step's loss (a redone one too)
+    and the final parameters of the uninterrupted one-process run, each step's samples seen once. Against a
+    build whose ``holder_keys`` lists the product of the axes (keys no rank has under hsdp x ep): the
+    recovery comes from the peer tier (source ``memory``), not the replica."""
+    from tests.conftest import run_job
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
+    from tests.test_ep_wiring import _audited, _spec
+    from tests.test_pp_recovery import TIMEOUTS, _slow
+
+    steps = 8
+    kill = {"rank": 1, "step": 5, "point": "mid_step", "kind": "kill"}
+    spec = _spec(4, steps, "ep-hsdp-kill", ep=2, plan="hsdp", shard_size=2)
+    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill], timeouts=dict(TIMEOUTS),
+                recovery={"min_workers_wait_s": 240}, checkpoint={**spec["checkpoint"], "memory_every_steps": 1})
+    run = run_job(tmp_path, spec, name="hsdp2x2ep2kill")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
+    assert sizes[0] == (4, 2), sizes
+    meshes = [e["mesh"] for e in run.of("step") if e.get("mesh")]
+    assert meshes[0].startswith("hsdp") and meshes[-1].startswith("hsdp"), meshes
+    _audited(run, steps)
+    assert_same_numbers(run, InProcessRun(_spec(1, steps)), param_atol=RECOVERY_PARAM_ATOL)
