@@ -446,7 +446,7 @@ class StepRunner:
                 close()
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
-        """With a batch read-ahead (a dataset with ``prefetch(ids)``: a prepared corpus), schedule this step's
+        """With a batch read-ahead (a dataset with ``prefetch(batches)``: a prepared corpus), schedule this step's
         and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
         reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
         if self.batches is None:
