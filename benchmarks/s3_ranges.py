@@ -59,12 +59,10 @@ def init_from(sizes: list[str], tps: list[int]) -> list[dict]:
             row = {"size": size, "tp": tp}
             for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP)):
                 gets = fetched = held = 0
-                for _, shape, d in _layer_tensors(p):
+                tensors = [(shape, d, p["n_layers"]) for _, shape, d in _layer_tensors(p)]
+                for shape, d, copies in tensors + [(shape, d, 1) for _, shape, d in whole]:
                     g, f, h = _counts(shape, d, tp, gap)
-                    gets, fetched, held = gets + g * p["n_layers"], fetched + f * p["n_layers"], held + h * p["n_layers"]
-                for _, shape, d in whole:
-                    g, f, h = _counts(shape, d, tp, gap)
-                    gets, fetched, held = gets + g, fetched + f, held + h
+                    gets, fetched, held = gets + g * copies, fetched + f * copies, held + h * copies
                 norms = (2 * p["n_layers"] + 1) * p["dim"] * BF16  # whole on every rank: one GET each
                 row[label] = {"gets": gets + 2 * p["n_layers"] + 1, "bytes": fetched + norms}
                 row["held_bytes"] = held + norms
