@@ -7,6 +7,8 @@ answers is noted with its path, its Range header and the body bytes it sent.
   two shards (more than 64 KiB apart, one across the shard boundary) one GET per piece; a prefetched batch
   is one ``cat_ranges`` call and ``dataset[i]`` of it reads nothing more; the tokens, in the batch's own order,
   are the local (pread) path's;
+* held-out evaluation on S3 reads each micro-batch (adjacent windows) in one GET, with the numbers of the
+  window-by-window local read;
 * ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path: with no merging the
   bytes fetched are exactly the slices the ranks hold (a row-wise layer's columns, not its rows); with the
   default 64 KiB merge they are the planned reads (held slices plus the gaps merged), fewer GETs than tensors
@@ -144,19 +146,21 @@ SHARD_TOKENS = (150_007, 70_000)  # uint16: 300 KB + 140 KB; window 9375 starts 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory, counting: tuple[CountingMoto, S3Server]
            ) -> tuple[Path, str, dict[str, Any]]:
-    """Two shards of random uint16 tokens, on disk and in a bucket of the counting server."""
+    """Two training shards and a validation shard of random uint16 tokens, on disk and in a bucket of the
+    counting server."""
     import s3fs
 
     root = tmp_path_factory.mktemp("corpus")
     (root / "train").mkdir()
-    shards = []
-    for k, n in enumerate(SHARD_TOKENS):
+    (root / "validation").mkdir()
+    splits: dict[str, list[Shard]] = {"train": [], "validation": []}
+    for k, (split, n) in enumerate([("train", t) for t in SHARD_TOKENS] + [("validation", 3000)]):
         data = np.random.default_rng(k).integers(0, 500, n, dtype=np.uint16).astype("<u2").tobytes()
-        (root / "train" / f"{k:05d}.bin").write_bytes(data)
-        shards.append(Shard(f"train/{k:05d}.bin", n, len(data), "0" * 64))
+        (root / split / f"{k:05d}.bin").write_bytes(data)
+        splits[split].append(Shard(f"{split}/{k:05d}.bin", n, len(data), "0" * 64))
     (root / "manifest.json").write_text(manifest_json(
         dtype="uint16", vocab_size=500, eos_id=0, tokenizer_sha256="0" * 64, text_column="text", sources=[],
-        splits={"train": shards}, split_rule={"kind": "none"}, seq_len=None))
+        splits=splits, split_rule={"kind": "none"}, seq_len=None))
     _, server = counting
     fs = s3fs.S3FileSystem(**server.options())
     fs.mkdir("windows")
@@ -209,6 +213,65 @@ def test_a_prefetched_batch_is_one_call_and_reads_nothing_more(corpus, counting)
     remote.prefetch([[6]])
     assert set(remote._ahead) == {(6,)}
     remote.close()
+
+
+class _PerWindow:
+    """A prepared split without ``batch``: the loop reads it window by window (as before batch reads)."""
+
+    def __init__(self, windows: PreparedWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.windows[index]
+
+
+def _losses_and_evals(spec: dict, task: Any) -> list[tuple[float, float | None]]:
+    """The worker's StepRunner on a one-rank gloo group in this process: (loss, eval_loss) of every step."""
+    import torch.distributed as dist
+
+    from elastictrain import build_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    cfg = build_config(spec)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runner = StepRunner(task, cfg.train, FaultInjector(()), parallel=cfg.parallel)
+        runner.attach(0, 1, 0, resolve(spec_from_config(cfg), 1))
+        records = [runner.run_step(False)[0] for _ in range(cfg.train.steps)]
+        runner.close_data()
+        return [(r.loss, r.eval_loss) for r in records]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_evaluation_reads_a_micro_batch_in_one_get(corpus, counting):
+    """Held-out evaluation (2 steps, an evaluation after each: 4 micro-batches of 4 adjacent validation
+    windows) on the S3 copy: one GET per micro-batch (8, not 32), and every step's loss and held-out loss
+    exactly those of reading the local copy window by window."""
+    import dataclasses
+
+    from elastictrain import build_config
+    from elastictrain.task import builtin_task
+    from tests.conftest import job
+
+    root, uri, opts = corpus
+    moto, _ = counting
+    spec = job(task={**job()["task"], "data": {"source": str(root)}},
+               train={"steps": 2, "eval_every": 1, "eval_batches": 1}, workers={"min": 1, "max": 1, "standby": False})
+    spec["task"]["model"] = {**spec["task"]["model"], "seq_len": SEQ}
+    base = builtin_task(build_config(spec))
+    remote = dataclasses.replace(base, eval_dataset_fn=lambda: PreparedWindows(uri, SEQ, "validation", opts))
+    local = dataclasses.replace(base, eval_dataset_fn=lambda: _PerWindow(PreparedWindows(str(root), SEQ, "validation")))
+    moto.take("windows")
+    got = _losses_and_evals(spec, remote)
+    gets = moto.take("windows/corpus/validation")
+    assert got == _losses_and_evals(spec, local) and all(e is not None for _, e in got), got
+    assert len(gets) == 2 * 4 and all(g.sent == (4 * SEQ + 1) * 2 for g in gets), gets
 
 
 # --------------------------------------------------------------------------------------- init_from tp2 (#38)
