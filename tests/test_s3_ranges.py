@@ -351,3 +351,33 @@ def test_tp2_init_from_s3_fetches_the_held_columns_not_the_rows(tmp_path, counti
             assert sent == held_bytes < whole_rows and len(fetched) > n_tensors, (sent, held_bytes, whole_rows)
         else:  # this small model's rows and tensors lie within 64 KiB of each other: a few long reads
             assert sent > held_bytes and len(fetched) < n_tensors, (sent, held_bytes, len(fetched), n_tensors)
+
+
+def test_a_load_fetched_in_several_calls_gives_the_same_weights(tmp_path, counting, monkeypatch):
+    """A rank's plan bigger than one call's budget (``_FETCH_BYTES``, set to 16 KiB here) goes out in several
+    ``cat_ranges`` calls, each item whole in one of them: the loaded weights are the local load's, bitwise."""
+    import s3fs
+
+    from elastictrain.models import hf_weights
+    from tests.test_hf_llama import ours_from, save_hf
+
+    _, server = counting
+    save_hf(tmp_path / "src")
+    fs = s3fs.S3FileSystem(**server.options())
+    fs.mkdir("hfcalls")
+    fs.put(str(tmp_path / "src") + "/", "hfcalls/llama/", recursive=True)
+    calls: list[int] = []
+    fetch = hf_weights.fetch
+
+    def counted(fs: Any, pieces: Any, gap: int) -> Any:
+        calls.append(len(pieces))
+        return fetch(fs, pieces, gap)
+
+    monkeypatch.setattr(hf_weights, "_FETCH_BYTES", 16 << 10)
+    monkeypatch.setattr(hf_weights, "fetch", counted)
+    local = ours_from(tmp_path / "src")
+    remote = type(local)(local.cfg)
+    hf_weights.load_hf_weights(remote, "s3://hfcalls/llama", server.options(), tied=False)
+    assert len(calls) > 4, calls
+    for name, t in local.state_dict().items():
+        assert torch.equal(t, remote.state_dict()[name]), name

@@ -165,20 +165,21 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
     return _Ranged()
 
 
-# Bytes of pieces fetched per ``cat_ranges`` call: a rank's whole plan (GBs for a large model) is not held twice
+# Bytes spanned by the items of one ``cat_ranges`` call: a rank's whole plan (GBs for a large model) is never
+# held twice, and a row-wise slice whose gaps merge counts its rows whole
 _FETCH_BYTES = 256 << 20
 
 
 def _read_plan(fs: Any, items: list[tuple[TensorEntry, Any]], planner: Any, gap: int) -> None:
     """Read DCP's ``(entry, ReadItem)`` pairs of one rank and commit each into its target: each item's byte
     runs (:func:`~elastictrain.byte_ranges.slice_runs`) fetched together, in calls of about
-    :data:`_FETCH_BYTES`, merged over gaps of at most ``gap`` bytes."""
+    :data:`_FETCH_BYTES` spanned, merged over gaps of at most ``gap`` bytes."""
     batch: list[tuple[TensorEntry, Any, list[tuple[int, int]]]] = []
     size = 0
     for e, req in sorted(items, key=lambda it: (it[0].file, it[0].start, list(it[1].storage_offsets))):
         runs = slice_runs(e.shape, list(req.storage_offsets), list(req.lengths), _element_bytes(e.dtype))
         batch.append((e, req, runs))
-        size += sum(b - a for a, b in runs)
+        size += runs[-1][1] - runs[0][0] if runs else 0  # the span: what its merged reads may fetch
         if size >= _FETCH_BYTES:
             _fetch_and_commit(fs, batch, planner, gap)
             batch, size = [], 0
