@@ -12,11 +12,14 @@ answers is noted with its path, its Range header and the body bytes it sent.
 * ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path: with no merging the
   bytes fetched are exactly the slices the ranks hold (a row-wise layer's columns, not its rows); with the
   default 64 KiB merge they are the planned reads (held slices plus the gaps merged), fewer GETs than tensors
-  read; step 1's loss is transformers' (tests/test_hf_llama.py's check) either way.
+  read; step 1's loss is transformers' (tests/test_hf_llama.py's check) either way; a plan over several
+  ``cat_ranges`` calls loads the local load's weights.
 
 Against the builds they guard (measured by breaking the code): a window read per GET fails the adjacent
-batch's count (4 GETs, not 1); the whole-row reader of before fails the tp2 byte count (twice the held bytes
-of every row-wise layer).
+batch's count (4 GETs, not 1) and the prefetch count (10, not 7); evaluation read window by window fails its
+count (32 GETs, not 8); the whole-row reader of before fails the tp2 count (42 GETs and 526,848 bytes, where
+the ranks hold 428,544: twice the held bytes of every row-wise layer); a call that drops the item crossing
+its budget fails the several-calls load (tok_embeddings differs).
 """
 
 from __future__ import annotations
