@@ -30,7 +30,8 @@ class Task:
     - ``optimizer_fn(params)`` builds the optimizer.
     - ``dataset_fn()`` returns a map-style dataset (``len`` and ``__getitem__(int) -> dict of tensors``);
       every worker must build the same dataset. ``collate_fn(samples)`` (optional; default: stack each key)
-      makes a micro-batch of them. A dataset with ``prefetch(ids)`` (a prepared corpus) has the next step's
+      makes a micro-batch of them. A dataset with ``prefetch(batches)`` (a prepared corpus; ``batches``: the
+      scheduled micro-batches' id tuples, to start reading) has the next step's
       micro-batches read and collated in a background thread while a step computes
       (:mod:`elastictrain.data.prefetch`): its ``__getitem__`` and ``collate_fn`` must then be thread-safe
       pure functions of their inputs (no global RNG).

@@ -8,7 +8,8 @@ batch it shares, nor of how many ranks hold the experts (elastictrain/parallel/e
 
 The experts are stacked ``[E, ...]`` parameters (sharding the experts over an ep group slices dim 0). The
 expert MLP has the shape of the model's dense MLP: ``gelu`` (GPT: ``w_out(gelu(x w_in + b_in)) + b_out``) or
-``swiglu`` (Llama: ``w2(silu(x w1) * x w3)``).
+``swiglu`` (Llama: ``w2(silu(x w1) * x w3)``), run as grouped GEMMs in bf16 and as a loop otherwise
+(:meth:`MoEFeedForward.run_experts`).
 
 Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE sample, so the loss contract
 (a per-sample loss independent of how the batch is split) holds. For sample ``b`` with T tokens:
@@ -133,9 +134,15 @@ class MoEFeedForward(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The local experts on ``x`` ``[N, d]`` grouped by local expert (``counts[j]`` rows for local expert j,
-        in order): a loop of dense matmuls (the tested path; CPU has no grouped GEMM). A sharded expert
-        tensor (a DTensor ``Shard(0)`` over the ep mesh) is used through its local slice."""
+        in order). In bfloat16 (FSDP's bf16 parameters, or a bf16 autocast) one grouped GEMM per expert
+        matmul (``torch._grouped_mm``, :func:`grouped_mm_applies`); otherwise a loop of dense matmuls. A
+        sharded expert tensor (a DTensor ``Shard(0)`` over the ep mesh) is used through its local slice."""
         w = {name: _local(getattr(self, name)) for name in self.expert_names}
+        if grouped_mm_applies(x, [w[n] for n in self.expert_names if not n.startswith("b_")]):
+            return self._run_grouped(x, counts, w)
+        return self._run_loop(x, counts, w)
+
+    def _run_loop(self, x: torch.Tensor, counts: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
         outs = []
         start = 0
         for j, n in enumerate(counts):
@@ -147,6 +154,24 @@ class MoEFeedForward(nn.Module):
             else:
                 outs.append((F.silu(rows @ w["w1"][j]) * (rows @ w["w3"][j])) @ w["w2"][j])
         return torch.cat(outs) if outs else x.new_zeros(0, self.d_model)
+
+    def _run_grouped(self, x: torch.Tensor, counts: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
+        # What grouped_mm_applies admitted: bf16 values, or a bf16 autocast. Each matmul casts its operands
+        # to bf16 as autocast's does, and the biases are added in their own dtype, as in the loop.
+        bf16 = torch.bfloat16
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+
+        def mm(a: torch.Tensor, name: str) -> torch.Tensor:
+            return torch._grouped_mm(a.to(bf16), w[name].to(bf16), offs=offs)
+
+        def bias(h: torch.Tensor, name: str) -> torch.Tensor:
+            # per expert, as the loop adds it: each bias's gradient is the same row sum (an indexed add
+            # would accumulate it row by row, in bf16 under FSDP's bf16 parameters)
+            return torch.cat([rows + w[name][j] for j, rows in enumerate(h.split(counts))])
+
+        if self.activation == "gelu":
+            return bias(mm(F.gelu(bias(mm(x, "w_in"), "b_in")), "w_out"), "b_out")
+        return mm(F.silu(mm(x, "w1")) * mm(x, "w3"), "w2")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [B, T, E] float32, experts [B, T, k] int64, gates [B, T, k] float32)``: the softmax of the
@@ -200,6 +225,21 @@ def cp_sample_stats(slots: torch.Tensor, p_sum: torch.Tensor, t: int, group: obj
     scaled = p_sum * cp_grad_scale(cp)
     p_total = total[:, e:].to(p_sum.dtype) + (scaled - scaled.detach())  # value: the sum; gradient: cp x own
     return total[:, :e], p_total, t * cp
+
+
+def grouped_mm_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """PURE (of dtypes, shapes and strides): does the experts' matmul run as one ``torch._grouped_mm`` (the
+    grouped GEMM; fused kernels on CUDA, a correct one on CPU) rather than a loop? Where torch has the op,
+    the matmul is in bfloat16 (the values are, or a bf16 autocast is on for ``x``'s device: the op takes
+    bf16 only, and a loop would round to bf16 per matmul all the same), there are rows, and every operand's
+    rows are 16-byte aligned (its last dimension a multiple of 8 bf16 values), as the kernels require."""
+    if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or x.shape[0] == 0:
+        return False
+    kind = x.device.type
+    autocast = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+    if not autocast and not (x.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in weights)):
+        return False
+    return all(t.shape[-1] % 8 == 0 and t.is_contiguous() for t in (x, *weights))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -414,15 +414,17 @@ class StepRunner:
         module = self.pm.module
         module.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # a prepared split with the default collate reads a micro-batch's (adjacent) windows in one read
+        read = getattr(self.eval_dataset, "batch", None) if self.task.collate_fn is None else None
         self._set_phase("compute")
         with torch.no_grad():
             for j in range(self.train.eval_batches):
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
                     self._set_phase("data")  # storage, not compute (the watchdog names a stall here)
-                    samples = [self.eval_dataset[int(i)] for i in ids]
+                    host = read(ids) if read else self.collate([self.eval_dataset[int(i)] for i in ids])
                     self._set_phase("compute")
-                    batch = _to(self.collate(samples), self.device)
+                    batch = _to(host, self.device)
                     batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
                     with autocast(self.pm.autocast_dtype, self.device):  # as in training (bf16 without FSDP)
@@ -446,7 +448,7 @@ class StepRunner:
                 close()
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
-        """With a batch read-ahead (a dataset with ``prefetch(ids)``: a prepared corpus), schedule this step's
+        """With a batch read-ahead (a dataset with ``prefetch(batches)``: a prepared corpus), schedule this step's
         and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
         reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
         if self.batches is None:
