@@ -190,3 +190,25 @@ def test_cp_ep_recovery_coverage_by_expert_replica() -> None:
     assert [ep2.ep_coord(r) for r in range(4)] == [0, 1, 0, 1]
     assert decide(ep2, {0: 5, 2: 5, 3: 5}).chosen.kind == "peer"
     assert decide(MeshDims(dp_replicate=2, cp=2, ep=4), {0: 5, 2: 5, 3: 5}).chosen.kind == "checkpoint"
+
+
+def test_planner_prices_ep_x_cp() -> None:
+    """Pure: under cp2 a rank routes half its samples' tokens (the all-to-all bytes halve), the experts'
+    replicas are ``dp x cp / ep``, and an MoE model's cp candidates are searched (runnable under ddp/fsdp,
+    not hsdp). Against a broken build (tokens not divided by cp): the volume does not halve."""
+    import pytest
+
+    from elastictrain.planner import Candidate, Cluster, Training, rank_layouts
+    from elastictrain.planner.steptime import collective_calls, ep_bytes
+    from tests.test_planner_ep import GPU, MOE
+
+    train = Training(global_batch=32, micro_batch=2)
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    assert ep_bytes(MOE, train, Candidate(dp_replicate=2, cp=2, ep=2, micro_batch=2)) == pytest.approx(
+        ep_bytes(MOE, train, Candidate(dp_replicate=2, ep=2, micro_batch=2)) / 2)
+    groups = collective_calls(MOE, train, cl, Candidate(dp_replicate=2, cp=2, ep=2, micro_batch=2)).groups
+    assert [g for g in groups if g[0] == "replicate" and g[2] == 2], groups  # experts over dp x cp / ep = 2 replicas
+    ranked = rank_layouts(MOE, train, cl, runnable_only=False)
+    cp_ep = [e for e in ranked if e.candidate.cp > 1 and e.candidate.ep > 1]
+    assert cp_ep and all(e.runnable == (e.candidate.layout_name != "hsdp" and e.candidate.tp == 1
+                                        and e.candidate.pp == 1) for e in cp_ep)

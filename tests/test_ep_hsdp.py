@@ -300,3 +300,33 @@ def test_hsdp2x2_ep2_rank_killed_recovers_from_its_replica(tmp_path, ray_local) 
     assert meshes[0].startswith("hsdp") and meshes[-1].startswith("hsdp"), meshes
     _audited(run, steps)
     assert_same_numbers(run, InProcessRun(_spec(1, steps)), param_atol=RECOVERY_PARAM_ATOL)
+
+
+def test_planner_prices_ep_x_hsdp() -> None:
+    """Pure: under hsdp 2x4 x ep2 a rank keeps ``1 / (ep x efsdp) = 1 / dp_shard`` of the experts' state (as
+    of the dense part), the expert unit is gathered over ``efsdp = dp_shard / ep`` ranks, and its reduced shard
+    is all-reduced across the 2 replicas; ``--all-axes`` marks hsdp x ep runnable. Against broken builds: the
+    expert unit's group left at the data size ``dp // ep`` (4, not efsdp 2): the group check fails; the
+    experts' replica all-reduce not priced: the dp_replicate bytes fall short of hsdp's without ep."""
+    from elastictrain.planner import GIB, Candidate, Cluster, Training
+    from elastictrain.planner.memory import rank_params, state_params
+    from elastictrain.planner.search import is_runnable, runnable_axes
+    from elastictrain.planner.steptime import collective_calls, moved_bytes
+    from tests.test_planner_ep import GPU, MOE
+
+    train = Training(global_batch=32, micro_batch=2)
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    c = Candidate(dp_replicate=2, dp_shard=4, ep=2, micro_batch=2)
+    assert c.layout_name == "hsdp" and is_runnable(c, runnable_axes(), moe=True)
+    dense = rank_params(MOE, c) - MOE.expert_params / 2
+    assert state_params(MOE, c) == pytest.approx(dense / 4 + MOE.expert_params / 4)
+    m, moe = train.global_batch // (8 * 2), MOE.moe_layers
+    groups = collective_calls(MOE, train, cl, c).groups
+    assert ("fsdp", m * 2 * moe, 2, 1) in groups, groups  # the expert unit gathered over efsdp = 4 / 2
+    assert ("fsdp", m * 2 * moe, 4, 3) in groups, groups  # the router unit over the shard group
+    assert [g for g in groups if g[0] == "replicate" and g[1] == moe and g[2] == 2], groups  # experts across replicas
+    replicated = moved_bytes(MOE, train, cl, c)["dp_replicate"]
+    plain = moved_bytes(MOE, train, cl, Candidate(dp_replicate=2, dp_shard=4, micro_batch=2))["dp_replicate"]
+    # each rank all-reduces its 1 / dp_shard of the dense part and of the experts (1/ep over efsdp) across the
+    # replicas: the same bytes as hsdp without ep (without the experts' all-reduce it would be less)
+    assert replicated == pytest.approx(plain)
