@@ -16,7 +16,9 @@ output does not depend on ep. Backward: the all-to-all's gradient is the reverse
 
 Gradient rule (:func:`reduce_expert_grads`). Let D be the number of data ranks (every rank of the ep groups
 and their replicas splits the batch: D = ep x R, R the expert replicas) and the loss
-``L = (1/D) sum_d L_d`` (each rank's mean over its samples, the step loop's contract). Dense parameters: as
+``L = (1/D) sum_d L_d`` (each rank's mean over its samples, the step loop's contract). Under context
+parallel read D as the data x cp ranks (``D x cp = ep x R``): a cp rank's gradient is ``cp`` times its
+partial (parallel/context.py), so the same sum over the replicas scaled by ``1 / (D x cp)`` is exact. Dense parameters: as
 today, the mean of the D gradients. An expert held by rank r: the backward through the all-to-all already
 gives r the SUM over its ep group of ``dL_d/dW`` (each rank's slots that reached the expert), so the exact
 gradient is ``(1/D) * sum over the R replicas holding the same slice`` -- an all_reduce(SUM) over the replica
@@ -67,8 +69,9 @@ class _AllToAll(torch.autograd.Function):
 
 class _Dispatch:
     """The ep dispatcher a :class:`MoEFeedForward` calls with its token slots (see the module docstring).
-    ``replica_mesh``: the ranks holding the same experts (the ``edp`` axis of the ``(edp, ep)`` mesh), which
-    an FSDP of the experts shards over (:func:`expert_replica_mesh`); None when not given."""
+    ``replica_mesh``: the ranks holding the same experts (the ``edp`` axis of the ``(edp, ep)`` mesh; under
+    hsdp the 2-D ``(dp_replicate, efsdp)`` part of ``(dp_replicate, efsdp, ep)``), which an FSDP (HSDP) of
+    the experts shards over (:func:`expert_replica_mesh`); None when not given."""
 
     def __init__(self, group: ProcessGroup, ep: int, replica_mesh: DeviceMesh | None = None) -> None:
         self.group, self.ep, self.replica_mesh = group, ep, replica_mesh
@@ -143,7 +146,7 @@ def reduce_expert_grads(model: nn.Module, replica_group: ProcessGroup | None, sc
 
     Call after backward, where the dense gradients are averaged over all data ranks. ``replica_group``: the
     ranks holding the same experts (same ep coordinate, one per ep group), None when there is one ep group;
-    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas). Does all_reduce(SUM) over
+    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas; data x cp ranks under cp). Does all_reduce(SUM) over
     ``replica_group`` then multiplies by ``scale`` (see the module docstring for why this is exact)."""
     for layer in moe_layers(model).values():
         for pname in layer.expert_names:
