@@ -58,7 +58,8 @@ def _hsdp(replicate: int, cpu: torch.device):
     model = _build("gpt")
     ep = attach_expert_parallel(model, MeshDims(dp_replicate=replicate, dp_shard=shard, plan="hsdp", ep=EP), cpu)
     assert ep is not None and ep.fsdp
-    assert ep.mesh.mesh_dim_names == ("dp_replicate", "efsdp", "ep") and tuple(ep.mesh.shape) == (replicate, shard // EP, EP)
+    assert ep.mesh.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
+    assert tuple(ep.mesh.shape) == (replicate, shard // EP, EP)
     mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     module = parallelize(model, mesh, ParallelConfig(plan="hsdp", shard_size=shard))
     return model, ep, wrap(module, mesh)

@@ -24,8 +24,9 @@ torchtitan's rule: FSDP shards over ``dp x cp``) gives one process's gradient, w
 
 A model takes part through a hook: modules with a ``cp_group`` attribute (the built-in GPT's blocks and
 root, the built-in Llama's attention; a mixture-of-experts layer's too, which sums its load-balance
-statistics over the group, models/moe.py, and does not count as the attention hook) and a forward taking ``positions``. :func:`enable_context_parallel`
-sets the group on them; :func:`context_parallel_refusal` names what a model lacks.
+statistics over the group, models/moe.py, and does not count as the attention hook) and a forward taking
+``positions``. :func:`enable_context_parallel` sets the group on them; :func:`context_parallel_refusal`
+names what a model lacks.
 
 Wiring (what the step loop does): after the layout is applied, ``enable_context_parallel(model, cp_group)``
 (``cp_group``: the mesh's ``cp`` axis group); each loaded micro-batch goes through

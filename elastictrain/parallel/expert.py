@@ -16,14 +16,14 @@ output does not depend on ep. Backward: the all-to-all's gradient is the reverse
 
 Gradient rule (:func:`reduce_expert_grads`). Let D be the number of data ranks (every rank of the ep groups
 and their replicas splits the batch: D = ep x R, R the expert replicas) and the loss
-``L = (1/D) sum_d L_d`` (each rank's mean over its samples, the step loop's contract). Under context
-parallel read D as the data x cp ranks (``D x cp = ep x R``): a cp rank's gradient is ``cp`` times its
-partial (parallel/context.py), so the same sum over the replicas scaled by ``1 / (D x cp)`` is exact. Dense parameters: as
+``L = (1/D) sum_d L_d`` (each rank's mean over its samples, the step loop's contract). Dense parameters: as
 today, the mean of the D gradients. An expert held by rank r: the backward through the all-to-all already
 gives r the SUM over its ep group of ``dL_d/dW`` (each rank's slots that reached the expert), so the exact
 gradient is ``(1/D) * sum over the R replicas holding the same slice`` -- an all_reduce(SUM) over the replica
 group (the ranks with the same ep coordinate), then a scale by ``1/D``. (With R = 1 there is no replica
-group, only the scale.)
+group, only the scale.) Under context parallel read D as the data x cp ranks (``D x cp = ep x R``): a cp
+rank's gradient is ``cp`` times its partial (parallel/context.py), so the same sum over the replicas
+scaled by ``1 / (D x cp)`` is exact.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def reduce_expert_grads(model: nn.Module, replica_group: ProcessGroup | None, sc
 
     Call after backward, where the dense gradients are averaged over all data ranks. ``replica_group``: the
     ranks holding the same experts (same ep coordinate, one per ep group), None when there is one ep group;
-    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas; data x cp ranks under cp). Does all_reduce(SUM) over
-    ``replica_group`` then multiplies by ``scale`` (see the module docstring for why this is exact)."""
+    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas; data x cp ranks under cp). Does
+    all_reduce(SUM) over ``replica_group`` then multiplies by ``scale`` (see the module docstring for why this is exact)."""
     for layer in moe_layers(model).values():
         for pname in layer.expert_names:
             grad = getattr(layer, pname).grad
