@@ -3,8 +3,9 @@ real gloo processes.
 
 cp2 x dp2 with the experts replicated (the load-balancing loss's statistics summed over cp), cp2 x dp2 x ep2
 (each ep group IS a cp group: its two ranks hold the two halves of the same samples), cp2 x dp2 x ep4 (one
-ep group over every rank: dp and cp) and cp2 x fsdp2 x ep2 (the experts FSDP-sharded over their edp replicas,
-the dense part over ``dp_shard x cp``), wired as the step loop does it (``attach_expert_parallel``,
+ep group over every rank: dp and cp), cp2 x fsdp2 x ep2 (the experts FSDP-sharded over their edp replicas,
+the dense part over ``dp_shard x cp``) and cp2 x hsdp 2x1 x ep2 (the experts HSDP over ``(dp_replicate,
+efsdp)``, the dense part over ``(dp_replicate, dp_shard_cp)``), wired as the step loop does it (``attach_expert_parallel``,
 ``build_mesh``, the default ``parallelize``, the cp group set on the model, each micro-batch cut by
 ``shard_sequence``). Three SGD steps with the framework's clip: every step's per-sample losses (language model
 plus load balance: the whole sample's on each cp rank), the clipped gradient norm and, after each step,
@@ -31,6 +32,7 @@ import dataclasses
 import datetime
 import os
 
+import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
@@ -78,7 +80,8 @@ def _layout(dims, rank: int):
     model = _build()
     ep = attach_expert_parallel(model, dims, cpu)
     mesh = build_mesh(dims, cpu)
-    module = parallelize(model, mesh, ParallelConfig(plan=dims.plan, cp=dims.cp, ep=dims.ep))
+    module = parallelize(model, mesh, ParallelConfig(plan=dims.plan, cp=dims.cp, ep=dims.ep,
+                                                     shard_size=dims.dp_shard if dims.plan == "hsdp" else None))
     enable_context_parallel(model, mesh["cp"].get_group())
     return model, ep, module
 
@@ -100,6 +103,7 @@ def _layouts(rank: int, port: int) -> None:
             "cp2xdp2xep2": MeshDims(dp_replicate=2, cp=CP, ep=2),
             "cp2xdp2xep4": MeshDims(dp_replicate=2, cp=CP, ep=4),
             "cp2xfsdp2xep2": MeshDims(dp_shard=2, cp=CP, ep=2, plan="fsdp"),
+            "cp2xhsdp2x1xep2": MeshDims(dp_replicate=2, dp_shard=1, cp=CP, ep=2, plan="hsdp"),
         }
         runs = {name: _layout(dims, rank) for name, dims in layouts.items()}
         assert runs["cp2xdp2xep2"][1].ep_mesh.mesh.tolist() == [2 * (rank // 2), 2 * (rank // 2) + 1]  # a cp group
@@ -145,8 +149,11 @@ def test_ep_x_cp_and_moe_under_cp_equal_one_process() -> None:
     run_ranks(_layouts, (free_port(),), nprocs=WORLD)
 
 
-def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path) -> None:
-    """The worker's StepRunner under cp2 x dp2 x ep2 (ddp; each ep group a cp group), as
+@pytest.mark.parametrize("plan, mesh", [("ddp", "ddp: dp_replicate=2 x cp=2"),
+                                        ("hsdp", "hsdp: dp_replicate=2 x dp_shard=1 x cp=2")])
+def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path, plan, mesh) -> None:
+    """The worker's StepRunner under cp2 x dp2 x ep2 (ddp, and hsdp 2x1: the experts HSDP over
+    (dp_replicate, efsdp = 1 x 2 / 2); each ep group a cp group), as
     tests/test_ep_hsdp.py's hsdp loop: every step's loss, token counts, audit, final parameters, digest.
     Against broken builds: the load-balance statistics not summed over cp: step 1's loss 6.06081 against
     6.05989; the digest's first ep group taken by data rank (``dp_rank // ep``, not ``ep_index``): the experts
@@ -154,7 +161,8 @@ def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path) -> None:
     spanning cp in the digest: counted half."""
     from tests.test_ep_hsdp import assert_loop_equals_one_process, loop_spec
 
-    assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, cp=CP, ep=2), "ddp: dp_replicate=2 x cp=2")
+    hsdp = {"shard_size": 1} if plan == "hsdp" else {}
+    assert_loop_equals_one_process(tmp_path, loop_spec(WORLD, cp=CP, ep=2, plan=plan, **hsdp), mesh)
 
 
 def test_ep_groups_factor_the_data_x_cp_ranks() -> None:
@@ -194,8 +202,8 @@ def test_cp_ep_recovery_coverage_by_expert_replica() -> None:
 
 def test_planner_prices_ep_x_cp() -> None:
     """Pure: under cp2 a rank routes half its samples' tokens (the all-to-all bytes halve), the experts'
-    replicas are ``dp x cp / ep``, and an MoE model's cp candidates are searched (runnable under ddp/fsdp,
-    not hsdp). Against a broken build (tokens not divided by cp): the volume does not halve."""
+    replicas are ``dp x cp / ep``, and an MoE model's cp candidates are searched (runnable under every plan
+    without tp/pp). Against a broken build (tokens not divided by cp): the volume does not halve."""
     import pytest
 
     from elastictrain.planner import Candidate, Cluster, Training, rank_layouts
@@ -210,5 +218,4 @@ def test_planner_prices_ep_x_cp() -> None:
     assert [g for g in groups if g[0] == "replicate" and g[2] == 2], groups  # experts over dp x cp / ep = 2 replicas
     ranked = rank_layouts(MOE, train, cl, runnable_only=False)
     cp_ep = [e for e in ranked if e.candidate.cp > 1 and e.candidate.ep > 1]
-    assert cp_ep and all(e.runnable == (e.candidate.layout_name != "hsdp" and e.candidate.tp == 1
-                                        and e.candidate.pp == 1) for e in cp_ep)
+    assert cp_ep and all(e.runnable == (e.candidate.tp == 1 and e.candidate.pp == 1) for e in cp_ep)

@@ -25,7 +25,7 @@ same samples, which is all a dispatch needs), numbered ``dp_rank x cp + cp`` (:m
 into groups of ``ep`` consecutive ones that exchange tokens (all-to-all) and hold different experts
 (:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`). Under ``hsdp`` a group stays
 inside one replica (``ep`` divides ``dp_shard x cp``), so the experts are HSDP too: replicated over
-``dp_replicate``, FSDP-sharded over the rest of the shard ranks.
+``dp_replicate``, FSDP-sharded over the rest of the shard x cp ranks.
 Pure: no torch.distributed.
 """
 

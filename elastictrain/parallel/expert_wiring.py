@@ -19,9 +19,9 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp`` with ``pp = tp = 1``, and ``cp > 1`` under ddp
-or fsdp (:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data x cp
-ranks are the world. Under cp an ep group may span cp ranks: they hold other tokens of the same samples,
+Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp`` with ``pp = tp = 1``, any ``cp``
+(:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data x cp ranks are
+the world. Under cp an ep group may span cp ranks: they hold other tokens of the same samples,
 and a token's expert output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean
 over the ranks the dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial,
 parallel/context.py).

@@ -266,39 +266,20 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
-def cp_layout_rule(cp: int, moe: bool, plan: str = "ddp") -> str | None:
-    """Why ``cp`` cannot run with the rest of the job (None when it can). A mixture-of-experts model runs
-    context-parallel: its load-balancing loss takes each sample's per-expert statistics summed over the cp
-    ranks (models/moe.py), so it is the sample's; under ``ddp`` and ``fsdp`` (``hsdp`` with MoE and cp is
-    later work). (Pipeline stages run context-parallel, every schedule: each stage gathers K/V over its own
-    cp peers, parallel/context.py.)"""
-    if cp == 1:
-        return None
-    if moe and plan not in ("ddp", "fsdp"):
-        return (f"parallel.cp={cp} with task.model.moe and parallel.plan={plan}: a mixture-of-experts model runs "
-                "context-parallel under plan ddp or fsdp only for now (valid with cp > 1 and moe: plan ddp, fsdp); "
-                "set parallel.plan=fsdp (or ddp), or parallel.cp=1")
-    return None
-
-
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
     data x context-parallel ranks ``D x cp = edp x ep`` (torchtitan's ``dp_shard x cp = efsdp x ep``): under
     ``ddp`` the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are
     FSDP-sharded over them, under ``hsdp`` (``ep`` dividing ``dp_shard``) HSDP over (``dp_replicate``,
-    ``efsdp``); an ep group may span cp ranks (ddp, fsdp). hsdp with cp, tp and pp with ep are later work."""
+    ``efsdp``); an ep group may span cp ranks. tp and pp with ep are later work."""
     if ep == 1:
         return None
     if tp > 1:
         return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
-                "data-parallel ranks only for now; set parallel.tp=1, or parallel.ep=1")
+                "data x cp ranks only for now (valid with ep > 1: tp 1); set parallel.tp=1, or parallel.ep=1")
     if plan not in ("ddp", "fsdp", "hsdp"):
         return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp, fsdp or hsdp "
                 "(valid with ep > 1: plan ddp, fsdp, hsdp); set parallel.plan=fsdp, or parallel.ep=1")
-    if cp > 1 and plan == "hsdp":
-        return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.plan=hsdp: expert parallel over cp ranks runs "
-                "under plan ddp or fsdp only for now (valid with ep > 1 and cp > 1: plan ddp, fsdp); set "
-                "parallel.plan=fsdp (or ddp), parallel.cp=1, or parallel.ep=1")
     if pp > 1:
         return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
                 "now; set parallel.pp=1, or parallel.ep=1")

@@ -39,7 +39,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp, fsdp or hsdp without pp/tp, cp under ddp/fsdp: is_runnable, layout.ep_rule)
+    axes.add("ep")  # (under ddp, fsdp or hsdp, with cp, without pp/tp: is_runnable, parallel.layout.ep_rule)
     return frozenset(axes)
 
 
@@ -49,15 +49,12 @@ def runnable_axes() -> frozenset[str]:
 ASKED_AXES = frozenset({"cp"})
 
 
-def is_runnable(c: Candidate, axes: frozenset[str], moe: bool = False) -> bool:
-    """Whether elastictrain runs ``c`` with ``axes`` searched (``moe``: the model has experts, whose cp rule
-    is :func:`~elastictrain.parallel.layout.cp_layout_rule`'s)."""
-    from elastictrain.parallel.layout import cp_layout_rule, ep_rule
+def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
+    from elastictrain.parallel.layout import ep_rule
 
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
-    cp_ok = cp_layout_rule(c.cp, moe, c.layout_name) is None
-    return ep_ok and cp_ok and all(getattr(c, axis) == 1 or axis in axes
-                                   for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+    return ep_ok and all(getattr(c, axis) == 1 or axis in axes
+                         for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ def evaluate(model: ModelShape, train: Training, cluster: Cluster, c: Candidate,
     """Price one candidate (no validity check: see :func:`why_invalid`)."""
     axes = runnable_axes() if axes is None else axes
     return Estimate(c, memory(model, train, cluster, c), step_time(model, train, cluster, c),
-                    microbatches(train, c), is_runnable(c, axes, bool(model.experts)))
+                    microbatches(train, c), is_runnable(c, axes))
 
 
 def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> str | None:
@@ -149,8 +146,7 @@ def candidates(model: ModelShape, train: Training, cluster: Cluster, world: int,
                sequence_parallel: bool = True, reshard_after_forward: bool = True) -> Iterator[Candidate]:
     """Every valid, pruned candidate for ``world`` devices (module docstring). ``axes`` limits the mesh axes
     that may exceed 1 (None: all of them); ``cp`` takes the degrees that split ``seq_len`` in head-tail
-    chunks (a mixture-of-experts model's too: its load-balance statistics are summed over cp; what runs is
-    ``parallel.layout.cp_layout_rule``'s, :func:`is_runnable`)."""
+    chunks (a mixture-of-experts model's too: its load-balance statistics are summed over cp)."""
     allowed = frozenset(("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")) if axes is None else axes
     for cp in _divisors(world):
         if cp == 1 or ("cp" in allowed and model.seq_len % (2 * cp) == 0):
