@@ -318,7 +318,7 @@ def test_planner_prices_ep_x_hsdp() -> None:
     train = Training(global_batch=32, micro_batch=2)
     cl = Cluster(nodes=1, devices_per_node=8, **GPU)
     c = Candidate(dp_replicate=2, dp_shard=4, ep=2, micro_batch=2)
-    assert c.layout_name == "hsdp" and is_runnable(c, runnable_axes(), moe=True)
+    assert c.layout_name == "hsdp" and is_runnable(c, runnable_axes())
     dense = rank_params(MOE, c) - MOE.expert_params / 2
     assert state_params(MOE, c) == pytest.approx(dense / 4 + MOE.expert_params / 4)
     m, moe = train.global_batch // (8 * 2), MOE.moe_layers
