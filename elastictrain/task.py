@@ -351,19 +351,19 @@ def builtin_task(config: JobConfig) -> Task:
 
 
 def _check_moe_layout(config: JobConfig) -> None:
-    """``task.model.moe`` runs with data parallelism (and, once wired, expert parallelism) only: pipeline
-    stages would drop the earlier stages' load-balancing losses and the tensor-parallel plans name the dense
-    MLP, so pp > 1 or tp > 1 is a ConfigError naming the fix; so are ``parallel.compile`` and
+    """``task.model.moe`` runs with data, expert and pipeline parallelism (each stage's load-balancing losses
+    join its backward and the step's loss: parallel/expert_pipeline.py); the tensor-parallel plans name the
+    dense MLP, so tp > 1 is a ConfigError naming the fix; so are ``parallel.compile`` and
     ``task.init_from`` (dense Hugging Face weights)."""
     from elastictrain.config import ConfigError
 
     p, t = config.parallel, config.task
     if t.model.moe is None:
         return
-    if p.pp > 1 or p.tp > 1:
-        raise ConfigError(f"task.model.moe is set with parallel.pp={p.pp}, parallel.tp={p.tp}: a mixture-of-experts "
-                          "model runs with data (and expert) parallelism only for now; set parallel.pp=1 and "
-                          "parallel.tp=1, or remove task.model.moe")
+    if p.tp > 1:
+        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp}: a mixture-of-experts model runs with "
+                          "data, expert and pipeline parallelism only for now; set parallel.tp=1, or remove "
+                          "task.model.moe")
     if p.compile:  # the routing reads split sizes on the host (.tolist()): no fullgraph block
         raise ConfigError("task.model.moe is set with parallel.compile=true: the MoE routing reads its split sizes "
                           "on the host, which a fullgraph compile of the block refuses; set parallel.compile=false "

@@ -17,8 +17,10 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``pp = cp = tp = 1``
-(:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data ranks are the world.
+Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``cp = tp = 1`` (:func:`elastictrain.parallel.layout.ep_rule`
+refuses the rest at config time). Without pp the data ranks are the world; under pp (ep x pp) each stage's
+data ranks are factored the same way and the pipeline wires them
+(:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class ExpertParallel:
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
         """The ranks holding the same experts (None with one ep group: nothing to reduce over)."""
-        return self.mesh["edp"].get_group() if self.mesh.size(0) > 1 else None
+        edp = self.mesh["edp"]  # (the ``(edp, ep)`` mesh, or ep x pp's ``(stage, edp, ep)``: this stage's)
+        return edp.get_group() if edp.size() > 1 else None
 
     def reduce_grads(self, model: nn.Module) -> None:
         """Expert gradients -> those of the mean loss over the data ranks (collective over the replicas):

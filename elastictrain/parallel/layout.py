@@ -275,7 +275,8 @@ def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | 
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
     data-parallel ranks ``D = edp x ep`` of a ``ddp`` or ``fsdp`` plan (torchtitan's ``dp_shard = efsdp x
     ep`` with cp = tp = 1: under fsdp the experts are FSDP-sharded over the edp ranks, the dense part over
-    all D); hsdp, cp, tp and pp with ep are later work."""
+    all D). Under ``pp`` (any schedule) each stage's data ranks are factored so: a stage's experts are
+    sharded over its own D ranks (parallel/expert_pipeline.py). hsdp, cp and tp with ep are later work."""
     if ep == 1:
         return None
     if cp > 1 or tp > 1:
@@ -284,9 +285,6 @@ def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | 
     if plan not in ("ddp", "fsdp"):
         return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp or fsdp only "
                 "for now (valid with ep > 1: plan ddp, fsdp); set parallel.plan=fsdp (or ddp), or parallel.ep=1")
-    if pp > 1:
-        return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
-                "now; set parallel.pp=1, or parallel.ep=1")
     return None
 
 

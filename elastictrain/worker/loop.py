@@ -290,11 +290,14 @@ class StepRunner:
     def _attach_pipeline(self, mesh: Any, layout: Layout, parallel: ParallelConfig) -> bool:
         """Build this rank's pipeline stages from a fresh meta copy of the model (parallel/pipeline.py): no
         state survives a re-mesh, the values come from a restore or the seeded init. Returns False."""
+        from elastictrain.parallel.expert_pipeline import stage_expert_parallel
         from elastictrain.parallel.pipeline import build_pipeline
 
+        self.ep = stage_expert_parallel(layout.dims, self.device)  # ep x pp: each stage's experts over its dp ranks
         self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
                                  self.task.parallelize_fn, parallel, self.device,
-                                 materialize_fn=materialize)
+                                 materialize_fn=materialize, ep_mesh=None if self.ep is None else self.ep.mesh)
+        self.moe = self.pm.token_tally is not None  # token counts per expert go into the step events
         self.model = self.pm.model
         self.uninitialized = True
         self.step_stats = StepStats(None)  # the word is all-reduced over the world (no DDP bucket to ride in)
@@ -377,7 +380,8 @@ class StepRunner:
             if self.ep is not None:  # experts (ddp): summed over their replicas and scaled, before the clip
                 self.ep.reduce_grads(self.pm.model)
             if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
-                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
+                hooks.tokens_per_expert = (hooks.tally.total(dist.group.WORLD) if self.pm.token_tally is None
+                                           else self.pm.token_tally.total(dist.group.WORLD, self.device))
         return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
@@ -589,7 +593,7 @@ class _LoopHooks:
 
     def forwarded(self, k: int) -> None:
         r = self.r
-        if r.moe:
+        if r.moe and r.pm.token_tally is None:  # (a pipeline's stages count inside its schedule)
             self.tally.add(r.pm.model)
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
