@@ -17,8 +17,21 @@ pp2 x ep2 layout ends with exactly that same deviation; every other element is w
 biases are left out of the parameter comparison as in tests/test_cp_pipeline.py (zero true gradient; their
 path is covered by the losses).
 
-Broken builds (measured on this machine, 2026-11-28, see each test): the auxiliary loss dropped from the
-earlier stage's backward, the all-to-all over the wrong group, the experts averaged with the dense part.
+Broken builds (measured on this machine, 2026-11-28), each failing the comparisons named:
+* the earlier stage's auxiliary loss left out of its backward (the aux gradient on the last stage only):
+  all 8 layouts, step 2's loss (GPT 5.84644 against 5.84790; every stage's aux left out: 5.84844);
+* the auxiliary losses counted in the (loss, stop) word by the last stage only: all 8, step 1's loss (GPT
+  5.7518 against 5.9529; none counted: 5.5493);
+* the experts averaged over the stage's dp group with the dense part (ranks holding different experts
+  summed): the 6 ep2 ddp layouts, step 2's loss (5.84937 against 5.84790);
+* the expert gradients scaled by 1 / world instead of 1 / the stage's D: the 6 ep2 ddp layouts, the final
+  blocks.2.moe.w_in off by 4.2e-3 (the losses stay within 1e-5: AdamW normalises most of a scale away);
+* the expert replicas taken from the non-pipeline (edp, ep) mesh, whose edp column pairs a rank of stage 0
+  with one of stage 1: the run hangs (fsdp stages shard over it) -- the mesh test catches the grouping
+  first: :func:`~elastictrain.parallel.expert_pipeline.ep_stage_mesh_blocks` without the pp coordinate gives
+  one block over both stages (test_ep_stage_mesh_blocks_stay_inside_a_pipeline_coordinate fails).
+(fsdp stages reduce their experts by FSDP's reduce-scatter, and ep1 stages hold every expert: the 2 layouts
+the expert-gradient builds leave passing.)
 """
 
 from __future__ import annotations
