@@ -57,16 +57,17 @@ class _AuxGrad(torch.autograd.Function):
     stage's auxiliary losses summed, times the micro-batch's loss scale) gets gradient 1."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, copy: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.aux_meta = (aux.dtype, aux.device)
-        # a copy, not a view: torch's split backward (zero-bubble schedules) detaches the stage's outputs in
-        # place, which a view refuses (the stage module's own output is freed once nothing else holds it)
-        return x.clone()
+        # ``copy`` (a stage before the last): torch's split backward (zero-bubble schedules) detaches such a
+        # stage's outputs in place, which a view refuses; the stage module's own output is freed once nothing
+        # else holds it. The last stage's output (the logits) only reaches the loss: a view, no copy.
+        return x.clone() if copy else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         dtype, device = ctx.aux_meta
-        return grad, torch.ones((), dtype=dtype, device=device)
+        return grad, torch.ones((), dtype=dtype, device=device), None
 
 
 @dataclass
@@ -98,11 +99,13 @@ class MoEStage(nn.Module):
     autocast wrapper) then the stage's auxiliary losses attached to the output (module doc). ``module``:
     the stage module itself (its MoE layers hold the last forward's aux losses and token counts); ``loss``:
     the pipeline's loss object (``scale``, ``loss_sum``: the micro-batch loss scale, the rank's loss sum);
-    ``clock.inferring``: inside torch's metadata inference (nothing counted)."""
+    ``clock.inferring``: inside torch's metadata inference (nothing counted); ``last``: the pipeline's last
+    stage (its output is not copied, see :class:`_AuxGrad`)."""
 
-    def __init__(self, run: nn.Module, module: nn.Module, loss: Any, clock: Any, tally: StageTokenTally) -> None:
+    def __init__(self, run: nn.Module, module: nn.Module, loss: Any, clock: Any, tally: StageTokenTally,
+                 last: bool) -> None:
         super().__init__()
-        self.run = run
+        self.run, self.last = run, last
         self._module = [module]  # (not a child: the parameters' names stay the stage module's)
         self._loss, self._clock, self._tally = loss, clock, tally
 
@@ -117,10 +120,11 @@ class MoEStage(nn.Module):
             self._loss.loss_sum += total.detach().double()
             self._tally.add(module)
         if isinstance(out, torch.Tensor):
-            return _AuxGrad.apply(out, total * self._loss.scale)
+            return _AuxGrad.apply(out, total * self._loss.scale, not self.last)
         # several outputs (a user's stage): the first one carries the stage's auxiliary gradient
         first = next(i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.requires_grad)
-        return type(out)(_AuxGrad.apply(t, total * self._loss.scale) if i == first else t for i, t in enumerate(out))
+        return type(out)(_AuxGrad.apply(t, total * self._loss.scale, not self.last) if i == first else t
+                         for i, t in enumerate(out))
 
 
 def expert_parameters(module: nn.Module) -> set[int]:

@@ -399,7 +399,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         dtype = autocast_dtype(plan.mixed_precision, module)  # bf16 without FSDP: autocast (parallel/precision.py)
         run = module if dtype is None else AutocastStage(module, dtype, device)
         if tally is not None and moe_layers(module):  # the stage's load-balancing losses join the backward
-            run = MoEStage(run, module, loss, clock, tally)
+            run = MoEStage(run, module, loss, clock, tally, last=index == n_stages - 1)
         stage = _TimedStage(run, index, n_stages, device, group=pp_group)
         stage.clock = clock
         modules.append(module)
