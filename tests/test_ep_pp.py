@@ -188,3 +188,38 @@ def test_ep_with_pp_is_a_valid_config_and_the_rule_names_what_is_left() -> None:
     with pytest.raises(ConfigError, match=r"parallel\.ep=4 does not divide the data-parallel size 2 \(world 4 / "
                                           r"2\); valid parallel\.ep values there: \[1, 2\]"):
         build_config(_spec(4, False, pp=2, ep=4))
+
+
+def test_the_planner_prices_ep_per_pipeline_stage() -> None:
+    """`plan --all-axes` offers ep x pp, runnable (ddp and fsdp stages, every schedule); a rank's experts, its
+    all-to-all bytes and its replica traffic are those of its own stage's MoE layers, counted from the
+    pipeline's own block split (an MoE layer every 4th block: all of it on the last stage). Against the
+    planner that priced a stage's experts as an even share of the model's (``ceil(layers / pp) / layers``),
+    the every-4 checks fail (half an MoE layer's experts on each stage)."""
+    from elastictrain.planner import GB, GIB, Candidate, Cluster, ModelShape, Training, memory, rank_layouts
+    from elastictrain.planner.memory import rank_params, stage_expert_params, stage_moe_layers
+    from elastictrain.planner.steptime import moved_bytes
+
+    gpu = Cluster(nodes=1, devices_per_node=8, device_memory=80 * GIB, flops=400e12, intra_node_bw=450 * GB,
+                  inter_node_bw=50 * GB)
+    train = Training(global_batch=32, micro_batch=2)
+    moe = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000, experts=8, top_k=2)
+    both = [e for e in rank_layouts(moe, train, gpu, runnable_only=False) if e.candidate.ep > 1 and e.candidate.pp > 1]
+    assert both and all(e.runnable == (e.candidate.layout_name in ("ddp", "fsdp") and e.candidate.tp == 1)
+                        for e in both)  # (ep with tp or hsdp: not yet, parallel.layout.ep_rule)
+    assert {e.candidate.schedule for e in both} >= {"gpipe", "1f1b", "interleaved_1f1b"}
+    layer = moe.expert_params / moe.moe_layers  # one MoE layer's experts
+    flat, staged = Candidate(dp_replicate=2, ep=2, micro_batch=2), Candidate(dp_replicate=2, ep=2, pp=2, micro_batch=2)
+    assert stage_moe_layers(moe, flat) == 4 and stage_moe_layers(moe, staged) == 2
+    assert stage_expert_params(moe, staged) == pytest.approx(2 * layer)
+    # the same tokens per rank (dp 2 both), half the MoE layers per rank: half the all-to-all bytes
+    assert moved_bytes(moe, train, gpu, staged)["ep"] == pytest.approx(moved_bytes(moe, train, gpu, flat)["ep"] / 2)
+    assert memory(moe, train, gpu, staged).params < memory(moe, train, gpu, flat).params
+    sparse = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000, experts=8, top_k=2, moe_every=4)
+    staged4 = Candidate(dp_replicate=2, ep=2, pp=2, micro_batch=2)
+    assert stage_moe_layers(sparse, staged4) == 1  # block 3: the last stage's
+    assert stage_expert_params(sparse, staged4) == pytest.approx(sparse.expert_params)
+    assert rank_params(sparse, staged4) == pytest.approx(
+        rank_params(sparse, Candidate(pp=2, micro_batch=2)) - sparse.expert_params / 2)
+    zbv = Candidate(dp_replicate=2, ep=2, pp=2, schedule="zbv", stages_per_rank=2, micro_batch=2)
+    assert stage_moe_layers(sparse, zbv) == 1  # stages 0..3 of one block each; block 3 on rank 0 (V shape)

@@ -85,15 +85,35 @@ def stage_params(model: ModelShape, c: Candidate) -> float:
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
-    moe = model.moe_extra_params * blocks / model.layers
+    moe = model.moe_extra_params / model.moe_layers * stage_moe_layers(model, c) if model.moe_layers else 0.0
     last = model.last_stage_params + (model.vocab * model.hidden if model.tied_embeddings else 0)
     return (blocks * model.block_params + moe + max(model.first_stage_params, last)) * model.scale
 
 
+def stage_moe_layers(model: ModelShape, c: Candidate) -> int:
+    """The MoE layers of the pp rank that holds the most (all of them without a pipeline): its stages' blocks
+    as the pipeline splits them (:func:`elastictrain.parallel.stages.block_ranges`, balanced; the stages a
+    rank runs under the schedule: :func:`~elastictrain.parallel.stages.local_stages`), counting blocks
+    ``every-1, 2 every-1, ...``. What one rank's experts, all-to-alls and split-size syncs scale with (ep x
+    pp shards each stage's experts over that stage's own data ranks)."""
+    if c.pp == 1 or not model.moe_layers:
+        return model.moe_layers
+    from elastictrain.parallel.stages import block_ranges, local_stages  # (pure: no torch)
+
+    n = c.pp * c.stages_per_rank
+    if model.layers < n:  # (a split the pipeline refuses: priced as an even share)
+        return math.ceil(model.moe_layers / c.pp)
+    ranges = block_ranges(model.layers, n)
+    return max(sum(1 for v in local_stages(c.schedule, c.pp, n, r) for b in ranges[v] if (b + 1) % model.moe_every == 0)
+               for r in range(c.pp))
+
+
 def stage_expert_params(model: ModelShape, c: Candidate) -> float:
-    """The experts among :func:`stage_params` (0 for a dense model), before expert parallel shards them."""
-    share = 1.0 if c.pp == 1 else math.ceil(model.layers / c.pp) / model.layers
-    return model.expert_params * model.scale * share
+    """The experts among :func:`stage_params` (0 for a dense model), before expert parallel shards them: those
+    of the rank's :func:`stage_moe_layers`."""
+    if not model.moe_layers:
+        return 0.0
+    return model.expert_params / model.moe_layers * stage_moe_layers(model, c) * model.scale
 
 
 def rank_params(model: ModelShape, c: Candidate) -> float:
@@ -196,7 +216,7 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     else:
         per_block, extra = full, 0.0
     moe_extra = moe_block_extra_bytes(model, train, c)
-    moe_blocks = math.ceil(model.moe_layers / c.pp)
+    moe_blocks = stage_moe_layers(model, c)
     if c.recompute == "none":
         per_stage = per_block * blocks + moe_extra * moe_blocks
     else:  # a recomputed MoE block holds its slots' buffers while it runs again

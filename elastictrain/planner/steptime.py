@@ -52,7 +52,9 @@
   (:data:`EP_SPLIT_SYNC_S`). DDP all-reduces the dense gradients over every data rank; the experts' over
   their ``dp / ep`` replicas. Under ep x fsdp each MoE layer's experts are an FSDP unit of their own over
   those ``edp = dp_shard / ep`` replicas (gathered and reduce-scattered there, ``1 / ep`` of the experts'
-  bytes), its router one over every data rank, the rest of the model as under fsdp. Compute counts the
+  bytes), its router one over every data rank, the rest of the model as under fsdp. Under pp (ep x pp) all
+  of it per stage: a rank's MoE layers are its stages' (:func:`~elastictrain.planner.memory.stage_moe_layers`,
+  the worst rank's), its ep group and expert replicas are its stage's data ranks. Compute counts the
   active parameters: each token runs ``top_k`` experts;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
@@ -82,7 +84,7 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_params
+from elastictrain.planner.memory import rank_params, stage_expert_params, stage_moe_layers, stage_params, state_params
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -295,7 +297,7 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
     if c.pp > 1:
         groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
     if c.ep > 1 and model.experts:
-        moe = math.ceil(model.moe_layers / c.pp)
+        moe = stage_moe_layers(model, c)
         forwards = 2 if c.recompute != "none" else 1
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
         edp = c.dp // c.ep
@@ -375,7 +377,7 @@ def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     tokens = train.global_batch * model.seq_len / c.dp
     passes = 3 if c.recompute != "none" else 2
     per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
-    return math.ceil(model.moe_layers / c.pp) * per_layer * (c.ep - 1) / c.ep
+    return stage_moe_layers(model, c) * per_layer * (c.ep - 1) / c.ep
 
 
 def cp_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> float:
@@ -410,7 +412,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     tp_s, pp_s, cp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"], moved["cp"] / links["cp"]
     ep_s = moved["ep"] / _ep_link(cluster, c)
     if c.ep > 1 and model.experts and cluster.kind != "cpu":  # the split sizes' device-to-host sync
-        ep_s += m * math.ceil(model.moe_layers / c.pp) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
+        ep_s += m * stage_moe_layers(model, c) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
     fsdp, final = moved["dp_shard"] / links["dp_shard"], moved["dp_replicate"] / links["dp_replicate"]
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
