@@ -223,3 +223,59 @@ def test_the_planner_prices_ep_per_pipeline_stage() -> None:
         rank_params(sparse, Candidate(pp=2, micro_batch=2)) - sparse.expert_params / 2)
     zbv = Candidate(dp_replicate=2, ep=2, pp=2, schedule="zbv", stages_per_rank=2, micro_batch=2)
     assert stage_moe_layers(sparse, zbv) == 1  # stages 0..3 of one block each; block 3 on rank 0 (V shape)
+
+
+def test_recovery_coverage_needs_every_stage_and_ep_coordinate() -> None:
+    """Pure: under pp2 x dp2 x ep2 (ranks 0, 1: stage 0, ep coordinates 0, 1; ranks 2, 3: stage 1) every rank
+    holds a distinct part (its stage's experts of its ep coordinate, MeshDims.holder_key), so a lost rank's
+    part comes from the peer tier, else the checkpoint; with dp4 per stage (8 ranks) its expert replica in
+    the same stage serves it."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+
+    dims = MeshDims(dp_replicate=2, pp=2, ep=2)
+    assert len({dims.holder_key(r) for r in range(4)}) == 4
+
+    def decide(d, survivors, memory=None):
+        return rank_sources(dp_replicate=d.dp_replicate, dp_shard=1, survivors=survivors, memory=memory or {},
+                            durable_step=2, last_step=5, pp=d.pp, dims=d)
+
+    assert decide(dims, {0: 5, 1: 5, 2: 5}, {5: True}).chosen.kind == "memory"
+    assert decide(dims, {0: 5, 1: 5, 2: 5}).chosen.kind == "checkpoint"
+    wide = MeshDims(dp_replicate=4, pp=2, ep=2)  # stage 1 = ranks 4..7; rank 7's replica: rank 5
+    assert wide.expert_replica_ranks(7) == [5, 7]
+    got = decide(wide, {r: 5 for r in range(8) if r != 7})
+    assert got.chosen.kind == "peer" and got.lost_steps == 0, got.reason
+
+
+@pytest.mark.slow
+def test_pp2_x_dp2_x_ep2_rank_killed_recovers_with_the_numbers_of_an_uninterrupted_run(tmp_path, ray_local) -> None:
+    """pp2 x dp2 x ep2 on 4 through the Trainer on Ray (stage 0 = ranks 0, 1; stage 1 = ranks 2, 3; each rank
+    one ep coordinate of its stage's experts), the peer tier every step: rank 3 is SIGKILLed mid-step. No
+    survivor holds its part (no expert replica: edp 1), so it comes from the peer memory tier; 3 workers
+    cannot run a whole pp x ep block, so the run waits for the replacement and goes on at 4. At most one step
+    is lost, every step saw its samples, and every step's loss (a redone one too) and the final parameters
+    are the uninterrupted run's (one process)."""
+    from tests.audit import assert_cursor_audit
+    from tests.conftest import run_job
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
+    from tests.test_pp_recovery import TIMEOUTS, _kept_their_process, _slow
+
+    steps, train = 8, {"global_batch": 8, "micro_batch": 2}
+    task = {"model": {**GPT, "n_layer": 2}, "optimizer": {"lr": 3e-3, "warmup_steps": 5}}
+    kill = {"rank": 3, "step": 5, "point": "mid_step", "kind": "kill"}
+    spec = job(task=task, train={**train, "steps": steps, "audit_samples": True}, workers={"min": 4, "max": 4},
+               parallel={"plan": "ddp", "pp": 2, "ep": 2}, faults=_slow(4) + [kill],
+               checkpoint={"memory_every_steps": 1}, recovery={"min_workers_wait_s": 240},
+               timeouts=dict(TIMEOUTS))
+    run = run_job(tmp_path, spec, name="pp2ep2kill")
+    assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 3)], run.of("failure")
+    rec = run.of("recovered")[0]
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 1 and rec["world_size"] == 4, rec
+    _kept_their_process(run, [0, 1, 2])
+    assert_cursor_audit(run, steps, GPT["seq_len"], train["global_batch"])
+    for e in run.of("step"):  # the load per expert of both stages' MoE layers, every step
+        assert sorted(e["tokens_per_expert"]) == ["blocks.0.moe", "blocks.1.moe"], e["tokens_per_expert"]
+    clean = InProcessRun(job(task=task, train={**train, "steps": steps}, workers={"min": 1, "max": 1}))
+    assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
