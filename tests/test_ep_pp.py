@@ -255,7 +255,9 @@ def test_pp2_x_dp2_x_ep2_rank_killed_recovers_with_the_numbers_of_an_uninterrupt
     survivor holds its part (no expert replica: edp 1), so it comes from the peer memory tier; 3 workers
     cannot run a whole pp x ep block, so the run waits for the replacement and goes on at 4. At most one step
     is lost, every step saw its samples, and every step's loss (a redone one too) and the final parameters
-    are the uninterrupted run's (one process)."""
+    are the uninterrupted run's (one process). Against a build whose holder key leaves the ep coordinate out
+    (ranks 2 and 3 taken for replicas of one part): the tier's snapshots count as incomplete and the run
+    restarts from scratch (source ``scratch``, 4 steps lost)."""
     from tests.audit import assert_cursor_audit
     from tests.conftest import run_job
     from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, InProcessRun, assert_same_numbers
