@@ -17,21 +17,22 @@ pp2 x ep2 layout ends with exactly that same deviation; every other element is w
 biases are left out of the parameter comparison as in tests/test_cp_pipeline.py (zero true gradient; their
 path is covered by the losses).
 
-Broken builds (measured on this machine, 2026-11-28), each failing the comparisons named:
+Broken builds (measured on this machine, 2026-11-28, with interleaved_1f1b among the layouts then), each
+failing the comparisons named:
 * the earlier stage's auxiliary loss left out of its backward (the aux gradient on the last stage only):
-  all 8 layouts, step 2's loss (GPT 5.84644 against 5.84790; every stage's aux left out: 5.84844);
-* the auxiliary losses counted in the (loss, stop) word by the last stage only: all 8, step 1's loss (GPT
-  5.7518 against 5.9529; none counted: 5.5493);
+  every layout, step 2's loss (GPT 5.84644 against 5.84790; every stage's aux left out: 5.84844);
+* the auxiliary losses counted in the (loss, stop) word by the last stage only: every layout, step 1's loss
+  (GPT 5.7518 against 5.9529; none counted: 5.5493);
 * the experts averaged over the stage's dp group with the dense part (ranks holding different experts
-  summed): the 6 ep2 ddp layouts, step 2's loss (5.84937 against 5.84790);
-* the expert gradients scaled by 1 / world instead of 1 / the stage's D: the 6 ep2 ddp layouts, the final
+  summed): every ep2 ddp layout, step 2's loss (5.84937 against 5.84790);
+* the expert gradients scaled by 1 / world instead of 1 / the stage's D: every ep2 ddp layout, the final
   blocks.2.moe.w_in off by 4.2e-3 (the losses stay within 1e-5: AdamW normalises most of a scale away);
 * the expert replicas taken from the non-pipeline (edp, ep) mesh, whose edp column pairs a rank of stage 0
   with one of stage 1: the run hangs (fsdp stages shard over it) -- the mesh test catches the grouping
   first: :func:`~elastictrain.parallel.expert_pipeline.ep_stage_mesh_blocks` without the pp coordinate gives
   one block over both stages (test_ep_stage_mesh_blocks_stay_inside_a_pipeline_coordinate fails).
-(fsdp stages reduce their experts by FSDP's reduce-scatter, and ep1 stages hold every expert: the 2 layouts
-the expert-gradient builds leave passing.)
+(fsdp stages reduce their experts by FSDP's reduce-scatter, and ep1 stages hold every expert: the two
+layouts the expert-gradient builds leave passing.)
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def one_process(tmp_path_factory) -> list[dict[str, Any]]:
     return _run(tmp_path_factory.mktemp("ref"), 1, [{}, {"llama": True}])
 
 
-PP2_EP2 = [{"pp": 2, "ep": 2, "pp_schedule": s} for s in SCHEDULES] + [
+# interleaved_1f1b is left out for time (~2 s a layout): it runs zero_bubble's loop-style stages without the
+# split backward, and matched one process as they do when measured (2026-11-28: losses within 6.3e-8).
+PP2_EP2 = [{"pp": 2, "ep": 2, "pp_schedule": s} for s in SCHEDULES if s != "interleaved_1f1b"] + [
     {"pp": 2, "ep": 2, "pp_schedule": "1f1b", "plan": "fsdp"},  # experts FSDP-sharded over edp (one rank)
     {"pp": 2, "pp_schedule": "1f1b"},  # MoE stages without ep: the experts replicated over the stage's dp
     {"pp": 2, "ep": 2, "pp_schedule": "1f1b", "llama": True}]
