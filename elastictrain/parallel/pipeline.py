@@ -45,6 +45,10 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
   last stage's loss is called with ``cp_group=`` (the whole sample's loss, summed over cp), the stages'
   gradients are averaged over ``dp x cp`` (the flattened group), and only cp coordinate 0 counts samples
   and losses.
+* a stage with mixture-of-experts layers runs inside :class:`~elastictrain.parallel.expert_pipeline.MoEStage`:
+  its load-balancing losses join its backward and the rank's loss sum, its token counts the step's tally;
+  under ``parallel.ep > 1`` each stage's experts are sharded over its own data ranks (``ep_mesh``) and left
+  out of the stage's gradient average (:mod:`elastictrain.parallel.expert_pipeline`);
 * ``parallel.mixed_precision: bf16`` on stages without FSDP: each stage's forward runs under
   ``torch.autocast`` and hands on fp32 outputs, so activations cross stages and reach the loss in fp32
   (:class:`elastictrain.parallel.precision.AutocastStage`); FSDP2 stages cast by their own policy.
