@@ -284,3 +284,40 @@ def test_pp2_x_dp2_x_ep2_rank_killed_recovers_with_the_numbers_of_an_uninterrupt
         assert sorted(e["tokens_per_expert"]) == ["blocks.0.moe", "blocks.1.moe"], e["tokens_per_expert"]
     clean = InProcessRun(job(task=task, train={**train, "steps": steps}, workers={"min": 1, "max": 1}))
     assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
+
+
+@pytest.mark.slow
+def test_pp2_x_ep2_checkpoint_resumes_under_one_process_with_the_same_numbers(tmp_path, ray_local) -> None:
+    """pp2 x dp2 x ep2 on 4 for 4 steps with a durable checkpoint every 2 (each stage's experts saved as
+    DTensor shards of its ep group, by the whole model's names, AdamW's state with them); one worker (no pp,
+    ep1: whole experts, plain tensors) resumes its step-4 checkpoint to 6 steps: every step's loss and the
+    final parameters are those of 6 uninterrupted one-process steps."""
+    from tests.conftest import run_job
+    from tests.parallel_fixtures import InProcessRun, assert_same_numbers
+
+    task = {"model": {**GPT, "n_layer": 2}, "optimizer": {"lr": 3e-3, "warmup_steps": 5}}
+    train = {"global_batch": 8, "micro_batch": 2, "audit_samples": True}
+    ckpt = str(tmp_path / "ckpt")
+
+    def spec(world: int, steps: int, **parallel: Any) -> dict[str, Any]:
+        out = job(task=task, train={**train, "steps": steps}, workers={"min": world, "max": world},
+                  parallel=parallel)
+        out["run_id"] = "eppp-resume"
+        out["checkpoint"] = {**out["checkpoint"], "uri": ckpt, "every_steps": 2}
+        return out
+
+    staged = run_job(tmp_path, spec(4, 4, pp=2, ep=2), name="pp2ep2")
+    assert staged.result.exit_code == 0 and staged.summary["final_step"] == 4, staged.summary
+    one = run_job(tmp_path, spec(1, 6), name="ep1")
+    assert one.result.exit_code == 0, one.summary
+    assert [e["step"] for e in one.of("resumed")] == [4], one.of("resumed")
+
+    class Both:  # the two runs' step events as one run's, the final parameters the resumed run's
+        events = staged.events + one.events
+        final_params = one.final_params
+
+        def of(self, name):
+            return [e for e in self.events if e["event"] == name]
+
+    clean = job(task=task, train={**train, "steps": 6}, workers={"min": 1, "max": 1})
+    assert_same_numbers(Both(), InProcessRun(clean))
