@@ -50,8 +50,8 @@ def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, 
 
 
 def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
-    runs = _run(tmp_path, 4, [{"tp": 2, "ep": 2, "_task": MOE, "_digest": True},
-                              {"tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
-                              {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE}])
-    for got in runs:
+    layouts = [{"tp": 2, "ep": 2, "_task": MOE, "_digest": True},
+               {"tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
+               {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE}]
+    for layout, got in zip(layouts, _run(tmp_path, 4, layouts), strict=True):
         _matches(got, one_process)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
 __all__ = ["MoEConfig", "MoEFeedForward", "moe_aux_loss", "moe_layers", "moe_token_counts"]
 
@@ -154,11 +154,7 @@ class MoEFeedForward(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [B, T, E] float32, experts [B, T, k] int64, gates [B, T, k] float32)``: the softmax of the
         router, each token's top-k experts (stable sort: ties to the lower index) and renormalised gates."""
-        w = self.router.weight
-        # replicated over the tp ranks that split the tokens (a DTensor): each rank's gradient is a partial
-        # sum over its tokens, summed by the tensor-parallel step (settle_grads) or FSDP
-        logits = F.linear(x, w.to_local(grad_placements=[Partial()])) if isinstance(w, DTensor) else self.router(x)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         order = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices
         experts = order[..., : self.cfg.top_k]
         chosen = probs.gather(-1, experts)

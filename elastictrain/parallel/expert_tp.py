@@ -15,8 +15,8 @@ tensor-parallel style:
   after it takes) and is otherwise all-gathered to the replicated ``[B, T, d]`` the residual expects (a
   ``Shard -> Replicate`` redistribute: the backward keeps the rank's slice of the replicated gradient);
 * the router is replicated over tp (a DTensor ``Replicate``): each rank routes its own tokens, so its
-  router gradient is a partial sum (``Partial``, summed by ``settle_grads`` under plan ddp, by FSDP2 under
-  fsdp), and the layer's ``token_group`` sums the load-balancing statistics over tp
+  weight gradient is a partial sum, summed over tp in backward (:class:`_SplitRouter`), and the layer's
+  ``token_group`` sums the load-balancing statistics over tp
   (:class:`~elastictrain.models.moe.MoEFeedForward`), so the aux loss and the token counts are one process's.
 
 Gradients: the experts as without tp (:func:`elastictrain.parallel.expert.reduce_expert_grads`: summed over
@@ -29,7 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -56,11 +59,14 @@ class MoETokenSplit(ParallelStyle):
         if device_mesh.ndim != 1:
             raise ValueError(f"MoETokenSplit needs the 1-D tp mesh, got {device_mesh.ndim} dims")
         router = module.router
-        for name, p in list(router.named_parameters(recurse=False)):
-            if not isinstance(p, DTensor):  # (src_data_rank=None: every rank holds the same seeded copy)
-                rep = DTensor.from_local(p.detach(), device_mesh, [Replicate()], run_check=False)
-                router.register_parameter(name, nn.Parameter(rep, requires_grad=p.requires_grad))
-        module.token_group = device_mesh.get_group()
+        if type(router) is not nn.Linear or router.bias is not None:
+            raise TypeError(f"MoETokenSplit expects the MoE router to be a bias-free nn.Linear, got {router}")
+        w = router.weight  # (src_data_rank=None: every rank holds the same seeded copy)
+        rep = DTensor.from_local(w.detach(), device_mesh, [Replicate()], run_check=False)
+        router.weight = nn.Parameter(rep, requires_grad=w.requires_grad)
+        # still called as a module (an FSDP unit's hooks gather its weight), on this rank's tokens
+        router.__class__ = _SplitRouter
+        router.token_group = module.token_group = device_mesh.get_group()
         if not self.sequence_parallel:
             whole: list[torch.Size] = []  # the replicated input's shape, for the gather of the output
 
@@ -79,3 +85,32 @@ class MoETokenSplit(ParallelStyle):
             module.register_forward_pre_hook(split)
             module.register_forward_hook(gather)
         return module
+
+
+class _SplitRouter(nn.Linear):
+    """The MoE router under ep x tp: a weight replicated over the tp ranks (a DTensor), applied to this rank's
+    tokens. Each rank's weight gradient is a partial sum over its own tokens: summed over ``token_group`` in
+    backward, so the parameter's gradient is the whole one, ``Replicate`` as FSDP2 and the tensor-parallel
+    step expect of a replicated weight."""
+
+    token_group: ProcessGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        return F.linear(x, _SumGradOverGroup.apply(local, self.token_group))
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """The identity whose backward is all_reduce(SUM) over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
