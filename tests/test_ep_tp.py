@@ -17,12 +17,12 @@ AdamW steps): the same per-row math in another order of sums (tp's sharded matmu
 grouping, the aux statistics summed over tp).
 
 Against broken builds (run before trusting it): every tp rank dispatching the whole replicated input (the
-token split of ``MoETokenSplit`` removed: each expert sees every token tp times, the layer's output and the
-router gradient doubled): step 1's loss already differs on tp2 x ep2; the aux statistics not summed over tp
-(``token_group`` left None by the style: each rank's f and P of its half of the positions): step 1's loss
-differs (the aux term of half a sample); the experts left in tp's data-parallel average (``dense`` ->
-every parameter in ``TensorParallelModel``): tp2 x dp2 x ep2's final parameters differ (expert gradients
-halved).
+token split of ``MoETokenSplit`` off without sequence parallel: each expert sees every token twice, the
+router and expert gradients doubled): step 2's loss differs on tp2 x ep2 (step 1's equals: the forward is
+the same); the aux statistics not summed over tp (``_SumOverGroup``'s all-reduce removed: each rank's f and P
+of its half of the positions): step 1's loss differs; the experts left in tp's data-parallel average
+(``TensorParallelModel`` averaging every parameter over dp): tp2 x dp2 x ep2's step 2 loss differs (the
+expert gradients halved).
 """
 
 from __future__ import annotations
