@@ -356,10 +356,10 @@ def builtin_task(config: JobConfig) -> Task:
 
 def _check_moe_layout(config: JobConfig) -> None:
     """``task.model.moe`` runs with data and expert parallelism, and with tensor parallelism when the expert
-    group borrows the tp ranks (ep x tp: ``parallel.ep`` a multiple of ``parallel.tp``, the built-in GPT;
+    group borrows the tp ranks (ep x tp: ``parallel.ep`` a multiple of ``parallel.tp``;
     elastictrain/parallel/expert_tp.py): pipeline stages would drop the earlier stages' load-balancing
     losses, and under tp with ``ep = 1`` every tp rank would hold every expert and route the same tokens,
-    so pp > 1, or tp > 1 without such an ep (or with the Llama), is a ConfigError naming the fix; so are
+    so pp > 1, or tp > 1 with ep = 1, is a ConfigError naming the fix; so are
     ``parallel.compile`` and ``task.init_from`` (dense Hugging Face weights)."""
     from elastictrain.config import ConfigError
 
@@ -369,11 +369,10 @@ def _check_moe_layout(config: JobConfig) -> None:
     if p.pp > 1:
         raise ConfigError(f"task.model.moe is set with parallel.pp={p.pp}: a mixture-of-experts model runs without "
                           "pipeline stages for now; set parallel.pp=1, or remove task.model.moe")
-    if p.tp > 1 and (p.ep == 1 or t.kind == "llama"):
-        fix = (f"set parallel.ep to a multiple of parallel.tp={p.tp} (the expert group borrows the tp ranks)"
-               if t.kind != "llama" else "set parallel.tp=1 (ep x tp runs on the built-in GPT, task.kind=tiny_gpt)")
-        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp}, parallel.ep={p.ep}, task.kind={t.kind}: "
-                          f"the experts are not split over tp; {fix}, or remove task.model.moe")
+    if p.tp > 1 and p.ep == 1:
+        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp} and parallel.ep=1: the experts are not "
+                          f"split over tp; set parallel.ep to a multiple of parallel.tp={p.tp} (the expert group "
+                          "borrows the tp ranks), or parallel.tp=1, or remove task.model.moe")
     if p.compile:  # the routing reads split sizes on the host (.tolist()): no fullgraph block
         raise ConfigError("task.model.moe is set with parallel.compile=true: the MoE routing reads its split sizes "
                           "on the host, which a fullgraph compile of the block refuses; set parallel.compile=false "

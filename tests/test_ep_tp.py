@@ -55,3 +55,17 @@ def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) ->
                {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE}]
     for layout, got in zip(layouts, _run(tmp_path, 4, layouts), strict=True):
         _matches(got, one_process)
+
+
+LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
+
+
+def test_llama_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path) -> None:
+    """The built-in Llama's MoE layers (SwiGLU experts, no dropout) under the same plan."""
+    (tmp_path / "ref").mkdir()
+    ref = _run(tmp_path / "ref", 1, [{"_task": LLAMA_MOE}])[0]
+    runs = _run(tmp_path, 2, [{"tp": 2, "ep": 2, "_task": LLAMA_MOE},
+                              {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": LLAMA_MOE}])
+    for got in runs:
+        assert got["tp_sharded"], "no parameter is tensor-parallel"
+        _matches(got, ref)

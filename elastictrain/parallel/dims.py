@@ -64,9 +64,10 @@ class MeshDims:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MeshDims.{name} must be an int >= 1, got {v!r}")
-        if self.ep > 1 and (self.ep % self.tp or (self.dp * self.tp) % self.ep):
-            raise ValueError(f"MeshDims.ep={self.ep} must be a multiple of tp={self.tp} dividing the expert "
-                             f"ranks dp x tp = {self.dp * self.tp}")
+        if self.tp == 1 and self.dp % self.ep:
+            raise ValueError(f"MeshDims.ep={self.ep} must divide the data-parallel size {self.dp}")
+        if (self.dp * self.tp) % self.ep:  # ep x tp (module doc; that ep is a multiple of tp is ep_rule's)
+            raise ValueError(f"MeshDims.ep={self.ep} must divide the expert ranks dp x tp = {self.dp * self.tp}")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -215,14 +216,14 @@ class MeshDims:
         return tuple((self.stride(n), getattr(self, n)) for n in self.holder_axes() if n != "ep")
 
     def holder_keys(self) -> list[tuple[int, ...]]:
-        """Every :meth:`holder_key` of the layout, in lexicographic order (under ep x tp only the pairs that
-        exist: an ep coordinate fixes the tp coordinate, ``ep_coord % tp``)."""
+        """Every :meth:`holder_key` of the layout, in lexicographic order (under ep x tp only the (tp, ep)
+        coordinate pairs some rank holds: an ep group spans tp ranks)."""
         keys = [()]
         for a in self.holder_axes():
             keys = [(*k, i) for k in keys for i in range(getattr(self, a))]
-        if self.ep > 1 and self.tp > 1:
-            tp_at = self.holder_axes().index("tp")
-            keys = [k for k in keys if k[-1] % self.tp == k[tp_at]]
+        if self.ep > 1 and self.tp > 1:  # (the ep coordinate spans tp: not every pair exists)
+            held = {self.holder_key(r) for r in range(self.world_size)}
+            keys = [k for k in keys if k in held]
         return keys
 
     def snapshot_coord(self, rank: int) -> dict[str, int]:

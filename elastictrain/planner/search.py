@@ -39,7 +39,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp or fsdp without pp/tp/cp: is_runnable, parallel.layout.ep_rule)
+    axes.add("ep")  # (under ddp or fsdp without pp/cp, a multiple of tp: is_runnable, parallel.layout.ep_rule)
     return frozenset(axes)
 
 
