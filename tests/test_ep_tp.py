@@ -31,9 +31,73 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import job
 from tests.test_tensor_parallel import MODEL, _matches, _run
 
 MOE = {"model": {**MODEL, "moe": {"experts": 4, "top_k": 2, "every": 1, "aux_coef": 0.1}}}
+
+
+# ------------------------------------------------------------------------------------------------ pure
+
+
+def test_ep_groups_span_the_tp_ranks() -> None:
+    from elastictrain.parallel.dims import MeshDims
+
+    dims = MeshDims(dp_replicate=2, tp=2, ep=2)  # ranks (dp, tp): 0 (0,0) 1 (0,1) 2 (1,0) 3 (1,1)
+    assert [dims.expert_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    assert dims.ep_group_ranks(1) == [0, 1] and dims.ep_group_ranks(2) == [2, 3]  # the tp group
+    assert dims.expert_replica_ranks(0) == [0, 2] and dims.expert_replica_ranks(3) == [1, 3]
+    assert [dims.edp_coord(r) for r in range(4)] == [0, 0, 1, 1]
+    # recovery coverage: (tp, dp_shard, ep) pairs some rank holds; ep coordinate 1 sits on tp coordinate 1
+    assert dims.holder_keys() == [(0, 0, 0, 0), (0, 1, 0, 1)]
+    assert {dims.holder_key(r) for r in range(4)} == set(dims.holder_keys())
+    four = MeshDims(dp_shard=2, tp=2, ep=4, plan="fsdp")
+    assert four.ep_group_ranks(3) == [0, 1, 2, 3] and four.expert_replica_ranks(2) == [2]
+    assert MeshDims(dp_replicate=4, ep=2).ep_group_ranks(1) == [0, 1]  # without tp: as before
+    with pytest.raises(ValueError, match=r"MeshDims\.ep=4 must divide the expert ranks dp x tp = 2"):
+        MeshDims(tp=2, ep=4)
+
+
+def test_ep_rule_and_resolution_name_the_valid_values() -> None:
+    from elastictrain.parallel.layout import LayoutSpec, ep_rule, is_valid, resolve, valid_ep
+
+    assert valid_ep(2, 2) == [1, 2, 4] and valid_ep(3, 2) == [1, 2, 6] and valid_ep(4, 1) == [1, 2, 4]
+    assert ep_rule(1, 2, 2) is None and ep_rule(1, 2, 4, "fsdp") is None
+    assert "valid parallel.ep values with tp=4: 1 or a multiple of 4" in ep_rule(1, 4, 2)
+    spec = LayoutSpec("ddp", 8, 2, tp=2, ep=4)
+    assert resolve(spec, 4).dims.ep == 4
+    ok, why = is_valid(LayoutSpec("ddp", 6, 1, tp=2, ep=4), 6)  # dp 3 x tp 2 = 6 expert ranks
+    assert not ok and "parallel.ep=4 does not divide dp x tp = 3 x 2" in why and "[1, 2, 6]" in why
+
+
+@pytest.mark.parametrize("parallel, needle", [
+    ({"tp": 2}, r"task\.model\.moe is set with parallel\.tp=2 and parallel\.ep=1: .*set parallel\.ep to a multiple "
+                r"of parallel\.tp=2"),
+    ({"tp": 2, "ep": 2, "pp": 2}, r"parallel\.ep=2 with parallel\.pp=2"),
+])
+def test_moe_with_tp_needs_an_ep_borrowing_the_tp_ranks(parallel, needle) -> None:
+    from elastictrain.config import ConfigError, build_config
+    from elastictrain.task import builtin_task
+
+    with pytest.raises(ConfigError, match=needle):
+        builtin_task(build_config(job(task=MOE, workers={"min": 4, "max": 4}, parallel=parallel)))
+    builtin_task(build_config(job(task=MOE, workers={"min": 4, "max": 4}, parallel={"tp": 2, "ep": 2})))
+
+
+def test_planner_keeps_the_experts_whole_under_tp() -> None:
+    from elastictrain.planner import Candidate, ModelShape
+    from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_params
+
+    moe = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000, experts=8, top_k=2)
+    c = Candidate(dp_replicate=2, tp=2, ep=2, micro_batch=2)
+    experts = stage_expert_params(moe, c)
+    assert rank_params(moe, c) == pytest.approx((stage_params(moe, c) - experts) / 2 + experts / 2)
+    f = Candidate(dp_shard=2, tp=2, ep=2, micro_batch=2)  # fsdp, edp = 2 x 2 / 2
+    dense = (stage_params(moe, f) - experts) / 2
+    assert state_params(moe, f) == pytest.approx(dense / 2 + experts / 4)
+
+
+# ------------------------------------------------------------------------------------------ gloo ranks
 
 
 @pytest.fixture(scope="module")
