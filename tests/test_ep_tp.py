@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import job
-from tests.test_tensor_parallel import MODEL, _matches, _run
+from tests.test_tensor_parallel import MODEL, _matches, _resumed_matches, _run
 
 MOE = {"model": {**MODEL, "moe": {"experts": 4, "top_k": 2, "every": 1, "aux_coef": 0.1}}}
 
@@ -106,11 +106,18 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
 
 
 def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_process) -> None:
+    """And a checkpoint of tp2 x ep2 after two steps (DCP, by name) resumes in one process: its third step
+    is the uninterrupted run's."""
+    ckpt = str(tmp_path / "tp2ep2")
     runs = _run(tmp_path, 2, [{"tp": 2, "ep": 2, "_task": MOE},
-                              {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": MOE, "_digest": True}])
-    for got in runs:
+                              {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": MOE, "_digest": True},
+                              {"tp": 2, "ep": 2, "_task": MOE, "_steps": 2, "_save": ckpt}])
+    for got in runs[:2]:
         assert got["tp_sharded"], "no parameter is tensor-parallel"
         _matches(got, one_process)
+    (tmp_path / "one").mkdir()
+    resumed = _run(tmp_path / "one", 1, [{"_task": MOE, "_load": ckpt, "_steps": 1}])[0]
+    _resumed_matches(resumed, one_process, 2)
 
 
 def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:

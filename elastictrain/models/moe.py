@@ -246,6 +246,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def moe_token_counts(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward. The step's
-    global counts are their sum over the data-parallel ranks (one all_reduce of the stacked tensor)."""
+    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward (a layer whose
+    ``token_group`` splits the tokens: the group's, summed over it). The step's global counts are their sum
+    over the data-parallel ranks (one all_reduce of the stacked tensor)."""
     return {name: m.tokens_per_expert for name, m in moe_layers(model).items() if m.tokens_per_expert is not None}
