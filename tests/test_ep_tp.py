@@ -8,13 +8,17 @@ harness: seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
 every step's loss, every step's clip norm, the audited sample ids and the final gathered parameters equal one
 process's:
 
-* tp2 x ep2 on 2 ranks, sequence parallel on and off (one ep group = the tp group, no expert replica);
+* tp2 x ep2 on 2 ranks, sequence parallel on and off, GPT and Llama (one ep group = the tp group, no expert
+  replica), and its checkpoint resumed under ddp2 x ep1 (the experts resharded by DCP);
 * tp2 x dp2 x ep2 (ddp: experts replicated over the 2 data ranks, reduced by ``ExpertParallel.reduce_grads``;
   fsdp: FSDP-sharded over them) and tp2 x dp2 x ep4 (one ep group over all 4 ranks) on 4 ranks.
 
 Tolerance: tests/test_tensor_parallel.py's (loss and clip norm rtol 1e-5, parameters atol 1e-4 after three
 AdamW steps): the same per-row math in another order of sums (tp's sharded matmuls, the all-to-all's
 grouping, the aux statistics summed over tp).
+
+Pure: the ep groups and replicas over the expert ranks, recovery coverage's holder keys, ep_rule's and the
+resolver's valid values, the task's refusal of MoE under tp without ep, the planner's per-rank shares.
 
 Against broken builds (run before trusting it): every tp rank dispatching the whole replicated input (the
 token split of ``MoETokenSplit`` off without sequence parallel: each expert sees every token twice, the
@@ -100,43 +104,36 @@ def test_planner_keeps_the_experts_whole_under_tp() -> None:
 # ------------------------------------------------------------------------------------------ gloo ranks
 
 
+LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}])[0]
+    """The GPT's and the Llama's one-process runs (one process start for both)."""
+    gpt, llama = _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}, {"_task": LLAMA_MOE}])
+    return {"gpt": gpt, "llama": llama}
 
 
 def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_process) -> None:
-    """And a checkpoint of tp2 x ep2 after two steps (DCP, by name) resumes in one process: its third step
-    is the uninterrupted run's."""
+    """GPT and Llama (SwiGLU experts, no dropout), sequence parallel on and off. And a checkpoint of tp2 x ep2
+    after two steps (DCP, by name) resumes under ddp2 with ep1 (every expert whole on each rank, no tp):
+    its third step is the uninterrupted run's."""
     ckpt = str(tmp_path / "tp2ep2")
     runs = _run(tmp_path, 2, [{"tp": 2, "ep": 2, "_task": MOE},
                               {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": MOE, "_digest": True},
-                              {"tp": 2, "ep": 2, "_task": MOE, "_steps": 2, "_save": ckpt}])
-    for got in runs[:2]:
+                              {"tp": 2, "ep": 2, "_task": MOE, "_steps": 2, "_save": ckpt},
+                              {"_task": MOE, "_load": ckpt, "_steps": 1},
+                              {"tp": 2, "ep": 2, "_task": LLAMA_MOE},
+                              {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": LLAMA_MOE}])
+    for got, ref in zip(runs[:2] + runs[4:], ["gpt", "gpt", "llama", "llama"], strict=True):
         assert got["tp_sharded"], "no parameter is tensor-parallel"
-        _matches(got, one_process)
-    (tmp_path / "one").mkdir()
-    resumed = _run(tmp_path / "one", 1, [{"_task": MOE, "_load": ckpt, "_steps": 1}])[0]
-    _resumed_matches(resumed, one_process, 2)
+        _matches(got, one_process[ref])
+    _resumed_matches(runs[3], one_process["gpt"], 2)
 
 
 def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
     layouts = [{"tp": 2, "ep": 2, "_task": MOE, "_digest": True},
                {"tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
                {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE}]
-    for layout, got in zip(layouts, _run(tmp_path, 4, layouts), strict=True):
-        _matches(got, one_process)
-
-
-LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
-
-
-def test_llama_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path) -> None:
-    """The built-in Llama's MoE layers (SwiGLU experts, no dropout) under the same plan."""
-    (tmp_path / "ref").mkdir()
-    ref = _run(tmp_path / "ref", 1, [{"_task": LLAMA_MOE}])[0]
-    runs = _run(tmp_path, 2, [{"tp": 2, "ep": 2, "_task": LLAMA_MOE},
-                              {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": LLAMA_MOE}])
-    for got in runs:
-        assert got["tp_sharded"], "no parameter is tensor-parallel"
-        _matches(got, ref)
+    for got in _run(tmp_path, 4, layouts):
+        _matches(got, one_process["gpt"])
