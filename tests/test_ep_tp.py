@@ -99,6 +99,14 @@ def test_planner_keeps_the_experts_whole_under_tp() -> None:
     f = Candidate(dp_shard=2, tp=2, ep=2, micro_batch=2)  # fsdp, edp = 2 x 2 / 2
     dense = (stage_params(moe, f) - experts) / 2
     assert state_params(moe, f) == pytest.approx(dense / 2 + experts / 4)
+    # --all-axes searches ep up to dp x tp, runnable where tp divides it; MoE under tp without ep is not
+    from elastictrain.planner import GIB, Cluster, Training, rank_layouts
+
+    cl = Cluster(nodes=1, devices_per_node=8, device_memory=80 * GIB, flops=400e12, intra_node_bw=450e9,
+                 inter_node_bw=50e9)
+    ranked = rank_layouts(moe, Training(global_batch=32, micro_batch=2), cl, runnable_only=False)
+    assert any(e.runnable and e.candidate.tp == 2 and e.candidate.ep > e.candidate.dp for e in ranked)
+    assert not any(e.runnable and e.candidate.tp > 1 and e.candidate.ep % e.candidate.tp for e in ranked)
 
 
 # ------------------------------------------------------------------------------------------ gloo ranks
