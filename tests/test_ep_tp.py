@@ -11,7 +11,8 @@ process's:
 * tp2 x ep2 on 2 ranks, sequence parallel on and off, GPT and Llama (one ep group = the tp group, no expert
   replica), and its checkpoint resumed under ddp2 x ep1 (the experts resharded by DCP);
 * tp2 x dp2 x ep2 (ddp: experts replicated over the 2 data ranks, reduced by ``ExpertParallel.reduce_grads``;
-  fsdp: FSDP-sharded over them) and tp2 x dp2 x ep4 (one ep group over all 4 ranks) on 4 ranks.
+  fsdp, sequence parallel on and off: FSDP-sharded over them) and tp2 x dp2 x ep4 (one ep group over all 4
+  ranks) on 4 ranks.
 
 Tolerance: tests/test_tensor_parallel.py's (loss and clip norm rtol 1e-5, parameters atol 1e-4 after three
 AdamW steps): the same per-row math in another order of sums (tp's sharded matmuls, the all-to-all's
@@ -142,6 +143,7 @@ def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, 
 def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
     layouts = [{"tp": 2, "ep": 2, "_task": MOE, "_digest": True},
                {"tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
-               {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE}]
+               {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE},
+               {"tp": 2, "ep": 2, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
     for got in _run(tmp_path, 4, layouts):
         _matches(got, one_process["gpt"])
