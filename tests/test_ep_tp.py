@@ -27,7 +27,8 @@ router and expert gradients doubled): step 2's loss differs on tp2 x ep2 (step 1
 the same); the aux statistics not summed over tp (``_SumOverGroup``'s all-reduce removed: each rank's f and P
 of its half of the positions): step 1's loss differs; the experts left in tp's data-parallel average
 (``TensorParallelModel`` averaging every parameter over dp): tp2 x dp2 x ep2's step 2 loss differs (the
-expert gradients halved).
+expert gradients halved); ``holder_keys`` listing every (tp, ep) pair (the filter removed): the pure
+coverage tests fail (keys no rank holds).
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def test_ep_groups_span_the_tp_ranks() -> None:
     assert MeshDims(dp_replicate=4, ep=2).ep_group_ranks(1) == [0, 1]  # without tp: as before
     with pytest.raises(ValueError, match=r"MeshDims\.ep=4 must divide the expert ranks dp x tp = 2"):
         MeshDims(tp=2, ep=4)
+
+
+def test_recovery_under_ep_x_tp_needs_a_survivor_of_every_tp_and_ep_coordinate() -> None:
+    """tp2 x dp2 x ep2: ranks 0, 2 hold (tp 0, ep 0) and 1, 3 hold (tp 1, ep 1). Losing rank 1 leaves its
+    replica 3 (a peer restore); losing 1 and 3 leaves no holder of tp 1 / ep 1."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+
+    dims = MeshDims(dp_replicate=2, tp=2, ep=2)
+    kept = rank_sources(dp_replicate=1, dp_shard=1, dims=dims, survivors={0: 4, 2: 4, 3: 4}, memory={},
+                        durable_step=None, last_step=4)
+    assert kept.chosen.kind == "peer" and kept.chosen.ranks == (0, 3), kept.reason
+    lost = rank_sources(dp_replicate=1, dp_shard=1, dims=dims, survivors={0: 4, 2: 4}, memory={},
+                        durable_step=None, last_step=4)
+    assert lost.chosen.kind == "scratch" and "lack (tp coordinate, shard coordinate, ep coordinate) [(1, 0, 1)]" \
+        in lost.reason, lost.reason
 
 
 def test_ep_rule_and_resolution_name_the_valid_values() -> None:
