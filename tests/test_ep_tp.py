@@ -6,7 +6,7 @@ slice of the positions, dispatches it to the experts over the ep group and gives
 layer expects (elastictrain/parallel/expert_tp.py). Runs the worker's StepRunner (tests/test_tensor_parallel.py's
 harness: seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip, dropout on) for three steps:
 every step's loss, every step's clip norm, the audited sample ids and the final gathered parameters equal one
-process's:
+process's, and the step events' per-expert token counts are the global batch's (step 1's one process's):
 
 * tp2 x ep2 on 2 ranks, sequence parallel on and off, GPT and Llama (one ep group = the tp group, no expert
   replica), and its checkpoint resumed under ddp2 x ep1 (the experts resharded by DCP);
@@ -28,7 +28,8 @@ the same); the aux statistics not summed over tp (``_SumOverGroup``'s all-reduce
 of its half of the positions): step 1's loss differs; the experts left in tp's data-parallel average
 (``TensorParallelModel`` averaging every parameter over dp): tp2 x dp2 x ep2's step 2 loss differs (the
 expert gradients halved); ``holder_keys`` listing every (tp, ep) pair (the filter removed): the pure
-coverage tests fail (keys no rank holds).
+coverage tests fail (keys no rank holds); the step's token counts summed over the world without dividing
+by tp: every layer's counts sum to twice the slots.
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, 
     for got, ref in zip(runs[:2] + runs[4:], ["gpt", "gpt", "llama", "llama"], strict=True):
         assert got["tp_sharded"], "no parameter is tensor-parallel"
         _matches(got, one_process[ref])
+        _same_load(got, one_process[ref])
     _resumed_matches(runs[3], one_process["gpt"], 2)
 
 
@@ -164,3 +166,12 @@ def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) ->
                {"tp": 2, "ep": 2, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
     for got in _run(tmp_path, 4, layouts):
         _matches(got, one_process["gpt"])
+        _same_load(got, one_process["gpt"])
+
+
+def _same_load(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    """The step events' ``tokens_per_expert``: every layer's counts sum to global_batch x seq_len x top_k
+    (each data rank's tokens once, not once per tp rank), and step 1's (the same weights) are one process's."""
+    slots = 8 * MODEL["seq_len"] * 2
+    assert all(sum(c) == slots for step in got["tokens_per_expert"] for c in step.values()), got["tokens_per_expert"]
+    assert got["tokens_per_expert"][0] == ref["tokens_per_expert"][0]
