@@ -102,6 +102,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             if digest:
                 dist.all_gather_object(parts, runner.digest_part())
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
+                            "tokens_per_expert": [r.tokens_per_expert for r in records],
                             "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms),
                             "digest": combine(parts) if digest else None})
         if rank == 0:

@@ -17,6 +17,13 @@ Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE
 (1 * coef when perfectly balanced; ``f`` carries no gradient, ``P`` trains the router). After each forward a
 layer holds ``aux_loss`` (``[B]``, in the graph) and ``tokens_per_expert`` (``[E]`` int64, this rank's
 token slots per expert, detached); :func:`moe_aux_loss` and :func:`moe_token_counts` collect them.
+
+Split tokens (ep x tp, elastictrain/parallel/expert_tp.py): with ``token_group`` set, each rank of that group
+holds a disjoint slice of every sample's positions (``x`` is ``[B, T / tp, d]``). The per-sample statistics
+(slot counts and summed router probabilities) are then summed over the group before ``f`` and ``P`` are
+formed, so ``aux_loss`` is the whole sample's (the same value on every rank of the group: the sum's backward
+is the identity, each rank's share of ``P`` gets the gradient of the one loss) and ``tokens_per_expert`` is
+the whole micro-batch's, as one process counts them.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 __all__ = ["MoEConfig", "MoEFeedForward", "moe_aux_loss", "moe_layers", "moe_token_counts"]
@@ -102,6 +111,8 @@ class MoEFeedForward(nn.Module):
         # enable_expert_parallel, which also sets ``dispatch`` (None: every expert is local).
         self.expert_offset, self.local_experts = 0, e
         self.dispatch: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # the ranks that split this layer's tokens by position (ep x tp: the tp group), None: not split
+        self.token_group: ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.reset_parameters()
@@ -179,11 +190,14 @@ class MoEFeedForward(nn.Module):
         k, e = self.cfg.top_k, self.cfg.experts
         probs, experts, gates = self.route(x)
         slots = experts.reshape(-1)  # slot s = token s // k, its (s % k)-th choice
-        counts = torch.bincount(slots, minlength=e)
-        self.tokens_per_expert = counts.detach()
-        # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
-        f = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float() / (t * k)
-        self.aux_loss = self.cfg.aux_coef * e * (f * probs.mean(dim=1)).sum(dim=-1)
+        if self.token_group is None:
+            counts = torch.bincount(slots, minlength=e)
+            self.tokens_per_expert = counts.detach()
+            # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
+            f = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float() / (t * k)
+            self.aux_loss = self.cfg.aux_coef * e * (f * probs.mean(dim=1)).sum(dim=-1)
+        else:
+            self.aux_loss = self._split_aux_loss(probs, experts)
         tokens = x.reshape(b * t, d).repeat_interleave(k, dim=0)  # one row per slot, slot order
         if self.dispatch is None:
             y = _local_dispatch(self, tokens, slots)
@@ -191,6 +205,35 @@ class MoEFeedForward(nn.Module):
             y = self.dispatch(self, tokens, slots)
         out = (y.view(b * t, k, d) * gates.reshape(b * t, k, 1).to(y.dtype)).sum(dim=1)
         return out.view(b, t, d)
+
+
+    def _split_aux_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The per-sample aux loss when ``token_group`` splits each sample's positions: this rank's slot
+        counts and router probability sums per (sample, expert), summed over the group in one all-reduce
+        (identity backward), then ``f`` and ``P`` of the whole sample. Sets ``tokens_per_expert``."""
+        b, t, e = probs.shape
+        k = self.cfg.top_k
+        counts = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).to(probs.dtype)  # exact below 2**24
+        stats = _SumOverGroup.apply(torch.cat([counts, probs.sum(dim=1)], dim=-1), self.token_group)
+        counts, psum = stats[:, :e].detach(), stats[:, e:]
+        whole = counts.sum(dim=-1, keepdim=True) / k  # each sample's positions over the group (k slots each)
+        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)
+        return self.cfg.aux_coef * e * (counts / (whole * k) * (psum / whole)).sum(dim=-1)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) over ``group`` whose backward is the identity: the sum feeds a loss that every rank
+    of the group computes alike (replicated), so each rank's addend gets that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
 
 
 def grouped_mm_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
@@ -243,6 +286,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def moe_token_counts(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward. The step's
-    global counts are their sum over the data-parallel ranks (one all_reduce of the stacked tensor)."""
+    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward (a layer whose
+    ``token_group`` splits the tokens: the group's, summed over it). The step's global counts are their sum
+    over the data-parallel ranks (one all_reduce of the stacked tensor)."""
     return {name: m.tokens_per_expert for name, m in moe_layers(model).items() if m.tokens_per_expert is not None}

@@ -378,6 +378,8 @@ class StepRunner:
                 self.ep.reduce_grads(self.pm.model)
             if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
                 hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
+            elif self.moe and self.ep is not None:  # ep x tp: each tp rank holds its data rank's whole counts
+                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD, self.layout.dims.tp)
         return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
@@ -550,7 +552,7 @@ class StepRunner:
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
-            along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
+            along["edp"] = self.layout.dims.edp_coord(self.rank) == 0
         skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
         state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
         return local_part(state, plain_primary=all(along.values()), primary_along=along)
