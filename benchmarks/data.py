@@ -99,7 +99,7 @@ def read_rate(w: PreparedWindows, n: int, ahead: bool) -> float:
     t = time.perf_counter()
     for k in range(0, n, 16):
         if ahead:
-            w.prefetch(ids[k:k + 32])
+            w.prefetch([ids[k:k + 16], ids[k + 16:k + 32]])  # this batch of 16 and the next
         for i in ids[k:k + 16]:
             w[int(i)]
     return n * (w.seq_len + 1) / (time.perf_counter() - t)

@@ -298,8 +298,9 @@ class ParallelConfig(_Section):
                                                              "sequence; null = on when tp > 1")
     cp: int = Field(1, ge=1, description="context-parallel ranks (mesh axis between dp_shard and tp): each "
                                          "sample's sequence is split over them; the world is pp x dp x cp x tp")
-    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep data-parallel ranks that share "
-                                         "tokens and split the experts; must divide the data-parallel size")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep expert ranks (data-parallel x tp "
+                                         "ranks) that share tokens and split the experts; must divide dp x tp "
+                                         "and, under tp, be a multiple of tp")
 
     @model_validator(mode="after")
     def _ep_composes(self) -> ParallelConfig:

@@ -30,7 +30,8 @@ class Task:
     - ``optimizer_fn(params)`` builds the optimizer.
     - ``dataset_fn()`` returns a map-style dataset (``len`` and ``__getitem__(int) -> dict of tensors``);
       every worker must build the same dataset. ``collate_fn(samples)`` (optional; default: stack each key)
-      makes a micro-batch of them. A dataset with ``prefetch(ids)`` (a prepared corpus) has the next step's
+      makes a micro-batch of them. A dataset with ``prefetch(batches)`` (a prepared corpus; ``batches``: the
+      scheduled micro-batches' id tuples, to start reading) has the next step's
       micro-batches read and collated in a background thread while a step computes
       (:mod:`elastictrain.data.prefetch`): its ``__getitem__`` and ``collate_fn`` must then be thread-safe
       pure functions of their inputs (no global RNG).
@@ -179,6 +180,8 @@ def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) 
     (``batch["positions"]``: this rank's part of each sample) the whole sample's loss summed over the cp
     ranks (:func:`elastictrain.parallel.context.cp_sample_loss`; MoE is refused there)."""
     from elastictrain.models.gpt import per_sample_loss
+    from torch.distributed.tensor import DTensor
+
     from elastictrain.models.moe import moe_aux_loss
     from elastictrain.parallel.context import cp_group_of, cp_sample_loss
 
@@ -186,6 +189,8 @@ def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) 
     group = cp_group_of(model) if "positions" in batch else None
     loss = per_sample_loss(logits, batch["target"]) if group is None else cp_sample_loss(logits, batch["target"], group)
     aux = moe_aux_loss(model) if model.training else None
+    if aux is not None and isinstance(loss, DTensor):  # tensor parallel: the aux loss is replicated over tp
+        loss = loss.to_local()
     return loss if aux is None else loss + aux.to(loss.dtype)
 
 
@@ -352,18 +357,20 @@ def builtin_task(config: JobConfig) -> Task:
 
 def _check_moe_layout(config: JobConfig) -> None:
     """``task.model.moe`` runs with data, expert and pipeline parallelism (each stage's load-balancing losses
-    join its backward and the step's loss: parallel/expert_pipeline.py); the tensor-parallel plans name the
-    dense MLP, so tp > 1 is a ConfigError naming the fix; so are ``parallel.compile`` and
-    ``task.init_from`` (dense Hugging Face weights)."""
+    join its backward and the step's loss: parallel/expert_pipeline.py), and with tensor parallelism when the
+    expert group borrows the tp ranks (ep x tp: ``parallel.ep`` a multiple of ``parallel.tp``;
+    elastictrain/parallel/expert_tp.py): under tp with ``ep = 1`` every tp rank would hold every expert and
+    route the same tokens, so tp > 1 with ep = 1 is a ConfigError naming the fix; so are ``parallel.compile``
+    and ``task.init_from`` (dense Hugging Face weights). (ep with both pp and tp: parallel.layout.ep_rule.)"""
     from elastictrain.config import ConfigError
 
     p, t = config.parallel, config.task
     if t.model.moe is None:
         return
-    if p.tp > 1:
-        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp}: a mixture-of-experts model runs with "
-                          "data, expert and pipeline parallelism only for now; set parallel.tp=1, or remove "
-                          "task.model.moe")
+    if p.tp > 1 and p.ep == 1:
+        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp} and parallel.ep=1: the experts are not "
+                          f"split over tp; set parallel.ep to a multiple of parallel.tp={p.tp} (the expert group "
+                          "borrows the tp ranks), or parallel.tp=1, or remove task.model.moe")
     if p.compile:  # the routing reads split sizes on the host (.tolist()): no fullgraph block
         raise ConfigError("task.model.moe is set with parallel.compile=true: the MoE routing reads its split sizes "
                           "on the host, which a fullgraph compile of the block refuses; set parallel.compile=false "

@@ -330,8 +330,8 @@ def test_eval_loss_on_the_console_and_in_the_report_view():
 
 
 def test_s3_ranged_reads_match_local_windows(prepared, s3_server, s3_bucket):
-    """The prepared corpus uploaded to moto's S3: windows read by ranged GETs (with the read-ahead) equal
-    the local ones, and the fingerprint (from the manifest) is the same."""
+    """The prepared corpus uploaded to moto's S3: windows read by ranged GETs (a batch's in one coalesced
+    read, with the read-ahead) equal the local ones, and the fingerprint (from the manifest) is the same."""
     import s3fs
 
     opts = s3_server.options()
@@ -342,12 +342,13 @@ def test_s3_ranged_reads_match_local_windows(prepared, s3_server, s3_bucket):
     remote = PreparedWindows(f"{s3_bucket}/corpus", SEQ, storage_options=opts)
     assert not remote.local and remote.fingerprint() == local.fingerprint()
     ids = [0, 7, local.starts[1] // SEQ, len(local) - 1]
-    remote.prefetch(ids + [3])
+    remote.prefetch([ids, [3]])
     for i in ids:
         assert remote[i]["input"].tolist() == local[i]["input"].tolist()
-    assert set(remote._ahead) == {3}
-    remote.prefetch([9])  # the unused 3 is dropped: what waits is what was last asked for
-    assert set(remote._ahead) == {9}
+    assert remote.batch(ids)["target"].tolist() == local.batch(ids)["target"].tolist()
+    assert set(remote._ahead) == {(3,)}  # the taken batch is gone
+    remote.prefetch([[9]])  # the unused 3 is dropped: what waits is what was last asked for
+    assert set(remote._ahead) == {(9,)}
     remote.close()
 
 

@@ -30,8 +30,8 @@ class BatchPrefetcher:
     """Assemble micro-batches of ``dataset`` with ``collate`` in one background thread, keyed by sample ids.
 
     ``dataset[i]`` and ``collate`` must be pure functions of their inputs and safe to call from a thread
-    beside the step (neither may touch the global RNG); a dataset with ``prefetch(ids)`` (a prepared corpus)
-    is also asked to start its own ranged reads of the scheduled windows. ``batch``: a function of the ids that
+    beside the step (neither may touch the global RNG); a dataset with ``prefetch(batches)`` (a prepared
+    corpus) is also asked to start its own ranged reads of the scheduled batches (one coalesced read each). ``batch``: a function of the ids that
     returns exactly ``collate`` of their items, faster (``PreparedWindows.batch`` with the default collate). Call :meth:`close` when done: it
     drops what is pending and stops the thread.
     """
@@ -57,7 +57,7 @@ class BatchPrefetcher:
         keys = [tuple(int(i) for i in ids) for ids in batches]
         prefetch = getattr(self.dataset, "prefetch", None)
         if prefetch is not None:  # the dataset's own parallel ranged reads (S3); the thread then finds them
-            prefetch([i for key in keys for i in key])
+            prefetch(keys)
         with self._lock:
             if self._pool is None:
                 raise RuntimeError("BatchPrefetcher.schedule after close()")

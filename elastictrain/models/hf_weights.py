@@ -8,8 +8,9 @@ checks names and shapes with it before any worker starts. :func:`load_hf_weights
 model (whole under ddp, DTensor shards under fsdp/hsdp/tp, a stage's subset under pp) through
 ``torch.distributed.checkpoint.load``: DCP's planner asks for exactly the slice each local tensor holds.
 Local paths read through torch's own ``HuggingFaceStorageReader`` (``safe_open`` + ``get_slice``); other
-filesystems through a ranged reader (:func:`make_reader`), which fetches byte ranges (a slice of rows is one range; a
-slice of columns, a tensor-parallel row-wise layer, fetches its rows whole and keeps its columns).
+filesystems through a ranged reader (:func:`make_reader`), which fetches only the bytes a rank holds: a slice of rows
+is one range, a slice of columns (a tensor-parallel row-wise layer) one range per row, and every range of the
+rank's plan goes out together, merged where the bytes between two are few (:mod:`elastictrain.byte_ranges`).
 Collective-free: each rank plans and reads alone (``no_dist=True``).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.byte_ranges import WEIGHTS_MERGE_GAP, fetch, slice_runs
 from elastictrain.config import ConfigError
 from elastictrain.models.hf_llama import hf_from_ours
 
@@ -121,9 +123,11 @@ def _element_bytes(dtype: str) -> int:
     return torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSource | None = None) -> Any:
+def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSource | None = None,
+                merge_gap: int | None = None) -> Any:
     """The DCP StorageReader for the checkpoint at ``uri``: torch's ``HuggingFaceStorageReader`` for a local
-    path, a ranged reader otherwise."""
+    path, a ranged reader otherwise (:func:`_read_plan`; ``merge_gap``: bytes between two ranges read as one,
+    default :data:`elastictrain.byte_ranges.WEIGHTS_MERGE_GAP`)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        StorageMeta, TensorProperties, TensorStorageMetadata)
@@ -152,12 +156,8 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
             return md
 
         def read_data(self, plan: Any, planner: Any) -> Future[None]:
-            for req in plan.items:
-                e: TensorEntry = self.storage_data[req.storage_index]
-                t = _read_slice(fs, e, list(req.storage_offsets), list(req.lengths))
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(t)
-                planner.commit_tensor(req, target)
+            _read_plan(fs, [(self.storage_data[req.storage_index], req) for req in plan.items], planner,
+                       WEIGHTS_MERGE_GAP if merge_gap is None else merge_gap)
             fut: Future[None] = Future()
             fut.set_result(None)
             return fut
@@ -165,23 +165,61 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
     return _Ranged()
 
 
-def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int]) -> torch.Tensor:
-    """The slice ``[offsets, offsets + lengths)`` of one stored tensor: one byte range covering its rows
-    (dimension 0), the other dimensions cut after reading."""
-    es = _element_bytes(e.dtype)
-    if not e.shape:
-        row_elems, o0, l0 = 1, 0, 1
-    else:
-        row_elems = 1
-        for d in e.shape[1:]:
-            row_elems *= d
-        o0, l0 = offsets[0], lengths[0]
-    start = e.start + o0 * row_elems * es
-    data = fs.cat_file(e.file, start=start, end=start + l0 * row_elems * es)
-    t = torch.frombuffer(bytearray(data), dtype=_DTYPES[e.dtype]).reshape((l0, *e.shape[1:]) if e.shape else ())
-    for dim in range(1, len(e.shape)):
-        t = t.narrow(dim, offsets[dim], lengths[dim])
-    return t
+# Bytes spanned by the items of one ``cat_ranges`` call: a rank's whole plan (GBs for a large model) is never
+# held twice, and a row-wise slice whose gaps merge counts its rows whole
+_FETCH_BYTES = 256 << 20
+
+
+def _read_plan(fs: Any, items: list[tuple[TensorEntry, Any]], planner: Any, gap: int) -> None:
+    """Read DCP's ``(entry, ReadItem)`` pairs of one rank and commit each into its target: each item's byte
+    runs (:func:`~elastictrain.byte_ranges.slice_runs`) fetched together, in calls of about
+    :data:`_FETCH_BYTES` spanned, merged over gaps of at most ``gap`` bytes."""
+    batch: list[tuple[TensorEntry, Any, list[tuple[int, int]]]] = []
+    size = 0
+    for e, req in sorted(items, key=lambda it: (it[0].file, it[0].start, list(it[1].storage_offsets))):
+        runs = slice_runs(e.shape, list(req.storage_offsets), list(req.lengths), _element_bytes(e.dtype))
+        batch.append((e, req, runs))
+        size += runs[-1][1] - runs[0][0] if runs else 0  # the span: what its merged reads may fetch
+        if size >= _FETCH_BYTES:
+            _fetch_and_commit(fs, batch, planner, gap)
+            batch, size = [], 0
+    if batch:
+        _fetch_and_commit(fs, batch, planner, gap)
+
+
+def _fetch_and_commit(fs: Any, batch: list[tuple[TensorEntry, Any, list[tuple[int, int]]]], planner: Any,
+                      gap: int) -> None:
+    pieces = [(e.file, e.start + a, e.start + b) for e, _, runs in batch for a, b in runs]
+    got = iter(fetch(fs, pieces, gap))
+    for e, req, runs in batch:
+        t = _assemble(e, list(req.lengths), runs, [next(got) for _ in runs])
+        target = planner.resolve_tensor(req).detach()
+        target.copy_(t)
+        planner.commit_tensor(req, target)
+
+
+def _assemble(e: TensorEntry, lengths: list[int], runs: list[tuple[int, int]], parts: list[memoryview]
+              ) -> torch.Tensor:
+    """The slice of ``lengths`` from its runs' bytes (C order, as :func:`slice_runs` lists them)."""
+    buf = bytearray(sum(b - a for a, b in runs))
+    pos = 0
+    for (a, b), part in zip(runs, parts):
+        if len(part) != b - a:
+            raise OSError(f"short read of {e.file}: {len(part)} bytes at {e.start + a}, {b - a} expected (the "
+                          "file is shorter than its safetensors header says)")
+        buf[pos:pos + b - a] = part
+        pos += b - a
+    if not buf:
+        return torch.empty(lengths, dtype=_DTYPES[e.dtype])
+    return torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).reshape(lengths)
+
+
+def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int], gap: int = WEIGHTS_MERGE_GAP
+                ) -> torch.Tensor:
+    """The slice ``[offsets, offsets + lengths)`` of one stored tensor, read alone (its runs merged as a
+    plan's are)."""
+    runs = slice_runs(e.shape, offsets, lengths, _element_bytes(e.dtype))
+    return _assemble(e, lengths, runs, fetch(fs, [(e.file, e.start + a, e.start + b) for a, b in runs], gap))
 
 
 def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str, Any] | None,

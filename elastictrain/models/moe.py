@@ -8,7 +8,8 @@ batch it shares, nor of how many ranks hold the experts (elastictrain/parallel/e
 
 The experts are stacked ``[E, ...]`` parameters (sharding the experts over an ep group slices dim 0). The
 expert MLP has the shape of the model's dense MLP: ``gelu`` (GPT: ``w_out(gelu(x w_in + b_in)) + b_out``) or
-``swiglu`` (Llama: ``w2(silu(x w1) * x w3)``).
+``swiglu`` (Llama: ``w2(silu(x w1) * x w3)``), run as grouped GEMMs in bf16 and as a loop otherwise
+(:meth:`MoEFeedForward.run_experts`).
 
 Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE sample, so the loss contract
 (a per-sample loss independent of how the batch is split) holds. For sample ``b`` with T tokens:
@@ -16,6 +17,13 @@ Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE
 (1 * coef when perfectly balanced; ``f`` carries no gradient, ``P`` trains the router). After each forward a
 layer holds ``aux_loss`` (``[B]``, in the graph) and ``tokens_per_expert`` (``[E]`` int64, this rank's
 token slots per expert, detached); :func:`moe_aux_loss` and :func:`moe_token_counts` collect them.
+
+Split tokens (ep x tp, elastictrain/parallel/expert_tp.py): with ``token_group`` set, each rank of that group
+holds a disjoint slice of every sample's positions (``x`` is ``[B, T / tp, d]``). The per-sample statistics
+(slot counts and summed router probabilities) are then summed over the group before ``f`` and ``P`` are
+formed, so ``aux_loss`` is the whole sample's (the same value on every rank of the group: the sum's backward
+is the identity, each rank's share of ``P`` gets the gradient of the one loss) and ``tokens_per_expert`` is
+the whole micro-batch's, as one process counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 __all__ = ["MoEConfig", "MoEFeedForward", "moe_aux_loss", "moe_layers", "moe_token_counts"]
@@ -101,6 +111,8 @@ class MoEFeedForward(nn.Module):
         # enable_expert_parallel, which also sets ``dispatch`` (None: every expert is local).
         self.expert_offset, self.local_experts = 0, e
         self.dispatch: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # the ranks that split this layer's tokens by position (ep x tp: the tp group), None: not split
+        self.token_group: ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.reset_parameters()
@@ -125,9 +137,15 @@ class MoEFeedForward(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The local experts on ``x`` ``[N, d]`` grouped by local expert (``counts[j]`` rows for local expert j,
-        in order): a loop of dense matmuls (the tested path; CPU has no grouped GEMM). A sharded expert
-        tensor (a DTensor ``Shard(0)`` over the ep mesh) is used through its local slice."""
+        in order). In bfloat16 (FSDP's bf16 parameters, or a bf16 autocast) one grouped GEMM per expert
+        matmul (``torch._grouped_mm``, :func:`grouped_mm_applies`); otherwise a loop of dense matmuls. A
+        sharded expert tensor (a DTensor ``Shard(0)`` over the ep mesh) is used through its local slice."""
         w = {name: _local(getattr(self, name)) for name in self.expert_names}
+        if grouped_mm_applies(x, [w[n] for n in self.expert_names if not n.startswith("b_")]):
+            return self._run_grouped(x, counts, w)
+        return self._run_loop(x, counts, w)
+
+    def _run_loop(self, x: torch.Tensor, counts: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
         outs = []
         start = 0
         for j, n in enumerate(counts):
@@ -139,6 +157,24 @@ class MoEFeedForward(nn.Module):
             else:
                 outs.append((F.silu(rows @ w["w1"][j]) * (rows @ w["w3"][j])) @ w["w2"][j])
         return torch.cat(outs) if outs else x.new_zeros(0, self.d_model)
+
+    def _run_grouped(self, x: torch.Tensor, counts: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
+        # What grouped_mm_applies admitted: bf16 values, or a bf16 autocast. Each matmul casts its operands
+        # to bf16 as autocast's does, and the biases are added in their own dtype, as in the loop.
+        bf16 = torch.bfloat16
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+
+        def mm(a: torch.Tensor, name: str) -> torch.Tensor:
+            return torch._grouped_mm(a.to(bf16), w[name].to(bf16), offs=offs)
+
+        def bias(h: torch.Tensor, name: str) -> torch.Tensor:
+            # per expert, as the loop adds it: each bias's gradient is the same row sum (an indexed add
+            # would accumulate it row by row, in bf16 under FSDP's bf16 parameters)
+            return torch.cat([rows + w[name][j] for j, rows in enumerate(h.split(counts))])
+
+        if self.activation == "gelu":
+            return bias(mm(F.gelu(bias(mm(x, "w_in"), "b_in")), "w_out"), "b_out")
+        return mm(F.silu(mm(x, "w1")) * mm(x, "w3"), "w2")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [B, T, E] float32, experts [B, T, k] int64, gates [B, T, k] float32)``: the softmax of the
@@ -154,11 +190,14 @@ class MoEFeedForward(nn.Module):
         k, e = self.cfg.top_k, self.cfg.experts
         probs, experts, gates = self.route(x)
         slots = experts.reshape(-1)  # slot s = token s // k, its (s % k)-th choice
-        counts = torch.bincount(slots, minlength=e)
-        self.tokens_per_expert = counts.detach()
-        # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
-        f = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float() / (t * k)
-        self.aux_loss = self.cfg.aux_coef * e * (f * probs.mean(dim=1)).sum(dim=-1)
+        if self.token_group is None:
+            counts = torch.bincount(slots, minlength=e)
+            self.tokens_per_expert = counts.detach()
+            # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
+            f = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float() / (t * k)
+            self.aux_loss = self.cfg.aux_coef * e * (f * probs.mean(dim=1)).sum(dim=-1)
+        else:
+            self.aux_loss = self._split_aux_loss(probs, experts)
         tokens = x.reshape(b * t, d).repeat_interleave(k, dim=0)  # one row per slot, slot order
         if self.dispatch is None:
             y = _local_dispatch(self, tokens, slots)
@@ -166,6 +205,50 @@ class MoEFeedForward(nn.Module):
             y = self.dispatch(self, tokens, slots)
         out = (y.view(b * t, k, d) * gates.reshape(b * t, k, 1).to(y.dtype)).sum(dim=1)
         return out.view(b, t, d)
+
+
+    def _split_aux_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The per-sample aux loss when ``token_group`` splits each sample's positions: this rank's slot
+        counts and router probability sums per (sample, expert), summed over the group in one all-reduce
+        (identity backward), then ``f`` and ``P`` of the whole sample. Sets ``tokens_per_expert``."""
+        b, t, e = probs.shape
+        k = self.cfg.top_k
+        counts = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).to(probs.dtype)  # exact below 2**24
+        stats = _SumOverGroup.apply(torch.cat([counts, probs.sum(dim=1)], dim=-1), self.token_group)
+        counts, psum = stats[:, :e].detach(), stats[:, e:]
+        whole = counts.sum(dim=-1, keepdim=True) / k  # each sample's positions over the group (k slots each)
+        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)
+        return self.cfg.aux_coef * e * (counts / (whole * k) * (psum / whole)).sum(dim=-1)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) over ``group`` whose backward is the identity: the sum feeds a loss that every rank
+    of the group computes alike (replicated), so each rank's addend gets that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def grouped_mm_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """PURE (of dtypes, shapes and strides): does the experts' matmul run as one ``torch._grouped_mm`` (the
+    grouped GEMM; fused kernels on CUDA, a correct one on CPU) rather than a loop? Where torch has the op,
+    the matmul is in bfloat16 (the values are, or a bf16 autocast is on for ``x``'s device: the op takes
+    bf16 only, and a loop would round to bf16 per matmul all the same), there are rows, and every operand's
+    rows are 16-byte aligned (its last dimension a multiple of 8 bf16 values), as the kernels require."""
+    if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or x.shape[0] == 0:
+        return False
+    kind = x.device.type
+    autocast = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+    if not autocast and not (x.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in weights)):
+        return False
+    return all(t.shape[-1] % 8 == 0 and t.is_contiguous() for t in (x, *weights))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -203,6 +286,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def moe_token_counts(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward. The step's
-    global counts are their sum over the data-parallel ranks (one all_reduce of the stacked tensor)."""
+    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward (a layer whose
+    ``token_group`` splits the tokens: the group's, summed over it). The step's global counts are their sum
+    over the data-parallel ranks (one all_reduce of the stacked tensor)."""
     return {name: m.tokens_per_expert for name, m in moe_layers(model).items() if m.tokens_per_expert is not None}

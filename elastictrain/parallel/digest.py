@@ -68,7 +68,8 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
         # an expert DTensor lives on the ep axis, a factor of the data ranks: replicated over "edp" only,
         # unless FSDP shards it there too (ep x fsdp: its mesh is (edp, ep)); a flattened dimension spans
         # its parts: "dp_shard_cp" is a data-parallel and a cp dimension
-        spans = {"dp": dp or "ep" in names, "tp": "tp" in names, "edp": dp or "edp" in names,
+        # (ep x tp: the ep axis spans the tp ranks too, each holding other experts)
+        spans = {"dp": dp or "ep" in names, "tp": "tp" in names or "ep" in names, "edp": dp or "edp" in names,
                  "cp": any("cp" in n.split("_") for n in names)}
         return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary

@@ -19,9 +19,12 @@ Roles (what an axis does to the training state and to the data):
 * ``batch_axes`` (``dp_replicate``, ``dp_shard``): ranks that see different samples;
 * ``seq_axes`` (``cp``): ranks that see different positions of the same samples.
 
-Expert parallel (``ep``) is not a world axis: it factors the data-parallel ranks of one
-(pp, cp, tp) coordinate into groups of ``ep`` consecutive data ranks that exchange tokens (all-to-all)
-and hold different experts (:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`).
+Expert parallel (``ep``) is not a world axis: it factors the expert ranks of one (pp, cp) coordinate --
+the data-parallel ranks times the tp ranks, ``dp x tp = edp x ep`` (torchtitan's rule with expert tensor
+parallel degree 1: the expert group borrows the tp ranks, so under tp ``ep`` is a multiple of ``tp``) --
+into groups of ``ep`` consecutive expert ranks that exchange tokens (all-to-all) and hold different experts
+(:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`). A rank's expert rank is
+``dp_rank x tp + tp coordinate`` (:meth:`MeshDims.expert_rank`): without tp, its data-parallel rank.
 Pure: no torch.distributed.
 """
 
@@ -61,8 +64,10 @@ class MeshDims:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MeshDims.{name} must be an int >= 1, got {v!r}")
-        if self.dp % self.ep:
+        if self.tp == 1 and self.dp % self.ep:
             raise ValueError(f"MeshDims.ep={self.ep} must divide the data-parallel size {self.dp}")
+        if (self.dp * self.tp) % self.ep:  # ep x tp (module doc; that ep is a multiple of tp is ep_rule's)
+            raise ValueError(f"MeshDims.ep={self.ep} must divide the expert ranks dp x tp = {self.dp * self.tp}")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -211,10 +216,14 @@ class MeshDims:
         return tuple((self.stride(n), getattr(self, n)) for n in self.holder_axes() if n != "ep")
 
     def holder_keys(self) -> list[tuple[int, ...]]:
-        """Every :meth:`holder_key` of the layout, in lexicographic order."""
+        """Every :meth:`holder_key` of the layout, in lexicographic order (under ep x tp only the (tp, ep)
+        coordinate pairs some rank holds: an ep group spans tp ranks)."""
         keys = [()]
         for a in self.holder_axes():
             keys = [(*k, i) for k in keys for i in range(getattr(self, a))]
+        if self.ep > 1 and self.tp > 1:  # (the ep coordinate spans tp: not every pair exists)
+            held = {self.holder_key(r) for r in range(self.world_size)}
+            keys = [k for k in keys if k in held]
         return keys
 
     def snapshot_coord(self, rank: int) -> dict[str, int]:
@@ -227,24 +236,35 @@ class MeshDims:
         return {n: getattr(self, n) for n in SNAPSHOT_AXES}
 
     # ------------------------------------------------------------------ expert parallel
+    def expert_rank(self, rank: int) -> int:
+        """``rank``'s index among the expert ranks of its (pp, cp) coordinate (0..dp x tp - 1):
+        ``dp_rank x tp + tp coordinate`` (the tp ranks split a data rank's tokens under ep x tp)."""
+        return self.dp_rank(rank) * self.tp + self.coord(rank)["tp"]
+
     def ep_coord(self, rank: int) -> int:
         """``rank``'s position in its expert-parallel group (which experts it holds)."""
-        return self.dp_rank(rank) % self.ep
+        return self.expert_rank(rank) % self.ep
+
+    def edp_coord(self, rank: int) -> int:
+        """Which expert-parallel group ``rank`` is in (its coordinate among the replicas of its experts)."""
+        return self.expert_rank(rank) // self.ep
 
     def ep_group_ranks(self, rank: int) -> list[int]:
-        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive data ranks of the same
-        (pp, cp, tp) coordinate, ``rank`` included, ascending."""
-        return self._data_ranks(rank, lambda d: d // self.ep == self.dp_rank(rank) // self.ep)
+        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive expert ranks of the same
+        (pp, cp) coordinate (of the same tp coordinate too without tp), ``rank`` included, ascending."""
+        return self._expert_ranks(rank, lambda e: e // self.ep == self.edp_coord(rank))
 
     def expert_replica_ranks(self, rank: int) -> list[int]:
-        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp/cp/tp coordinate):
+        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp/cp coordinate):
         their expert gradients are averaged together."""
-        return self._data_ranks(rank, lambda d: d % self.ep == self.ep_coord(rank))
+        return self._expert_ranks(rank, lambda e: e % self.ep == self.ep_coord(rank))
 
-    def _data_ranks(self, rank: int, keep: object) -> list[int]:
+    def _expert_ranks(self, rank: int, keep: object) -> list[int]:
         c = self.coord(rank)
         out = []
-        for d in range(self.dp):
-            if keep(d):  # type: ignore[operator]
-                out.append(self.rank({**c, "dp_replicate": d // self.dp_shard, "dp_shard": d % self.dp_shard}))
+        for e in range(self.dp * self.tp):
+            if keep(e):  # type: ignore[operator]
+                d, t = divmod(e, self.tp)
+                out.append(self.rank({**c, "dp_replicate": d // self.dp_shard, "dp_shard": d % self.dp_shard,
+                                      "tp": t}))
         return sorted(out)

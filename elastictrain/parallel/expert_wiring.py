@@ -17,10 +17,11 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``cp = tp = 1`` (:func:`elastictrain.parallel.layout.ep_rule`
-refuses the rest at config time). Without pp the data ranks are the world; under pp (ep x pp) each stage's
-data ranks are factored the same way and the pipeline wires them
-(:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
+Supported: ``parallel.plan`` ``ddp`` or ``fsdp`` with ``cp = 1`` and ``tp`` dividing ``ep`` (ep x tp: the
+expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`;
+:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the expert ranks
+(``dp x tp``) are the world; under pp (ep x pp, tp = 1) each stage's data ranks are factored the same way and
+the pipeline wires them (:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class TokenTally:
         if counts:
             self.parts.append(dict(counts))
 
-    def total(self, group: dist.ProcessGroup | None) -> dict[str, list[int]] | None:
+    def total(self, group: dist.ProcessGroup | None, copies: int = 1) -> dict[str, list[int]] | None:
         """``{layer: [slots per expert]}`` summed over ``group`` (the data ranks; one all-reduce, every
-        rank of it calls this), None without MoE layers."""
-        return step_token_counts(self.parts, group) or None
+        rank of it calls this), None without MoE layers. ``copies``: how many ranks of ``group`` hold
+        each data rank's counts (ep x tp: its tp ranks, whose layers sum the counts over tp), divided out."""
+        got = step_token_counts(self.parts, group) or None
+        return got if got is None or copies == 1 else {n: [c // copies for c in v] for n, v in got.items()}

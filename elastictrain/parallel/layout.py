@@ -9,7 +9,8 @@ Rules, checked together:
 * the mesh is ``pp x dp_replicate x dp_shard x cp x tp`` (:class:`~elastictrain.parallel.dims.MeshDims`,
   outermost first). ``W = pp * D * cp * tp`` with ``D = dp_replicate * dp_shard`` the data-parallel size of
   each (pipeline stage, cp, tp coordinate): ``W`` must be a multiple of ``pp * cp * tp`` (a shrink or grow
-  moves whole blocks of them); ``parallel.ep`` must divide ``D`` (:func:`ep_rule` for what it composes with);
+  moves whole blocks of them); ``parallel.ep`` must divide ``D x tp`` (the expert ranks; a multiple of tp under
+  tp: :func:`ep_rule` for what it composes with);
 * ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
   ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
   be a positive multiple of ``shard_size``);
@@ -163,9 +164,10 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
         whole = "whole " + " of whole ".join(groups)
         return f"{what} needs a multiple of {n} workers ({whole}), got {world_size}"
     d = world_size // n
-    if d % spec.ep:
-        valid = [e for e in range(1, d + 1) if d % e == 0]
-        return (f"parallel.ep={spec.ep} does not divide the data-parallel size {d} (world {world_size} / "
+    if (d * spec.tp) % spec.ep:  # the expert ranks: dp x tp (ep borrows the tp ranks, ep_rule)
+        valid = valid_ep(d, spec.tp)
+        where = f"the data-parallel size {d}" if spec.tp == 1 else f"dp x tp = {d} x {spec.tp}"
+        return (f"parallel.ep={spec.ep} does not divide {where} (world {world_size} / "
                 f"{n}); valid parallel.ep values there: {valid}")
     axes = dict(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep)
     if spec.plan == "ddp":
@@ -271,20 +273,36 @@ def cp_layout_rule(cp: int, moe: bool) -> str | None:
     return None
 
 
+def valid_ep(dp: int, tp: int) -> list[int]:
+    """The expert-parallel degrees that run on ``dp`` data ranks of ``tp`` tensor-parallel ranks each:
+    the divisors of the expert ranks ``dp x tp`` that are multiples of ``tp`` (1 included: no ep)."""
+    return [1] + [e for e in range(max(2, tp), dp * tp + 1) if e % tp == 0 and (dp * tp) % e == 0]
+
+
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
-    data-parallel ranks ``D = edp x ep`` of a ``ddp`` or ``fsdp`` plan (torchtitan's ``dp_shard = efsdp x
-    ep`` with cp = tp = 1: under fsdp the experts are FSDP-sharded over the edp ranks, the dense part over
-    all D). Under ``pp`` (any schedule) each stage's data ranks are factored so: a stage's experts are
-    sharded over its own D ranks (parallel/expert_pipeline.py). hsdp, cp and tp with ep are later work."""
+    expert ranks ``dp x tp = edp x ep`` of a ``ddp`` or ``fsdp`` plan (torchtitan's ``dp_shard x tp = efsdp x
+    ep`` with expert tensor parallel degree 1, cp = 1: the experts are not split over tp, the expert group
+    borrows the tp ranks, so ``ep`` is a multiple of ``tp``; under fsdp the experts are FSDP-sharded over the
+    edp ranks, the dense part over all data ranks). Under ``pp`` (any schedule, tp = 1) each stage's data
+    ranks are factored so: a stage's experts are sharded over its own D ranks (parallel/expert_pipeline.py).
+    hsdp, cp, and pp with tp, with ep are later work."""
     if ep == 1:
         return None
-    if cp > 1 or tp > 1:
+    if cp > 1:
         return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
                 "data-parallel ranks only for now; set parallel.cp=1 and parallel.tp=1, or parallel.ep=1")
+    if tp > 1 and ep % tp:
+        valid = [e for e in range(tp, 8 * tp + 1, tp)]
+        return (f"parallel.ep={ep} with parallel.tp={tp}: the expert group borrows the tensor-parallel ranks (the "
+                f"experts are not split over tp), so ep must be a multiple of tp; valid parallel.ep values with "
+                f"tp={tp}: 1 or a multiple of {tp} dividing dp x tp (e.g. {valid}); set parallel.ep to one of them")
     if plan not in ("ddp", "fsdp"):
         return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp or fsdp only "
                 "for now (valid with ep > 1: plan ddp, fsdp); set parallel.plan=fsdp (or ddp), or parallel.ep=1")
+    if pp > 1 and tp > 1:
+        return (f"parallel.ep={ep} with parallel.pp={pp} and parallel.tp={tp}: expert parallel runs inside pipeline "
+                "stages without tensor parallel only for now; set parallel.tp=1 (or parallel.pp=1), or parallel.ep=1")
     return None
 
 

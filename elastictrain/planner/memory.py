@@ -117,32 +117,43 @@ def stage_expert_params(model: ModelShape, c: Candidate) -> float:
 
 
 def rank_params(model: ModelShape, c: Candidate) -> float:
-    """Parameters one rank holds before data-parallel sharding: its stage's, over ``tp``, with the experts
-    over ``ep`` too (expert parallel: each rank of an ep group holds ``E / ep`` experts of every layer)."""
-    return (stage_params(model, c) - stage_expert_params(model, c) * (1 - 1 / c.ep)) / c.tp
+    """Parameters one rank holds before data-parallel sharding: its stage's dense part over ``tp``, the
+    experts over ``ep`` (expert parallel: each rank of an ep group holds ``E / ep`` whole experts of every
+    layer; under ep x tp the expert group borrows the tp ranks, and no expert is split over tp)."""
+    experts = stage_expert_params(model, c)
+    return (stage_params(model, c) - experts) / c.tp + experts / c.ep
 
 
 def state_params(model: ModelShape, c: Candidate) -> float:
     """Parameters whose state (weights, gradients, optimizer) one rank keeps between steps: :func:`rank_params`
     over the FSDP shard group (:func:`state_shards`). Under ep x fsdp the experts' ``1 / ep`` share is
-    sharded again over their ``edp = dp_shard / ep`` replicas (parallel/parallelize.py ``shard_experts``),
-    so every rank keeps ``1 / (ep x edp) = 1 / dp_shard`` of the experts, as of the dense part."""
+    sharded again over their ``edp = dp_shard x tp / ep`` replicas (parallel/parallelize.py
+    ``shard_experts``), so every rank keeps ``1 / (ep x edp) = 1 / (dp_shard x tp)`` of the experts, as of
+    the dense part."""
     shard = state_shards(c)
     if shard == 1 or c.ep == 1:
         return rank_params(model, c) / shard
-    dense = rank_params(model, c) - stage_expert_params(model, c) / (c.tp * c.ep)
-    return dense / shard + stage_expert_params(model, c) / (c.tp * c.ep * (c.dp_shard // c.ep))
+    dense = rank_params(model, c) - stage_expert_params(model, c) / c.ep
+    return dense / shard + stage_expert_params(model, c) / (c.ep * expert_replicas(c))
+
+
+def expert_replicas(c: Candidate) -> int:
+    """``edp``: the ranks holding the same experts, ``dp x tp / ep`` (the expert ranks are the data ranks
+    times the tp ranks, parallel/dims.py)."""
+    return max(1, c.dp * c.tp // c.ep)
 
 
 def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """What an MoE block's activations add to a dense block's for one micro-batch: its MLP runs on ``top_k``
     slots per token (Korthikanti's 19 of the 34 ``s b h`` units are the MLP's: ``19 (k - 1)`` more), and
     the slots pass through ``6 k`` more ``s b h`` units of dispatch buffers (the repeated token rows, their
-    expert order, the rows received, the outputs regrouped, sent back and put in slot order). 0 if dense."""
+    expert order, the rows received, the outputs regrouped, sent back and put in slot order); under ep x tp
+    over the tp ranks, which split the tokens. 0 if dense."""
     if not model.experts:
         return 0.0
     k = model.top_k
-    return model.seq_len * c.micro_batch * model.hidden * (19 * (k - 1) + 6 * k) * train.activation_bytes / 2
+    split = c.tp if c.ep > 1 else 1  # ep x tp: the MoE layer runs on this tp rank's 1 / tp of the tokens
+    return model.seq_len * c.micro_batch * model.hidden * (19 * (k - 1) + 6 * k) * train.activation_bytes / 2 / split
 
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:

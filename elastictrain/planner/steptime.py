@@ -84,7 +84,8 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import rank_params, stage_expert_params, stage_moe_layers, stage_params, state_params
+from elastictrain.planner.memory import (expert_replicas, rank_params, stage_expert_params, stage_moe_layers,
+                                        stage_params, state_params)
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -300,7 +301,12 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
         moe = stage_moe_layers(model, c)
         forwards = 2 if c.recompute != "none" else 1
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
-        edp = c.dp // c.ep
+        edp = expert_replicas(c)
+        if c.tp > 1:  # ep x tp, per MoE layer: the aux statistics' and the router gradient's sums over tp;
+            # without sequence parallel the tokens' gather after the layer and their gradient's before it
+            groups.append(("tp", m * moe * (forwards + 1), c.tp, ar(c.tp)))
+            if not c.sequence_parallel:
+                groups.append(("tp", m * moe * (forwards + 1), c.tp, c.tp - 1))
         if c.dp_shard > 1:  # ep x fsdp: per MoE layer an expert unit over edp and a router unit over dp_shard
             gathers = 2 if c.reshard_after_forward else 1
             groups += [("fsdp", m * gathers * moe, edp, edp - 1), ("fsdp", m * moe, edp, rs(edp)),
@@ -345,13 +351,13 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
         send = act / c.cp / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
         moved["pp"] = 2 * m * c.stages_per_rank * comm.p2p_s(send, 1.0)
     n = rank_params(model, c)
-    experts = stage_expert_params(model, c) / (c.tp * c.ep) if c.ep > 1 else 0.0  # reduced over replicas only
+    experts = stage_expert_params(model, c) / c.ep if c.ep > 1 else 0.0  # reduced over replicas only
     grad_bytes = (n - experts) * _grad_bytes(train)
     reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
         shards = c.dp_shard * c.cp  # dp_shard x cp (memory.state_shards)
-        dense, edp = n - experts, c.dp // c.ep  # ep x fsdp: the experts' share gathered over its edp replicas
+        dense, edp = n - experts, expert_replicas(c)  # ep x fsdp: the experts' share gathered over edp
         moved["dp_shard"] = m * (gathers * comm.all_gather_s(dense * train.compute_param_bytes, shards, 1.0)
                                  + reduce_scatter(grad_bytes, shards, 1.0))
         if experts:
@@ -364,17 +370,19 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / (c.dp_shard * (c.cp if c.dp_shard > 1 else 1)),
                                               replicas, 1.0)
     if experts and c.dp_shard == 1:  # ddp: the experts all-reduced over their replicas (fsdp: above)
-        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp // c.ep, 1.0)
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), expert_replicas(c), 1.0)
     return moved
 
 
 def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """Bytes a rank's all-to-alls send in one step (0 without expert parallel): per MoE layer of its stage,
     ``2 x top_k x tokens x hidden`` activation bytes forward (dispatch and combine), the same backward and,
-    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank."""
+    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank. Under ep x tp the
+    rank's tokens are its 1 / tp share of its data rank's; without sequence parallel the layer's output is
+    also all-gathered over tp (forward, and its input gradient backward: :func:`moved_bytes`'s tp)."""
     if c.ep == 1 or not model.experts:
         return 0.0
-    tokens = train.global_batch * model.seq_len / c.dp
+    tokens = train.global_batch * model.seq_len / (c.dp * c.tp)  # ep x tp: the tp ranks split the tokens
     passes = 3 if c.recompute != "none" else 2
     per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
     return stage_moe_layers(model, c) * per_layer * (c.ep - 1) / c.ep

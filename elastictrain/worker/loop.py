@@ -382,6 +382,8 @@ class StepRunner:
             if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
                 hooks.tokens_per_expert = (hooks.tally.total(dist.group.WORLD) if self.pm.token_tally is None
                                            else self.pm.token_tally.total(dist.group.WORLD, self.device))
+            elif self.moe and self.ep is not None:  # ep x tp: each tp rank holds its data rank's whole counts
+                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD, self.layout.dims.tp)
         return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
@@ -418,15 +420,17 @@ class StepRunner:
         module = self.pm.module
         module.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # a prepared split with the default collate reads a micro-batch's (adjacent) windows in one read
+        read = getattr(self.eval_dataset, "batch", None) if self.task.collate_fn is None else None
         self._set_phase("compute")
         with torch.no_grad():
             for j in range(self.train.eval_batches):
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
                     self._set_phase("data")  # storage, not compute (the watchdog names a stall here)
-                    samples = [self.eval_dataset[int(i)] for i in ids]
+                    host = read(ids) if read else self.collate([self.eval_dataset[int(i)] for i in ids])
                     self._set_phase("compute")
-                    batch = _to(self.collate(samples), self.device)
+                    batch = _to(host, self.device)
                     batch = shard_batch(batch, self.layout.dims, self.rank)
                     seeds = torch.zeros(len(ids), dtype=torch.long)
                     with autocast(self.pm.autocast_dtype, self.device):  # as in training (bf16 without FSDP)
@@ -450,7 +454,7 @@ class StepRunner:
                 close()
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
-        """With a batch read-ahead (a dataset with ``prefetch(ids)``: a prepared corpus), schedule this step's
+        """With a batch read-ahead (a dataset with ``prefetch(batches)``: a prepared corpus), schedule this step's
         and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
         reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
         if self.batches is None:
@@ -552,7 +556,7 @@ class StepRunner:
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
-            along["edp"] = self.layout.dims.dp_rank(self.rank) // self.layout.dims.ep == 0
+            along["edp"] = self.layout.dims.edp_coord(self.rank) == 0
         skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
         state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
         return local_part(state, plain_primary=all(along.values()), primary_along=along)
