@@ -181,6 +181,16 @@ def compile_ahead(model: nn.Module, parallel: ParallelConfig, loss_fn: Any, batc
     return True
 
 
+@functools.cache
+def compiled_per_sample_loss() -> Any:
+    """:func:`elastictrain.models.gpt.per_sample_loss` through ``torch.compile(fullgraph=True)`` (one per
+    process): inductor fuses the log-softmax into the loss and its backward, so backward keeps no
+    ``(tokens, vocab)`` log-probabilities of its own (the built-in task's loss under ``parallel.compile``)."""
+    from elastictrain.models.gpt import per_sample_loss
+
+    return torch.compile(per_sample_loss, fullgraph=True)
+
+
 def apply_block_transforms(model: nn.Module, parallel: ParallelConfig) -> None:
     """float8, activation checkpointing, compile, as ``parallel`` asks, in that order (module doc)."""
     if parallel.float8:

@@ -1,0 +1,76 @@
+"""A standby compiles ahead (``parallel.compile``, issue 38): :meth:`StepRunner.compile_ahead` in the set-up
+ahead, then the take (``attach`` and the steps) on the model compiled there.
+
+One fresh process (world size 1 over gloo: the property is per process, and inductor's first compile costs
+~20 s of CPU on this machine, so one compile for the whole file): an eager run, then a standby's runner
+that compiles ahead and is taken under ddp. The take must compile nothing (no dynamo frame: the blocks the
+replacement trains are the ones compiled ahead, and nothing the layout does fails their guards), the compile
+ahead must change no number (parameters bitwise, no gradient left), and the steps (compiled blocks and
+compiled loss) must be eager's within tests/test_speed.py's compile tolerance (1e-5 relative: the module
+doc there says why; the loss adds one fused log-softmax, a few units of the last place)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ranks import run_ranks
+from tests.test_speed import COMPILE_LOSS_RTOL, _spec
+
+
+def _runs(rank: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from elastictrain.config import build_config
+    from elastictrain.parallel.layout import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1  # no pool of compile workers on a 2-core machine
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    results: dict[str, Any] = {}
+    try:
+        for name, parallel in (("eager", {}), ("ahead", {"compile": True})):
+            cfg = build_config(_spec(1, plan="ddp", **parallel))
+            runner = StepRunner(dataclasses.replace(builtin_task(cfg), lr_fn=None), cfg.train, FaultInjector(()),
+                                parallel=cfg.parallel)
+            if name == "ahead":  # the standby's set-up ahead (Worker.setup with no slot)
+                before = {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
+                frames = counters["stats"]["unique_graphs"]
+                results["ahead_ran"] = runner.compile_ahead()
+                results["ahead_frames"] = counters["stats"]["unique_graphs"] - frames
+                results["unchanged"] = all(torch.equal(before[k], v) for k, v in runner.model.state_dict().items())
+                results["grads_left"] = [n for n, p in runner.model.named_parameters() if p.grad is not None]
+            frames = counters["stats"]["unique_graphs"]
+            runner.attach(0, 1, 0, resolve(spec_from_config(cfg), 1))  # the take: the replacement's layout
+            records = [runner.run_step(False)[0] for _ in range(cfg.train.steps)]
+            results[name] = {"losses": [r.loss for r in records], "params": runner.state.full_model_state(),
+                             "take_frames": counters["stats"]["unique_graphs"] - frames,
+                             "compile_s": [r.compile_s for r in records]}
+        torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # one inductor compile of a block: ~20 s of CPU (C++ builds)
+def test_a_standby_compiles_ahead_and_its_take_compiles_nothing_and_trains_like_eager(tmp_path):
+    out = str(tmp_path / "runs.pt")
+    run_ranks(_runs, (out,), nprocs=1)
+    runs = torch.load(out)
+    assert runs["ahead_ran"] and runs["unchanged"] and runs["grads_left"] == []
+    assert runs["ahead_frames"] == 2  # the blocks (one graph: same code, same shapes) and the loss
+    eager, ahead = runs["eager"], runs["ahead"]
+    assert ahead["take_frames"] == 0, "the replacement compiled again: the model compiled ahead was not the one taken"
+    assert eager["take_frames"] == 0 and len(eager["losses"]) == 3
+    for step, (a, b) in enumerate(zip(ahead["losses"], eager["losses"], strict=True), 1):
+        assert abs(a - b) <= COMPILE_LOSS_RTOL * abs(b), (step, a, b)
+    for name, t in eager["params"].items():
+        assert torch.allclose(ahead["params"][name], t, rtol=0, atol=1e-5), name
+    # the first step still reports compile_s (the generation's first under parallel.compile), now small
+    assert ahead["compile_s"][0] is not None and ahead["compile_s"][1:] == [None, None]
