@@ -21,6 +21,15 @@ from tests.ranks import run_ranks
 from tests.test_speed import COMPILE_LOSS_RTOL, _spec
 
 
+def _compiles() -> int:
+    """Graphs dynamo traced plus graphs inductor compiled or fetched from its cache (a backward is compiled
+    lazily, at its first run: no dynamo frame of its own)."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return counters["stats"]["unique_graphs"] + c["fxgraph_cache_hit"] + c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"]
+
+
 def _runs(rank: int, out: str) -> None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -42,16 +51,17 @@ def _runs(rank: int, out: str) -> None:
                                 parallel=cfg.parallel)
             if name == "ahead":  # the standby's set-up ahead (Worker.setup with no slot)
                 before = {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
-                frames = counters["stats"]["unique_graphs"]
+                frames, compiles = counters["stats"]["unique_graphs"], _compiles()
                 results["ahead_ran"] = runner.compile_ahead()
                 results["ahead_frames"] = counters["stats"]["unique_graphs"] - frames
+                results["ahead_compiles"] = _compiles() - compiles
                 results["unchanged"] = all(torch.equal(before[k], v) for k, v in runner.model.state_dict().items())
                 results["grads_left"] = [n for n, p in runner.model.named_parameters() if p.grad is not None]
-            frames = counters["stats"]["unique_graphs"]
+            compiles = _compiles()
             runner.attach(0, 1, 0, resolve(spec_from_config(cfg), 1))  # the take: the replacement's layout
             records = [runner.run_step(False)[0] for _ in range(cfg.train.steps)]
             results[name] = {"losses": [r.loss for r in records], "params": runner.state.full_model_state(),
-                             "take_frames": counters["stats"]["unique_graphs"] - frames,
+                             "take_compiles": _compiles() - compiles,
                              "compile_s": [r.compile_s for r in records]}
         torch.save(results, out)
     finally:
@@ -64,10 +74,11 @@ def test_a_standby_compiles_ahead_and_its_take_compiles_nothing_and_trains_like_
     run_ranks(_runs, (out,), nprocs=1)
     runs = torch.load(out)
     assert runs["ahead_ran"] and runs["unchanged"] and runs["grads_left"] == []
-    assert runs["ahead_frames"] == 2  # the blocks (one graph: same code, same shapes) and the loss
+    # the blocks (one graph: same code, same shapes) and the loss, each with its forward and backward
+    assert runs["ahead_frames"] == 2 and runs["ahead_compiles"] == 2 + 4
     eager, ahead = runs["eager"], runs["ahead"]
-    assert ahead["take_frames"] == 0, "the replacement compiled again: the model compiled ahead was not the one taken"
-    assert eager["take_frames"] == 0 and len(eager["losses"]) == 3
+    assert ahead["take_compiles"] == 0, "the replacement compiled: the model compiled ahead was not the one taken"
+    assert eager["take_compiles"] == 0 and len(eager["losses"]) == 3
     for step, (a, b) in enumerate(zip(ahead["losses"], eager["losses"], strict=True), 1):
         assert abs(a - b) <= COMPILE_LOSS_RTOL * abs(b), (step, a, b)
     for name, t in eager["params"].items():
