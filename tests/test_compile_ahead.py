@@ -85,3 +85,32 @@ def test_a_standby_compiles_ahead_and_its_take_compiles_nothing_and_trains_like_
         assert torch.allclose(ahead["params"][name], t, rtol=0, atol=1e-5), name
     # the first step still reports compile_s (the generation's first under parallel.compile), now small
     assert ahead["compile_s"][0] is not None and ahead["compile_s"][1:] == [None, None]
+
+
+def test_the_builtin_task_compiles_its_loss_only_under_parallel_compile():
+    from elastictrain.config import build_config
+    from elastictrain.task import _gpt_loss, _gpt_loss_compiled, _gpt_stage_loss, _gpt_stage_loss_compiled, builtin_task
+
+    eager, compiled = (builtin_task(build_config(_spec(2, compile=c))) for c in (False, True))
+    assert eager.loss_fn is _gpt_loss and eager.pipeline.loss_fn is _gpt_stage_loss
+    assert compiled.loss_fn is _gpt_loss_compiled and compiled.pipeline.loss_fn is _gpt_stage_loss_compiled
+    assert compiled.pipeline.stage_fn is eager.pipeline.stage_fn
+
+
+def test_compile_ahead_does_nothing_where_it_cannot_help():
+    """compile off, or a model on the meta device (parallel.meta_init: no values to run): nothing runs, the
+    model is left as built (no wrapper, no compiled block)."""
+    import dataclasses
+
+    from elastictrain.config import build_config
+    from elastictrain.parallel.parallelize import repeated_blocks
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    for parallel in ({"plan": "fsdp"}, {"plan": "fsdp", "compile": True, "meta_init": True}):
+        cfg = build_config(_spec(2, **parallel))
+        runner = StepRunner(dataclasses.replace(builtin_task(cfg), lr_fn=None), cfg.train, FaultInjector(()),
+                            parallel=cfg.parallel)
+        assert runner.compile_ahead() is False, parallel
+        assert all(getattr(b, "_compiled_call_impl", None) is None for b in repeated_blocks(runner.model))
