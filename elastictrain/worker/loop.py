@@ -216,8 +216,8 @@ class StepRunner:
         caches may serve. Returns whether it ran (False: compile off, float8, a meta model, or no data)."""
         from elastictrain.parallel.speed import compile_ahead
 
-        if self.pm is not None or self.step != 0 or self.model is None or not self.dataset_len:
-            return False
+        if not self.parallel.compile or self.pm is not None or self.step != 0 or self.model is None or not self.dataset_len:
+            return False  # (before reading any sample: a standby without compile reads none)
         ids = list(range(min(self.train.micro_batch, self.dataset_len)))
         batch = _to(self.collate([self.dataset[i] for i in ids]), self.device)
         return compile_ahead(self.model, self.parallel, self.task.loss_fn, batch, sample_seeds(self.train.seed, 0, ids))
