@@ -3,8 +3,9 @@ ahead, then the take (``attach`` and the steps) on the model compiled there.
 
 One fresh process (world size 1 over gloo: the property is per process, and inductor's first compile costs
 ~20 s of CPU on this machine, so one compile for the whole file): an eager run, then a standby's runner
-that compiles ahead and is taken under ddp. The take must compile nothing (no dynamo frame: the blocks the
-replacement trains are the ones compiled ahead, and nothing the layout does fails their guards), the compile
+that compiles ahead and is taken under ddp. The take must compile nothing (no graph traced by dynamo, none
+compiled or fetched by inductor: the blocks and the loss the replacement trains are the ones compiled
+ahead, and nothing the layout does fails their guards), the compile
 ahead must change no number (parameters bitwise, no gradient left), and the steps (compiled blocks and
 compiled loss) must be eager's within tests/test_speed.py's compile tolerance (1e-5 relative: the module
 doc there says why; the loss adds one fused log-softmax, a few units of the last place)."""
