@@ -57,6 +57,22 @@ def moe_block(sequence_parallel: bool) -> dict[str, Any]:
     return plan
 
 
+class RowwiseParallelSync(RowwiseParallel):
+    """``RowwiseParallel`` whose output collective completes before its local tensor goes on (torch's
+    redistributes asynchronously: ``to_local`` then returns an ``AsyncCollectiveTensor``). For a module whose
+    output feeds a compiled block directly (the Llama's vocabulary-parallel embedding): torch 2.13's
+    compiled backward hands that input's gradient back as a plain tensor, and the redistribute's backward
+    (``NestedRedistribute.forward``, ``grad_output._local_tensor``) fails on it. The GPT adds its position
+    embedding eagerly in between, which waits on the collective (a plain tensor), so its blocks never see one."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: Any) -> Any:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """The plan for ``parallelize_module(model, tp_mesh, plan)`` of a :class:`~elastictrain.models.gpt.GPT`
     or of a pipeline stage of one (:class:`~elastictrain.models.gpt.GPTStage`: the keys of the modules it

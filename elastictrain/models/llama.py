@@ -403,12 +403,13 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from elastictrain.models.gpt_tp import SequenceParallelGathered
+    from elastictrain.models.gpt_tp import RowwiseParallelSync, SequenceParallelGathered
 
     sp, seq = sequence_parallel, Shard(1)
     plan: dict[str, Any] = {}
     if hasattr(model, "tok_embeddings"):
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        # a synchronous output collective: the first block, compiled, takes this output directly (gpt_tp.py)
+        plan["tok_embeddings"] = RowwiseParallelSync(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     layer = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq if sp else Replicate()),

@@ -207,6 +207,21 @@ class StepRunner:
             load_seeded_init(self.model, self._seeded_model, self.rank)
         self.uninitialized = False
 
+    def compile_ahead(self) -> bool:
+        """``parallel.compile``'s work done before this runner trains (a standby's set-up ahead, no group yet):
+        :func:`elastictrain.parallel.speed.compile_ahead` on this model with the job's first micro-batch
+        shape (the first ``train.micro_batch`` samples, on this device). A layout that keeps this model
+        (ddp: :meth:`attach` keeps a pristine whole model; fsdp without meta_init shards it in place) trains
+        the blocks compiled here; one that rebuilds it (tp, pp, meta_init) compiles its own, which torch's
+        caches may serve. Returns whether it ran (False: compile off, float8, a meta model, or no data)."""
+        from elastictrain.parallel.speed import compile_ahead
+
+        if not self.parallel.compile or self.pm is not None or self.step != 0 or self.model is None or not self.dataset_len:
+            return False  # (before reading any sample: a standby without compile reads none)
+        ids = list(range(min(self.train.micro_batch, self.dataset_len)))
+        batch = _to(self.collate([self.dataset[i] for i in ids]), self.device)
+        return compile_ahead(self.model, self.parallel, self.task.loss_fn, batch, sample_seeds(self.train.seed, 0, ids))
+
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.task.optimizer_fn(self.model.parameters())
         self.base_lrs = [g["lr"] for g in opt.param_groups]
