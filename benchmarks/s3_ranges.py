@@ -9,7 +9,7 @@ same plans tests/test_s3_ranges.py checks byte for byte against a counting moto 
 - init_from: the Llama 3.1 8B, 70B and 405B shapes (bf16 safetensors), one tensor-parallel rank's slices
   (wq/wk/wv/w1/w3/output/embedding on dim 0, wo/w2 on dim 1 as models/llama.py's plan shards them; norms
   whole), per rank: the whole-row reader of before (one GET per tensor, its rows whole), per-row ranges with
-  no merging (gap 0) and the default merge (64 KiB). Each tensor is planned alone (no merge across tensors:
+  no merging (gap 0), a 64 KiB merge and the default merge (1 MiB). Each tensor is planned alone (no merge across tensors:
   a file's layout is the writer's), so the merged counts are an upper bound on GETs.
 - windows: a rank's micro-batches through the sample cursor (``rank_micro_batches``), one GET per window
   piece before vs one coalesced read per batch after, for a small corpus (where a batch's windows often lie
@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from elastictrain.byte_ranges import MERGE_GAP, plan_reads, slice_runs  # noqa: E402
+from elastictrain.byte_ranges import MERGE_GAP, WEIGHTS_MERGE_GAP, plan_reads, slice_runs  # noqa: E402
 from elastictrain.data.cursor import eval_sample_ids, rank_micro_batches  # noqa: E402
 from elastictrain.models.llama import LLAMA_PRESETS  # noqa: E402
 
@@ -57,7 +57,7 @@ def init_from(sizes: list[str], tps: list[int]) -> list[dict]:
         whole = [("embed", (p["vocab_size"], p["dim"]), 0), ("output", (p["vocab_size"], p["dim"]), 0)]
         for tp in tps:
             row = {"size": size, "tp": tp}
-            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP)):
+            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP), ("gap_1m", WEIGHTS_MERGE_GAP)):
                 gets = fetched = held = 0
                 tensors = [(shape, d, p["n_layers"]) for _, shape, d in _layer_tensors(p)]
                 for shape, d, copies in tensors + [(shape, d, 1) for _, shape, d in whole]:

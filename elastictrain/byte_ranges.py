@@ -7,11 +7,19 @@ one file merged into one read when the bytes between them are at most ``gap``; :
 reads in one ``fs.cat_ranges`` call (s3fs runs them concurrently) and hands each piece its bytes back, in the
 order asked. Local paths never come here: they keep ``pread`` / memory maps.
 
-Why :data:`MERGE_GAP` is 64 KiB: a separate GET costs a round trip (first byte after tens of ms on S3) and a
-request charge, while 64 KiB more of one response streams in a small fraction of that at one connection's
-rate; so a merge at or under it never costs time, and small rows (a row-wise slice of rows up to 128 KiB
-wide at tp 2) stay one read instead of thousands. Gaps wider than that (a wide row's columns held by other
-ranks) are not fetched. docs/perf/2026-11-28-s3-ranges.md has the counts.
+Why :data:`MERGE_GAP` is 64 KiB (a prepared corpus's windows): a separate GET costs a round trip (first
+byte after tens of ms on S3) and a request charge, while 64 KiB more of one response streams in a small
+fraction of that at one connection's rate; so a merge at or under it never costs time. Gaps wider than that
+are not fetched.
+
+Why :data:`WEIGHTS_MERGE_GAP` is 1 MiB (``task.init_from``): there every rank of the job reads at once, from
+one prefix, and S3 serves a prefix about 5,500 GETs/s (AWS's documented rate) shared by all of them; a GET
+then costs far more than one connection's round trip. Merging at 64 KiB, a row-wise layer of Llama 3.1 405B
+at tp 8 (104 KiB rows) would be read as 2 M GETs per rank, hours at that rate for a job of 1,024 ranks,
+against its whole rows in 1,137 GETs. At 1 MiB every row of a real model up to that width is read whole
+(tp times the held bytes of those layers: what the reader did before), and a GET per row happens only for
+rows wider than 1 MiB. The fix that needs neither (each tp rank reads a contiguous block of rows and the tp
+group redistributes them) is not built. docs/perf/2026-11-28-s3-ranges.md has the counts.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MERGE_GAP", "Read", "plan_reads", "fetch", "slice_runs"]
+__all__ = ["MERGE_GAP", "WEIGHTS_MERGE_GAP", "Read", "plan_reads", "fetch", "slice_runs"]
 
 MERGE_GAP = 64 << 10
+WEIGHTS_MERGE_GAP = 1 << 20
 
 Piece = tuple[str, int, int]  # (path, start, end): bytes [start, end) of one object
 

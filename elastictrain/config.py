@@ -298,9 +298,9 @@ class ParallelConfig(_Section):
                                                              "sequence; null = on when tp > 1")
     cp: int = Field(1, ge=1, description="context-parallel ranks (mesh axis between dp_shard and tp): each "
                                          "sample's sequence is split over them; the world is pp x dp x cp x tp")
-    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep data x cp ranks that share "
-                                         "tokens and split the experts; must divide the data-parallel size x cp "
-                                         "(hsdp: shard_size x cp)")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep expert ranks (data-parallel x cp "
+                                         "x tp ranks) that share tokens and split the experts; must divide "
+                                         "dp x cp x tp (hsdp: shard_size x cp) and, under tp, be a multiple of tp")
 
     @model_validator(mode="after")
     def _ep_composes(self) -> ParallelConfig:
@@ -574,13 +574,6 @@ class JobConfig(_Section):
             raise ValueError(f"parallel.compile=true with task.model.dropout={self.task.model.dropout}: the GPT's "
                              "per-sample dropout draws its masks on the host (a graph break under fullgraph "
                              "compile); set task.model.dropout=0 or parallel.compile=false")
-        if p.compile and p.tp > 1 and self.task.kind == "llama":
-            # seen on torch 2.13 (CPU, gloo): the compiled tensor-parallel Llama block's backward hands a plain
-            # tensor where DTensor's redistribute expects a DTensor gradient (AttributeError: _local_tensor);
-            # the GPT's tp blocks compile and match eager (benchmarks/models.py)
-            raise ValueError(f"parallel.compile=true with parallel.tp={p.tp} and task.kind=llama: the compiled "
-                             "tensor-parallel Llama block fails in backward (torch's DTensor redistribute gets a "
-                             "plain gradient); set parallel.compile=false or parallel.tp=1")
         if p.float8 and not self.workers.use_gpu:
             raise ValueError("parallel.float8=true needs CUDA GPUs of compute capability >= 8.9 (H100, L40S, "
                              "RTX 4090 ...) and workers.use_gpu=false runs on CPU; set workers.use_gpu=true or "

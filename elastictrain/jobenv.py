@@ -10,6 +10,11 @@ Two things depend on it, both decided here at the edge (the CLI), once, before t
   copy of the package that Ray deletes when unused, so a relative path there is refused on a cluster of
   several nodes (each node would write its own half of every checkpoint) and, on a single node, resolved
   against the home directory of the user Ray runs as, which outlives the package and the job.
+- **relative input paths** (``task.data.source``, ``task.init_from``): outside a Ray working directory they
+  are made absolute against the current directory too, since the workers open them from the directory their
+  Ray was started in (``elastictrain run --ray-address`` to a Ray started elsewhere would not find
+  ``./prepared``). Under a Ray working directory they stay relative: every worker runs in its node's copy of
+  the shipped package, where a relative path names the shipped copy of the data.
 """
 
 from __future__ import annotations
@@ -85,9 +90,19 @@ def decide_checkpoint_uri(uri: str | None, *, cwd: str, working_dir: str | None,
                                f"(a temporary per-node copy): using {target} on this single-node cluster")
 
 
+def absolute_input(path: str | None, *, cwd: str, working_dir: str | None) -> str | None:
+    """PURE: a relative local input path (a corpus, a model directory) made absolute against ``cwd`` when
+    the driver runs outside a Ray working directory; ``builtin:`` names, URLs, absolute paths and anything
+    under a working directory unchanged."""
+    if path is None or working_dir is not None or path.startswith("builtin:") or not is_relative_path(path):
+        return path
+    return str((Path(cwd) / Path(path).expanduser()).resolve())
+
+
 def resolve_for_driver(config: JobConfig, environ: Mapping[str, str], alive_nodes: int | None = None,
                        ) -> tuple[JobConfig, list[str]]:
-    """Apply :func:`resolve_run_id` and :func:`decide_checkpoint_uri`; return the config and notes to print.
+    """Apply :func:`resolve_run_id`, :func:`decide_checkpoint_uri` and :func:`absolute_input`; return the config
+    and notes to print.
 
     ``alive_nodes`` is only needed (and only asked of Ray when ``None``) for a relative checkpoint URI under
     a Ray working directory; counting nodes connects to the cluster but requests no resources.
@@ -99,9 +114,12 @@ def resolve_for_driver(config: JobConfig, environ: Mapping[str, str], alive_node
         alive_nodes = _count_alive_nodes()
     decision = decide_checkpoint_uri(uri, cwd=os.getcwd(), working_dir=working_dir, alive_nodes=alive_nodes or 1,
                                      home=str(Path.home()))
-    if decision.uri != uri:
-        data = config.model_dump()
-        data["checkpoint"]["uri"] = decision.uri
+    data = config.model_dump()
+    data["checkpoint"]["uri"] = decision.uri
+    task = data["task"]
+    task["data"]["source"] = absolute_input(task["data"]["source"], cwd=os.getcwd(), working_dir=working_dir)
+    task["init_from"] = absolute_input(task["init_from"], cwd=os.getcwd(), working_dir=working_dir)
+    if data != config.model_dump():
         config = type(config).model_validate(data)
     return config, [decision.note] if decision.note else []
 

@@ -173,22 +173,46 @@ class _LlamaModel:
         return Llama(self.config)
 
 
-def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
+def _gpt_loss(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor, *,
+              compiled: bool = False) -> torch.Tensor:
     """Each sample's mean next-token cross-entropy, plus in training mode (not in evaluation) the sum over the
     model's mixture-of-experts layers of that sample's load-balancing loss (a function of the sample alone,
     elastictrain/models/moe.py), so the per-sample loss contract holds with MoE. Under context parallelism
     (``batch["positions"]``: this rank's part of each sample) the whole sample's loss summed over the cp
     ranks (:func:`elastictrain.parallel.context.cp_sample_loss`; the MoE layers sum their load-balance
-    statistics over the cp group themselves, so their aux term is the sample's there too)."""
-    from elastictrain.models.gpt import per_sample_loss
+    statistics over the cp group themselves, so their aux term is the sample's there too). ``compiled``: the
+    cross-entropy of plain logits through :func:`elastictrain.parallel.speed.compiled_per_sample_loss`
+    (``parallel.compile``; tensor-parallel logits, DTensors under ``loss_parallel``, stay eager)."""
+    from torch.distributed.tensor import DTensor
+
     from elastictrain.models.moe import moe_aux_loss
     from elastictrain.parallel.context import cp_group_of, cp_sample_loss
 
     logits = model(batch["input"], sample_seeds=sample_seeds, positions=batch.get("positions"))
     group = cp_group_of(model) if "positions" in batch else None
-    loss = per_sample_loss(logits, batch["target"]) if group is None else cp_sample_loss(logits, batch["target"], group)
+    loss = _cross_entropy(logits, compiled)(logits, batch["target"]) if group is None else cp_sample_loss(
+        logits, batch["target"], group)
     aux = moe_aux_loss(model) if model.training else None
+    if aux is not None and isinstance(loss, DTensor):  # tensor parallel: the aux loss is replicated over tp
+        loss = loss.to_local()
     return loss if aux is None else loss + aux.to(loss.dtype)
+
+
+def _gpt_loss_compiled(model: torch.nn.Module, batch: Batch, sample_seeds: torch.Tensor) -> torch.Tensor:
+    """:func:`_gpt_loss` with its cross-entropy compiled: the built-in task's ``loss_fn`` under ``parallel.compile``."""
+    return _gpt_loss(model, batch, sample_seeds, compiled=True)
+
+
+def _cross_entropy(logits: torch.Tensor, compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    from elastictrain.models.gpt import per_sample_loss
+
+    if not compiled or isinstance(logits, DTensor):
+        return per_sample_loss
+    from elastictrain.parallel.speed import compiled_per_sample_loss
+
+    return compiled_per_sample_loss()
 
 
 @dataclass(frozen=True)
@@ -210,13 +234,13 @@ def _gpt_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     return (batch["input"],)
 
 
-def _gpt_stage_loss(logits: torch.Tensor, batch: Batch, *, cp_group: Any = None) -> torch.Tensor:
+def _gpt_stage_loss(logits: torch.Tensor, batch: Batch, *, cp_group: Any = None,
+                    compiled: bool = False) -> torch.Tensor:
     """The last stage's per-sample losses; under context parallelism (``cp_group`` set: ``logits`` and the
-    targets are this rank's positions) the whole sample's, summed over the cp ranks."""
-    from elastictrain.models.gpt import per_sample_loss
-
+    targets are this rank's positions) the whole sample's, summed over the cp ranks. ``compiled``: as
+    :func:`_gpt_loss`'s."""
     if cp_group is None:
-        return per_sample_loss(logits, batch["target"])
+        return _cross_entropy(logits, compiled)(logits, batch["target"])
     from elastictrain.parallel.context import cp_sample_loss
 
     return cp_sample_loss(logits, batch["target"], cp_group)
@@ -336,13 +360,13 @@ def builtin_task(config: JobConfig) -> Task:
         _check_validation_split(config, prepared)
     task = Task(
         model_fn=_LlamaModel.of(t, vocab) if llama else _GPTModel(t.model, vocab),
-        loss_fn=_gpt_loss,
+        loss_fn=_gpt_loss_compiled if config.parallel.compile else _gpt_loss,
         optimizer_fn=_AdamW(t.optimizer),
         dataset_fn=_Corpus(t.data.source, t.data.column, dict(t.data.storage_options), t.model.seq_len, prepared),
         lr_fn=_Schedule(t.optimizer.warmup_steps, config.train.steps),
         grad_clip=t.optimizer.grad_clip,
         name=t.kind,
-        pipeline=LLAMA_PIPELINE if llama else GPT_PIPELINE,
+        pipeline=_pipeline_hooks(LLAMA_PIPELINE if llama else GPT_PIPELINE, config.parallel.compile),
         eval_dataset_fn=evaluate,
     )
     if llama and t.init_from is not None:  # shape and step-0 weights of a Hugging Face model (read here, once)
@@ -352,20 +376,33 @@ def builtin_task(config: JobConfig) -> Task:
     return task
 
 
+def _gpt_stage_loss_compiled(logits: torch.Tensor, batch: Batch, *, cp_group: Any = None) -> torch.Tensor:
+    """:func:`_gpt_stage_loss` with its cross-entropy compiled (``parallel.compile``)."""
+    return _gpt_stage_loss(logits, batch, cp_group=cp_group, compiled=True)
+
+
+def _pipeline_hooks(hooks: PipelineHooks, compiled: bool) -> PipelineHooks:
+    import dataclasses
+
+    return dataclasses.replace(hooks, loss_fn=_gpt_stage_loss_compiled) if compiled else hooks
+
+
 def _check_moe_layout(config: JobConfig) -> None:
-    """``task.model.moe`` runs with data parallelism (and, once wired, expert parallelism) only: pipeline
-    stages would drop the earlier stages' load-balancing losses and the tensor-parallel plans name the dense
-    MLP, so pp > 1 or tp > 1 is a ConfigError naming the fix; so are ``parallel.compile`` and
-    ``task.init_from`` (dense Hugging Face weights)."""
+    """``task.model.moe`` runs with data, expert and pipeline parallelism (each stage's load-balancing losses
+    join its backward and the step's loss: parallel/expert_pipeline.py), and with tensor parallelism when the
+    expert group borrows the tp ranks (ep x tp: ``parallel.ep`` a multiple of ``parallel.tp``;
+    elastictrain/parallel/expert_tp.py): under tp with ``ep = 1`` every tp rank would hold every expert and
+    route the same tokens, so tp > 1 with ep = 1 is a ConfigError naming the fix; so are ``parallel.compile``
+    and ``task.init_from`` (dense Hugging Face weights). (ep with both pp and tp: parallel.layout.ep_rule.)"""
     from elastictrain.config import ConfigError
 
     p, t = config.parallel, config.task
     if t.model.moe is None:
         return
-    if p.pp > 1 or p.tp > 1:
-        raise ConfigError(f"task.model.moe is set with parallel.pp={p.pp}, parallel.tp={p.tp}: a mixture-of-experts "
-                          "model runs with data (and expert) parallelism only for now; set parallel.pp=1 and "
-                          "parallel.tp=1, or remove task.model.moe")
+    if p.tp > 1 and p.ep == 1:
+        raise ConfigError(f"task.model.moe is set with parallel.tp={p.tp} and parallel.ep=1: the experts are not "
+                          f"split over tp; set parallel.ep to a multiple of parallel.tp={p.tp} (the expert group "
+                          "borrows the tp ranks), or parallel.tp=1, or remove task.model.moe")
     if p.compile:  # the routing reads split sizes on the host (.tolist()): no fullgraph block
         raise ConfigError("task.model.moe is set with parallel.compile=true: the MoE routing reads its split sizes "
                           "on the host, which a fullgraph compile of the block refuses; set parallel.compile=false "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -33,3 +34,16 @@ def context() -> multiprocessing.context.BaseContext:
 def run_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes; raises if any of them fails (torch's start_processes)."""
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def run_world(fn: Callable[..., Any], tmp_path: Path, world: int, items: list[Any]) -> list[Any]:
+    """``fn(rank, world, items, port, out)`` in ``world`` fresh ranks (a gloo group on a free local port);
+    returns what ``fn`` saved to the file ``out`` (``torch.save``; rank 0 saves it in these tests), a list
+    with one result per item (a layout, a pair of configs, ...). Raises if any rank fails."""
+    import torch
+
+    from tests.checkpoint_fixtures import free_port
+
+    out = str(tmp_path / f"w{world}.pt")
+    run_ranks(fn, (world, items, free_port(), out), nprocs=world)
+    return torch.load(out)

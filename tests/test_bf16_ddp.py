@@ -31,9 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checkpoint_fixtures import free_port
 from tests.conftest import job
-from tests.ranks import run_ranks
+from tests.ranks import run_world
 
 LOSS_RTOL = 2e-4
 DRIFT = 0.1
@@ -103,10 +102,8 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _run(tmp_path, world: int, runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
-    out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, runs, free_port(), out), nprocs=world)
-    return torch.load(out)
+def _run(tmp_path, world: int, runs: list) -> list:
+    return run_world(_train, tmp_path, world, runs)
 
 
 BF16 = {"mixed_precision": "bf16"}

@@ -194,7 +194,7 @@ def test_the_tests_base_job_starts_no_process_beyond_its_workers(tmp_path, monke
         group = object.__new__(WorkerGroup)  # the group's own decision, without placing processes on a Ray
         group.config, group._standby_started = config, False
         group.by_state = lambda *states: [Slot(0, state=SlotState.MEMBER)]
-        group._start_standby = lambda index: started.append("standby")
+        group._start_standby = lambda index, phase=None: started.append("standby")
         group.start_first_standby()
         return started
 

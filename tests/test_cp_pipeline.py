@@ -29,9 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checkpoint_fixtures import free_port
 from tests.conftest import job
-from tests.ranks import run_ranks
+from tests.ranks import run_world
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -82,10 +81,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, layouts, free_port(), out), nprocs=world)
-    return torch.load(out)
+def _run(tmp_path, world: int, layouts: list) -> list:
+    return run_world(_train, tmp_path, world, layouts)
 
 
 @pytest.fixture(scope="module")

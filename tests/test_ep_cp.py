@@ -21,7 +21,7 @@ attention merges key blocks by log-sum-exp (parallel/blockwise.py) and the sums 
 Against broken builds (run before trusting it): the load-balance statistics not summed over cp (each rank's
 own positions as if they were the sample): cp2xdp2's step-0 losses differ; summed but with the one-rank
 gradient (no ``cp_grad_scale``): cp2xdp2's step-0 clipped norm differs; the expert gradient scale 1 / D instead
-of 1 / (D x cp): cp2xdp2xep2's step-0 norm differs; ``ep_index`` without cp (the data rank alone: the two cp
+of 1 / (D x cp): cp2xdp2xep2's step-0 norm differs; ``expert_rank`` without cp (the data rank alone: the two cp
 ranks of a data rank would hold the same experts and no group would span cp): the expert mesh is built wrong
 (torch's DeviceMesh raises: it does not hold this rank).
 """
@@ -156,7 +156,7 @@ def test_cp2_x_dp2_x_ep2_step_loop_equals_one_process(tmp_path, plan, mesh) -> N
     (dp_replicate, efsdp = 1 x 2 / 2); each ep group a cp group), as
     tests/test_ep_hsdp.py's hsdp loop: every step's loss, token counts, audit, final parameters, digest.
     Against broken builds: the load-balance statistics not summed over cp: step 1's loss 6.06081 against
-    6.05989; the digest's first ep group taken by data rank (``dp_rank // ep``, not ``ep_index``): the experts
+    6.05989; the digest's first ep group taken by data rank (``dp_rank // ep``, not ``expert_rank``): the experts
     counted twice ("blocks.0.moe.b_in has 512 elements but the ranks counted 1024"); an expert DTensor not
     spanning cp in the digest: counted half."""
     from tests.test_ep_hsdp import assert_loop_equals_one_process, loop_spec
@@ -172,12 +172,12 @@ def test_ep_groups_factor_the_data_x_cp_ranks() -> None:
     from elastictrain.parallel.layout import LayoutSpec, is_valid
 
     dims = MeshDims(dp_replicate=2, cp=2, ep=2)
-    assert [dims.ep_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert [dims.expert_rank(r) for r in range(4)] == [0, 1, 2, 3]
     assert [dims.ep_group_ranks(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [dims.expert_replica_ranks(r) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert MeshDims(dp_replicate=2, cp=2, ep=4).ep_group_ranks(3) == [0, 1, 2, 3]
     tp = MeshDims(dp_shard=2, cp=2, tp=2, plan="fsdp", ep=2)  # (pure: the rank order with tp innermost)
-    assert tp.ep_group_ranks(5) == [5, 7] and tp.expert_replica_ranks(0) == [0, 4]
+    assert tp.ep_group_ranks(5) == [4, 5] and tp.expert_replica_ranks(0) == [0, 2, 4, 6]  # (tp ranks join too)
     ok, why = is_valid(LayoutSpec("ddp", 8, 1, cp=2, ep=4), 4)  # 2 data ranks x cp2: ep4 factors them
     assert ok, why
     ok, why = is_valid(LayoutSpec("ddp", 6, 1, cp=2, ep=4), 6)

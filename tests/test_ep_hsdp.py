@@ -249,7 +249,7 @@ def test_hsdp_ep_groups_stay_inside_a_replica() -> None:
     try:
         MeshDims(dp_replicate=2, dp_shard=2, plan="hsdp", ep=4)
     except ValueError as e:
-        assert "must divide dp_shard x cp = 2 under hsdp" in str(e)
+        assert "must divide dp_shard x cp x tp = 2 under hsdp" in str(e)
     else:
         raise AssertionError("an ep group across replicas was accepted")
 

@@ -42,8 +42,11 @@ def _spec(world: int, steps: int = STEPS, run_id: str = "ep", ckpt: str | None =
 @pytest.mark.parametrize("parallel, moe, needle", [
     ({"ep": 4, "plan": "hsdp", "shard_size": 2}, {"experts": 4, "top_k": 2},
      r"parallel\.ep=4 under hsdp must divide parallel\.shard_size=2 .*valid parallel\.ep values there: \[1, 2\]"),
-    ({"ep": 2, "tp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.cp=1 and parallel\.tp=2"),
-    ({"ep": 2, "pp": 2}, {"experts": 4, "top_k": 2}, r"parallel\.ep=2 with parallel\.pp=2: .*set parallel\.pp=1"),
+    ({"ep": 2, "tp": 4}, {"experts": 4, "top_k": 2},
+     r"parallel\.ep=2 with parallel\.tp=4: .*ep must be a multiple of tp; valid parallel\.ep values with tp=4: "
+     r"1 or a multiple of 4 .*set parallel\.ep to one of them"),
+    ({"ep": 2, "pp": 2, "tp": 2}, {"experts": 4, "top_k": 2},
+     r"parallel\.ep=2 with parallel\.pp=2 and parallel\.tp=2: .*set parallel\.tp=1 \(or parallel\.pp=1\)"),
     ({"ep": 2}, None, r"parallel\.ep=2 .* task\.model\.moe is unset; set task\.model\.moe"),
     ({"ep": 4}, {"experts": 6, "top_k": 2}, r"parallel\.ep=4 does not divide task\.model\.moe\.experts=6; valid "
                                             r"parallel\.ep values for it: \[1, 2, 3, 6\]"),
@@ -62,6 +65,28 @@ def test_bad_ep_configs_name_the_rule_and_the_fix(parallel, moe, needle) -> None
 @pytest.fixture(scope="module")
 def one_process() -> InProcessRun:
     return InProcessRun(_spec(1))
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    """``ep_run(world, plan, meta)``: the finished ``STEPS``-step ep2 run of that layout and its checkpoint root
+    (a durable checkpoint every 2 steps, run id ``ep-resume``: a checkpoint changes no number), trained once
+    for the module: the one-process comparison reads it, the ep1 resume continues its checkpoint (it commits
+    step 6 beside the run's, which it leaves as they are)."""
+    from tests.conftest import _ensure_local_ray
+
+    done: dict[tuple[int, str, bool], tuple[Any, str]] = {}
+
+    def get(world: int, plan: str, meta: bool = False) -> tuple[Any, str]:
+        if (world, plan, meta) not in done:
+            _ensure_local_ray()
+            tmp = tmp_path_factory.mktemp(f"ep2-{world}-{plan}-{meta}")
+            ckpt = str(tmp / "ckpt")
+            spec = _spec(world, STEPS, "ep-resume", ckpt, ep=2, plan=plan, meta_init=meta)
+            done[(world, plan, meta)] = run_job(tmp, spec, name="ep2"), ckpt
+        return done[(world, plan, meta)]
+
+    return get
 
 
 def _audited(run, steps: int) -> None:
@@ -85,7 +110,7 @@ def _token_counts(run) -> None:
 @pytest.mark.parametrize("world, plan, meta", [(2, "ddp", False), (2, "ddp", True), (4, "ddp", False),
                                                (4, "fsdp", False)],
                          ids=["ep2", "ep2-meta", "ep2xdp2", "fsdp4xep2"])
-def test_ep_matches_one_process(tmp_path, ray_local, one_process, world, plan, meta) -> None:
+def test_ep_matches_one_process(tmp_path, ray_local, one_process, ep_run, world, plan, meta) -> None:
     """ep2 (2 workers; built whole, and on meta with ``parallel.meta_init``: each rank materializes the dense
     part and its own experts, given their step-0 values at the first sync), ep2 x dp2 (4) and fsdp4 x ep2 (4:
     experts FSDP-sharded over their 2 replicas, the rest over all 4): every step's loss, the final
@@ -97,7 +122,7 @@ def test_ep_matches_one_process(tmp_path, ray_local, one_process, world, plan, m
     at step 1 (DDP mixes DTensor and Tensor); under fsdp, the loop's ``reduce_grads`` also run after FSDP's
     reduce-scatter (the expert gradients reduced twice): the losses of steps 2-4 differ (step 2: 5.5853
     against 5.5807)."""
-    run = run_job(tmp_path, _spec(world, ep=2, plan=plan, meta_init=meta), name=f"ep2-{world}-{plan}-{meta}")
+    run, _ = ep_run(world, plan, meta)  # its checkpoints (every 2 steps) change no number
     _audited(run, STEPS)
     assert run.of("step")[0]["mesh"].startswith(plan), run.of("step")[0]
     _token_counts(run)
@@ -180,15 +205,14 @@ def test_ep2_dp2_clip_norm_over_dense_and_sharded_expert_grads() -> None:
 
 @pytest.mark.parametrize("world, plan", [(2, "ddp"), pytest.param(4, "fsdp", marks=pytest.mark.slow)],
                          ids=["ep2", "fsdp4xep2"])
-def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local, world, plan) -> None:
+def test_ep2_checkpoint_resumes_under_ep1_with_the_same_numbers(tmp_path, ray_local, ep_run, world, plan) -> None:
     """ep2 (and fsdp4 x ep2: the experts' (edp, ep) shards and the dense FSDP shards, with AdamW's state) for
     4 steps with a durable checkpoint every 2 (the experts saved as DTensor shards, by name); one worker (ep1:
     whole experts, plain tensors) resumes its step-4 checkpoint to 6 steps: every step's loss and the final
     parameters of 6 uninterrupted one-process steps. Against a build that treats an ep layout as holding the
     whole state (``holds_whole_state`` ignoring ep, the whole-state guard removed): the ep2 run fails (the
     replicated broadcast restore meets DTensor experts)."""
-    ckpt = str(tmp_path / "ckpt")
-    ep = run_job(tmp_path, _spec(world, 4, "ep-resume", ckpt, ep=2, plan=plan), name=f"ep2-{plan}")
+    ep, ckpt = ep_run(world, plan)  # test_ep_matches_one_process's run of this layout (STEPS = 4)
     _audited(ep, 4)
     one = run_job(tmp_path, _spec(1, 6, "ep-resume", ckpt), name="ep1")
     assert one.result.exit_code == 0, one.summary

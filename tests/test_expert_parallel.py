@@ -48,14 +48,14 @@ def test_moe_config_names_the_field_and_the_fix(kwargs, field) -> None:
         MoEConfig(**kwargs)
 
 
-def test_job_config_refuses_top_k_above_experts_and_moe_with_pp() -> None:
+def test_job_config_refuses_top_k_above_experts_and_moe_with_tp_without_ep() -> None:
     with pytest.raises(ConfigError, match=r"top_k=3 exceeds task\.model\.moe\.experts=2"):
         build_config({"task": {"model": {"moe": {"experts": 2, "top_k": 3}}}})
     from elastictrain.task import builtin_task
 
-    cfg = build_config({"task": {"model": {"moe": {"experts": 4, "top_k": 2}}}, "parallel": {"pp": 2},
+    cfg = build_config({"task": {"model": {"moe": {"experts": 4, "top_k": 2}}}, "parallel": {"tp": 2},
                         "workers": {"min": 2, "max": 2}})
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2.*set parallel\.pp=1"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2 and parallel\.ep=1: .*or parallel\.tp=1"):
         builtin_task(cfg)
     cfg = build_config({"task": {"model": {"dropout": 0.0, "moe": {"experts": 4, "top_k": 2}}},
                         "parallel": {"compile": True}})

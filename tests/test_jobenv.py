@@ -8,6 +8,7 @@ import pytest
 
 from elastictrain import ConfigError, build_config
 from elastictrain.jobenv import decide_checkpoint_uri, ray_working_dir, resolve_for_driver, resolve_run_id
+from tests.conftest import job
 
 IN_WD = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_abc.zip"}})}
 
@@ -47,3 +48,21 @@ def test_relative_uri_refused_under_a_working_dir_on_several_nodes() -> None:
         resolve_for_driver(cfg, IN_WD, alive_nodes=2)
     resolved, notes = resolve_for_driver(cfg, {}, alive_nodes=2)
     assert resolved.checkpoint.uri.endswith("/checkpoints") and resolved.checkpoint.uri.startswith("/") and not notes
+
+
+def test_relative_input_paths_made_absolute_outside_a_working_dir(tmp_path, monkeypatch) -> None:
+    """A relative corpus or model directory is opened by the workers from their Ray's directory, not the
+    driver's: made absolute against the driver's directory, unless the job ships a working directory."""
+    from elastictrain.jobenv import absolute_input
+
+    assert absolute_input("prepared", cwd="/home/u/job", working_dir=None) == "/home/u/job/prepared"
+    assert absolute_input("./a/../b", cwd="/w", working_dir=None) == "/w/b"
+    for unchanged in ("builtin:pydoc", "s3://bucket/corpus", "/abs/corpus", None):
+        assert absolute_input(unchanged, cwd="/w", working_dir=None) == unchanged
+    assert absolute_input("prepared", cwd="/w", working_dir="/tmp/ray/pkg") == "prepared"
+
+    monkeypatch.chdir(tmp_path)
+    config = build_config(job(task={"data": {"source": "corpus.parquet"}}))
+    resolved, _ = resolve_for_driver(config, {})
+    assert resolved.task.data.source == str(tmp_path / "corpus.parquet")
+    assert resolved.task.init_from is None

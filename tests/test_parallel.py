@@ -11,6 +11,8 @@ a layout bug (a missing reduction, a wrong scale, a shard applied twice) moves t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,22 +26,6 @@ def _spec(plan: str, world: int, steps: int = 4, **sections):
                workers={"min": world, "max": world}, parallel={"plan": plan}, **sections)
 
 
-@pytest.fixture(scope="module")
-def one_process() -> InProcessRun:
-    """The 4 steps of ``_spec`` in one process (this one), trained once for both layouts below."""
-    return InProcessRun(_spec("ddp", 1))
-
-
-@pytest.mark.parametrize("plan,world", [("fsdp", 2), ("hsdp", 4)])
-def test_sharded_layout_matches_one_process(tmp_path, ray_local, one_process, plan, world):
-    ref = one_process
-    run = run_job(tmp_path, _spec(plan, world), name=f"{plan}{world}")
-    assert run.result.exit_code == 0
-    steps = run.of("step")
-    assert {e["world_size"] for e in steps} == {world} and {e["accum"] for e in steps} == {8 // world}
-    assert_same_numbers(run, ref)
-
-
 def _constant_lr_task(spec):
     """The built-in task without its schedule (which depends on train.steps), so runs of different
     lengths share one trajectory."""
@@ -51,15 +37,63 @@ def _constant_lr_task(spec):
     return dataclasses.replace(builtin_task(build_config(spec)), lr_fn=None)
 
 
-def test_checkpoint_resumes_across_plans_and_world_sizes(tmp_path, ray_local):
+def _xplan(plan: str, world: int, steps: int, ckpt: dict) -> dict:
+    """A phase of the cross-plan run: 24 samples a step (12 micro-batches: every world size here divides
+    them), run id ``xplan``, a checkpoint every 4 steps (``ckpt``); trained with :func:`_constant_lr_task`."""
+    spec = _spec(plan, world, steps=steps, checkpoint=ckpt, run_id="xplan")
+    spec["train"] = {**spec["train"], "global_batch": 24}
+    return spec
+
+
+@pytest.fixture(scope="module")
+def one_process() -> InProcessRun:
+    """The 4 steps of ``_xplan`` in one process (this one), trained once for both layouts below."""
+    spec = _xplan("ddp", 1, 4, {})
+    return InProcessRun(spec, task=_constant_lr_task(spec))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """``sharded_run(plan, world)``: the finished 4-step ``_xplan`` run of that layout, trained once for the
+    module. The hsdp-4 one is also the first phase of the cross-plan resume (its checkpoint of step 4 is
+    where the ddp phase starts; the later phases commit steps 8 and 12 beside it, and keep_last 3 keeps it)."""
+    from tests.conftest import _ensure_local_ray
+
+    done: dict[tuple[str, int], tuple[object, str]] = {}
+
+    def get(plan: str, world: int):
+        if (plan, world) not in done:
+            _ensure_local_ray()
+            tmp = tmp_path_factory.mktemp(f"{plan}{world}")
+            spec = _xplan(plan, world, 4, {"uri": str(tmp / "ckpt"), "every_steps": 4})
+            done[(plan, world)] = run_job(tmp, spec, task=_constant_lr_task(spec), name=f"{plan}{world}"), str(tmp)
+        return done[(plan, world)]
+
+    return get
+
+
+@pytest.mark.parametrize("plan,world", [("fsdp", 2), ("hsdp", 4)])
+def test_sharded_layout_matches_one_process(ray_local, one_process, sharded_run, plan, world):
+    ref = one_process
+    run, _ = sharded_run(plan, world)  # its checkpoint (step 4) changes no number
+    assert run.result.exit_code == 0
+    steps = run.of("step")
+    assert {e["world_size"] for e in steps} == {world} and {e["accum"] for e in steps} == {12 // world}
+    assert_same_numbers(run, ref)
+
+
+def test_checkpoint_resumes_across_plans_and_world_sizes(ray_local, sharded_run):
     """hsdp on 4 -> ddp on 2 -> fsdp on 3 workers, each phase resuming the previous one's checkpoint: the
-    same losses and final parameters as 12 uninterrupted steps in one process."""
+    same losses and final parameters as 12 uninterrupted steps in one process. The hsdp phase is
+    test_sharded_layout_matches_one_process's hsdp-4 run."""
+    first, root = sharded_run("hsdp", 4)
+    tmp_path = Path(root)
     ckpt = {"uri": str(tmp_path / "ckpt"), "every_steps": 4}
     phases = [("hsdp", 4, 4), ("ddp", 2, 8), ("fsdp", 3, 12)]
-    runs = []
-    for plan, world, steps in phases:
-        spec = _spec(plan, world, steps=steps, checkpoint=ckpt, run_id="xplan")
-        spec["train"] = {**spec["train"], "global_batch": 24}
+    runs = [first]
+    assert first.result.exit_code == 0, first.summary
+    for plan, world, steps in phases[1:]:
+        spec = _xplan(plan, world, steps, ckpt)
         runs.append(run_job(tmp_path, spec, task=_constant_lr_task(spec), name=f"{plan}{world}"))
         assert runs[-1].result.exit_code == 0, runs[-1].summary
     ref_spec = _spec("ddp", 1, steps=12)

@@ -32,7 +32,7 @@ import torch
 from elastictrain.parallel.pipeline import PipelineError
 from tests.checkpoint_fixtures import free_port
 from tests.conftest import job, run_job
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_world
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -98,10 +98,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, layouts, free_port(), out), nprocs=world)
-    return torch.load(out)
+def _run(tmp_path, world: int, layouts: list) -> list:
+    return run_world(_train, tmp_path, world, layouts)
 
 
 HAS_HF = importlib.util.find_spec("transformers") is not None

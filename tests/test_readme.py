@@ -1,7 +1,8 @@
 """The README's quickstart commands, run as written and in order (issue 8 item 2):
 the quickstart, its rerun ("already finished"), the extension to 80 steps, `ckpt ls/verify/export`, and a
 fresh start under a new run id (started right after the quickstart, beside the commands in between: they
-do not touch its run)."""
+do not touch its run). The quickstart starts a private local Ray, as a user's first run does; the later runs
+connect to the session's (``RAY_ADDRESS``), the commands unchanged."""
 
 from __future__ import annotations
 
@@ -34,16 +35,28 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
-@pytest.mark.slow  # each `elastictrain run` starts a private local Ray
-def test_readme_commands_are_true(tmp_path):
+def _on_the_sessions_ray() -> dict[str, str]:
+    """The environment of a command that runs on the session's local Ray (``RAY_ADDRESS``) instead of starting
+    a private one: the README's commands as written, each a private Ray's start (its GCS, raylet and agents,
+    ~3.5 s of CPU) cheaper. The quickstart itself still starts its own, as a user's first run does."""
+    import os
+
+    import ray
+
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
+@pytest.mark.slow  # the quickstart starts a private local Ray; the later runs use the session's
+def test_readme_commands_are_true(tmp_path, ray_local):
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
         ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["run", "jobs/tiny_gpt.yaml"]], commands
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
+    session = _on_the_sessions_ray()
 
-    def start(args: list[str]) -> subprocess.Popen:
+    def start(args: list[str], env: dict[str, str] | None = session) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
     def finish(args: list[str], proc: subprocess.Popen) -> str:
         out, err = proc.communicate(timeout=600)
@@ -51,9 +64,11 @@ def test_readme_commands_are_true(tmp_path):
         assert "Traceback" not in err, (args, err[-2000:])
         return out
 
-    outputs = [finish(commands[0], start(commands[0]))]
+    private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
+    outputs = [finish(commands[0], start(commands[0], private))]  # the quickstart: a private local Ray
     # The fresh start (a new run id, its own run directory) touches nothing the commands between it and the
-    # quickstart read or write: it runs beside them (its own local Ray) instead of after them.
+    # quickstart read or write: it runs beside them instead of after them (on the session's Ray, whose 4 CPUs
+    # hold its 2 workers and the extension's).
     fresh_start = start(commands[-1])
     try:
         for args in commands[1:-1]:
@@ -128,7 +143,9 @@ def prepare_commands() -> list[list[str]]:
 def test_readme_prepare_then_run(tmp_path):
     """The README's prepare -> run block as written: one prepare with a tokenizer trained here, then the tiny
     GPT's and the built-in Llama's jobs on it, each to its last step (on the manifest's 300 ids: a model of the
-    byte vocabulary would fail at its first id past 255)."""
+    byte vocabulary would fail at its first id past 255). Each on a private local Ray: the jobs read
+    ``./prepared`` from their workers' directory, which is the directory their own Ray was started in (the
+    session's Ray runs its workers in the pytest process's)."""
     from tests.test_prepared_data import _corpus, _tokenizer
 
     commands = prepare_commands()

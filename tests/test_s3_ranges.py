@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.byte_ranges import MERGE_GAP, Read, plan_reads, slice_runs
+from elastictrain.byte_ranges import MERGE_GAP, WEIGHTS_MERGE_GAP, Read, plan_reads, slice_runs
 from elastictrain.data.shards import Shard, manifest_json
 from elastictrain.data.windows import PreparedWindows
 from tests.checkpoint_fixtures import S3Server, free_port
@@ -309,7 +309,7 @@ def _data_gets(gets: list[Get], source: Any) -> list[Get]:
 def test_tp2_init_from_s3_fetches_the_held_columns_not_the_rows(tmp_path, counting):
     """2 gloo ranks load an index-sharded Hugging Face Llama from the counting S3 under tp2, twice: merging
     nothing, the bytes fetched are exactly the slices the ranks hold (a row-wise layer's columns: per-row
-    GETs); merging over 64 KiB (the default), the bytes of the planned reads (the held slices plus the gaps
+    GETs); merging over 1 MiB (the default), the bytes of the planned reads (the held slices plus the gaps
     merged), fewer GETs than tensors read (this model's rows are narrow: a few long reads). Step 1's loss is
     transformers', and every rank asked the reader for exactly the slices it holds, each once."""
     import s3fs
@@ -323,7 +323,7 @@ def test_tp2_init_from_s3_fetches_the_held_columns_not_the_rows(tmp_path, counti
     hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
     fs = s3fs.S3FileSystem(**server.options())
     fs.mkdir("hfranges")
-    gaps = {"s3://hfranges/exact": 0, "s3://hfranges/merged": MERGE_GAP}
+    gaps = {"s3://hfranges/exact": 0, "s3://hfranges/merged": WEIGHTS_MERGE_GAP}
     for uri in gaps:
         fs.put(str(tmp_path / "sharded") + "/", uri.removeprefix("s3://") + "/", recursive=True)
     options = {uri: server.options() for uri in gaps}
@@ -352,7 +352,7 @@ def test_tp2_init_from_s3_fetches_the_held_columns_not_the_rows(tmp_path, counti
         n_tensors = sum(len(rank[i]["held"]) for rank in got)
         if gap == 0:  # exactly what the ranks hold: a row-wise layer's columns (a GET per row), not its rows
             assert sent == held_bytes < whole_rows and len(fetched) > n_tensors, (sent, held_bytes, whole_rows)
-        else:  # this small model's rows and tensors lie within 64 KiB of each other: a few long reads
+        else:  # this small model's rows and tensors lie within 1 MiB of each other: a few long reads
             assert sent > held_bytes and len(fetched) < n_tensors, (sent, held_bytes, len(fetched), n_tensors)
 
 

@@ -31,9 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checkpoint_fixtures import free_port
 from tests.conftest import job
-from tests.ranks import run_ranks
+from tests.ranks import run_world
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
@@ -103,6 +102,7 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             if digest:
                 dist.all_gather_object(parts, runner.digest_part())
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
+                            "tokens_per_expert": [r.tokens_per_expert for r in records],
                             "params": full, "tp_sharded": _tp_sharded(runner.model), "norms": list(norms),
                             "digest": combine(parts) if digest else None})
         if rank == 0:
@@ -124,10 +124,8 @@ def _tp_sharded(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def _run(tmp_path, world: int, layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = str(tmp_path / f"w{world}.pt")
-    run_ranks(_train, (world, layouts, free_port(), out), nprocs=world)
-    return torch.load(out)
+def _run(tmp_path, world: int, layouts: list) -> list:
+    return run_world(_train, tmp_path, world, layouts)
 
 
 @pytest.fixture(scope="module")

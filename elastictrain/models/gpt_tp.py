@@ -4,7 +4,8 @@ Per block: ``q``/``k``/``v`` column-wise (each rank holds ``n_head / T`` heads) 
 ``mlp_in`` column-wise and ``mlp_out`` row-wise: one all-reduce per half-block, or with sequence parallel
 one all-gather before and one reduce-scatter after. The token embedding is vocabulary-parallel (row-wise);
 the head is column-wise and its logits stay sharded on the vocabulary (a DTensor) for ``loss_parallel``,
-so the full logits are never gathered.
+so the full logits are never gathered. A mixture-of-experts block (ep x tp) keeps the attention's plan and
+gives its MoE layer :func:`moe_block`'s: the experts are not split over tp.
 
 Sequence parallel (``sequence_parallel=True``): the norms and dropout regions run on the rank's slice of the
 positions (``Shard(1)``). The embeddings reduce-scatter onto the sequence (the learned positions are split
@@ -37,6 +38,41 @@ class SequenceParallelGathered(SequenceParallel):
         super().__init__(use_local_output=False)
 
 
+def moe_block(sequence_parallel: bool) -> dict[str, Any]:
+    """The plan of a block whose MLP is a mixture of experts (ep x tp, elastictrain/parallel/expert_tp.py):
+    the attention as in a dense block; the MoE layer takes this rank's positions (under sequence parallel the
+    norm before it hands over its sequence shard, not the gathered sequence) and keeps its experts whole."""
+    from elastictrain.parallel.expert_tp import MoETokenSplit
+
+    sp, seq = sequence_parallel, Shard(1)
+    plan: dict[str, Any] = {
+        "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+        "attn_out": RowwiseParallel(output_layouts=seq if sp else Replicate()),
+        "moe": MoETokenSplit(sp),
+    }
+    if sp:
+        plan.update({"ln_attn": SequenceParallelGathered(), "ln_mlp": SequenceParallel(use_local_output=True),
+                     "drop_attn": SequenceParallel(use_local_output=True),
+                     "drop_mlp": SequenceParallel(use_local_output=True)})
+    return plan
+
+
+class RowwiseParallelSync(RowwiseParallel):
+    """``RowwiseParallel`` whose output collective completes before its local tensor goes on (torch's
+    redistributes asynchronously: ``to_local`` then returns an ``AsyncCollectiveTensor``). For a module whose
+    output feeds a compiled block directly (the Llama's vocabulary-parallel embedding): torch 2.13's
+    compiled backward hands that input's gradient back as a plain tensor, and the redistribute's backward
+    (``NestedRedistribute.forward``, ``grad_output._local_tensor``) fails on it. The GPT adds its position
+    embedding eagerly in between, which waits on the collective (a plain tensor), so its blocks never see one."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: Any) -> Any:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """The plan for ``parallelize_module(model, tp_mesh, plan)`` of a :class:`~elastictrain.models.gpt.GPT`
     or of a pipeline stage of one (:class:`~elastictrain.models.gpt.GPTStage`: the keys of the modules it
@@ -60,7 +96,11 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
                       "drop_attn": SequenceParallel(use_local_output=True),
                       "drop_mlp": SequenceParallel(use_local_output=True)})
     if hasattr(model, "blocks") and len(model.blocks):
-        plan.update({f"blocks.*.{name}": style for name, style in block.items()})
+        moe = {name for name, b in model.blocks.named_children() if hasattr(b, "moe")}
+        if not moe:
+            plan.update({f"blocks.*.{name}": style for name, style in block.items()})
+        for name, b in model.blocks.named_children() if moe else ():
+            plan.update({f"blocks.{name}.{k}": style for k, style in (moe_block(sp) if name in moe else block).items()})
     if hasattr(model, "head"):
         if sp:
             plan["ln_f"] = SequenceParallel()

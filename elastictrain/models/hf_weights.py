@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.byte_ranges import MERGE_GAP, fetch, slice_runs
+from elastictrain.byte_ranges import WEIGHTS_MERGE_GAP, fetch, slice_runs
 from elastictrain.config import ConfigError
 from elastictrain.models.hf_llama import hf_from_ours
 
@@ -127,7 +127,7 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
                 merge_gap: int | None = None) -> Any:
     """The DCP StorageReader for the checkpoint at ``uri``: torch's ``HuggingFaceStorageReader`` for a local
     path, a ranged reader otherwise (:func:`_read_plan`; ``merge_gap``: bytes between two ranges read as one,
-    default :data:`elastictrain.byte_ranges.MERGE_GAP`)."""
+    default :data:`elastictrain.byte_ranges.WEIGHTS_MERGE_GAP`)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        StorageMeta, TensorProperties, TensorStorageMetadata)
@@ -157,7 +157,7 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
 
         def read_data(self, plan: Any, planner: Any) -> Future[None]:
             _read_plan(fs, [(self.storage_data[req.storage_index], req) for req in plan.items], planner,
-                       MERGE_GAP if merge_gap is None else merge_gap)
+                       WEIGHTS_MERGE_GAP if merge_gap is None else merge_gap)
             fut: Future[None] = Future()
             fut.set_result(None)
             return fut
@@ -214,7 +214,7 @@ def _assemble(e: TensorEntry, lengths: list[int], runs: list[tuple[int, int]], p
     return torch.frombuffer(buf, dtype=_DTYPES[e.dtype]).reshape(lengths)
 
 
-def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int], gap: int = MERGE_GAP
+def _read_slice(fs: Any, e: TensorEntry, offsets: list[int], lengths: list[int], gap: int = WEIGHTS_MERGE_GAP
                 ) -> torch.Tensor:
     """The slice ``[offsets, offsets + lengths)`` of one stored tensor, read alone (its runs merged as a
     plan's are)."""

@@ -398,16 +398,18 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     ``ffn_hidden / tp`` of the MLP), ``wo``/``w2`` row-wise; the embedding vocabulary-parallel, the head
     column-wise with its logits left sharded on the vocabulary for ``loss_parallel``. Sequence parallel:
     the norms run on the rank's slice of the positions and gather the whole sequence for the projections
-    after them; the row-wise projections reduce-scatter back onto it."""
+    after them; the row-wise projections reduce-scatter back onto it. A mixture-of-experts layer (ep x tp)
+    keeps its experts whole: :class:`~elastictrain.parallel.expert_tp.MoETokenSplit`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from elastictrain.models.gpt_tp import SequenceParallelGathered
+    from elastictrain.models.gpt_tp import RowwiseParallelSync, SequenceParallelGathered
 
     sp, seq = sequence_parallel, Shard(1)
     plan: dict[str, Any] = {}
     if hasattr(model, "tok_embeddings"):
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        # a synchronous output collective: the first block, compiled, takes this output directly (gpt_tp.py)
+        plan["tok_embeddings"] = RowwiseParallelSync(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     layer = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq if sp else Replicate()),
@@ -416,8 +418,20 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     }
     if sp:
         layer.update({"attention_norm": SequenceParallelGathered(), "ffn_norm": SequenceParallelGathered()})
-    if len(getattr(model, "layers", ())):
+    moe = {name for name, block in getattr(model, "layers", nn.ModuleList()).named_children()
+           if isinstance(block.feed_forward, MoEFeedForward)}
+    if len(getattr(model, "layers", ())) and not moe:
         plan.update({f"layers.*.{name}": style for name, style in layer.items()})
+    if moe:  # ep x tp: an MoE layer's experts stay whole, it takes this rank's positions (parallel/expert_tp.py)
+        from elastictrain.parallel.expert_tp import MoETokenSplit
+
+        moe_layer = {k: v for k, v in layer.items() if not k.startswith("feed_forward.")}
+        moe_layer["feed_forward"] = MoETokenSplit(sp)
+        if sp:  # the norm hands over its sequence shard, not the gathered sequence
+            moe_layer["ffn_norm"] = SequenceParallel(use_local_output=True)
+        for name, _ in model.layers.named_children():
+            styles = moe_layer if name in moe else layer
+            plan.update({f"layers.{name}.{k}": style for k, style in styles.items()})
     if hasattr(model, "output"):
         if sp:
             plan["norm"] = SequenceParallel()

@@ -18,6 +18,13 @@ Load balance: the sequence-wise auxiliary loss of DeepSeek-V3, a function of ONE
 layer holds ``aux_loss`` (``[B]``, in the graph) and ``tokens_per_expert`` (``[E]`` int64, this rank's
 token slots per expert, detached); :func:`moe_aux_loss` and :func:`moe_token_counts` collect them.
 
+Split tokens (ep x tp, elastictrain/parallel/expert_tp.py): with ``token_group`` set, each rank of that group
+holds a disjoint slice of every sample's positions (``x`` is ``[B, T / tp, d]``). The per-sample statistics
+(slot counts and summed router probabilities) are then summed over the group before ``f`` and ``P`` are
+formed, so ``aux_loss`` is the whole sample's (the same value on every rank of the group: the sum's backward
+is the identity, each rank's share of ``P`` gets the gradient of the one loss) and ``tokens_per_expert`` is
+the whole micro-batch's, as one process counts them.
+
 Context parallelism (``cp_group`` set by :func:`elastictrain.parallel.context.enable_context_parallel`): a
 rank holds ``T / cp`` positions of each sample, so ``f`` and ``P`` are formed from the per-expert slot
 counts and router-probability sums SUMMED over the cp group (one all-reduce of ``[B, 2E]`` floats) before
@@ -39,6 +46,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 __all__ = ["MoEConfig", "MoEFeedForward", "cp_sample_stats", "moe_aux_loss", "moe_layers", "moe_token_counts"]
@@ -109,6 +118,8 @@ class MoEFeedForward(nn.Module):
         # enable_expert_parallel, which also sets ``dispatch`` (None: every expert is local).
         self.expert_offset, self.local_experts = 0, e
         self.dispatch: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # the ranks that split this layer's tokens by position (ep x tp: the tp group), None: not split
+        self.token_group: ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.cp_group: object = None  # context parallel: the load-balance statistics are summed over it
@@ -187,16 +198,20 @@ class MoEFeedForward(nn.Module):
         k, e = self.cfg.top_k, self.cfg.experts
         probs, experts, gates = self.route(x)
         slots = experts.reshape(-1)  # slot s = token s // k, its (s % k)-th choice
-        counts = torch.bincount(slots, minlength=e)
-        self.tokens_per_expert = counts.detach()
-        # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
-        slots_per_expert = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float()
-        if self.cp_group is None:
-            f, p = slots_per_expert / (t * k), probs.mean(dim=1)
-        else:  # this rank's positions only: the sample's statistics are the sums over the cp ranks
-            slots_per_expert, p_sum, whole = cp_sample_stats(slots_per_expert, probs.sum(dim=1), t, self.cp_group)
-            f, p = slots_per_expert / (whole * k), p_sum / whole
-        self.aux_loss = self.cfg.aux_coef * e * (f * p).sum(dim=-1)
+        if self.token_group is not None:
+            self.aux_loss = self._split_aux_loss(probs, experts)
+        else:
+            counts = torch.bincount(slots, minlength=e)
+            self.tokens_per_expert = counts.detach()
+            # Per-sample load balance: f from the counts (no gradient), P the mean router probability.
+            slots_per_expert = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).float()
+            if self.cp_group is None:
+                f, p = slots_per_expert / (t * k), probs.mean(dim=1)
+            else:  # this rank's positions only: the sample's statistics are the sums over the cp ranks
+                slots_per_expert, p_sum, whole = cp_sample_stats(slots_per_expert, probs.sum(dim=1), t,
+                                                                 self.cp_group)
+                f, p = slots_per_expert / (whole * k), p_sum / whole
+            self.aux_loss = self.cfg.aux_coef * e * (f * p).sum(dim=-1)
         tokens = x.reshape(b * t, d).repeat_interleave(k, dim=0)  # one row per slot, slot order
         if self.dispatch is None:
             y = _local_dispatch(self, tokens, slots)
@@ -204,6 +219,35 @@ class MoEFeedForward(nn.Module):
             y = self.dispatch(self, tokens, slots)
         out = (y.view(b * t, k, d) * gates.reshape(b * t, k, 1).to(y.dtype)).sum(dim=1)
         return out.view(b, t, d)
+
+
+    def _split_aux_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The per-sample aux loss when ``token_group`` splits each sample's positions: this rank's slot
+        counts and router probability sums per (sample, expert), summed over the group in one all-reduce
+        (identity backward), then ``f`` and ``P`` of the whole sample. Sets ``tokens_per_expert``."""
+        b, t, e = probs.shape
+        k = self.cfg.top_k
+        counts = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).to(probs.dtype)  # exact below 2**24
+        stats = _SumOverGroup.apply(torch.cat([counts, probs.sum(dim=1)], dim=-1), self.token_group)
+        counts, psum = stats[:, :e].detach(), stats[:, e:]
+        whole = counts.sum(dim=-1, keepdim=True) / k  # each sample's positions over the group (k slots each)
+        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)
+        return self.cfg.aux_coef * e * (counts / (whole * k) * (psum / whole)).sum(dim=-1)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) over ``group`` whose backward is the identity: the sum feeds a loss that every rank
+    of the group computes alike (replicated), so each rank's addend gets that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
 
 
 def cp_sample_stats(slots: torch.Tensor, p_sum: torch.Tensor, t: int, group: object
@@ -277,6 +321,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def moe_token_counts(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward. The step's
-    global counts are their sum over the data-parallel ranks (one all_reduce of the stacked tensor)."""
+    """Each MoE layer's token slots per expert (``[E]`` int64) in this rank's last forward (a layer whose
+    ``token_group`` splits the tokens: the group's, summed over it). The step's global counts are their sum
+    over the data-parallel ranks (one all_reduce of the stacked tensor)."""
     return {name: m.tokens_per_expert for name, m in moe_layers(model).items() if m.tokens_per_expert is not None}

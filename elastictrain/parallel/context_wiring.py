@@ -75,13 +75,15 @@ def wire_model(pm: Any, mesh: DeviceMesh, dims: MeshDims, rank: int) -> None:
     """Turn context parallelism on (or off) for ``pm`` (a :class:`~elastictrain.parallel.parallelize.ParallelModel`)
     after the layout is applied: the cp axis group on the model's hooks, and the (loss, stop) word and the
     audit counted by cp coordinate 0 only. ``cp == 1``: a hooked model's group is cleared (a model kept
-    across a re-mesh may carry an earlier generation's). Raises ``ValueError`` with the refusal line for a
+    across a re-mesh may carry an earlier generation's); one that has none is left untouched (writing the
+    attribute would fail the guards of its compiled blocks: a recompile). Raises ``ValueError`` with the refusal line for a
     model without the hook under cp > 1."""
     from elastictrain.parallel.context import _hooked, enable_context_parallel
 
     if dims.cp == 1:
         for module in _hooked(pm.model):
-            module.cp_group = None
+            if module.cp_group is not None:  # set only when set: a compiled block guards on its __dict__
+                module.cp_group = None
         return
     enable_context_parallel(pm.model, mesh["cp"].get_group())
     first = cp_coord(dims, rank) == 0

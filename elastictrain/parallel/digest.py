@@ -65,12 +65,12 @@ def counts(t: torch.Tensor, plain_primary: bool, primary_along: dict[str, bool] 
             return False
         names = t.device_mesh.mesh_dim_names or ()
         dp = any(n.startswith("dp") for n in names)
-        # an expert DTensor lives on the ep axis, a factor of the data x cp ranks: replicated over "edp"
-        # only (the first ep group counts it, whichever cp ranks it spans), unless FSDP shards it there too
-        # (ep x fsdp: its mesh is (edp, ep); ep x hsdp: (dp_replicate, efsdp, ep)); a flattened dimension
-        # spans its parts: "dp_shard_cp" is a data-parallel and a cp dimension
+        # an expert DTensor lives on the ep axis, a factor of the data x cp x tp ranks: replicated over
+        # "edp" only (the first ep group counts it, whichever cp and tp ranks it spans), unless FSDP shards it
+        # there too (ep x fsdp: its mesh is (edp, ep); ep x hsdp: (dp_replicate, efsdp, ep)); a flattened
+        # dimension spans its parts: "dp_shard_cp" is a data-parallel and a cp dimension
         ep = "ep" in names
-        spans = {"dp": dp or ep, "tp": "tp" in names, "edp": dp or "edp" in names or "efsdp" in names,
+        spans = {"dp": dp or ep, "tp": "tp" in names or ep, "edp": dp or "edp" in names or "efsdp" in names,
                  "cp": ep or any("cp" in n.split("_") for n in names)}
         return all(spans[axis] or first for axis, first in (primary_along or {}).items())
     return plain_primary

@@ -19,13 +19,16 @@ Roles (what an axis does to the training state and to the data):
 * ``batch_axes`` (``dp_replicate``, ``dp_shard``): ranks that see different samples;
 * ``seq_axes`` (``cp``): ranks that see different positions of the same samples.
 
-Expert parallel (``ep``) is not a world axis: it factors the data x context-parallel ranks of one
-(pp, tp) coordinate (torchtitan's ``dp_shard x cp = efsdp x ep``; each cp rank routes other tokens of the
-same samples, which is all a dispatch needs), numbered ``dp_rank x cp + cp`` (:meth:`MeshDims.ep_index`),
-into groups of ``ep`` consecutive ones that exchange tokens (all-to-all) and hold different experts
-(:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`). Under ``hsdp`` a group stays
-inside one replica (``ep`` divides ``dp_shard x cp``), so the experts are HSDP too: replicated over
-``dp_replicate``, FSDP-sharded over the rest of the shard x cp ranks.
+Expert parallel (``ep``) is not a world axis: it factors the expert ranks of one pp coordinate -- the
+data x cp x tp ranks, ``dp_shard x cp x tp = efsdp x ep`` (torchtitan's rule with expert tensor parallel
+degree 1: the expert group borrows the cp ranks, which route other tokens of the same samples, and the tp
+ranks, which split a data rank's tokens; under tp ``ep`` is a multiple of ``tp``) -- into groups of ``ep``
+consecutive expert ranks that exchange tokens (all-to-all) and hold different experts
+(:meth:`MeshDims.ep_group_ranks`, :meth:`MeshDims.expert_replica_ranks`). A rank's expert rank is
+``(dp_rank x cp + cp coordinate) x tp + tp coordinate`` (:meth:`MeshDims.expert_rank`): without cp and tp,
+its data-parallel rank. Under ``hsdp`` a group stays inside one replica (``ep`` divides
+``dp_shard x cp x tp``), so the experts are HSDP too: replicated over ``dp_replicate``, FSDP-sharded over
+the rest of the shard ranks.
 Pure: no torch.distributed.
 """
 
@@ -65,12 +68,14 @@ class MeshDims:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MeshDims.{name} must be an int >= 1, got {v!r}")
-        if self.dp * self.cp % self.ep:
-            what = "data-parallel size" + (f" x cp {self.dp * self.cp}" if self.cp > 1 else f" {self.dp}")
+        n = self.dp * self.cp * self.tp  # the expert ranks (module doc; that ep is a multiple of tp is ep_rule's)
+        if n % self.ep:
+            axes = "dp" + (" x cp" if self.cp > 1 else "") + (" x tp" if self.tp > 1 else "")
+            what = f"data-parallel size {self.dp}" if self.cp == self.tp == 1 else f"expert ranks {axes} = {n}"
             raise ValueError(f"MeshDims.ep={self.ep} must divide the {what}")
-        if self.plan == "hsdp" and self.dp_shard * self.cp % self.ep:
-            raise ValueError(f"MeshDims.ep={self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp} under "
-                             "hsdp (an ep group inside one replica)")
+        if self.plan == "hsdp" and self.dp_shard * self.cp * self.tp % self.ep:
+            raise ValueError(f"MeshDims.ep={self.ep} must divide dp_shard x cp x tp = "
+                             f"{self.dp_shard * self.cp * self.tp} under hsdp (an ep group inside one replica)")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -220,8 +225,9 @@ class MeshDims:
 
     def holder_keys(self) -> list[tuple[int, ...]]:
         """Every :meth:`holder_key` of the layout, in lexicographic order. Under ep the ep coordinate is a
-        function of the others where ep factors the shard ranks (hsdp: ``dp_shard x cp = efsdp x ep``), so
-        only the keys some rank has are listed (not the product, whose other keys no rank could cover)."""
+        function of other coordinates where ep spans tp ranks or factors the shard ranks (hsdp:
+        ``dp_shard x cp = efsdp x ep``), so only the keys some rank has are listed (not the product, whose
+        other keys no rank could cover)."""
         if self.ep > 1:
             return sorted({self.holder_key(r) for r in range(self.world_size)})
         keys = [()]
@@ -239,31 +245,37 @@ class MeshDims:
         return {n: getattr(self, n) for n in SNAPSHOT_AXES}
 
     # ------------------------------------------------------------------ expert parallel
-    def ep_index(self, rank: int) -> int:
-        """``rank``'s index among the data x cp ranks of its (pp, tp) coordinate, ``dp_rank x cp + cp``
-        (the order expert parallel factors into ``(edp, ep)``; the data rank without cp)."""
-        return self.dp_rank(rank) * self.cp + self.coord(rank)["cp"]
+    def expert_rank(self, rank: int) -> int:
+        """``rank``'s index among the expert ranks of its pp coordinate (0..dp x cp x tp - 1):
+        ``(dp_rank x cp + cp coordinate) x tp + tp coordinate``, the row-major order of the data, cp and tp
+        axes (cp ranks route other tokens of the same samples; tp ranks split a data rank's tokens)."""
+        c = self.coord(rank)
+        return (self.dp_rank(rank) * self.cp + c["cp"]) * self.tp + c["tp"]
 
     def ep_coord(self, rank: int) -> int:
         """``rank``'s position in its expert-parallel group (which experts it holds)."""
-        return self.ep_index(rank) % self.ep
+        return self.expert_rank(rank) % self.ep
+
+    def edp_coord(self, rank: int) -> int:
+        """Which expert-parallel group ``rank`` is in (its coordinate among the replicas of its experts)."""
+        return self.expert_rank(rank) // self.ep
 
     def ep_group_ranks(self, rank: int) -> list[int]:
-        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive data x cp ranks
-        (:meth:`ep_index`) of the same (pp, tp) coordinate, ``rank`` included, ascending."""
-        return self._ep_ranks(rank, lambda e: e // self.ep == self.ep_index(rank) // self.ep)
+        """The ranks that exchange tokens with ``rank``: ``ep`` consecutive expert ranks of the same pp
+        coordinate, ``rank`` included, ascending."""
+        return self._expert_ranks(rank, lambda e: e // self.ep == self.edp_coord(rank))
 
     def expert_replica_ranks(self, rank: int) -> list[int]:
-        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp/tp coordinate):
-        their expert gradients are summed together."""
-        return self._ep_ranks(rank, lambda e: e % self.ep == self.ep_coord(rank))
+        """The ranks that hold the same experts as ``rank`` (same ep coordinate, same pp coordinate): their
+        expert gradients are summed together."""
+        return self._expert_ranks(rank, lambda e: e % self.ep == self.ep_coord(rank))
 
-    def _ep_ranks(self, rank: int, keep: object) -> list[int]:
+    def _expert_ranks(self, rank: int, keep: object) -> list[int]:
         c = self.coord(rank)
         out = []
-        for e in range(self.dp * self.cp):
+        for e in range(self.dp * self.cp * self.tp):
             if keep(e):  # type: ignore[operator]
-                d = e // self.cp
+                d, rest = divmod(e, self.cp * self.tp)
                 out.append(self.rank({**c, "dp_replicate": d // self.dp_shard, "dp_shard": d % self.dp_shard,
-                                      "cp": e % self.cp}))
+                                      "cp": rest // self.tp, "tp": rest % self.tp}))
         return sorted(out)

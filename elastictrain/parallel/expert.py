@@ -15,7 +15,8 @@ the outputs come back by the reverse all-to-all, in slot order. Dropless: every 
 output does not depend on ep. Backward: the all-to-all's gradient is the reverse all-to-all.
 
 Gradient rule (:func:`reduce_expert_grads`). Let D be the number of data ranks (every rank of the ep groups
-and their replicas splits the batch: D = ep x R, R the expert replicas) and the loss
+and their replicas splits the batch: D = ep x R, R the expert replicas; under ep x tp the tp ranks of a data
+rank split its tokens and join the ep groups, D x tp = ep x R, elastictrain/parallel/expert_tp.py) and the loss
 ``L = (1/D) sum_d L_d`` (each rank's mean over its samples, the step loop's contract). Dense parameters: as
 today, the mean of the D gradients. An expert held by rank r: the backward through the all-to-all already
 gives r the SUM over its ep group of ``dL_d/dW`` (each rank's slots that reached the expert), so the exact
@@ -146,8 +147,9 @@ def reduce_expert_grads(model: nn.Module, replica_group: ProcessGroup | None, sc
 
     Call after backward, where the dense gradients are averaged over all data ranks. ``replica_group``: the
     ranks holding the same experts (same ep coordinate, one per ep group), None when there is one ep group;
-    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas; data x cp ranks under cp). Does
-    all_reduce(SUM) over ``replica_group`` then multiplies by ``scale`` (see the module docstring for why this is exact)."""
+    ``scale``: ``1 / D``, D the number of data ranks (ep x replicas; the expert ranks data x cp x tp under
+    cp or ep x tp). Does all_reduce(SUM) over ``replica_group`` then multiplies by ``scale`` (see the module
+    docstring for why this is exact)."""
     for layer in moe_layers(model).values():
         for pname in layer.expert_names:
             grad = getattr(layer, pname).grad

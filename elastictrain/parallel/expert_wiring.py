@@ -19,12 +19,14 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp`` with ``pp = tp = 1``, any ``cp``
-(:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time), so the data x cp ranks are
-the world. Under cp an ep group may span cp ranks: they hold other tokens of the same samples,
-and a token's expert output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean
-over the ranks the dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial,
-parallel/context.py).
+Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp``, any ``cp``, and ``tp`` dividing ``ep`` (ep x tp:
+the expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`;
+:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the expert ranks
+(``dp x cp x tp``) are the world; under pp (ep x pp, tp = 1) each stage's data ranks are factored the same
+way and the pipeline wires them (:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
+Under cp an ep group may span cp ranks: they hold other tokens of the same samples, and a token's expert
+output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean over the ranks the
+dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial, parallel/context.py).
 """
 
 from __future__ import annotations
@@ -84,14 +86,16 @@ class ExpertParallel:
     @property
     def replica_mesh(self) -> DeviceMesh:
         """The ranks holding the same experts: ``edp``, or under hsdp the 2-D ``(dp_replicate, efsdp)``."""
-        names = self.mesh.mesh_dim_names or ()
-        return self.mesh[names[:-1]] if len(names) > 2 else self.mesh[names[0]]
+        return self.mesh[("dp_replicate", "efsdp")] if "efsdp" in (self.mesh.mesh_dim_names or ()) else self.mesh["edp"]
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The ranks holding the same experts (None with one ep group: nothing to reduce over). Only ddp's
-        1-D ``edp`` reduces through it (a 2-D replica mesh is FSDP's)."""
-        return self.mesh["edp"].get_group() if self.mesh.size(0) > 1 else None
+        """The ranks holding the same experts (None with one ep group: nothing to reduce over). ddp's 1-D
+        ``edp`` (under hsdp the 2-D replica mesh is FSDP's: nothing reduces through this)."""
+        if "edp" not in (self.mesh.mesh_dim_names or ()):
+            return None
+        edp = self.mesh["edp"]  # (the ``(edp, ep)`` mesh, or ep x pp's ``(stage, edp, ep)``: this stage's)
+        return edp.get_group() if edp.size() > 1 else None
 
     def reduce_grads(self, model: nn.Module) -> None:
         """Expert gradients -> those of the mean loss over the data ranks (collective over the replicas):
@@ -135,7 +139,9 @@ class TokenTally:
         if counts:
             self.parts.append(dict(counts))
 
-    def total(self, group: dist.ProcessGroup | None) -> dict[str, list[int]] | None:
+    def total(self, group: dist.ProcessGroup | None, copies: int = 1) -> dict[str, list[int]] | None:
         """``{layer: [slots per expert]}`` summed over ``group`` (the data ranks; one all-reduce, every
-        rank of it calls this), None without MoE layers."""
-        return step_token_counts(self.parts, group) or None
+        rank of it calls this), None without MoE layers. ``copies``: how many ranks of ``group`` hold
+        each data rank's counts (ep x tp: its tp ranks, whose layers sum the counts over tp), divided out."""
+        got = step_token_counts(self.parts, group) or None
+        return got if got is None or copies == 1 else {n: [c // copies for c in v] for n, v in got.items()}

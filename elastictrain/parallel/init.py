@@ -21,12 +21,12 @@ that needs values (see ``StepRunner.init_from_seed``).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastictrain.models.gpt import _mix
@@ -92,7 +92,7 @@ def _init_shadow(module: nn.Module, root: nn.Module, name: str,
     """``root.init_module`` on a CPU copy of ``module`` holding only its own parameters, each of
     ``shape_of(parameter)`` (its full size, or one expert's), under the generator state set by the caller.
     Returns the values by parameter name. Raises :class:`InitError` for a value left unset (NaN)."""
-    shadow = copy.copy(module)  # same class (isinstance checks in init_module hold), own params only
+    shadow = _same_class_copy(module)  # (isinstance checks in init_module hold), own params only
     shadow._modules = {}
     shadow._parameters = {n: None if p is None else nn.Parameter(_blank(p, shape_of(p)), requires_grad=p.requires_grad)
                           for n, p in module._parameters.items()}
@@ -107,6 +107,18 @@ def _init_shadow(module: nn.Module, root: nn.Module, name: str,
                             ".reset_parameters()), or remove init_module to build the whole seeded model")
         values[n] = full.detach()
     return values
+
+
+def _same_class_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` of its own class; an FSDP2-sharded module (a module holding parameters of
+    its own that ``fully_shard`` wrapped: ep x fsdp's MoE layers and their routers) as its original class,
+    since FSDP2's class re-runs ``__init__`` without arguments on a copy."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    shadow = cls.__new__(cls)
+    shadow.__dict__.update(module.__dict__)
+    return shadow
 
 
 def _init_experts(module: MoEFeedForward, own: dict[str, torch.Tensor], root: nn.Module, seed: int,

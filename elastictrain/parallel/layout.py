@@ -9,8 +9,8 @@ Rules, checked together:
 * the mesh is ``pp x dp_replicate x dp_shard x cp x tp`` (:class:`~elastictrain.parallel.dims.MeshDims`,
   outermost first). ``W = pp * D * cp * tp`` with ``D = dp_replicate * dp_shard`` the data-parallel size of
   each (pipeline stage, cp, tp coordinate): ``W`` must be a multiple of ``pp * cp * tp`` (a shrink or grow
-  moves whole blocks of them); ``parallel.ep`` must divide ``D x cp`` (under hsdp ``shard_size x cp``;
-  :func:`ep_rule` for what it composes with);
+  moves whole blocks of them); ``parallel.ep`` must divide ``D x cp x tp`` (the expert ranks; a multiple of
+  tp under tp; under hsdp dividing ``shard_size x cp x tp``: :func:`ep_rule` for what it composes with);
 * ``parallel.plan`` lays out the ``D`` ranks of each stage: ``ddp``: ``dp_replicate = D``; ``fsdp``:
   ``dp_shard = D``; ``hsdp``: ``dp_shard = shard_size`` and ``dp_replicate = D / shard_size`` (``D`` must
   be a positive multiple of ``shard_size``);
@@ -164,10 +164,11 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
         whole = "whole " + " of whole ".join(groups)
         return f"{what} needs a multiple of {n} workers ({whole}), got {world_size}"
     d = world_size // n
-    if d * spec.cp % spec.ep:  # ep factors the data x cp ranks (torchtitan's dp_shard x cp = efsdp x ep)
-        valid = [e for e in range(1, d * spec.cp + 1) if d * spec.cp % e == 0]
-        what = f"data-parallel size {d}" + (f" x cp={spec.cp}" if spec.cp > 1 else "")
-        return (f"parallel.ep={spec.ep} does not divide the {what} (world {world_size} / "
+    if (d * spec.cp * spec.tp) % spec.ep:  # the expert ranks: dp x cp x tp (ep borrows the cp and tp ranks)
+        valid = valid_ep(d, spec.tp, spec.cp)
+        where = (f"dp x tp = {d} x {spec.tp}" if spec.cp == 1 and spec.tp > 1 else f"the data-parallel size {d}"
+                 + (f" x cp={spec.cp}" if spec.cp > 1 else ""))
+        return (f"parallel.ep={spec.ep} does not divide {where} (world {world_size} / "
                 f"{n}); valid parallel.ep values there: {valid}")
     axes = dict(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep)
     if spec.plan == "ddp":
@@ -180,8 +181,8 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
             per = (f" data-parallel ranks (world {world_size} / {' / '.join(f'{k}={v}' for k, v in block.items() if v > 1)})"
                    if n > 1 else " workers")
             return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
-        if s * spec.cp % spec.ep:  # an ep group stays inside one replica: the experts are HSDP too
-            valid = [e for e in range(1, s * spec.cp + 1) if s * spec.cp % e == 0]
+        if s * spec.cp * spec.tp % spec.ep:  # an ep group stays inside one replica: the experts are HSDP too
+            valid = valid_ep(s, spec.tp, spec.cp)
             cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
             return (f"parallel.ep={spec.ep} under hsdp must divide parallel.shard_size={s}{cp} (an expert-parallel "
                     f"group inside one replica); valid parallel.ep values there: {valid}")
@@ -266,23 +267,45 @@ def cp_rule(cp: int, seq_len: int) -> str | None:
             f"chunks), got seq_len={seq_len}; valid parallel.cp values for it: {valid}")
 
 
+def valid_ep(dp: int, tp: int, cp: int = 1) -> list[int]:
+    """The expert-parallel degrees that run on ``dp`` data ranks of ``cp`` context-parallel ranks of ``tp``
+    tensor-parallel ranks each: the divisors of the expert ranks ``dp x cp x tp`` that are multiples of
+    ``tp`` (1 included: no ep)."""
+    n = dp * cp * tp
+    return [1] + [e for e in range(max(2, tp), n + 1) if e % tp == 0 and n % e == 0]
+
+
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
     """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
-    data x context-parallel ranks ``D x cp = edp x ep`` (torchtitan's ``dp_shard x cp = efsdp x ep``): under
-    ``ddp`` the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are
-    FSDP-sharded over them, under ``hsdp`` (``ep`` dividing ``dp_shard``) HSDP over (``dp_replicate``,
-    ``efsdp``); an ep group may span cp ranks. tp and pp with ep are later work."""
+    expert ranks ``dp x cp x tp = edp x ep`` (torchtitan's ``dp_shard x cp x tp = efsdp x ep`` with expert
+    tensor parallel degree 1: the experts are not split over tp, the expert group borrows the cp ranks
+    (other tokens of the same samples) and the tp ranks, so ``ep`` is a multiple of ``tp``). Under ``ddp``
+    the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are FSDP-sharded over
+    them, under ``hsdp`` (``ep`` dividing ``shard_size x cp``) HSDP over (``dp_replicate``, ``efsdp``). Under
+    ``pp`` (any schedule, tp = cp = 1) each stage's data ranks are factored so: a stage's experts are sharded
+    over its own D ranks (parallel/expert_pipeline.py). cp with tp or pp, hsdp with tp or pp, and pp with tp,
+    with ep, are later work."""
     if ep == 1:
         return None
-    if tp > 1:
-        return (f"parallel.ep={ep} with parallel.cp={cp} and parallel.tp={tp}: expert parallel runs over the "
-                "data x cp ranks only for now (valid with ep > 1: tp 1); set parallel.tp=1, or parallel.ep=1")
+    if cp > 1 and (tp > 1 or pp > 1):
+        return (f"parallel.ep={ep} with parallel.cp={cp}, parallel.tp={tp} and parallel.pp={pp}: expert parallel "
+                "composes with cp without tp or pp only for now (valid with ep > 1 and cp > 1: tp 1, pp 1); set "
+                "parallel.tp=1 and parallel.pp=1, parallel.cp=1, or parallel.ep=1")
+    if tp > 1 and ep % tp:
+        valid = [e for e in range(tp, 8 * tp + 1, tp)]
+        return (f"parallel.ep={ep} with parallel.tp={tp}: the expert group borrows the tensor-parallel ranks (the "
+                f"experts are not split over tp), so ep must be a multiple of tp; valid parallel.ep values with "
+                f"tp={tp}: 1 or a multiple of {tp} dividing dp x tp (e.g. {valid}); set parallel.ep to one of them")
     if plan not in ("ddp", "fsdp", "hsdp"):
         return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp, fsdp or hsdp "
                 "(valid with ep > 1: plan ddp, fsdp, hsdp); set parallel.plan=fsdp, or parallel.ep=1")
-    if pp > 1:
-        return (f"parallel.ep={ep} with parallel.pp={pp}: expert parallel runs without pipeline stages only for "
-                "now; set parallel.pp=1, or parallel.ep=1")
+    if plan == "hsdp" and (tp > 1 or pp > 1):
+        return (f"parallel.ep={ep} with parallel.plan=hsdp: expert parallel runs under hsdp without tp or pp only "
+                f"for now (got parallel.tp={tp}, parallel.pp={pp}; valid with ep > 1 and tp or pp > 1: plan ddp, "
+                "fsdp); set parallel.plan=fsdp (or ddp), or parallel.tp=1 and parallel.pp=1")
+    if pp > 1 and tp > 1:
+        return (f"parallel.ep={ep} with parallel.pp={pp} and parallel.tp={tp}: expert parallel runs inside pipeline "
+                "stages without tensor parallel only for now; set parallel.tp=1 (or parallel.pp=1), or parallel.ep=1")
     return None
 
 

@@ -244,6 +244,9 @@ class ParallelModel:
     #: the dtype the step's forward and loss run under ``torch.autocast`` in (bf16 without FSDP,
     #: :mod:`elastictrain.parallel.precision`); None: as the parameters are
     autocast_dtype: torch.dtype | None = None
+    #: a pipeline's MoE token counts, taken inside its schedule (parallel/expert_pipeline.py); None: the step
+    #: loop takes them after each micro-batch's forward
+    token_tally: Any = None
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh | None) -> None:
         self.module = module

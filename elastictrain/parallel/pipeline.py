@@ -45,6 +45,10 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
   last stage's loss is called with ``cp_group=`` (the whole sample's loss, summed over cp), the stages'
   gradients are averaged over ``dp x cp`` (the flattened group), and only cp coordinate 0 counts samples
   and losses.
+* a stage with mixture-of-experts layers runs inside :class:`~elastictrain.parallel.expert_pipeline.MoEStage`:
+  its load-balancing losses join its backward and the rank's loss sum, its token counts the step's tally;
+  under ``parallel.ep > 1`` each stage's experts are sharded over its own data ranks (``ep_mesh``) and left
+  out of the stage's gradient average (:mod:`elastictrain.parallel.expert_pipeline`);
 * ``parallel.mixed_precision: bf16`` on stages without FSDP: each stage's forward runs under
   ``torch.autocast`` and hands on fp32 outputs, so activations cross stages and reach the loss in fp32
   (:class:`elastictrain.parallel.precision.AutocastStage`); FSDP2 stages cast by their own policy.
@@ -82,6 +86,9 @@ from elastictrain.parallel.parallelize import (
     dp_submesh,
     stage_submesh,
 )
+from elastictrain.models.moe import moe_layers
+from elastictrain.parallel.expert import enable_expert_parallel
+from elastictrain.parallel.expert_pipeline import MoEStage, StageTokenTally, expert_parameters
 from elastictrain.parallel.layout import Layout
 from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
@@ -178,6 +185,15 @@ class _TimedStage(PipelineStage):
         with self.clock.compute():
             return super().backward_weight_one_chunk(*args, **kwargs)
 
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # the same first-step inference runs each stage's forward once more: its MoE auxiliary losses and
+        # token counts are not the step's either (parallel/expert_pipeline.py)
+        self.clock.inferring = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            self.clock.inferring = False
+
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         # torch 2.13 infers the backward's shapes at a schedule's first step by calling loss_fn once on
         # micro-batch 0's output (under fork_rng, no gradient accumulated): that call is not a loss of the
@@ -228,8 +244,13 @@ class PipelineModel(ParallelModel):
     def __init__(self, set_: StageSet, modules: list[nn.Module], stages: list[_TimedStage], schedule: Any,
                  loss: _StageLoss, clock: _Clock, mesh: DeviceMesh, layout: Layout,
                  inputs_fn: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
-                 grad_group: Any = None, tied: TiedWeights | None = None) -> None:
+                 grad_group: Any = None, tied: TiedWeights | None = None,
+                 token_tally: StageTokenTally | None = None) -> None:
         super().__init__(set_, mesh)
+        self.token_tally = token_tally
+        # ep x pp: the experts are not replicated over the stage's dp group (ExpertParallel.reduce_grads)
+        experts = expert_parameters(set_) if layout.dims.ep > 1 else set()
+        self._averaged = [p for p in set_.parameters() if id(p) not in experts]
         self.tied = tied or TiedWeights([])
         self.clip_uncounted = self.tied.uncounted
         self.grad_group = grad_group  # replicated stages: their gradients are averaged over it after a step
@@ -271,6 +292,8 @@ class PipelineModel(ParallelModel):
         self._loss.batch, self._loss.scale, self._loss.hooks = batch, scale, hooks
         self._loss.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._loss.remaining = n
+        if self.token_tally is not None:
+            self.token_tally.reset()
         self._clock.compute_s, self._clock.hooks = 0.0, hooks
         hooks.seed(0)  # the global RNG per step (stage forwards run in the schedule's order, not per sample)
         hooks.forwarded(0)
@@ -292,7 +315,7 @@ class PipelineModel(ParallelModel):
         if self.tp_mesh is not None:
             settle_grads(list(self.model.parameters()))
         if self.grad_group is not None:
-            average_grads(list(self.model.parameters()), self.grad_group)
+            average_grads(self._averaged, self.grad_group)
         self.tied.sync_grads()  # a tied weight split over stages: the embedding's and the head's gradients summed
         # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
         return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
@@ -308,14 +331,18 @@ def _device(model: nn.Module) -> torch.device:
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int, hooks: Any,
                    parallelize_fn: Callable[[nn.Module, DeviceMesh, Any], nn.Module] | None, plan: Any,
                    device: torch.device,
-                   materialize_fn: Callable[[nn.Module, torch.device], None] | None = None) -> PipelineModel:
+                   materialize_fn: Callable[[nn.Module, torch.device], None] | None = None,
+                   ep_mesh: DeviceMesh | None = None) -> PipelineModel:
     """This rank's stages of ``model`` (a meta or real copy of the whole model that the stages may take
     modules from), parallelized, wrapped in ``PipelineStage`` s on ``mesh["pp"]`` and scheduled.
     ``hooks``: the task's :class:`~elastictrain.task.PipelineHooks`. ``materialize_fn(module, device)``
     gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
     ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
-    module doc). Raises :class:`PipelineError` for a task without pipeline hooks, and under ``parallel.cp >
-    1`` for hooks or stage modules without the context-parallel hook."""
+    module doc). ``ep_mesh``: under ``parallel.ep > 1`` the ``(stage, edp, ep)`` mesh
+    (:func:`elastictrain.parallel.expert_pipeline.ep_stage_mesh`) each stage's experts are sharded over
+    before parallelizing. Raises :class:`PipelineError` for a task without pipeline hooks, under ``parallel.cp >
+    1`` for hooks or stage modules without the context-parallel hook, and for experts that do not split
+    over ``ep``."""
     from elastictrain.parallel.context import enable_context_parallel, pipeline_cp_refusal
     from elastictrain.parallel.parallelize import parallelize
     from elastictrain.parallel.speed import apply_block_transforms
@@ -336,12 +363,22 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     if plan.plan != "ddp" and plan.reshard_after_forward:
         plan = plan.model_copy(update={"reshard_after_forward": False})  # pytorch#164756 (torchtitan: same)
     clock = _Clock()
+    loss = _StageLoss(hooks.loss_fn, clock)
+    loss.cp_group = cp_group
+    # every MoE layer of the whole model (a stage's token counts are padded to them: parallel/expert_pipeline.py)
+    moe = {name: layer.cfg.experts for name, layer in moe_layers(model).items()}
+    tally = StageTokenTally(moe) if moe else None
     grad_group = None
     modules, stage_modules, stages = [], [], []
     ties = tied_parameters(model)  # before stage_fn: a stage may take the whole model's modules
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
+        if ep_mesh is not None:  # this stage's experts over its own data ranks, before any data-parallel wrapper
+            try:
+                enable_expert_parallel(stage_module, ep_mesh["ep"], ep_mesh["edp"])
+            except ValueError as e:
+                raise PipelineError(f"{e} (pipeline stage {index})") from None
         if parallelize_fn is None and plan.plan == "ddp":
             if tp_mesh is not None:
                 parallelize_tp(stage_module, tp_mesh, plan)
@@ -365,6 +402,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         inner = module
         dtype = autocast_dtype(plan.mixed_precision, module)  # bf16 without FSDP: autocast (parallel/precision.py)
         run = module if dtype is None else AutocastStage(module, dtype, device)
+        if tally is not None and moe_layers(module):  # the stage's load-balancing losses join the backward
+            run = MoEStage(run, module, loss, clock, tally, last=index == n_stages - 1)
         stage = _TimedStage(run, index, n_stages, device, group=pp_group)
         stage.clock = clock
         modules.append(module)
@@ -373,15 +412,13 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     tied = find_splits(ties, stage_modules, pp_group)
     set_ = StageSet(stage_modules, *alias_sources(tied, stage_modules, model))
     set_.uncounted_names = tied.uncounted_names
-    loss = _StageLoss(hooks.loss_fn, clock)
-    loss.cp_group = cp_group
     cls = SCHEDULES[layout.pp_schedule]
     if layout.pp_schedule in _SINGLE:
         schedule = cls(stages[0], n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=layout.accum, loss_fn=loss, scale_grads=False)
     return PipelineModel(set_, modules, stages, schedule, loss, clock, mesh, layout, hooks.inputs_fn, grad_group,
-                         tied)
+                         tied, tally)
 
 
 def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:

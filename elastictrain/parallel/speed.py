@@ -14,7 +14,11 @@ whole model or on one pipeline stage, after tensor parallelism.
   same kernels run on the same inputs, so the numbers equal a run without checkpointing.
 * **compile**: each block's ``Module.compile(fullgraph=True)`` (state-dict names unchanged; no
   ``_orig_mod`` prefix). Compiling happens lazily, in the first step after each :meth:`attach`, which the
-  step loop reports as that step's ``compile_s`` (elastictrain/worker/loop.py).
+  step loop reports as that step's ``compile_s`` (elastictrain/worker/loop.py). A standby process
+  compiles ahead (:func:`compile_ahead`): it applies the same transforms to its own model and runs one
+  forward and backward of a micro-batch of the job's shape through it, so the replacement that takes it
+  trains the blocks compiled there (a ddp layout keeps that very model) or hits torch's compile caches
+  (in-process, and inductor's on-disk FX graph and AOTAutograd caches) for a rebuilt one.
 * **float8**: ``torchao``'s rowwise recipe on the large ``nn.Linear`` s (:func:`float8_filter`); the output
   head and small or odd-shaped layers stay in high precision, and FSDP2 all-gathers the weights in their
   own (bf16/fp32) precision: the recipe casts to float8 inside the matmul only.
@@ -150,6 +154,41 @@ def apply_compile(model: nn.Module) -> int:
             block.compile(fullgraph=True)
             n += 1
     return n
+
+
+def compile_ahead(model: nn.Module, parallel: ParallelConfig, loss_fn: Any, batch: dict[str, torch.Tensor],
+                  seeds: torch.Tensor) -> bool:
+    """Compile ``model``'s blocks now rather than in the first step that trains them: apply the block
+    transforms (:func:`apply_block_transforms`, idempotent: a later :func:`parallelize_dp` on this model
+    leaves them) and run one forward and backward of ``batch`` through ``loss_fn`` (the task's:
+    ``loss_fn(model, batch, seeds)``), under the autocast a ddp layout would use. Nothing of the model's
+    numbers changes: gradients are dropped (``grad = None``) and the global RNG is restored. Returns False
+    (and does nothing) when it cannot run here: ``parallel.compile`` off, float8 (converted once, at the
+    layout), or a model whose parameters are on the meta device (``parallel.meta_init``)."""
+    from elastictrain.parallel.precision import autocast, autocast_dtype
+
+    params = list(model.parameters())
+    if not parallel.compile or parallel.float8 or any(p.is_meta for p in params):
+        return False
+    apply_block_transforms(model, parallel)
+    device = params[0].device if params else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast(autocast_dtype(parallel.mixed_precision, model), device):
+            loss = loss_fn(model, batch, seeds)
+        loss.float().sum().backward()
+    for p in params:
+        p.grad = None
+    return True
+
+
+@functools.cache
+def compiled_per_sample_loss() -> Any:
+    """:func:`elastictrain.models.gpt.per_sample_loss` through ``torch.compile(fullgraph=True)`` (one per
+    process): inductor fuses the log-softmax into the loss and its backward, so backward keeps no
+    ``(tokens, vocab)`` log-probabilities of its own (the built-in task's loss under ``parallel.compile``)."""
+    from elastictrain.models.gpt import per_sample_loss
+
+    return torch.compile(per_sample_loss, fullgraph=True)
 
 
 def apply_block_transforms(model: nn.Module, parallel: ParallelConfig) -> None:

@@ -17,7 +17,9 @@ the per-sample losses come back replicated over ``tp``). The contract with the s
 * under ``parallel.plan=ddp`` there is no DistributedDataParallel (it does not take DTensor parameters):
   the gradients are averaged over the data-parallel group in one flat all-reduce of the local shards after
   the last backward (DDP's math), as pipeline stages do; fsdp/hsdp shard on the data-parallel submesh
-  (FSDP2 + TP, 2-D parameters) and reduce inside backward.
+  (FSDP2 + TP, 2-D parameters) and reduce inside backward. An expert-parallel model's experts (ep x tp,
+  :mod:`elastictrain.parallel.expert_tp`) are left out of that average: they are not replicated over the
+  data-parallel ranks, and the step loop reduces them over their replicas.
 """
 
 from __future__ import annotations
@@ -141,6 +143,11 @@ class TensorParallelModel(ParallelModel):
         # last backward over the data-parallel ranks holding the same tp shard
         replicated_dp = not isinstance(self.model, FSDPModule) and not isinstance(module, DistributedDataParallel)
         self.grad_group = dp_mesh.get_group() if replicated_dp and dp_mesh.size() > 1 else None
+        # ep x tp: the experts are not replicated over dp; ExpertParallel.reduce_grads reduces them
+        from elastictrain.parallel.expert import expert_parameter_names
+
+        experts = set(expert_parameter_names(self.model))
+        self.dense = [p for n, p in self.model.named_parameters() if n not in experts]
         if isinstance(module, DistributedDataParallel):
             raise TensorParallelError("parallel.tp > 1: parallelize_fn returned DistributedDataParallel, which does "
                                       "not take DTensor parameters; return the tensor-parallel module itself "
@@ -157,5 +164,5 @@ class TensorParallelModel(ParallelModel):
             done = super().run_micro_batches(n, tp_loss, scale, hooks)
         settle_grads(list(self.model.parameters()))
         if self.grad_group is not None:
-            average_grads(list(self.model.parameters()), self.grad_group)
+            average_grads(self.dense, self.grad_group)
         return done

@@ -86,45 +86,81 @@ def stage_params(model: ModelShape, c: Candidate) -> float:
     if c.pp == 1:
         return model.total_params
     blocks = math.ceil(model.layers / c.pp)
-    moe = model.moe_extra_params * blocks / model.layers
+    moe = model.moe_extra_params / model.moe_layers * stage_moe_layers(model, c) if model.moe_layers else 0.0
     last = model.last_stage_params + (model.vocab * model.hidden if model.tied_embeddings else 0)
     return (blocks * model.block_params + moe + max(model.first_stage_params, last)) * model.scale
 
 
+def stage_moe_layers(model: ModelShape, c: Candidate) -> int:
+    """The MoE layers of the pp rank that holds the most (all of them without a pipeline): its stages' blocks
+    as the pipeline splits them (:func:`elastictrain.parallel.stages.block_ranges`, balanced; the stages a
+    rank runs under the schedule: :func:`~elastictrain.parallel.stages.local_stages`), counting blocks
+    ``every-1, 2 every-1, ...``. What one rank's experts, all-to-alls and split-size syncs scale with (ep x
+    pp shards each stage's experts over that stage's own data ranks)."""
+    if c.pp == 1 or not model.moe_layers:
+        return model.moe_layers
+    from elastictrain.parallel.stages import block_ranges, local_stages  # (pure: no torch)
+
+    n = c.pp * c.stages_per_rank
+    if model.layers < n:  # (a split the pipeline refuses: priced as an even share)
+        return math.ceil(model.moe_layers / c.pp)
+    ranges = block_ranges(model.layers, n)
+    return max(sum(1 for v in local_stages(c.schedule, c.pp, n, r) for b in ranges[v] if (b + 1) % model.moe_every == 0)
+               for r in range(c.pp))
+
+
 def stage_expert_params(model: ModelShape, c: Candidate) -> float:
-    """The experts among :func:`stage_params` (0 for a dense model), before expert parallel shards them."""
-    share = 1.0 if c.pp == 1 else math.ceil(model.layers / c.pp) / model.layers
-    return model.expert_params * model.scale * share
+    """The experts among :func:`stage_params` (0 for a dense model), before expert parallel shards them: those
+    of the rank's :func:`stage_moe_layers`."""
+    if not model.moe_layers:
+        return 0.0
+    return model.expert_params / model.moe_layers * stage_moe_layers(model, c) * model.scale
 
 
 def rank_params(model: ModelShape, c: Candidate) -> float:
-    """Parameters one rank holds before data-parallel sharding: its stage's, over ``tp``, with the experts
-    over ``ep`` too (expert parallel: each rank of an ep group holds ``E / ep`` experts of every layer)."""
-    return (stage_params(model, c) - stage_expert_params(model, c) * (1 - 1 / c.ep)) / c.tp
+    """Parameters one rank holds before data-parallel sharding: its stage's dense part over ``tp``, the
+    experts over ``ep`` (expert parallel: each rank of an ep group holds ``E / ep`` whole experts of every
+    layer; under ep x tp the expert group borrows the tp ranks, and no expert is split over tp)."""
+    experts = stage_expert_params(model, c)
+    return (stage_params(model, c) - experts) / c.tp + experts / c.ep
 
 
 def state_params(model: ModelShape, c: Candidate) -> float:
     """Parameters whose state (weights, gradients, optimizer) one rank keeps between steps: :func:`rank_params`
     over the FSDP shard group (:func:`state_shards`). Under ep x fsdp/hsdp the experts' ``1 / ep`` share is
-    sharded again over their ``efsdp = dp_shard x cp / ep`` replicas of one shard group
+    sharded again over their ``efsdp = dp_shard x cp x tp / ep`` replicas of one shard group
     (parallel/parallelize.py ``shard_experts``; hsdp replicates that over ``dp_replicate``), so every rank
-    keeps ``1 / (ep x efsdp) = 1 / (dp_shard x cp)`` of the experts, as of the dense part."""
+    keeps ``1 / (ep x efsdp) = 1 / (dp_shard x cp x tp)`` of the experts, as of the dense part."""
     shard = state_shards(c)
     if shard == 1 or c.ep == 1:
         return rank_params(model, c) / shard
-    dense = rank_params(model, c) - stage_expert_params(model, c) / (c.tp * c.ep)
-    return dense / shard + stage_expert_params(model, c) / (c.tp * c.ep * (shard // c.ep))
+    dense = rank_params(model, c) - stage_expert_params(model, c) / c.ep
+    return dense / shard + stage_expert_params(model, c) / (c.ep * expert_shards(c))
+
+
+def expert_replicas(c: Candidate) -> int:
+    """``edp``: the ranks holding the same experts, ``dp x cp x tp / ep`` (the expert ranks are the data
+    ranks times the cp and tp ranks, parallel/dims.py)."""
+    return max(1, c.dp * c.cp * c.tp // c.ep)
+
+
+def expert_shards(c: Candidate) -> int:
+    """``efsdp``: the ranks of one FSDP shard group holding the same experts, ``dp_shard x cp x tp / ep``
+    (under fsdp every replica; under hsdp those of one ``dp_replicate`` coordinate)."""
+    return max(1, c.dp_shard * c.cp * c.tp // c.ep)
 
 
 def moe_block_extra_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """What an MoE block's activations add to a dense block's for one micro-batch: its MLP runs on ``top_k``
     slots per token (Korthikanti's 19 of the 34 ``s b h`` units are the MLP's: ``19 (k - 1)`` more), and
     the slots pass through ``6 k`` more ``s b h`` units of dispatch buffers (the repeated token rows, their
-    expert order, the rows received, the outputs regrouped, sent back and put in slot order). 0 if dense."""
+    expert order, the rows received, the outputs regrouped, sent back and put in slot order); under ep x tp
+    over the tp ranks, which split the tokens. 0 if dense."""
     if not model.experts:
         return 0.0
     k = model.top_k
-    return model.seq_len * c.micro_batch * model.hidden * (19 * (k - 1) + 6 * k) * train.activation_bytes / 2
+    split = c.tp if c.ep > 1 else 1  # ep x tp: the MoE layer runs on this tp rank's 1 / tp of the tokens
+    return model.seq_len * c.micro_batch * model.hidden * (19 * (k - 1) + 6 * k) * train.activation_bytes / 2 / split
 
 
 def block_activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash: bool = True) -> float:
@@ -198,7 +234,7 @@ def activation_bytes(model: ModelShape, train: Training, c: Candidate, *, flash:
     else:
         per_block, extra = full, 0.0
     moe_extra = moe_block_extra_bytes(model, train, c)
-    moe_blocks = math.ceil(model.moe_layers / c.pp)
+    moe_blocks = stage_moe_layers(model, c)
     if c.recompute == "none":
         per_stage = per_block * blocks + moe_extra * moe_blocks
     else:  # a recomputed MoE block holds its slots' buffers while it runs again

@@ -39,7 +39,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp, fsdp or hsdp, with cp, without pp/tp: is_runnable, parallel.layout.ep_rule)
+    axes.add("ep")  # (under ddp, fsdp or hsdp; with cp, or a multiple of tp; pp without tp: layout.ep_rule)
     return frozenset(axes)
 
 
@@ -49,9 +49,13 @@ def runnable_axes() -> frozenset[str]:
 ASKED_AXES = frozenset({"cp"})
 
 
-def is_runnable(c: Candidate, axes: frozenset[str]) -> bool:
+def is_runnable(c: Candidate, axes: frozenset[str], experts: bool = False) -> bool:
+    """Whether elastictrain runs ``c`` (``experts``: a mixture-of-experts model, whose tp needs an ep that
+    borrows the tp ranks: ``task._check_moe_layout``)."""
     from elastictrain.parallel.layout import ep_rule
 
+    if experts and c.tp > 1 and c.ep == 1:
+        return False
     ep_ok = c.ep == 1 or ("ep" in axes and ep_rule(c.cp, c.tp, c.ep, c.layout_name, c.pp) is None)
     return ep_ok and all(getattr(c, axis) == 1 or axis in axes
                          for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
@@ -96,7 +100,7 @@ def evaluate(model: ModelShape, train: Training, cluster: Cluster, c: Candidate,
     """Price one candidate (no validity check: see :func:`why_invalid`)."""
     axes = runnable_axes() if axes is None else axes
     return Estimate(c, memory(model, train, cluster, c), step_time(model, train, cluster, c),
-                    microbatches(train, c), is_runnable(c, axes))
+                    microbatches(train, c), is_runnable(c, axes, bool(model.experts)))
 
 
 def why_invalid(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> str | None:
@@ -192,11 +196,12 @@ def _candidates_at_cp(model: ModelShape, train: Training, cluster: Cluster, worl
 
 
 def _with_ep(model: ModelShape, c: Candidate, allowed: frozenset[str]) -> Iterator[Candidate]:
-    """``c`` with each expert-parallel degree > 1 that divides both its data x cp ranks (hsdp: its shard x cp
-    ranks, an ep group inside one replica: ``MeshDims``' rule) and the experts."""
+    """``c`` with each expert-parallel degree > 1 that divides both its expert ranks (data-parallel x cp x
+    tp: ep borrows the cp and tp ranks; hsdp: its shard x cp x tp ranks, an ep group inside one replica:
+    ``MeshDims``' rule) and the experts."""
     if not model.experts or "ep" not in allowed:
         return
-    for ep in _divisors((c.dp_shard if c.layout_name == "hsdp" else c.dp) * c.cp):
+    for ep in _divisors((c.dp_shard if c.layout_name == "hsdp" else c.dp) * c.cp * c.tp):
         if ep > 1 and model.experts % ep == 0:
             yield c.with_dims(ep=ep)
 

@@ -49,14 +49,17 @@
   forward, ``(ep-1)/ep`` of them leaving the rank), the same backward (and forward again under activation
   checkpointing), on the critical path like TP's; each forward first exchanges the per-expert counts and
   reads them on the host (the uneven split sizes): a device-to-host sync per MoE layer and forward on GPUs
-  (:data:`EP_SPLIT_SYNC_S`). ep factors the data x cp ranks (a cp rank routes ``1 / cp`` of its samples'
-  tokens; an ep group's link is that of ``ep`` consecutive data x cp ranks). DDP all-reduces the dense
-  gradients over every data x cp rank; the experts' over their ``dp x cp / ep`` replicas. Under ep x fsdp
-  each MoE layer's experts are an FSDP unit of their own over the ``efsdp = dp_shard x cp / ep`` replicas
-  of a shard group (gathered and reduce-scattered there, ``1 / ep`` of the experts' bytes; under hsdp
-  their reduced shard is all-reduced across ``dp_replicate`` too), its router one over the shard group,
-  the rest of the model as under fsdp/hsdp. Compute counts the active parameters: each token runs
-  ``top_k`` experts;
+  (:data:`EP_SPLIT_SYNC_S`). ep factors the data x cp x tp ranks (a cp or tp rank routes ``1 / cp`` or
+  ``1 / tp`` of its samples' tokens; an ep group's link is that of ``ep`` consecutive expert ranks). DDP
+  all-reduces the dense gradients over every data x cp rank; the experts' over their ``dp x cp x tp / ep``
+  replicas. Under ep x fsdp each MoE layer's experts are an FSDP unit of their own over the
+  ``efsdp = dp_shard x cp x tp / ep`` replicas of a shard group (gathered and reduce-scattered there,
+  ``1 / ep`` of the experts' bytes; under hsdp their reduced shard is all-reduced across ``dp_replicate``
+  too), its router one over the shard group, the rest of the model as under fsdp/hsdp. Under pp (ep x pp)
+  all of it per stage: a rank's MoE layers are its stages'
+  (:func:`~elastictrain.planner.memory.stage_moe_layers`, the worst rank's), its ep group and expert
+  replicas are its stage's data ranks. Compute counts the active parameters: each token runs ``top_k``
+  experts;
 * **optimizer**: the step and gradient clipping over the rank's local parameters, at
   :attr:`Cluster.optimizer_s_per_param`;
 * **gloo's CPU per byte** (CPU clusters only): gloo's threads copy, send, receive and reduce every byte a
@@ -85,7 +88,8 @@ from dataclasses import dataclass
 
 from elastictrain.planner import comm
 from elastictrain.planner.inputs import PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import rank_params, stage_expert_params, stage_params, state_params
+from elastictrain.planner.memory import (expert_replicas, expert_shards, rank_params, stage_expert_params, stage_moe_layers,
+                                        stage_params, state_params)
 from elastictrain.planner.pipeline import bubble as pipeline_bubble
 
 
@@ -298,12 +302,17 @@ def collective_calls(model: ModelShape, train: Training, cluster: Cluster, c: Ca
     if c.pp > 1:
         groups.append(("pp", 2 * m * c.stages_per_rank, c.pp, 1))
     if c.ep > 1 and model.experts:
-        moe = math.ceil(model.moe_layers / c.pp)
+        moe = stage_moe_layers(model, c)
         forwards = 2 if c.recompute != "none" else 1
         groups.append(("ep", m * moe * (forwards * EP_FORWARD_CALLS + EP_BACKWARD_CALLS), c.ep, c.ep - 1))
-        edp = c.dp * c.cp // c.ep  # the ranks holding the same experts (ep factors the data x cp ranks)
+        edp = expert_replicas(c)
+        if c.tp > 1:  # ep x tp, per MoE layer: the aux statistics' and the router gradient's sums over tp;
+            # without sequence parallel the tokens' gather after the layer and their gradient's before it
+            groups.append(("tp", m * moe * (forwards + 1), c.tp, ar(c.tp)))
+            if not c.sequence_parallel:
+                groups.append(("tp", m * moe * (forwards + 1), c.tp, c.tp - 1))
         if c.dp_shard > 1:  # ep x fsdp/hsdp: per MoE layer an expert unit over efsdp, a router unit over the shards
-            gathers, efsdp, shards = 2 if c.reshard_after_forward else 1, c.dp_shard * c.cp // c.ep, c.dp_shard * c.cp
+            gathers, efsdp, shards = 2 if c.reshard_after_forward else 1, expert_shards(c), c.dp_shard * c.cp
             groups += [("fsdp", m * gathers * moe, efsdp, efsdp - 1), ("fsdp", m * moe, efsdp, rs(efsdp)),
                        ("fsdp", m * gathers * moe, shards, shards - 1), ("fsdp", m * moe, shards, rs(shards))]
             if c.dp_replicate > 1:  # hsdp: the expert unit's reduced shard all-reduced across the replicas
@@ -347,13 +356,13 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
         send = act / c.cp / (c.tp if c.tp > 1 and c.sequence_parallel else 1)
         moved["pp"] = 2 * m * c.stages_per_rank * comm.p2p_s(send, 1.0)
     n = rank_params(model, c)
-    experts = stage_expert_params(model, c) / (c.tp * c.ep) if c.ep > 1 else 0.0  # reduced over replicas only
+    experts = stage_expert_params(model, c) / c.ep if c.ep > 1 else 0.0  # reduced over replicas only
     grad_bytes = (n - experts) * _grad_bytes(train)
     reduce_scatter = comm.all_reduce_s if cluster.kind == "cpu" else comm.all_gather_s
     if c.dp_shard > 1:
         gathers = 2 if c.reshard_after_forward and c.pp == 1 else 1  # a stage keeps its weights gathered
         shards = c.dp_shard * c.cp  # dp_shard x cp (memory.state_shards)
-        dense, edp = n - experts, shards // c.ep  # ep x fsdp/hsdp: the experts' share gathered over efsdp
+        dense, edp = n - experts, expert_shards(c)  # ep x fsdp/hsdp: the experts' share gathered over efsdp
         moved["dp_shard"] = m * (gathers * comm.all_gather_s(dense * train.compute_param_bytes, shards, 1.0)
                                  + reduce_scatter(grad_bytes, shards, 1.0))
         if experts:
@@ -366,9 +375,9 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
     moved["dp_replicate"] = comm.all_reduce_s(grad_bytes / (c.dp_shard * (c.cp if c.dp_shard > 1 else 1)),
                                               replicas, 1.0)
     if experts and c.dp_shard == 1:  # ddp: the experts all-reduced over their replicas (fsdp: above)
-        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), c.dp * c.cp // c.ep, 1.0)
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train), expert_replicas(c), 1.0)
     elif experts and c.dp_replicate > 1:  # hsdp: each efsdp shard of the experts across the replicas
-        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train) / (c.dp_shard * c.cp // c.ep),
+        moved["dp_replicate"] += comm.all_reduce_s(experts * _grad_bytes(train) / expert_shards(c),
                                                    c.dp_replicate, 1.0)
     return moved
 
@@ -376,14 +385,16 @@ def moved_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candida
 def ep_bytes(model: ModelShape, train: Training, c: Candidate) -> float:
     """Bytes a rank's all-to-alls send in one step (0 without expert parallel): per MoE layer of its stage,
     ``2 x top_k x tokens x hidden`` activation bytes forward (dispatch and combine), the same backward and,
-    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank. A cp rank routes
-    ``1 / cp`` of its samples' tokens."""
+    under activation checkpointing, forward again; ``(ep-1)/ep`` of them leave the rank. A cp or tp rank
+    routes its ``1 / cp`` or ``1 / tp`` share of its data rank's tokens; under ep x tp without sequence
+    parallel the layer's output is also all-gathered over tp (forward, and its input gradient backward:
+    :func:`moved_bytes`'s tp)."""
     if c.ep == 1 or not model.experts:
         return 0.0
-    tokens = train.global_batch * model.seq_len / (c.dp * c.cp)
+    tokens = train.global_batch * model.seq_len / (c.dp * c.cp * c.tp)  # cp and tp ranks split the tokens
     passes = 3 if c.recompute != "none" else 2
     per_layer = passes * 2 * model.top_k * tokens * model.hidden * train.activation_bytes
-    return math.ceil(model.moe_layers / c.pp) * per_layer * (c.ep - 1) / c.ep
+    return stage_moe_layers(model, c) * per_layer * (c.ep - 1) / c.ep
 
 
 def cp_bytes(model: ModelShape, train: Training, cluster: Cluster, c: Candidate) -> float:
@@ -418,7 +429,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
     tp_s, pp_s, cp_s = moved["tp"] / links["tp"], moved["pp"] / links["pp"], moved["cp"] / links["cp"]
     ep_s = moved["ep"] / _ep_link(cluster, c)
     if c.ep > 1 and model.experts and cluster.kind != "cpu":  # the split sizes' device-to-host sync
-        ep_s += m * math.ceil(model.moe_layers / c.pp) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
+        ep_s += m * stage_moe_layers(model, c) * (2 if c.recompute != "none" else 1) * EP_SPLIT_SYNC_S
     fsdp, final = moved["dp_shard"] / links["dp_shard"], moved["dp_replicate"] / links["dp_replicate"]
     calls = collective_calls(model, train, cluster, c)
     # data-parallel calls overlap with compute like their bytes (FSDP's prefetch, DDP's buckets in backward)
@@ -441,6 +452,7 @@ def step_time(model: ModelShape, train: Training, cluster: Cluster, c: Candidate
 
 
 def _ep_link(cluster: Cluster, c: Candidate) -> float:
-    """An ep group's link: ``ep`` consecutive data x cp ranks, the innermost such axis's stride apart."""
-    axis = "cp" if c.cp > 1 else "dp_shard" if c.dp_shard > 1 else "dp_replicate"
+    """An ep group's link: ``ep`` consecutive expert ranks (data x cp x tp), the innermost such axis's
+    stride apart."""
+    axis = "tp" if c.tp > 1 else "cp" if c.cp > 1 else "dp_shard" if c.dp_shard > 1 else "dp_replicate"
     return comm.link_bw(cluster, c.dims.stride(axis), c.ep)

@@ -149,7 +149,10 @@ class Worker:
         the slot this process takes (a standby started ahead was created without one). A standby runs it
         ahead with no slot (:meth:`WorkerGroup._start_standby`); taking the standby calls it again with
         the slot, which then only names the slot: the model and data it built are a fresh worker's (built
-        from the config and seed alone, never joined to a group), and ``prebuilt`` says so."""
+        from the config and seed alone, never joined to a group), and ``prebuilt`` says so. Under
+        ``parallel.compile`` the set-up ahead also compiles that model's blocks
+        (:meth:`StepRunner.compile_ahead`): the replacement's first step then compiles nothing (ddp, fsdp)
+        or hits torch's compile caches; a take while it runs waits for it (it is the replacement's work)."""
         t0 = time.perf_counter()
         if slot is not None:  # taken (if a standby): train at the training priority; wake() is the fast path
             import_priority.restore(by="take")
@@ -167,6 +170,8 @@ class Worker:
             self.runner = StepRunner(self.task, self.config.train, faults,
                                      audit=self.config.train.audit_samples, parallel=self.config.parallel,
                                      device=worker_device(self.config.workers.use_gpu))
+            if slot is None and self.slot < 0:  # a standby ahead: parallel.compile's work too, off the recovery
+                self.runner.compile_ahead()
         self._status = "ready"
         ctx = ray.get_runtime_context()
         return {

@@ -207,6 +207,21 @@ class StepRunner:
             load_seeded_init(self.model, self._seeded_model, self.rank)
         self.uninitialized = False
 
+    def compile_ahead(self) -> bool:
+        """``parallel.compile``'s work done before this runner trains (a standby's set-up ahead, no group yet):
+        :func:`elastictrain.parallel.speed.compile_ahead` on this model with the job's first micro-batch
+        shape (the first ``train.micro_batch`` samples, on this device). A layout that keeps this model
+        (ddp: :meth:`attach` keeps a pristine whole model; fsdp without meta_init shards it in place) trains
+        the blocks compiled here; one that rebuilds it (tp, pp, meta_init) compiles its own, which torch's
+        caches may serve. Returns whether it ran (False: compile off, float8, a meta model, or no data)."""
+        from elastictrain.parallel.speed import compile_ahead
+
+        if not self.parallel.compile or self.pm is not None or self.step != 0 or self.model is None or not self.dataset_len:
+            return False  # (before reading any sample: a standby without compile reads none)
+        ids = list(range(min(self.train.micro_batch, self.dataset_len)))
+        batch = _to(self.collate([self.dataset[i] for i in ids]), self.device)
+        return compile_ahead(self.model, self.parallel, self.task.loss_fn, batch, sample_seeds(self.train.seed, 0, ids))
+
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.task.optimizer_fn(self.model.parameters())
         self.base_lrs = [g["lr"] for g in opt.param_groups]
@@ -290,11 +305,14 @@ class StepRunner:
     def _attach_pipeline(self, mesh: Any, layout: Layout, parallel: ParallelConfig) -> bool:
         """Build this rank's pipeline stages from a fresh meta copy of the model (parallel/pipeline.py): no
         state survives a re-mesh, the values come from a restore or the seeded init. Returns False."""
+        from elastictrain.parallel.expert_pipeline import stage_expert_parallel
         from elastictrain.parallel.pipeline import build_pipeline
 
+        self.ep = stage_expert_parallel(layout.dims, self.device)  # ep x pp: each stage's experts over its dp ranks
         self.pm = build_pipeline(self._meta_model(), mesh, layout, self.rank, self.task.pipeline,
                                  self.task.parallelize_fn, parallel, self.device,
-                                 materialize_fn=materialize)
+                                 materialize_fn=materialize, ep_mesh=None if self.ep is None else self.ep.mesh)
+        self.moe = self.pm.token_tally is not None  # token counts per expert go into the step events
         self.model = self.pm.model
         self.uninitialized = True
         self.step_stats = StepStats(None)  # the word is all-reduced over the world (no DDP bucket to ride in)
@@ -377,7 +395,10 @@ class StepRunner:
             if self.ep is not None:  # experts (ddp): summed over their replicas and scaled, before the clip
                 self.ep.reduce_grads(self.pm.model)
             if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
-                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD)
+                hooks.tokens_per_expert = (hooks.tally.total(dist.group.WORLD) if self.pm.token_tally is None
+                                           else self.pm.token_tally.total(dist.group.WORLD, self.device))
+            elif self.moe and self.ep is not None:  # ep x tp: each tp rank holds its data rank's whole counts
+                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD, self.layout.dims.tp)
         return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
@@ -550,7 +571,7 @@ class StepRunner:
         along = {"dp": self.layout is None or self.layout.dims.dp_rank(self.rank) == 0,
                  "tp": coord.get("tp", 0) == 0, "cp": coord.get("cp", 0) == 0}
         if self.layout is not None and self.layout.dims.ep > 1:  # experts: replicated over the ep groups only
-            along["edp"] = self.layout.dims.ep_index(self.rank) // self.layout.dims.ep == 0
+            along["edp"] = self.layout.dims.edp_coord(self.rank) == 0
         skip = getattr(self.state.model, "uncounted_names", frozenset())  # a tied copy (parallel/tied.py)
         state = {k: v for k, v in get_model_state_dict(self.state.model).items() if k not in skip}
         return local_part(state, plain_primary=all(along.values()), primary_along=along)
@@ -591,7 +612,7 @@ class _LoopHooks:
 
     def forwarded(self, k: int) -> None:
         r = self.r
-        if r.moe:
+        if r.moe and r.pm.token_tally is None:  # (a pipeline's stages count inside its schedule)
             self.tally.add(r.pm.model)
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
