@@ -109,9 +109,10 @@ def _memory_restore(step: int, srcs: list[Any]) -> PeerRestore:
     off their metas (they stay with the controller: the loading ranks need none of them)."""
     records: dict[int, Any] = {}
     for src in srcs:
-        if src.meta.records:
-            records.update((r.step, r) for r in src.meta.records if r.step <= step)
-            src.meta = dataclasses.replace(src.meta, records=())
+        meta = getattr(src, "meta", None)  # (a source that names no SnapshotMeta carries no records)
+        if meta is not None and meta.records:
+            records.update((r.step, r) for r in meta.records if r.step <= step)
+            src.meta = dataclasses.replace(meta, records=())
     return PeerRestore(step, srcs, "memory", tuple(records[s] for s in sorted(records)))
 
 
