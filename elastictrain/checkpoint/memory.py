@@ -255,7 +255,9 @@ class MemoryReplicator:
         self._thread = threading.Thread(target=self._send_loop, name="memory-tier-sender", daemon=True)
         self._thread.start()
 
-    def push(self, step: int, state_dict: dict[str, Any]) -> None:
+    def push(self, step: int, state_dict: dict[str, Any], records: Sequence[Any] = ()) -> None:
+        """Snapshot ``state_dict`` as step ``step`` and queue it for the keeper. ``records``: step records the
+        snapshot carries (``SnapshotMeta.records``: the reporting rank's newest, for ``Ledger.replay``)."""
         t0 = time.perf_counter()
         with self._cv:
             reuse = None
@@ -263,7 +265,7 @@ class MemoryReplicator:
                 old = self._own.pop(0)
                 reuse = None if old is self._sending or old is self._next else old
         snap = take_snapshot(state_dict, rank=self._rank, step=step, generation=self._generation, reuse=reuse,
-                             **self._stage)
+                             records=records, **self._stage)
         with self._cv:
             self.stall_s += time.perf_counter() - t0
             self.snapshots += 1

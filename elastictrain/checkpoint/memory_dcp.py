@@ -59,6 +59,10 @@ class SnapshotMeta:
     generation: int = 0                         # membership generation that took it (same step, same math)
     coord: dict[str, int] = field(default_factory=dict)  # the rank's coordinate on MeshDims.snapshot_axes
     sizes: dict[str, int] = field(default_factory=dict)  # those axes' sizes in the layout that took it
+    # the generation's reporting rank only: the step records (worker/loop.py StepRecord) of the newest steps up to
+    # ``step``, so a recovery from this snapshot reports the steps whose records died with the workers
+    # (Ledger.replay); the controller strips them before the meta goes to the loading ranks
+    records: tuple[Any, ...] = ()
 
     def at(self, axis: str) -> int:
         """The rank's coordinate on ``axis`` (0 where the snapshot names none)."""
@@ -73,14 +77,15 @@ class SnapshotMeta:
     # torch.Size per chunk) cost ~2-4 ms per meta of the 2-layer GPT, paid again for each joining member.
     def __getstate__(self) -> tuple:
         return (self.rank, self.step, [(fqn, *_pack_tensor_md(md)) for fqn, md in self.tensors.items()],
-                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.coord, self.sizes)
+                tuple(self.objects), self.mappings, self.nbytes, self.generation, self.coord, self.sizes,
+                self.records)
 
     def __setstate__(self, state: tuple) -> None:
-        rank, step, tensors, objects, mappings, nbytes, generation, coord, sizes = state
+        rank, step, tensors, objects, mappings, nbytes, generation, coord, sizes, records = state
         for name, value in (("rank", rank), ("step", step), ("objects", frozenset(objects)),
                             ("tensors", {t[0]: _unpack_tensor_md(*t[1:]) for t in tensors}),
                             ("mappings", mappings), ("nbytes", nbytes), ("generation", generation),
-                            ("coord", coord), ("sizes", sizes)):
+                            ("coord", coord), ("sizes", sizes), ("records", tuple(records))):
             object.__setattr__(self, name, value)
 
 
@@ -207,7 +212,7 @@ def start_fetches(requests: Sequence[tuple[Any, Iterable[Key]]]) -> list[Callabl
 
 def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generation: int = 0,
                   coord: dict[str, int] | None = None, sizes: dict[str, int] | None = None,
-                  reuse: Snapshot | None = None) -> Snapshot:
+                  reuse: Snapshot | None = None, records: Sequence[Any] = ()) -> Snapshot:
     """Copy this rank's part of ``state_dict`` to host memory. Collective-free. CPU sources are copied
     when this returns, so the caller may mutate them right away (this copy is the whole training stall).
     CUDA sources are copied into pinned host tensors on a side stream and may still be in flight
@@ -218,7 +223,8 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
     holds that stage's parameters only and a TP rank its shard of each TP-sharded parameter (global
     offsets): :func:`coverage` needs every stage and every tp coordinate of each.
     ``reuse``: a snapshot nobody reads any more; its host tensors are refilled where a chunk has the
-    same key, shape and dtype (steady state: a plain copy into memory already faulted in)."""
+    same key, shape and dtype (steady state: a plain copy into memory already faulted in).
+    ``records``: step records the snapshot carries (:attr:`SnapshotMeta.records`)."""
     spare = {} if reuse is None else reuse.data
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=True)
@@ -253,7 +259,7 @@ def take_snapshot(state_dict: dict[str, Any], *, rank: int, step: int, generatio
             md.chunks.append(td.chunk)
     ready = copy_to_host(pairs)
     meta = SnapshotMeta(rank, step, tensors, frozenset(objects), dict(plan.planner_data or {}), nbytes, generation,
-                        dict(coord or {}), dict(sizes or {}))
+                        dict(coord or {}), dict(sizes or {}), tuple(records))
     return Snapshot(meta, data, ready)
 
 

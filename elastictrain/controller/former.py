@@ -108,6 +108,7 @@ class GenerationFormer:
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
                 recovery.source = resume.kind
+                self.ledger.replay(resume.records, resume.step)  # the tier's: steps whose records died
                 self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
             else:
                 resume = self._load_checkpoint(chosen, resume, explicit=reason == "start" and

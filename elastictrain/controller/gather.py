@@ -18,6 +18,7 @@ returns a :class:`Gathered` that the controller applies.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ class PeerRestore:
     step: int
     sources: list[Any]
     kind: str
+    # the peer tier's: step records its snapshots carried (the reporting rank's newest, worker/loop.py
+    # StepRecord), for the steps the controller may never have seen (Ledger.replay)
+    records: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,18 @@ def snapshot_pushers(layout: Layout) -> set[int]:
     for r in range(layout.dims.world_size):
         first.setdefault(layout.dims.holder_key(r), r)
     return set(first.values())
+
+
+def _memory_restore(step: int, srcs: list[Any]) -> PeerRestore:
+    """A restore from the peer tier's snapshots ``srcs`` of ``step``, with the step records they carry taken
+    off their metas (they stay with the controller: the loading ranks need none of them)."""
+    records: dict[int, Any] = {}
+    for src in srcs:
+        meta = getattr(src, "meta", None)  # (a source that names no SnapshotMeta carries no records)
+        if meta is not None and meta.records:
+            records.update((r.step, r) for r in meta.records if r.step <= step)
+            src.meta = dataclasses.replace(meta, records=())
+    return PeerRestore(step, srcs, "memory", tuple(records[s] for s in sorted(records)))
 
 
 def _split(layout: Layout) -> bool:
@@ -305,7 +321,7 @@ class SourceGatherer:
                         "untouched; run the job again once storage answers (checkpoint.resume: auto resumes)")
                 resume = manifest if decision.chosen.kind == "checkpoint" else None
             if decision.chosen.kind == "memory":
-                resume = PeerRestore(decision.chosen.step, tier[decision.chosen.step][1], "memory")
+                resume = _memory_restore(decision.chosen.step, tier[decision.chosen.step][1])
         return Gathered(resume, decision.chosen.kind, decision.reason, last_step)
 
     def survivor_restore(self, pool: list[Slot], cand: sources.SourceCandidate, prev: Previous,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from typing import Any
 
 from elastictrain.events import GOODPUT_BUCKETS, EventLog
@@ -140,7 +141,20 @@ class Ledger:
                 self._emit(step, self._pending[step], complete=False)
         self._pending.clear()
 
-    def _emit(self, step: int, records: dict[int, StepRecord], complete: bool) -> dict[str, Any]:
+    def replay(self, records: Sequence[StepRecord], up_to: int) -> list[int]:
+        """A recovery restored step ``up_to`` from snapshots that carried ``records`` (the reporting rank's
+        newest, ``SnapshotMeta.records``): emit, in order and marked ``replayed``, the ``step`` events of the
+        steps after the last one reported, up to ``up_to`` -- trained and in the restored state, their
+        records died with the workers. A step already reported is never reported again. Returns the steps."""
+        done = []
+        for record in sorted(records, key=lambda r: r.step):
+            if self.last_step < record.step <= up_to:
+                self._emit(record.step, {0: record}, complete=True, replayed=True)
+                done.append(record.step)
+        return done
+
+    def _emit(self, step: int, records: dict[int, StepRecord], complete: bool,
+              replayed: bool = False) -> dict[str, Any]:
         first = records[min(records)]
         now = time.time()
         interval = max(1e-9, first.finished_at - self.last_progress) if self.last_step else first.step_s
@@ -171,6 +185,8 @@ class Ledger:
             self.last_eval_loss = first.eval_loss
         if not complete:
             fields["complete"] = False
+        if replayed:
+            fields["replayed"] = True
         memory = self._memory_fields()
         if memory:
             fields["memory"] = memory

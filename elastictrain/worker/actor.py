@@ -59,6 +59,12 @@ process groups. One thread because DTensor's sharding caches are thread-local an
 that compares equal across generations of the same shape: clearing them when a generation builds its mesh
 (``parallel.mesh.build_mesh``) must reach the thread that later runs steps, loads, saves and gathers on it;
 and because those calls are collectives that must not overlap anyway."""
+
+# step records the reporting rank's peer-tier snapshots carry (SnapshotMeta.records, for Ledger.replay): the
+# newest, more than the controller's poll interval holds unless steps are very short (bounded: they travel
+# to the keeper with every snapshot)
+RECORDS_CARRIED = 64
+
 _on_state_thread = ray.method(concurrency_group=STATE_GROUP)
 
 
@@ -134,6 +140,7 @@ class Worker:
         self._writer: Any = None
         self._stop = threading.Event()
         self._records: collections.deque = collections.deque()
+        self._recent: collections.deque = collections.deque(maxlen=RECORDS_CARRIED)  # polled or not
         self._ckpt_events: collections.deque = collections.deque()
         self._status = "created"
         self._replicator: Any = None
@@ -379,6 +386,7 @@ class Worker:
                     failed = self._result(verdict, one_line(e))
                     break
                 self._records.append(record)
+                self._recent.append(record)
                 self._after_step(record.step)
                 if stop:
                     return self._result("stopped")
@@ -499,8 +507,10 @@ class Worker:
         if self._replicator is not None and k and step % k == 0:
             # A rank with a keeper (the lowest rank of each part of the state: controller/gather.py
             # snapshot_pushers; under DDP rank 0 alone) snapshots its own DCP state; the copy is the stall,
-            # sending it to the keeper on another node runs on the replicator's thread.
-            self._replicator.push(step, self._dcp_state())
+            # sending it to the keeper on another node runs on the replicator's thread. The reporting rank's
+            # carries its newest step records: a recovery from it reports the steps the controller never saw.
+            records = tuple(self._recent) if self.runner.rank == 0 else ()
+            self._replicator.push(step, self._dcp_state(), records=records)
 
     def _dcp_state(self) -> dict[str, Any]:
         """This rank's training state as a DCP state dict (``TrainingState.state_dict``: model and
@@ -524,6 +534,7 @@ class Worker:
         from elastictrain.checkpoint import MemoryReplicator
 
         self._close_replicator(timeout=0)
+        self._recent.clear()  # an earlier generation's records were taken with its members' last polls
         if keeper is not None:
             r = self.runner
             self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
