@@ -47,3 +47,32 @@ def run_world(fn: Callable[..., Any], tmp_path: Path, world: int, items: list[An
     out = str(tmp_path / f"w{world}.pt")
     run_ranks(fn, (world, items, free_port(), out), nprocs=world)
     return torch.load(out)
+
+
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> None:
+    """Inside a rank: one intra-op thread (as a worker runs) and the gloo group of ``world`` ranks on the
+    local ``port``."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def attached_runner(cfg: Any, rank: int, world: int, task: Any = None, audit: bool = True) -> Any:
+    """The worker's StepRunner for ``cfg`` (its built-in task unless ``task``), attached as ``rank`` of
+    ``world`` in the layout the config resolves to, and seeded as a worker seeds a fresh run."""
+    from elastictrain.parallel.layout import resolve, spec_from_config
+    from elastictrain.task import builtin_task
+    from elastictrain.worker.faults import FaultInjector
+    from elastictrain.worker.loop import StepRunner
+
+    runner = StepRunner(task or builtin_task(cfg), cfg.train, FaultInjector(()), audit=audit, parallel=cfg.parallel)
+    runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
+    if runner.uninitialized:
+        runner.init_from_seed()
+    return runner

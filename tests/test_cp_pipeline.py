@@ -22,8 +22,6 @@ test fails against the planner that refused cp x pp (no candidate).
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
 from typing import Any
 
 import pytest
@@ -54,24 +52,17 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     import torch.distributed as dist
 
     from elastictrain.config import build_config
-    from elastictrain.parallel.layout import resolve, spec_from_config
     from elastictrain.task import builtin_task
-    from elastictrain.worker.faults import FaultInjector
-    from elastictrain.worker.loop import StepRunner
+    from tests.ranks import attached_runner, join_gloo
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, port)
     results = []
     try:
         for parallel in layouts:
             parallel = dict(parallel)
             cfg = build_config(_spec(world, parallel.pop("llama", False), **parallel))
             task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
-            runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
-            runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-            if runner.uninitialized:
-                runner.init_from_seed()
+            runner = attached_runner(cfg, rank, world, task)
             records = [runner.run_step(False)[0] for _ in range(STEPS)]
             results.append({"losses": [r.loss for r in records], "ids": [sorted(r.sample_ids) for r in records],
                             "params": runner.state.full_model_state(), "mesh": runner.mesh})

@@ -178,21 +178,13 @@ def _loop_rank(rank: int, port: int, spec: dict, out: str) -> None:
     import torch.distributed as dist
 
     from elastictrain import build_config
-    from elastictrain.parallel.layout import resolve, spec_from_config
-    from elastictrain.task import builtin_task
-    from elastictrain.worker.faults import FaultInjector
-    from elastictrain.worker.loop import StepRunner
+    from tests.ranks import attached_runner, join_gloo
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cfg = build_config(spec)
     world = cfg.workers.max
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, world, port, timeout_s=60)
     try:
-        runner = StepRunner(builtin_task(cfg), cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)
-        runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
-        if runner.uninitialized:
-            runner.init_from_seed()
+        runner = attached_runner(cfg, rank, world)
         records = [runner.run_step(False)[0] for _ in range(cfg.train.steps)]
         state = runner.state.full_model_state()
         torch.save({"losses": {r.step: r.loss for r in records}, "mesh": records[0].mesh,
