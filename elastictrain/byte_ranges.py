@@ -13,13 +13,12 @@ fraction of that at one connection's rate; so a merge at or under it never costs
 are not fetched.
 
 Why :data:`WEIGHTS_MERGE_GAP` is 1 MiB (``task.init_from``): there every rank of the job reads at once, from
-one prefix, and S3 serves a prefix about 5,500 GETs/s (AWS's documented rate) shared by all of them; a GET
-then costs far more than one connection's round trip. Merging at 64 KiB, a row-wise layer of Llama 3.1 405B
-at tp 8 (104 KiB rows) would be read as 2 M GETs per rank, hours at that rate for a job of 1,024 ranks,
-against its whole rows in 1,137 GETs. At 1 MiB every row of a real model up to that width is read whole
-(tp times the held bytes of those layers: what the reader did before), and a GET per row happens only for
-rows wider than 1 MiB. The fix that needs neither (each tp rank reads a contiguous block of rows and the tp
-group redistributes them) is not built. docs/perf/2026-11-28-s3-ranges.md has the counts.
+one prefix, whose request rate S3 shares among all of them, so a GET costs far more than one connection's
+round trip. At 1 MiB the rows of a tensor-parallel row-wise layer are read whole for every real model up to
+that row width (tp times the held bytes of those layers: what the reader did before), instead of a GET per
+row; only rows wider than 1 MiB have their columns read alone. The fix that needs neither (each tp rank reads
+a contiguous block of rows and the tp group redistributes them) is not built. The counts behind both
+thresholds: docs/perf/2026-11-28-s3-ranges.md.
 """
 
 from __future__ import annotations

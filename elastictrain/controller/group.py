@@ -280,7 +280,7 @@ class WorkerGroup:
         starts the next, :meth:`collect_ready`). The controller calls it right after it spawned the first
         generation's workers, and it starts at their priority (``Phase.START``): its start then falls in the
         run's start-up, which the cores spend importing anyway, is done in seconds and shows in the run's wall
-        time, not in its steps (in the idle class it was smeared over the whole run, 5-15% of the throughput;
+        time, not in its steps (in the idle class it was smeared over the whole run:
         docs/perf/2026-11-28-standby-first.md); and it is up before a first failure, so the first
         replacement of a run is warm too."""
         if self._standby_started or not self.config.workers.standby:

@@ -4,15 +4,14 @@ trains at the priority it started with.
 
 A standby worker process (``workers.standby``, :mod:`elastictrain.controller.group`) is started beside the
 training processes (the first with them, the next after each replacement); everything it does before a
-replacement takes it (its imports: torch, DTensor, FSDP, about 5 CPU seconds on a quiet 2-core machine; and
-its set-up ahead: model and data) takes CPU from whatever runs beside it. The phase it starts in decides
+replacement takes it (its imports: torch, DTensor, FSDP, seconds of CPU; and its set-up ahead: model and
+data) takes CPU from whatever runs beside it. The phase it starts in decides
 (:func:`priority_for`, a pure rule):
 
 - ``START`` (the run's first standby, started right after the first generation's workers): the cores are
   importing anyway, so it starts at the workers' priority and is done in seconds, before the steps are under
-  way. In the idle class it would be smeared over the whole run instead: quietly, 600 steps of the throughput
-  benchmark's job (about 22 s) left it at 3.5 of its 5 CPU seconds, still importing in every gap of the
-  training processes' collectives, and cost 5-15% of their throughput for all of it.
+  way. In the idle class it would be smeared over the whole run instead, importing in every gap of the
+  training processes' collectives for all of it (docs/perf/2026-11-28-standby-first.md).
 - ``AHEAD`` (every later standby, started while the run trains, after a replacement): the ``SCHED_IDLE``
   class at nice 19: the scheduler then gives it the CPU the training processes leave (a core idle while
   they wait on a collective or on data) and preempts it as soon as one wakes, instead of a share of a busy
