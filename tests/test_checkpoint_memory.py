@@ -3,6 +3,8 @@ local Ray, read back through the DCP snapshot reader."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -79,6 +81,16 @@ def test_actor_replicator_and_reader(ray_local) -> None:
     assert [o.meta.step for o in alone.own()] == [2]
     alone.close(timeout=30)
     ray.kill(keeper)
+    # ray.kill only asks Ray to end the actor: a call sent right after can still reach the live keeper
+    # (CI saw it accepted). Wait until a call fails, so the push below meets a dead keeper.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(keeper.catalog.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+    else:
+        raise AssertionError("the killed keeper still answered after 60 s")
     rep.reports()
     rep.push(10, {"model": {"w": torch.zeros(10)}})
     assert rep.flush(timeout=60)
