@@ -21,7 +21,8 @@ in another order (tests/test_ep_cp.py, tests/test_ep_tp.py).
 Against broken builds (2026-11-28, each run here before trusting the test): the snapshot reader handing
 every rank the expert chunks of ep coordinate 0 (``SnapshotReader`` reading an expert tensor's chunk at
 offset 0 whatever the offset asked: the ranks of ep coordinate 1 restore the other experts) fails both
-tests (see each test for where).
+tests at the first step after the restore: step 6 (the step the kill interrupted, redone) 5.23126 against
+5.22803, and every step after it.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str) ->
 def test_ep2_x_cp2_x_dp2_rank_killed_recovers_from_the_other_ep_group_shrinks_and_grows(tmp_path, ray_local):
     """cp2 x dp2 x ep2 (ep groups = cp groups {0, 1}, {2, 3}; rank 1 holds cp coordinate 1 and experts
     2-3, rank 3 is its replica): rank 1 is SIGKILLed, the survivors [0, 3] serve every (cp, ep) coordinate,
-    the run folds to cp2 x ep2 and grows back. Against the broken build (rank 1's restored experts those of
-    ep coordinate 0): the losses differ from the first step after the restore."""
+    the run folds to cp2 x ep2 and grows back. Against the broken build (the restored ranks of ep coordinate
+    1 given experts 0-1): the losses differ from step 6, the first after the restore."""
     run, steps = _killed_run(tmp_path, "epcpkill", 1, cp=2)
     _recovered_in_place(run, steps, 1, "ddp: dp_replicate=2 x cp=2", "ddp: dp_replicate=1 x cp=2")
 
@@ -92,7 +93,7 @@ def test_ep2_x_cp2_x_dp2_rank_killed_recovers_from_the_other_ep_group_shrinks_an
 def test_ep2_x_tp2_x_dp2_rank_killed_recovers_from_the_other_ep_group_shrinks_and_grows(tmp_path, ray_local):
     """tp2 x dp2 x ep2, sequence parallel on (ep groups = tp groups {0, 1}, {2, 3}; rank 2 holds tp
     coordinate 0 and experts 0-1, rank 0 is its replica): rank 2 is SIGKILLed, the survivors serve every
-    (tp, ep) coordinate, the run folds to tp2 x ep2 and grows back. Against the broken build (the rank of
-    ep coordinate 1 restores experts 0-1): the losses differ from the first step after the restore."""
+    (tp, ep) coordinate, the run folds to tp2 x ep2 and grows back. Against the broken build (the restored
+    ranks of ep coordinate 1 given experts 0-1): the losses differ from step 6, the first after the restore."""
     run, steps = _killed_run(tmp_path, "eptpkill", 2, tp=2)
     _recovered_in_place(run, steps, 2, "ddp: dp_replicate=2 x tp=2", "ddp: dp_replicate=1 x tp=2")
