@@ -163,3 +163,93 @@ def test_meta_init_keeps_ddp_ep_among_the_layouts_that_hold_no_whole_model() -> 
     assert holds_no_whole_model(Candidate(dp_replicate=2, ep=2))
     assert holds_no_whole_model(Candidate(dp_shard=4, ep=2)) and holds_no_whole_model(Candidate(tp=2))
     assert not holds_no_whole_model(Candidate(dp_replicate=2))
+
+
+# ------------------------------------------------------------------ ep at a resize, and what is chosen from
+
+# A shape whose best fitting candidate by the axes alone is one the code base refuses (a mixture-of-experts
+# model under tp with ep 1: every tp rank would route the same tokens through every expert).
+WIDE = ModelShape(layers=4, hidden=4096, heads=32, seq_len=128, vocab=32000, experts=8, top_k=2)
+
+
+def test_only_runnable_candidates_are_chosen_from() -> None:
+    """``rank_layouts`` (what ``plan: auto``, a live re-plan and ``elastictrain plan`` without ``--all-axes``
+    choose from) holds only candidates that run: the axes alone let ep x pp x tp and tp without ep through.
+    Against the build that filtered by axes only: the first fitting candidate of WIDE is ``single, tp 2, pp
+    4 gpipe, mb 2`` (not runnable), and ``choose`` would pass it to the run (the config accepts it, the task
+    refuses it at start)."""
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    everything = [e for e in rank_layouts(WIDE, TRAIN, cl, runnable_only=False) if e.fits]
+    assert not everything[0].runnable and everything[0].candidate.tp > 1, everything[0].candidate.describe()
+    chosen_from = rank_layouts(WIDE, TRAIN, cl)
+    assert chosen_from and all(e.runnable for e in chosen_from)
+    assert {e.candidate for e in chosen_from} == {e.candidate for e in rank_layouts(WIDE, TRAIN, cl, runnable_only=False)
+                                                   if e.runnable and e.candidate.cp == 1}
+
+
+def test_a_resize_the_running_ep_cannot_divide_moves_to_another_ep() -> None:
+    """ddp 8 x ep 8 shrinking to 6 (or 4 x ep 4 to 3): the running family's ep does not divide the new data
+    ranks, so it cannot run there (``same_family`` None) and the move is required, to a layout whose ep
+    does (each chosen ep divides its expert ranks and the experts). Against the old ``same_family``: the
+    decision raised PlannerInputError (``MeshDims.ep=8 must divide the data-parallel size 6``), which a live
+    run under ``plan: auto`` met at the shrink."""
+    from elastictrain.planner.replan import decide, same_family
+
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    train = Training(global_batch=48, micro_batch=2)
+    for ep, world in ((8, 6), (4, 3)):
+        old = Candidate(dp_replicate=ep, ep=ep, micro_batch=2)
+        assert same_family(old, world, train) is None
+        got = decide(MOE, train, cl, old, world, steps_left=100)
+        new = got.new.candidate
+        assert got.action == "required" and "cannot run at this size" in got.reason, got.reason
+        assert new.world_size == world and MOE.experts % new.ep == 0 and (new.dp * new.cp * new.tp) % new.ep == 0
+    # the family keeps its ep where it divides: ddp 4 x ep 2 at 2 is ddp 2 x ep 2
+    assert same_family(Candidate(dp_replicate=4, ep=2, micro_batch=2), 2, train).dims.ep == 2
+
+
+def test_the_running_family_keeps_whole_cp_groups() -> None:
+    """cp2 x dp2 at 2 ranks is cp2 x dp1 (a cp group kept whole, like tp's and pp's); at 3, none. Against the
+    old ``same_family`` (cp left out of the group size): a 4-rank candidate for 2 ranks."""
+    from elastictrain.planner.replan import same_family
+
+    train = Training(global_batch=48, micro_batch=2)
+    fam = same_family(Candidate(dp_replicate=2, cp=2, ep=2, micro_batch=2), 2, train)
+    assert fam is not None and (fam.world_size, fam.cp, fam.dp, fam.ep) == (2, 2, 1, 2), fam
+    assert same_family(Candidate(dp_replicate=2, cp=2, micro_batch=2), 3, train) is None
+
+
+def test_a_move_reads_each_ranks_share_of_the_experts() -> None:
+    """The move to a layout reads what each rank keeps (``state_params``): under ddp x ep 4 a quarter of the
+    experts with the whole dense part, so it costs less than the move to plain ddp by 3/4 of the experts'
+    state. Against the old price (``stage_params / tp / dp_shard``: every rank reading every expert): the
+    two moves cost the same."""
+    from elastictrain.planner.inputs import OPTIMIZER_BYTES, PRECISIONS
+    from elastictrain.planner.replan import move_seconds
+
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    plain, ep4 = (move_seconds(MOE, TRAIN, cl, Candidate(dp_replicate=4, ep=e, micro_batch=2), 0.0) for e in (1, 4))
+    w, _, master = PRECISIONS[TRAIN.precision]
+    per_param = w + master + OPTIMIZER_BYTES[TRAIN.optimizer]
+    assert plain - ep4 == pytest.approx(MOE.expert_params * 3 / 4 * per_param / cl.intra_node_bw)
+    assert plain == pytest.approx(MOE.total_params * per_param / cl.intra_node_bw)
+
+
+def test_the_plan_table_and_its_reasons_show_ep() -> None:
+    """``elastictrain plan``'s table has an ``ep`` column, and the paragraph on why the winner won can name
+    the experts' all-to-all (its own cost, stretched by the bubble like tp's; the bubble no longer counts
+    it). Against the old table: no ep column (ddp 4 and ddp 4 x ep 2 read alike apart from their names)."""
+    from elastictrain.planner import evaluate
+    from elastictrain.planner.explain import _costs, table
+
+    cl = Cluster(nodes=1, devices_per_node=8, **GPU)
+    rows = [evaluate(MOE, TRAIN, cl, Candidate(dp_replicate=2, ep=e, pp=2, micro_batch=2)) for e in (1, 2)]
+    head, one, two = table(rows, cl).splitlines()
+    assert head.split()[2:8] == ["dp_rep", "dp_shard", "tp", "cp", "ep", "pp"], head
+    at = head.index("  ep  ") + 2  # the aligned column's first character
+    assert [one[at:at + 2].strip(), two[at:at + 2].strip()] == ["1", "2"], (head, one, two)
+    t = rows[1].time
+    costs = _costs(rows[1])
+    assert t.bubble > 0 and costs["expert-parallel all-to-all"] == pytest.approx(t.ep_s / (1 - t.bubble))
+    on_path = t.compute_s + t.tp_s + t.ep_s + t.cp_s + t.dispatch_exposed_s + t.fsdp_host_exposed_s
+    assert costs["the pipeline bubble"] == pytest.approx(on_path / (1 - t.bubble) - on_path)  # the bubble alone

@@ -15,15 +15,19 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp")  # the table's axis columns, in its order
+
+
 def table(estimates: list[Estimate], cluster: Cluster, limit: int = 10) -> str:
-    """The first ``limit`` estimates as an aligned text table (rank, layout, memory, time split, fits)."""
-    head = ("#", "layout", "dp_rep", "dp_shard", "tp", "cp", "pp", "memory/dev", "step", "compute", "comm", "bubble",
-            "fits")
+    """The first ``limit`` estimates as an aligned text table (rank, layout and its axes, memory, time split,
+    fits)."""
+    head = ("#", "layout", "dp_rep", "dp_shard", "tp", "cp", "ep", "pp", "memory/dev", "step", "compute", "comm",
+            "bubble", "fits")
     rows = [head]
     for i, e in enumerate(estimates[:limit], 1):
         c, t = e.candidate, e.time
         fits = "yes" if e.fits else f"no (-{gib(e.memory.shortfall)})"
-        rows.append((str(i), c.describe(), str(c.dp_replicate), str(c.dp_shard), str(c.tp), str(c.cp), str(c.pp),
+        rows.append((str(i), c.describe(), *(str(getattr(c, a)) for a in _AXES),
                      gib(e.memory.total), seconds(t.total_s), seconds(t.compute_s), seconds(t.comm_s),
                      f"{t.bubble:.0%}", fits + ("" if e.runnable else " (not runnable yet)")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -33,9 +37,10 @@ def table(estimates: list[Estimate], cluster: Cluster, limit: int = 10) -> str:
 def _costs(e: Estimate) -> dict[str, float]:
     t = e.time
     host = t.dispatch_exposed_s + t.fsdp_host_exposed_s
-    stretched = (t.compute_s + t.tp_s + t.cp_s + host) / (1 - t.bubble)
-    return {"compute": t.compute_s, "the pipeline bubble": stretched - t.compute_s - t.tp_s - t.cp_s - host,
+    stretched = (t.compute_s + t.tp_s + t.ep_s + t.cp_s + host) / (1 - t.bubble)
+    return {"compute": t.compute_s, "the pipeline bubble": stretched - t.compute_s - t.tp_s - t.ep_s - t.cp_s - host,
             "tensor-parallel traffic": t.tp_s / (1 - t.bubble), "pipeline sends": t.pp_s,
+            "expert-parallel all-to-all": t.ep_s / (1 - t.bubble),
             "context-parallel K/V traffic": t.cp_s / (1 - t.bubble),
             "DTensor's dispatch of sharded ops": t.dispatch_exposed_s / (1 - t.bubble),
             "FSDP's per-parameter host work": t.fsdp_host_exposed_s / (1 - t.bubble),
@@ -43,9 +48,9 @@ def _costs(e: Estimate) -> dict[str, float]:
             "collective calls": t.calls_s, "ranks sharing cores": max(0.0, t.busy_s - t.path_s)}
 
 
-def _mesh(e: Estimate) -> tuple[int, int, int, int, int]:
+def _mesh(e: Estimate) -> tuple[int, int, int, int, int, int]:
     c = e.candidate
-    return c.dp_replicate, c.dp_shard, c.tp, c.cp, c.pp
+    return c.dp_replicate, c.dp_shard, c.tp, c.cp, c.ep, c.pp
 
 
 def why(estimates: list[Estimate], cluster: Cluster) -> str:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
-from elastictrain.planner.inputs import OPTIMIZER_BYTES, PRECISIONS, Candidate, Cluster, ModelShape, Training
-from elastictrain.planner.memory import stage_params
+from elastictrain.planner.inputs import (OPTIMIZER_BYTES, PRECISIONS, Candidate, Cluster, ModelShape, PlannerInputError,
+                                         Training)
+from elastictrain.planner.memory import state_params
 from elastictrain.planner.search import Estimate, evaluate, rank_layouts, why_invalid
 
 
@@ -55,9 +56,11 @@ class Replan:
 
 
 def same_family(old: Candidate, world: int, train: Training) -> Candidate | None:
-    """The running layout at ``world``: the same pipeline degree, schedule and tp; all ranks sharded (fsdp),
-    none (ddp), or the same shard size (hsdp). None when ``world`` cannot hold it."""
-    per = old.pp * old.tp
+    """The running layout at ``world``: the same pipeline, cp, tp and ep degrees and schedule; all data ranks
+    sharded (fsdp), none (ddp), or the same shard size (hsdp). None when ``world`` cannot hold it: not whole
+    ``pp x cp x tp`` groups, or an ep that does not divide the new expert ranks (``MeshDims``' rule: ep4 on
+    2 ranks is another layout, which the planner must choose, not this family)."""
+    per = old.pp * old.cp * old.tp
     if world % per:
         return None
     d = world // per
@@ -66,13 +69,18 @@ def same_family(old: Candidate, world: int, train: Training) -> Candidate | None
         shard = 1 if old.dp_shard == 1 else d
     if d % shard:
         return None
-    return old.with_dims(dp_replicate=d // shard, dp_shard=shard)
+    try:
+        return old.with_dims(dp_replicate=d // shard, dp_shard=shard)
+    except PlannerInputError:  # the mesh's own rule refuses it (ep)
+        return None
 
 
 def move_seconds(model: ModelShape, train: Training, cluster: Cluster, new: Candidate, rebuild_s: float) -> float:
-    """Every device reads its share of the new layout's weights and optimizer state (module docstring)."""
+    """Every device reads its share of the new layout's weights and optimizer state (module docstring): the
+    state one rank keeps (:func:`.memory.state_params`: its stage over tp, the experts over ep, the whole over
+    the FSDP shard group of ``dp_shard x cp``)."""
     w, _, master = PRECISIONS[train.precision]
-    state = stage_params(model, new) / new.tp / new.dp_shard * (w + master + OPTIMIZER_BYTES[train.optimizer])
+    state = state_params(model, new) * (w + master + OPTIMIZER_BYTES[train.optimizer])
     bw = cluster.inter_node_bw if cluster.nodes > 1 else cluster.intra_node_bw
     return state / bw + rebuild_s
 

@@ -4,8 +4,8 @@
 micro-batch size, activation checkpointing; for a mixture-of-experts model every expert-parallel degree
 that divides the data-parallel size and the experts). **What may be chosen** to run is the subset the code base
 runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
-and a new axis is one more name there). ``rank_layouts(..., runnable_only=False)`` ranks everything, marking each
-candidate ``runnable``; it is also the only search of the runnable axes in :data:`ASKED_AXES` (context
+and a new axis is one more name there) and, within them, the combinations :func:`is_runnable` passes (ep's
+rules). ``rank_layouts(..., runnable_only=False)`` ranks everything, marking each candidate ``runnable``; it is also the only search of the runnable axes in :data:`ASKED_AXES` (context
 parallel: ``elastictrain plan --all-axes``).
 
 **Pruning** keeps the search to thousands of candidates for 10,000 devices: TP groups stay inside a node
@@ -222,9 +222,13 @@ def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
 def rank_layouts(model: ModelShape, train: Training, cluster: Cluster, world: int | None = None, *,
          runnable_only: bool = True, **options) -> list[Estimate]:
     """Every pruned candidate for ``world`` devices (default: the whole cluster), priced and ranked best
-    first. ``runnable_only`` keeps to :func:`runnable_axes`; ``options`` go to :func:`candidates`."""
+    first. ``runnable_only`` keeps to :func:`runnable_axes` (less :data:`ASKED_AXES`) and to the candidates
+    :func:`is_runnable` passes: the axes alone let through combinations the code base refuses (a
+    mixture-of-experts model under tp with ep 1, ep with both pp and tp), which ``plan: auto`` and a live
+    re-plan must never choose. ``options`` go to :func:`candidates`."""
     world = cluster.devices if world is None else world
     axes = runnable_axes()
     search_axes = axes - ASKED_AXES if runnable_only else None
-    return rank(evaluate(model, train, cluster, c, axes)
-                for c in candidates(model, train, cluster, world, axes=search_axes, **options))
+    priced = (evaluate(model, train, cluster, c, axes)
+              for c in candidates(model, train, cluster, world, axes=search_axes, **options))
+    return rank(e for e in priced if e.runnable or not runnable_only)
