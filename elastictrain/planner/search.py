@@ -5,8 +5,9 @@ micro-batch size, activation checkpointing; for a mixture-of-experts model every
 that divides the data-parallel size and the experts). **What may be chosen** to run is the subset the code base
 runs: :func:`runnable_axes` (one place; tensor parallel joins when ``parallel.tp`` exists in the job config,
 and a new axis is one more name there) and, within them, the combinations :func:`is_runnable` passes (ep's
-rules). ``rank_layouts(..., runnable_only=False)`` ranks everything, marking each candidate ``runnable``; it is also the only search of the runnable axes in :data:`ASKED_AXES` (context
-parallel: ``elastictrain plan --all-axes``).
+rules). ``rank_layouts(..., runnable_only=False)`` ranks everything, marking each candidate ``runnable``; it
+is also the only search of the runnable axes in :data:`ASKED_AXES` (context parallel: ``elastictrain plan
+--all-axes``).
 
 **Pruning** keeps the search to thousands of candidates for 10,000 devices: TP groups stay inside a node
 and divide the heads; the pipeline has at most one block per stage and, past that, a degree that divides
