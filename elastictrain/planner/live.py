@@ -33,10 +33,10 @@ class Replanned:
 
     def as_event(self) -> dict[str, Any]:
         """The fields of a ``replanned`` event (docs/events.md)."""
-        e = self.decision.as_event()
+        e, dims = self.decision.as_event(), self.layout.dims
+        mesh = {**dict(zip(dims.names, dims.shape)), **({"ep": dims.ep} if dims.ep > 1 else {})}  # ep: no mesh axis
         return {**e, "old_world_size": self.old.candidate.world_size, "old_step_s": self.old.time.total_s,
-                "old_memory_bytes": int(self.old.memory.total), "mesh": dict(zip(self.layout.dims.names,
-                                                                                  self.layout.dims.shape))}
+                "old_memory_bytes": int(self.old.memory.total), "mesh": mesh}
 
 
 def spec_of(c: Candidate, base: LayoutSpec, sharded_only: bool = False) -> LayoutSpec:
