@@ -459,10 +459,6 @@ class Controller:
         """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/layout.py)."""
         return resolve(self.plan_spec, world_size)
 
-    def layout(self, world_size: int) -> Layout:
-        """The mesh and accumulation a generation of ``world_size`` workers uses (parallel/layout.py)."""
-        return resolve(self.plan_spec, world_size)
-
     def _replan(self, world: int) -> None:
         """``parallel.plan: auto``: the layout of the next generation, of ``world`` workers. At the running
         generation's size its layout stays; at another the planner decides (planner/replan.py: keep the
