@@ -52,9 +52,10 @@ def _killed_run(tmp_path, name: str, rank: int, **parallel):
 
     kill = {"rank": rank, "step": 6, "point": "mid_step", "kind": "kill"}
     spec = _spec(4, GROW_STEPS, name, ep=2, plan="ddp", **parallel)
-    # the folded generation: 0.25 s a micro-batch (4 of them on one data rank: 1 s a step, under the
-    # watchdog's floor) for up to 26 steps; the grow-back cuts it short
-    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill, *_slow(2, 0.25, generation=1)],
+    # the folded generation: 0.5 s a micro-batch (4 of them on one data rank: 2 s a step, under the
+    # watchdog's floor) for up to 26 steps, the window test_tp_recovery gives a cold replacement on a loaded
+    # machine; the grow-back cuts it short
+    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill, *_slow(2, 0.5, generation=1)],
                 timeouts=dict(TIMEOUTS), recovery={"min_workers_wait_s": 240},
                 checkpoint={**spec["checkpoint"], "memory_every_steps": 1})
     return run_job(tmp_path, spec, name=name), GROW_STEPS
