@@ -70,8 +70,8 @@ def init_from(sizes: list[str], tps: list[int]) -> list[dict]:
         whole = [("embed", (p["vocab_size"], p["dim"]), 0), ("output", (p["vocab_size"], p["dim"]), 0)]
         for tp in tps:
             row = {"size": size, "tp": tp}
-            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP), ("gap_1m", WEIGHTS_MERGE_GAP),
-                               ("row_blocks", "rows")):
+            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP),
+                               ("gap_1m", WEIGHTS_MERGE_GAP), ("row_blocks", "rows")):
                 gets = fetched = held = sent = 0
                 tensors = [(shape, d, p["n_layers"]) for _, shape, d in _layer_tensors(p)]
                 for shape, d, copies in tensors + [(shape, d, 1) for _, shape, d in whole]:

@@ -14,9 +14,11 @@ redistributed by one all-to-all of the tp group.
   one range each, where the per-slice reader asks one range per row: tests/test_s3_ranges.py), at most one
   GET per tensor. The counts depend on the plan only, never on timing.
 
-Against the builds they guard (measured by breaking the code): peers' pieces swapped in ``pack`` (each rank
-sends a peer the other's columns) fails the routed-bytes check and the tp2 parameters (wo/w2 differ); the rows
-split as "every peer reads all rows" fails the bytes per rank (2x the row-wise layers' share).
+Against the builds they guard (measured by breaking the code): each peer sent the other peer's columns in
+``pack`` fails the pure exchange (a reshape error in the uneven 3-peer case, wrong bytes in the 2-peer one)
+and the tp2 parameters (``layers.0.attention.wo.weight`` differs on rank 0); row blocks never applied
+(``row_jobs`` returning nothing: the per-slice reader at gap 0) loads the same parameters and fails the
+GET list (250 more GETs per rank: one per row of the row-wise layers).
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ def plan_row_block(shape: Sequence[int], itemsize: int, offsets: Sequence[int], 
     """``(block, mesh dim, reason)`` for a DTensor of global ``shape`` (elements of ``itemsize`` bytes) whose
     local slice on this rank is ``offsets`` / ``lengths``, under ``placements`` on a mesh of ``mesh_shape``
     where this rank is at ``coordinate``; ``block`` and the mesh dimension of the exchange are None where the
-    row-block read does not apply, and ``reason`` says why (or what applies). Pure."""
+    row-block read does not apply, and ``reason`` says why (or what applies). Pure. Raises ValueError when
+    the local slice is not the chunk torch's ``Shard`` gives for ``coordinate`` (no layout does that: a bug;
+    raised rather than a fall-back, which would leave the group's peers waiting in the exchange)."""
     from torch.distributed.tensor import Replicate, Shard
 
     if len(shape) < 2:
