@@ -9,7 +9,8 @@ answers is noted with its path, its Range header and the body bytes it sent.
   are the local (pread) path's;
 * held-out evaluation on S3 reads each micro-batch (adjacent windows) in one GET, with the numbers of the
   window-by-window local read;
-* ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path: with no merging the
+* ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path, by the per-slice
+  reader (row blocks off; they are tests/test_tp_rows.py's): with no merging the
   bytes fetched are exactly the slices the ranks hold (a row-wise layer's columns, not its rows); with the
   default 64 KiB merge they are the planned reads (held slices plus the gaps merged), fewer GETs than tensors
   read; step 1's loss is transformers' (tests/test_hf_llama.py's check) either way; a plan over several
