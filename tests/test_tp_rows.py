@@ -12,13 +12,15 @@ redistributed by one all-to-all of the tp group.
   own reader on the local copy and of the per-slice ranged reader (the present path); merging nothing, each
   rank fetched exactly the bytes it holds, its half of the rows of every matrix (the row-wise layers' too,
   one range each, where the per-slice reader asks one range per row: tests/test_s3_ranges.py), at most one
-  GET per tensor. The counts depend on the plan only, never on timing.
+  GET per tensor; bf16 files into the fp32 model by row blocks: torch's reader's values. The counts depend
+  on the plan only, never on timing.
 
 Against the builds they guard (measured by breaking the code): each peer sent the other peer's columns in
 ``pack`` fails the pure exchange (a reshape error in the uneven 3-peer case, wrong bytes in the 2-peer one)
 and the tp2 parameters (``layers.0.attention.wo.weight`` differs on rank 0); row blocks never applied
 (``row_jobs`` returning nothing: the per-slice reader at gap 0) loads the same parameters and fails the
-GET list (250 more GETs per rank: one per row of the row-wise layers).
+GET list (250 more GETs per rank: one per row of the row-wise layers); row blocks planned in the model's
+dtype (fp32) rather than the files' fails the bf16 run (rank 0: a 64 x 64 slice from 8,192 bytes).
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def test_tp2_reads_row_blocks_one_get_per_tensor_and_its_share(tmp_path, countin
     """A Hugging Face Llama (save_pretrained, index-sharded in 100 KB files) on the counting S3, loaded under
     tp2 on 2 gloo ranks: by row blocks (merging nothing, then over the default 1 MiB), by the per-slice ranged
     reader (the default 1 MiB), and from the local copy by torch's reader: every rank's shards bitwise equal
-    in all four. Row blocks, merging nothing: each rank's data GETs are exactly its half of the rows of every
+    in all four; a bf16 copy (the files' dtype is not the model's fp32) by row blocks: torch's reader's
+    values of it. Row blocks, merging nothing: each rank's data GETs are exactly its half of the rows of every
     matrix (the row-wise layers' too: one range, not one per row) and the norms whole, touching ranges joined:
     at most one GET per tensor, bytes exactly the bytes it holds."""
     import s3fs
@@ -186,24 +189,28 @@ def test_tp2_reads_row_blocks_one_get_per_tensor_and_its_share(tmp_path, countin
     from tests.test_hf_llama import save_hf
 
     moto, server = counting
-    save_hf(tmp_path / "src").save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    hf = save_hf(tmp_path / "src")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))  # Llama 3.1's own files: bf16
     fs = s3fs.S3FileSystem(**server.options())
     fs.mkdir("tprows")
     fs.put(str(tmp_path / "sharded") + "/", "tprows/llama/", recursive=True)
+    fs.put(str(tmp_path / "bf16") + "/", "tprows/bf16/", recursive=True)
     uri, opts = "s3://tprows/llama", server.options()
     source = read_source(uri, opts)
     runs = [(str(tmp_path / "src"), None, None, False), (uri, opts, 0, True), (uri, opts, None, False),
-            (uri, opts, None, True)]
+            (uri, opts, None, True), (str(tmp_path / "bf16"), None, None, False), ("s3://tprows/bf16", opts, 0, True)]
     out = str(tmp_path / "got.pt")
     moto.take("tprows")
     run_ranks(_loads, (2, runs, free_port(), out), nprocs=2)
     got = [torch.load(f"{out}.{r}") for r in range(2)]  # got[rank][run]: name -> local shard
     gets = _data_gets(moto.take("tprows/llama/"), source)
-    for i in range(1, len(runs)):
+    for i, ref in ((1, 0), (2, 0), (3, 0), (5, 4)):  # fp32 files; bf16 files into the fp32 model
         for r in range(2):
-            assert got[r][i].keys() == got[r][0].keys()
-            for n, t in got[r][0].items():
-                assert torch.equal(got[r][i][n], t), (runs[i][2:], r, n)
+            assert got[r][i].keys() == got[r][ref].keys()
+            for n, t in got[r][ref].items():
+                assert torch.equal(got[r][i][n], t), (runs[i], r, n)
+    assert not torch.equal(got[0][4]["layers.0.attention.wo.weight"], got[0][0]["layers.0.attention.wo.weight"])
     for r in range(2):
         rows, rest = [], []  # tp2: every matrix's half of the rows, a norm whole
         for name, e in source.tensors.items():

@@ -177,23 +177,24 @@ class RowJob:
     device: torch.device  # where the collective's buffers live (the local shard's device)
 
 
-def row_jobs(tensors: dict[str, Any]) -> dict[str, RowJob]:
+def row_jobs(tensors: dict[str, Any], itemsizes: dict[str, int]) -> dict[str, RowJob]:
     """The tensors of ``tensors`` (name -> the DTensor or plain tensor to fill) that are read by row blocks
-    (:func:`plan_row_block`), by name. Every rank of a group gets the same names: the decision depends only
-    on the global shape, the placements and the mesh."""
+    (:func:`plan_row_block`), by name; ``itemsizes``: bytes of one element as stored, by name (the files'
+    dtype, not the model's; a name without one is left to the per-slice path). Every rank of a group gets the
+    same names: the decision depends only on the global shape, the placements, the mesh and the files."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     jobs = {}
     for name, t in tensors.items():
-        if not isinstance(t, DTensor):
+        if not isinstance(t, DTensor) or name not in itemsizes:
             continue
         mesh = t.device_mesh
         if mesh.get_coordinate() is None:  # not in this tensor's mesh: nothing held
             continue
         lengths, offsets = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
-        block, m, _ = plan_row_block(tuple(t.shape), t.element_size(), offsets, lengths, t.placements,
+        block, m, _ = plan_row_block(tuple(t.shape), itemsizes[name], offsets, lengths, t.placements,
                                      tuple(mesh.shape), tuple(mesh.get_coordinate()))
         if block is not None and m is not None:
             group = mesh.get_group(m)

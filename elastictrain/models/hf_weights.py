@@ -308,9 +308,13 @@ def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str,
             aliases.append((name, hf))
         else:
             request[hf] = t
-    # a tensor-parallel row-wise layer's columns: row blocks read and exchanged (models/hf_rows.py); local
-    # paths keep torch's reader (a column slice of a memory map costs no request per row)
-    reader = make_reader(uri, storage_options, row_blocks=None if is_local(uri) else row_jobs(request))
+    # a tensor-parallel row-wise layer's columns: row blocks read and exchanged (models/hf_rows.py), planned
+    # in the files' dtype (bf16 files into an fp32 model); local paths keep torch's reader (a column slice of
+    # a memory map costs no request per row)
+    src = None if is_local(uri) else read_source(uri, storage_options)
+    jobs = None if src is None else row_jobs(request, {n: _element_bytes(e.dtype) for n, e in src.tensors.items()
+                                                         if e.dtype in _DTYPES})
+    reader = make_reader(uri, storage_options, source=src, row_blocks=jobs)
     found = reader.read_metadata().state_dict_metadata
     for hf, t in request.items():
         if hf not in found:
