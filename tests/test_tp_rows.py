@@ -25,16 +25,14 @@ dtype (fp32) rather than the files' fails the bf16 run (rank 0: a 64 x 64 slice 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
 from tests.ranks import run_ranks
-from tests.test_s3_ranges import CountingMoto, _data_gets, counting  # noqa: F401 - the counting fixture
+from tests.test_s3_ranges import _data_gets, counting  # noqa: F401 - the counting fixture
 
 pytest.importorskip("transformers")
 
