@@ -9,8 +9,10 @@ same plans tests/test_s3_ranges.py checks byte for byte against a counting moto 
 - init_from: the Llama 3.1 8B, 70B and 405B shapes (bf16 safetensors), one tensor-parallel rank's slices
   (wq/wk/wv/w1/w3/output/embedding on dim 0, wo/w2 on dim 1 as models/llama.py's plan shards them; norms
   whole), per rank: the whole-row reader of before (one GET per tensor, its rows whole), per-row ranges with
-  no merging (gap 0), a 64 KiB merge and the default merge (1 MiB). Each tensor is planned alone (no merge across tensors:
-  a file's layout is the writer's), so the merged counts are an upper bound on GETs.
+  no merging (gap 0), a 64 KiB merge and the 1 MiB merge of the per-slice reader, and the row blocks of
+  models/hf_rows.py (the default since; wo/w2 read as 1/tp of their rows whole, ``exchanged``: the bytes the
+  rank sends its tp peers in the all-to-all). Each tensor is planned alone (no merge across tensors: a file's
+  layout is the writer's), so the merged counts are an upper bound on GETs.
 - windows: a rank's micro-batches through the sample cursor (``rank_micro_batches``), one GET per window
   piece before vs one coalesced read per batch after, for a small corpus (where a batch's windows often lie
   within 64 KiB) and a large one; and held-out evaluation batches (adjacent windows, ``eval_sample_ids``).
@@ -39,15 +41,26 @@ def _layer_tensors(p: dict) -> list[tuple[str, tuple[int, int], int]]:
             ("w1", (p["ffn_hidden"], dim), 0), ("w3", (p["ffn_hidden"], dim), 0), ("w2", (dim, p["ffn_hidden"]), 1)]
 
 
-def _counts(shape: tuple[int, int], sharded: int, tp: int, gap: int | None) -> tuple[int, int, int]:
-    """(GETs, bytes fetched, bytes held) of rank 0's slice of one tensor; ``gap`` None: the whole-row reader."""
+def _counts(shape: tuple[int, int], sharded: int, tp: int, gap: int | str | None) -> tuple[int, int, int, int]:
+    """(GETs, bytes fetched, bytes held, bytes sent to peers) of rank 0's slice of one tensor; ``gap`` None:
+    the whole-row reader; "rows": row blocks (models/hf_rows.py) where they apply, else a 1 MiB merge."""
     lengths = list(shape)
     lengths[sharded] //= tp
     held = lengths[0] * lengths[1] * BF16
     if gap is None:
-        return 1, lengths[0] * shape[1] * BF16, held
+        return 1, lengths[0] * shape[1] * BF16, held, 0
+    if gap == "rows":
+        from torch.distributed.tensor import Shard
+
+        from elastictrain.models.hf_rows import plan_row_block
+
+        block, _, _ = plan_row_block(shape, BF16, [0, 0], lengths, [Shard(sharded)], [tp], [0])
+        if block is not None:
+            a, b = block.read_range()
+            return 1, b - a, held, sum(block.send_bytes(j) for j in range(tp) if j != block.me)
+        gap = WEIGHTS_MERGE_GAP
     reads, _ = plan_reads([("f", a, b) for a, b in slice_runs(shape, [0, 0], lengths, BF16)], gap)
-    return len(reads), sum(r.end - r.start for r in reads), held
+    return len(reads), sum(r.end - r.start for r in reads), held, 0
 
 
 def init_from(sizes: list[str], tps: list[int]) -> list[dict]:
@@ -57,14 +70,18 @@ def init_from(sizes: list[str], tps: list[int]) -> list[dict]:
         whole = [("embed", (p["vocab_size"], p["dim"]), 0), ("output", (p["vocab_size"], p["dim"]), 0)]
         for tp in tps:
             row = {"size": size, "tp": tp}
-            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP), ("gap_1m", WEIGHTS_MERGE_GAP)):
-                gets = fetched = held = 0
+            for label, gap in (("whole_rows", None), ("gap_0", 0), ("gap_64k", MERGE_GAP),
+                               ("gap_1m", WEIGHTS_MERGE_GAP), ("row_blocks", "rows")):
+                gets = fetched = held = sent = 0
                 tensors = [(shape, d, p["n_layers"]) for _, shape, d in _layer_tensors(p)]
                 for shape, d, copies in tensors + [(shape, d, 1) for _, shape, d in whole]:
-                    g, f, h = _counts(shape, d, tp, gap)
+                    g, f, h, x = _counts(shape, d, tp, gap)
                     gets, fetched, held = gets + g * copies, fetched + f * copies, held + h * copies
+                    sent += x * copies
                 norms = (2 * p["n_layers"] + 1) * p["dim"] * BF16  # whole on every rank: one GET each
                 row[label] = {"gets": gets + 2 * p["n_layers"] + 1, "bytes": fetched + norms}
+                if gap == "rows":
+                    row[label]["exchanged"] = sent
                 row["held_bytes"] = held + norms
             rows.append(row)
     return rows

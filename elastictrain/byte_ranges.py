@@ -1,7 +1,8 @@
 """Coalesced byte-range reads over fsspec: the pieces a reader needs, merged into few ranged GETs, fetched at once.
 
-Two readers use it on object stores (``s3://``): ``task.init_from``'s safetensors reader (a tensor-parallel
-row-wise slice is one piece per row, :func:`slice_runs`) and a prepared corpus's batch of windows
+Two readers use it on object stores (``s3://``): ``task.init_from``'s safetensors reader (a slice of rows is
+one piece; a slice of columns one piece per row, :func:`slice_runs`, where the row blocks of
+``models/hf_rows.py`` do not apply) and a prepared corpus's batch of windows
 (data/windows.py). :func:`plan_reads` is the pure part: pieces sorted by (file, offset), and two neighbours of
 one file merged into one read when the bytes between them are at most ``gap``; :func:`fetch` issues the plan's
 reads in one ``fs.cat_ranges`` call (s3fs runs them concurrently) and hands each piece its bytes back, in the
@@ -14,11 +15,11 @@ are not fetched.
 
 Why :data:`WEIGHTS_MERGE_GAP` is 1 MiB (``task.init_from``): there every rank of the job reads at once, from
 one prefix, whose request rate S3 shares among all of them, so a GET costs far more than one connection's
-round trip. At 1 MiB the rows of a tensor-parallel row-wise layer are read whole for every real model up to
-that row width (tp times the held bytes of those layers: what the reader did before), instead of a GET per
-row; only rows wider than 1 MiB have their columns read alone. The fix that needs neither (each tp rank reads
-a contiguous block of rows and the tp group redistributes them) is not built. The counts behind both
-thresholds: docs/perf/2026-11-28-s3-ranges.md.
+round trip. A tensor-parallel row-wise layer (columns sharded) is read by row blocks (``models/hf_rows.py``:
+each tp rank reads 1/tp of its rows in one range, an all-to-all of the tp group gives each its columns), so
+the gap only decides how the ranges of different tensors (and a column slice outside the row blocks' cases)
+merge; there, at 1 MiB, rows up to that width are read whole rather than one GET per row. The counts behind
+both thresholds: docs/perf/2026-11-28-s3-ranges.md; the row blocks': docs/perf/2026-11-28-tp-rows.md.
 """
 
 from __future__ import annotations

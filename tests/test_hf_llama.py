@@ -359,7 +359,8 @@ def products(tmp_path_factory: pytest.TempPathFactory, s3_server: Any
     pp x tp, pp x fsdp (2 x 2 each); a tied head (Llama 3.2's tie_word_embeddings) split over pipeline
     stages (parallel/tied.py) under pp x ddp, pp x fsdp and pp x tp, and sharded under fsdp x tp; fsdp x tp
     again from an ``s3://`` copy in index-sharded files (a real moto endpoint: the ranged reader, whose
-    tensor-parallel row-wise slices cut columns). The hsdp and pp x tp runs also checkpoint step 2 into
+    tensor-parallel row-wise layers are read as row blocks of each FSDP shard's rows and exchanged within each
+    tp group, models/hf_rows.py). The hsdp and pp x tp runs also checkpoint step 2 into
     ``<dir>/ckpt_<name>``. Returns (dir, transformers' model by source URI, storage options by source URI,
     each rank's results)."""
     import s3fs

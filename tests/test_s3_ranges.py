@@ -9,7 +9,8 @@ answers is noted with its path, its Range header and the body bytes it sent.
   are the local (pread) path's;
 * held-out evaluation on S3 reads each micro-batch (adjacent windows) in one GET, with the numbers of the
   window-by-window local read;
-* ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path: with no merging the
+* ``task.init_from`` under tp2 (issue 38) on 2 gloo ranks through the worker's step path, by the per-slice
+  reader (row blocks off; they are tests/test_tp_rows.py's): with no merging the
   bytes fetched are exactly the slices the ranks hold (a row-wise layer's columns, not its rows); with the
   default 64 KiB merge they are the planned reads (held slices plus the gaps merged), fewer GETs than tensors
   read; step 1's loss is transformers' (tests/test_hf_llama.py's check) either way; a plan over several
@@ -45,6 +46,7 @@ class Get:
     path: str
     range: str | None
     sent: int  # body bytes
+    agent: str = ""  # the client's User-Agent (a test tags each rank's client: config_kwargs.user_agent_extra)
 
     @property
     def start(self) -> int:
@@ -69,13 +71,14 @@ class CountingMoto:
                 return app(environ, start_response)
             with self._done:
                 self._open += 1
-            return self._count(environ["PATH_INFO"], environ.get("HTTP_RANGE"), app(environ, start_response))
+            return self._count(environ["PATH_INFO"], environ.get("HTTP_RANGE"), environ.get("HTTP_USER_AGENT", ""),
+                               app(environ, start_response))
 
         self._server = make_server("127.0.0.1", free_port(), counted, threaded=True)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def _count(self, path: str, rng: str | None, body: Iterable[bytes]) -> Iterable[bytes]:
+    def _count(self, path: str, rng: str | None, agent: str, body: Iterable[bytes]) -> Iterable[bytes]:
         sent = 0
         try:
             for chunk in body:
@@ -86,7 +89,7 @@ class CountingMoto:
             if close is not None:
                 close()
             with self._done:
-                self.gets.append(Get(path, rng, sent))
+                self.gets.append(Get(path, rng, sent, agent))
                 self._open -= 1
                 self._done.notify_all()
 
@@ -281,13 +284,15 @@ def test_evaluation_reads_a_micro_batch_in_one_get(corpus, counting):
 def _tp2_loads(rank: int, world: int, gaps: dict[str, int], options: dict[str, dict], port: int, out: str
                ) -> None:
     """tests/test_hf_llama.py's rank (the worker's StepRunner, init_from_seed, one step) under tp2, once per
-    source URI, the ranged reader of each URI merging over ``gaps[uri]`` bytes."""
+    source URI, the ranged reader of each URI merging over ``gaps[uri]`` bytes and reading each rank's slices
+    alone (no row blocks: the fall-back path of ``models/hf_rows.py``)."""
     from elastictrain.models import hf_weights
     from tests.test_hf_llama import _first_step
 
     make_reader = hf_weights.make_reader
 
     def with_gap(uri: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs["row_blocks"] = None  # the per-slice reader these counts are of (row blocks: tests/test_tp_rows.py)
         return make_reader(uri, *args, merge_gap=gaps[uri], **kwargs)
 
     hf_weights.make_reader = with_gap

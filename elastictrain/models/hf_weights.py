@@ -9,9 +9,12 @@ model (whole under ddp, DTensor shards under fsdp/hsdp/tp, a stage's subset unde
 ``torch.distributed.checkpoint.load``: DCP's planner asks for exactly the slice each local tensor holds.
 Local paths read through torch's own ``HuggingFaceStorageReader`` (``safe_open`` + ``get_slice``); other
 filesystems through a ranged reader (:func:`make_reader`), which fetches only the bytes a rank holds: a slice of rows
-is one range, a slice of columns (a tensor-parallel row-wise layer) one range per row, and every range of the
-rank's plan goes out together, merged where the bytes between two are few (:mod:`elastictrain.byte_ranges`).
-Collective-free: each rank plans and reads alone (``no_dist=True``).
+is one range; a slice of columns (a tensor-parallel row-wise layer) is read by row blocks, each rank of the
+tp group reading 1/tp of the rows whole and one all-to-all of the group giving each its columns
+(:mod:`elastictrain.models.hf_rows`, which says where that applies); a slice of columns outside it is one range
+per row. Every range of the rank's plan goes out together, merged where the bytes between two are few
+(:mod:`elastictrain.byte_ranges`). DCP plans without collectives (``no_dist=True``): each rank plans alone;
+the row-block exchanges are the only collectives, over each tp group.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from elastictrain.byte_ranges import WEIGHTS_MERGE_GAP, fetch, slice_runs
 from elastictrain.config import ConfigError
 from elastictrain.models.hf_llama import hf_from_ours
+from elastictrain.models.hf_rows import RowJob, exchange, row_jobs
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -124,10 +128,13 @@ def _element_bytes(dtype: str) -> int:
 
 
 def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSource | None = None,
-                merge_gap: int | None = None) -> Any:
+                merge_gap: int | None = None, row_blocks: dict[str, RowJob] | None = None) -> Any:
     """The DCP StorageReader for the checkpoint at ``uri``: torch's ``HuggingFaceStorageReader`` for a local
     path, a ranged reader otherwise (:func:`_read_plan`; ``merge_gap``: bytes between two ranges read as one,
-    default :data:`elastictrain.byte_ranges.WEIGHTS_MERGE_GAP`)."""
+    default :data:`elastictrain.byte_ranges.WEIGHTS_MERGE_GAP`). ``row_blocks`` (ranged reader only): the
+    tensors, by Hugging Face name, whose slices come from row blocks exchanged over their group
+    (:mod:`elastictrain.models.hf_rows`); its ``read_data`` is then collective over those groups: every rank
+    of each calls it, with the same names. None or empty: each rank reads its slices alone."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        StorageMeta, TensorProperties, TensorStorageMetadata)
@@ -156,8 +163,13 @@ def make_reader(uri: str, storage_options: dict[str, Any] | None, source: HFSour
             return md
 
         def read_data(self, plan: Any, planner: Any) -> Future[None]:
-            _read_plan(fs, [(self.storage_data[req.storage_index], req) for req in plan.items], planner,
-                       WEIGHTS_MERGE_GAP if merge_gap is None else merge_gap)
+            gap = WEIGHTS_MERGE_GAP if merge_gap is None else merge_gap
+            jobs = row_blocks or {}
+            _read_plan(fs, [(self.storage_data[req.storage_index], req) for req in plan.items
+                            if req.storage_index.fqn not in jobs], planner, gap)
+            if jobs:
+                _read_row_blocks(fs, src.tensors, jobs, [r for r in plan.items if r.storage_index.fqn in jobs],
+                                 planner, gap)
             fut: Future[None] = Future()
             fut.set_result(None)
             return fut
@@ -185,6 +197,56 @@ def _read_plan(fs: Any, items: list[tuple[TensorEntry, Any]], planner: Any, gap:
             batch, size = [], 0
     if batch:
         _fetch_and_commit(fs, batch, planner, gap)
+
+
+def _read_row_blocks(fs: Any, entries: dict[str, TensorEntry], jobs: dict[str, RowJob], items: list[Any],
+                     planner: Any, gap: int) -> None:
+    """Every tensor of ``jobs`` by row blocks (this rank's rows read, one exchange per group and ~
+    :data:`_FETCH_BYTES` read per rank), and DCP's ``items`` of them committed from this rank's slice.
+    Every rank of a group cuts the same batches: they depend on the global shapes and the group only."""
+    wanted: dict[str, list[Any]] = {}
+    for req in items:
+        wanted.setdefault(req.storage_index.fqn, []).append(req)
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, job in jobs.items():
+        groups.setdefault(job.ranks, []).append(name)
+    for ranks in sorted(groups):
+        names = sorted(groups[ranks], key=lambda n: (entries[n].file, entries[n].start, n))
+        batch: list[str] = []
+        size = 0
+        for name in names:
+            b = jobs[name].block
+            batch.append(name)
+            size += b.bounds[-1] * b.row_bytes  # the group's rows: each rank reads 1/n of them
+            if size >= b.peers * _FETCH_BYTES:
+                _exchange_and_commit(fs, entries, jobs, batch, wanted, planner, gap)
+                batch, size = [], 0
+        if batch:
+            _exchange_and_commit(fs, entries, jobs, batch, wanted, planner, gap)
+
+
+def _exchange_and_commit(fs: Any, entries: dict[str, TensorEntry], jobs: dict[str, RowJob], names: list[str],
+                         wanted: dict[str, list[Any]], planner: Any, gap: int) -> None:
+    pieces = []
+    for name in names:
+        a, b = jobs[name].block.read_range()
+        pieces.append((entries[name].file, entries[name].start + a, entries[name].start + b))
+    raws = fetch(fs, pieces, gap)
+    for (path, start, end), raw in zip(pieces, raws):
+        if len(raw) != end - start:  # raised before the exchange: the group's peers fail on its timeout
+            raise OSError(f"short read of {path}: {len(raw)} bytes at {start}, {end - start} expected (the "
+                          "file is shorter than its safetensors header says)")
+    job = jobs[names[0]]
+    slices = exchange([(jobs[n].block, raw) for n, raw in zip(names, raws)], job.group, job.device)
+    for name, got in zip(names, slices):
+        b = jobs[name].block
+        mine = got.view(_DTYPES[entries[name].dtype]).reshape(b.lengths)
+        for req in wanted.get(name, []):
+            part = mine[tuple(slice(o - mo, o - mo + n)
+                              for o, mo, n in zip(req.storage_offsets, b.offsets, req.lengths))]
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(part)
+            planner.commit_tensor(req, target)
 
 
 def _fetch_and_commit(fs: Any, batch: list[tuple[TensorEntry, Any, list[tuple[int, int]]]], planner: Any,
@@ -226,7 +288,9 @@ def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str,
                     tied: bool) -> None:
     """Fill ``model``'s parameters (parallelized and materialized: plain tensors, DTensor shards, or a
     pipeline stage set holding a subset of the names) from the Hugging Face checkpoint at ``uri``. Each
-    rank reads only the slices it holds. Collective-free. ``tied``: ``output.weight`` comes from the
+    rank reads only the slices it holds (its share of the row blocks, for the ranged reader). Collective over
+    each tp group where row blocks apply (every rank of it calls this for the same model), else over none.
+    ``tied``: ``output.weight`` comes from the
     embedding (Hugging Face files of tied models have no ``lm_head.weight``). Raises ConfigError naming
     the tensor for a name the table lacks, a tensor the files lack, or a shape that differs."""
     import torch.distributed.checkpoint as dcp
@@ -244,7 +308,13 @@ def load_hf_weights(model: torch.nn.Module, uri: str, storage_options: dict[str,
             aliases.append((name, hf))
         else:
             request[hf] = t
-    reader = make_reader(uri, storage_options)
+    # a tensor-parallel row-wise layer's columns: row blocks read and exchanged (models/hf_rows.py), planned
+    # in the files' dtype (bf16 files into an fp32 model); local paths keep torch's reader (a column slice of
+    # a memory map costs no request per row)
+    src = None if is_local(uri) else read_source(uri, storage_options)
+    jobs = None if src is None else row_jobs(request, {n: _element_bytes(e.dtype) for n, e in src.tensors.items()
+                                                         if e.dtype in _DTYPES})
+    reader = make_reader(uri, storage_options, source=src, row_blocks=jobs)
     found = reader.read_metadata().state_dict_metadata
     for hf, t in request.items():
         if hf not in found:
