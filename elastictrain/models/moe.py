@@ -230,8 +230,10 @@ class MoEFeedForward(nn.Module):
         counts = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).to(probs.dtype)  # exact below 2**24
         stats = _SumOverGroup.apply(torch.cat([counts, probs.sum(dim=1)], dim=-1), self.token_group)
         counts, psum = stats[:, :e].detach(), stats[:, e:]
+        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)  # (the group's: not over cp)
+        if self.cp_group is not None:  # cp x tp: the cp ranks hold the sample's other positions (cp's rule)
+            counts, psum, _ = cp_sample_stats(counts, psum, 0, self.cp_group)
         whole = counts.sum(dim=-1, keepdim=True) / k  # each sample's positions over the group (k slots each)
-        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)
         return self.cfg.aux_coef * e * (counts / (whole * k) * (psum / whole)).sum(dim=-1)
 
 

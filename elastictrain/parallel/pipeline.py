@@ -89,6 +89,7 @@ from elastictrain.parallel.parallelize import (
 from elastictrain.models.moe import moe_layers
 from elastictrain.parallel.expert import enable_expert_parallel
 from elastictrain.parallel.expert_pipeline import MoEStage, StageTokenTally, expert_parameters
+from elastictrain.parallel.expert_wiring import expert_replica_submesh
 from elastictrain.parallel.layout import Layout
 from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
@@ -376,7 +377,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
         stage_module = hooks.stage_fn(whole, index, n_stages)
         if ep_mesh is not None:  # this stage's experts over its own data ranks, before any data-parallel wrapper
             try:
-                enable_expert_parallel(stage_module, ep_mesh["ep"], ep_mesh["edp"])
+                enable_expert_parallel(stage_module, ep_mesh["ep"], expert_replica_submesh(ep_mesh))
             except ValueError as e:
                 raise PipelineError(f"{e} (pipeline stage {index})") from None
         if parallelize_fn is None and plan.plan == "ddp":
