@@ -2,9 +2,9 @@
 
 The expert ranks of the one pp coordinate are ``dp x cp x tp = edp x ep`` (torchtitan's rule, expert tensor
 parallel degree 1): cp2 x tp2 x ep2 (each ep group is a tp group; the two cp coordinates hold the same experts,
-summed over their ``edp`` replicas), cp2 x tp2 x ep4 (one ep group over every rank: cp and tp) under ddp, and
-cp2 x tp2 x ep2 under fsdp (the experts FSDP-sharded over their edp replicas, the dense part over
-``dp_shard x cp``), sequence parallel on and off. Through the worker's own step path (tests/test_tensor_parallel.py's
+summed over their ``edp`` replicas) under ddp with sequence parallel, and cp2 x tp2 x ep4 (one ep group over
+every rank: cp and tp; the experts FSDP-sharded over their one-rank edp, the dense part over ``dp_shard x cp``)
+under fsdp without sequence parallel. Through the worker's own step path (tests/test_tensor_parallel.py's
 ``_run``: StepRunner.attach + run_step, seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
 dropout on), three steps: every step's loss and clip norm, the audited sample ids and the final gathered
 parameters equal one process's, and the step events' per-expert token counts are the global batch's.
@@ -58,8 +58,7 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
 
 def test_cp2_tp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
     layouts = [{"cp": 2, "tp": 2, "ep": 2, "_task": MOE, "_digest": True},
-               {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
-               {"cp": 2, "tp": 2, "ep": 2, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
+               {"cp": 2, "tp": 2, "ep": 4, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
     for got in _run(tmp_path, 4, layouts):
         assert got["tp_sharded"], "no parameter is tensor-parallel"
         _matches(got, one_process)
