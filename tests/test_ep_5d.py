@@ -1,0 +1,38 @@
+"""5D: data x pipeline x tensor x context x expert parallel at once (issue 39), on 8 real gloo processes.
+
+pp2 x tp2 x cp2 with ep4: every pipeline stage's 4 ranks (cp2 x tp2, one data rank) are its expert ranks, one
+ep group of 4 exchanging tokens (torchtitan's ``dp_shard x cp x tp = efsdp x ep`` per stage, expert tensor
+parallel degree 1), the dense part tensor-parallel with sequence parallel inside each cp rank, K/V gathered
+over cp, the stages scheduled by 1f1b. Through the worker's own step path (tests/test_tensor_parallel.py's
+``_run``: StepRunner.attach + run_step, seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
+dropout on), three steps: every step's loss and clip norm, the audited sample ids and the final gathered
+parameters equal one process's, the digest the driver combines from every rank's part is the gathered
+model's, and the step events' per-expert token counts are the global batch's.
+
+The model's ``aux_coef`` is 0.5 (tests/test_ep_cp.py's reason).
+
+Tolerance: tests/test_tensor_parallel.py's (loss and clip norm rtol 1e-5, parameters atol 1e-4 after three
+AdamW steps): the same per-row math in another order of fp32 sums (tp's sharded matmuls, the attention's
+log-sum-exp merge of the cp key blocks, the all-to-all's grouping, the aux statistics summed over tp then cp).
+
+Against broken builds (run before trusting it): the load-balance statistics not summed over cp under tp
+(``MoEFeedForward._split_aux_loss`` without ``cp_sample_stats``, what main had): step 1's loss off by 3.4e-4
+relative; the stages' expert gradient scale ``1 / D`` instead of ``1 / (D x cp)`` (main's
+``stage_expert_parallel``): step 3's loss off by 6.4e-5 relative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.test_ep_cp_tp import MOE
+from tests.test_ep_tp import _same_load
+from tests.test_tensor_parallel import _matches, _run
+
+
+def test_pp2_tp2_cp2_ep4_matches_one_process(tmp_path) -> None:
+    ref = _run(tmp_path, 1, [{"_task": MOE}])[0]
+    got = _run(tmp_path, 8, [{"pp": 2, "tp": 2, "cp": 2, "ep": 4, "_task": MOE, "_digest": True}])[0]
+    assert got["tp_sharded"], "no parameter is tensor-parallel"
+    _matches(got, ref)
+    _same_load(got, ref)
