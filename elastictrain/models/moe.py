@@ -23,7 +23,8 @@ holds a disjoint slice of every sample's positions (``x`` is ``[B, T / tp, d]``)
 (slot counts and summed router probabilities) are then summed over the group before ``f`` and ``P`` are
 formed, so ``aux_loss`` is the whole sample's (the same value on every rank of the group: the sum's backward
 is the identity, each rank's share of ``P`` gets the gradient of the one loss) and ``tokens_per_expert`` is
-the whole micro-batch's, as one process counts them.
+the whole micro-batch's, as one process counts them. With ``cp_group`` set too (cp x tp), the group's sums
+are then summed over cp as below (the sample's other positions); ``tokens_per_expert`` stays the group's.
 
 Context parallelism (``cp_group`` set by :func:`elastictrain.parallel.context.enable_context_parallel`): a
 rank holds ``T / cp`` positions of each sample, so ``f`` and ``P`` are formed from the per-expert slot

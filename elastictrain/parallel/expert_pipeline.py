@@ -16,18 +16,21 @@ only calls it.
   auxiliary sum to the rank's loss sum, the last stage its cross-entropy, and the word sums the world, so
   the step's loss is the one-process loss (per sample: cross-entropy + every layer's aux). Nothing depends
   on pp, the split, the schedule or ep (a sample's aux is computed from its own tokens, before dispatch).
-* Expert parallel inside a stage: the experts of a stage's MoE layers are sharded over that stage's data
-  ranks, ``D = edp x ep`` per pipeline coordinate (:meth:`~elastictrain.parallel.dims.MeshDims.ep_group_ranks`
-  never crosses a pp coordinate). :func:`ep_stage_mesh` is the ``(stage, edp, ep)`` DeviceMesh: its ``ep``
-  submesh the all-to-all group of this rank (a process group per (pp coordinate, edp coordinate)), its
-  ``edp`` submesh the ranks of the same stage holding the same experts. Gradients: the stage's dense
-  parameters averaged over the stage's dp group as without ep; the experts left out of that average and
-  reduced by :meth:`~elastictrain.parallel.expert_wiring.ExpertParallel.reduce_grads` (sum over ``edp``,
-  times ``1 / D``), or by FSDP's reduce-scatter over ``edp`` under ``fsdp`` stages.
+* Expert parallel inside a stage: the experts of a stage's MoE layers are sharded over that stage's expert
+  ranks, ``D x cp x tp = edp x ep`` per pipeline coordinate (:meth:`~elastictrain.parallel.dims.MeshDims.ep_group_ranks`
+  never crosses a pp coordinate; under cp and tp an ep group borrows those ranks as without pp).
+  :func:`ep_stage_mesh` is the ``(stage, edp, ep)`` DeviceMesh (``(stage, dp_replicate, efsdp, ep)`` under
+  hsdp): its ``ep`` submesh the all-to-all group of this rank (a process group per (pp coordinate, edp
+  coordinate)), its ``edp`` submesh (hsdp: ``(dp_replicate, efsdp)``) the ranks of the same stage holding
+  the same experts. Gradients: the stage's dense parameters averaged over the stage's dp x cp group as
+  without ep; the experts left out of that average and reduced by
+  :meth:`~elastictrain.parallel.expert_wiring.ExpertParallel.reduce_grads` (sum over ``edp``, times
+  ``1 / (D x cp)``), or by FSDP's reduce-scatter over ``edp`` under ``fsdp`` stages (HSDP under ``hsdp``).
 * The router's token counts: the stages' forwards run inside the schedule, not where the step loop's
   per-micro-batch hook fires, so :class:`StageTokenTally` collects them in :class:`MoEStage`; its
   :meth:`~StageTokenTally.total` sums over the world with every MoE layer of the WHOLE model (zeros for the
-  layers of other stages), so every rank all-reduces the same shape.
+  layers of other stages), so every rank all-reduces the same shape, and divides by tp (a stage's tp ranks
+  each hold their group's counts).
 
 torch's first-step metadata inference runs each stage's forward once more (on the first micro-batch, or on
 uninitialised inputs on later stages): :class:`MoEStage` counts neither its auxiliary loss nor its tokens then.

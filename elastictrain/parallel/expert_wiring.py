@@ -19,11 +19,12 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp``, any ``cp``, and ``tp`` dividing ``ep`` (ep x tp:
-the expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`;
-:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the expert ranks
-(``dp x cp x tp``) are the world; under pp (ep x pp, tp = 1) each stage's data ranks are factored the same
-way and the pipeline wires them (:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
+Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp``, any ``cp`` and ``pp``, and ``tp`` dividing ``ep``
+(ep x tp: the expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`), in any combination
+(5D included; :func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the
+expert ranks (``dp x cp x tp``) are the world; under pp each stage's expert ranks are factored the same way
+(:func:`ep_mesh_layout` with a leading ``stage`` dimension) and the pipeline wires them
+(:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
 Under cp an ep group may span cp ranks: they hold other tokens of the same samples, and a token's expert
 output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean over the ranks the
 dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial, parallel/context.py).
