@@ -30,6 +30,28 @@ from tests.test_ep_tp import _same_load
 from tests.test_tensor_parallel import _matches, _run
 
 
+def test_5d_expert_groups_and_recovery_coverage() -> None:
+    """Pure. pp2 x tp2 x cp2 x ep4: a stage's 4 ranks are one ep group, no rank has a replica (losing one
+    leaves no peer holding its experts); with dp2 on 16 ranks the two data ranks of a stage hold the same
+    experts and each other's state, so losing one rank restores from its replica (a peer)."""
+    from elastictrain.controller.sources import rank_sources
+    from elastictrain.parallel.dims import MeshDims
+    from elastictrain.parallel.layout import LayoutSpec, resolve
+
+    dims = resolve(LayoutSpec("ddp", 8, 2, pp=2, tp=2, cp=2, ep=4), 8).dims
+    assert [dims.ep_group_ranks(r) for r in (0, 5)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(dims.expert_replica_ranks(r) == [r] for r in range(8))
+    assert len(dims.holder_keys()) == 8  # every rank holds a part of the state no other rank holds
+    lost = rank_sources(dp_replicate=1, dp_shard=1, dims=dims, survivors={r: 4 for r in range(8) if r != 5},
+                        memory={}, durable_step=None, last_step=4)
+    assert lost.chosen.kind == "scratch", lost.reason
+    sixteen = MeshDims(dp_replicate=2, pp=2, cp=2, tp=2, ep=4)  # rank 5: pp 0, replica 1, cp 0, tp 1
+    assert sixteen.expert_replica_ranks(5) == [1, 5] and sixteen.ep_group_ranks(5) == [4, 5, 6, 7]
+    kept = rank_sources(dp_replicate=1, dp_shard=1, dims=sixteen, survivors={r: 4 for r in range(16) if r != 5},
+                        memory={}, durable_step=None, last_step=4)
+    assert kept.chosen.kind == "peer" and 1 in kept.chosen.ranks, kept.reason
+
+
 def test_pp2_tp2_cp2_ep4_matches_one_process(tmp_path) -> None:
     ref = _run(tmp_path, 1, [{"_task": MOE}])[0]
     got = _run(tmp_path, 8, [{"pp": 2, "tp": 2, "cp": 2, "ep": 4, "_task": MOE, "_digest": True}])[0]

@@ -7,7 +7,8 @@ and fsdp stages without it (gpipe). Through the worker's own step path (tests/te
 ``_run``: StepRunner.attach + run_step, seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
 dropout on), three steps: every step's loss and clip norm, the audited sample ids and the final gathered
 parameters equal one process's, and the step events' per-expert token counts (taken inside the schedule:
-``StageTokenTally``) are the global batch's.
+``StageTokenTally``) are the global batch's. The fsdp stages' checkpoint resumes under ddp4 x ep1 with the
+uninterrupted numbers (the experts resharded by DCP from (stage, ep, edp) shards to whole tensors).
 
 The model's ``aux_coef`` is 0.5 (tests/test_ep_cp.py's reason).
 
@@ -31,7 +32,7 @@ import pytest
 
 from tests.test_ep_cp_tp import MOE
 from tests.test_ep_tp import _same_load
-from tests.test_tensor_parallel import _matches, _run
+from tests.test_tensor_parallel import _matches, _resumed_matches, _run
 
 
 def test_stage_expert_mesh_factors_each_stage_over_its_cp_and_tp_ranks() -> None:
@@ -64,10 +65,16 @@ def one_process(tmp_path_factory) -> dict[str, Any]:
 
 
 def test_pp2_tp2_ep2_ddp_and_fsdp_stages_match_one_process(tmp_path, one_process) -> None:
-    layouts = [{"pp": 2, "tp": 2, "ep": 2, "_task": MOE, "_digest": True},
-               {"pp": 2, "tp": 2, "ep": 2, "plan": "fsdp", "pp_schedule": "gpipe", "sequence_parallel": False,
-                "_task": MOE}]
-    for got in _run(tmp_path, 4, layouts):
+    """And a checkpoint of the fsdp stages after two steps (DCP, by name) resumes under ddp4 with ep1 (every
+    expert whole on each rank, no pipeline, no tp): its third step is the uninterrupted run's."""
+    ckpt = str(tmp_path / "pp2tp2ep2")
+    fsdp = {"pp": 2, "tp": 2, "ep": 2, "plan": "fsdp", "pp_schedule": "gpipe", "sequence_parallel": False,
+            "_task": MOE}
+    layouts = [{"pp": 2, "tp": 2, "ep": 2, "_task": MOE, "_digest": True}, fsdp,
+               {**fsdp, "_steps": 2, "_save": ckpt}, {"_task": MOE, "_load": ckpt, "_steps": 1}]
+    runs = _run(tmp_path, 4, layouts)
+    for got in runs[:2]:
         assert got["tp_sharded"], "no parameter is tensor-parallel"
         _matches(got, one_process)
         _same_load(got, one_process)
+    _resumed_matches(runs[3], one_process, 2)
