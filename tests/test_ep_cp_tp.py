@@ -4,7 +4,8 @@ The expert ranks of the one pp coordinate are ``dp x cp x tp = edp x ep`` (torch
 parallel degree 1): cp2 x tp2 x ep2 (each ep group is a tp group; the two cp coordinates hold the same experts,
 summed over their ``edp`` replicas) under ddp with sequence parallel, and cp2 x tp2 x ep4 (one ep group over
 every rank: cp and tp; the experts FSDP-sharded over their one-rank edp, the dense part over ``dp_shard x cp``)
-under fsdp without sequence parallel. Through the worker's own step path (tests/test_tensor_parallel.py's
+under fsdp without sequence parallel; and the Llama (SwiGLU experts, RMSNorm, rotary positions from the global
+position) under cp2 x tp2 x ep2. Through the worker's own step path (tests/test_tensor_parallel.py's
 ``_run``: StepRunner.attach + run_step, seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
 dropout on), three steps: every step's loss and clip norm, the audited sample ids and the final gathered
 parameters equal one process's, and the step events' per-expert token counts are the global batch's.
@@ -51,15 +52,21 @@ def test_ep_groups_and_replicas_span_cp_and_tp() -> None:
     assert resolve(LayoutSpec("ddp", 8, 2, cp=2, tp=2, ep=4), 8).dims.ep == 4
 
 
+LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}])[0]
+    """The GPT's and the Llama's one-process runs (one process start for both)."""
+    gpt, llama = _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}, {"_task": LLAMA_MOE}])
+    return {"gpt": gpt, "llama": llama}
 
 
 def test_cp2_tp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
     layouts = [{"cp": 2, "tp": 2, "ep": 2, "_task": MOE, "_digest": True},
-               {"cp": 2, "tp": 2, "ep": 4, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
-    for got in _run(tmp_path, 4, layouts):
+               {"cp": 2, "tp": 2, "ep": 4, "plan": "fsdp", "sequence_parallel": False, "_task": MOE},
+               {"cp": 2, "tp": 2, "ep": 2, "_task": LLAMA_MOE}]
+    for got, ref in zip(_run(tmp_path, 4, layouts), ["gpt", "gpt", "llama"], strict=True):
         assert got["tp_sharded"], "no parameter is tensor-parallel"
-        _matches(got, one_process)
-        _same_load(got, one_process)
+        _matches(got, one_process[ref])
+        _same_load(got, one_process[ref])
