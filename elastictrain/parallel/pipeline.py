@@ -341,9 +341,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
     module doc). ``ep_mesh``: under ``parallel.ep > 1`` the ``(stage, edp, ep)`` mesh (hsdp: ``(stage,
     dp_replicate, efsdp, ep)``; :func:`elastictrain.parallel.expert_pipeline.ep_stage_mesh`) each stage's
-    experts are sharded over (``ep``, kept with their replica submesh) before parallelizing. Raises :class:`PipelineError` for a task without pipeline hooks, under ``parallel.cp >
-    1`` for hooks or stage modules without the context-parallel hook, and for experts that do not split
-    over ``ep``."""
+    experts are sharded over (``ep``, kept with their replica submesh) before parallelizing. Raises
+    :class:`PipelineError` for a task without pipeline hooks, under ``parallel.cp > 1`` for hooks or stage
+    modules without the context-parallel hook, and for experts that do not split over ``ep``."""
     from elastictrain.parallel.context import enable_context_parallel, pipeline_cp_refusal
     from elastictrain.parallel.parallelize import parallelize
     from elastictrain.parallel.speed import apply_block_transforms
@@ -375,7 +375,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
-        if ep_mesh is not None:  # this stage's experts over its own data ranks, before any data-parallel wrapper
+        if ep_mesh is not None:  # this stage's experts over its own expert ranks, before any data-parallel wrapper
             try:
                 enable_expert_parallel(stage_module, ep_mesh["ep"], expert_replica_submesh(ep_mesh))
             except ValueError as e:
