@@ -7,7 +7,8 @@ over cp, the stages scheduled by 1f1b. Through the worker's own step path (tests
 ``_run``: StepRunner.attach + run_step, seeded init, the built-in GPT with ``task.model.moe``, AdamW, the clip,
 dropout on), three steps: every step's loss and clip norm, the audited sample ids and the final gathered
 parameters equal one process's, the digest the driver combines from every rank's part is the gathered
-model's, and the step events' per-expert token counts are the global batch's.
+model's, and the step events' per-expert token counts are the global batch's. Its checkpoint resumes under
+tp2 x dp4 x ep2 with the uninterrupted numbers.
 
 The model's ``aux_coef`` is 0.5 (tests/test_ep_cp.py's reason).
 
@@ -27,7 +28,7 @@ from typing import Any
 
 from tests.test_ep_cp_tp import MOE
 from tests.test_ep_tp import _same_load
-from tests.test_tensor_parallel import _matches, _run
+from tests.test_tensor_parallel import _matches, _resumed_matches, _run
 
 
 def test_5d_expert_groups_and_recovery_coverage() -> None:
@@ -53,8 +54,14 @@ def test_5d_expert_groups_and_recovery_coverage() -> None:
 
 
 def test_pp2_tp2_cp2_ep4_matches_one_process(tmp_path) -> None:
+    """And its checkpoint after two steps (DCP, by name) resumes under tp2 x dp4 x ep2 on the same 8 ranks
+    (no pipeline, no cp, the experts resharded from ep4 to ep2): its third step is the uninterrupted run's."""
+    ckpt = str(tmp_path / "5d")
+    five = {"pp": 2, "tp": 2, "cp": 2, "ep": 4, "_task": MOE}
     ref = _run(tmp_path, 1, [{"_task": MOE}])[0]
-    got = _run(tmp_path, 8, [{"pp": 2, "tp": 2, "cp": 2, "ep": 4, "_task": MOE, "_digest": True}])[0]
+    got, _, resumed = _run(tmp_path, 8, [{**five, "_digest": True}, {**five, "_steps": 2, "_save": ckpt},
+                                         {"tp": 2, "ep": 2, "_task": MOE, "_load": ckpt, "_steps": 1}])
     assert got["tp_sharded"], "no parameter is tensor-parallel"
     _matches(got, ref)
     _same_load(got, ref)
+    _resumed_matches(resumed, ref, 2)
