@@ -39,7 +39,7 @@ MOE = {"model": {**_MOE["model"], "moe": {**_MOE["model"]["moe"], "aux_coef": 0.
 def test_ep_groups_and_replicas_span_cp_and_tp() -> None:
     """Pure: ranks (cp, tp) 0 (0,0) 1 (0,1) 2 (1,0) 3 (1,1); expert rank = cp x tp + tp (no dp)."""
     from elastictrain.parallel.dims import MeshDims
-    from elastictrain.parallel.layout import LayoutSpec, ep_rule, resolve, valid_ep
+    from elastictrain.parallel.layout import LayoutSpec, ep_rule, is_valid, resolve, valid_ep
 
     two = MeshDims(cp=2, tp=2, ep=2)
     assert [two.ep_group_ranks(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # the tp groups
@@ -50,6 +50,8 @@ def test_ep_groups_and_replicas_span_cp_and_tp() -> None:
     assert "multiple of 2" in ep_rule(2, 2, 3)
     assert valid_ep(1, 2, 2) == [1, 2, 4]
     assert resolve(LayoutSpec("ddp", 8, 2, cp=2, tp=2, ep=4), 8).dims.ep == 4
+    ok, why = is_valid(LayoutSpec("ddp", 8, 2, cp=2, tp=2, ep=8), 4)
+    assert not ok and "parallel.ep=8 does not divide dp x cp x tp = 1 x 2 x 2" in why and "[1, 2, 4]" in why, why
 
 
 LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
