@@ -300,7 +300,8 @@ class ParallelConfig(_Section):
                                          "sample's sequence is split over them; the world is pp x dp x cp x tp")
     ep: int = Field(1, ge=1, description="expert-parallel ranks: groups of ep expert ranks (data-parallel x cp "
                                          "x tp ranks) that share tokens and split the experts; must divide "
-                                         "dp x cp x tp (hsdp: shard_size x cp) and, under tp, be a multiple of tp")
+                                         "a stage's dp x cp x tp (hsdp: shard_size x cp x tp) and, under tp, be a "
+                                         "multiple of tp; composes with pp, cp and tp at once")
 
     @model_validator(mode="after")
     def _ep_composes(self) -> ParallelConfig:

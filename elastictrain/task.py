@@ -393,7 +393,8 @@ def _check_moe_layout(config: JobConfig) -> None:
     expert group borrows the tp ranks (ep x tp: ``parallel.ep`` a multiple of ``parallel.tp``;
     elastictrain/parallel/expert_tp.py): under tp with ``ep = 1`` every tp rank would hold every expert and
     route the same tokens, so tp > 1 with ep = 1 is a ConfigError naming the fix; so are ``parallel.compile``
-    and ``task.init_from`` (dense Hugging Face weights). (ep with both pp and tp: parallel.layout.ep_rule.)"""
+    and ``task.init_from`` (dense Hugging Face weights). (ep with pp, cp and tp at once, 5D included:
+    parallel.layout.ep_rule.)"""
     from elastictrain.config import ConfigError
 
     p, t = config.parallel, config.task

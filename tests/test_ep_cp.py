@@ -202,8 +202,8 @@ def test_cp_ep_recovery_coverage_by_expert_replica() -> None:
 
 def test_planner_prices_ep_x_cp() -> None:
     """Pure: under cp2 a rank routes half its samples' tokens (the all-to-all bytes halve), the experts'
-    replicas are ``dp x cp / ep``, and an MoE model's cp candidates are searched (runnable under every plan
-    without tp/pp). Against a broken build (tokens not divided by cp): the volume does not halve."""
+    replicas are ``dp x cp / ep``, and an MoE model's cp candidates are searched (runnable under every plan,
+    with tp and pp too). Against a broken build (tokens not divided by cp): the volume does not halve."""
     import pytest
 
     from elastictrain.planner import Candidate, Cluster, Training, rank_layouts
@@ -218,4 +218,4 @@ def test_planner_prices_ep_x_cp() -> None:
     assert [g for g in groups if g[0] == "replicate" and g[2] == 2], groups  # experts over dp x cp / ep = 2 replicas
     ranked = rank_layouts(MOE, train, cl, runnable_only=False)
     cp_ep = [e for e in ranked if e.candidate.cp > 1 and e.candidate.ep > 1]
-    assert cp_ep and all(e.runnable == (e.candidate.tp == 1 and e.candidate.pp == 1) for e in cp_ep)
+    assert cp_ep and all(e.runnable == (e.candidate.ep % e.candidate.tp == 0) for e in cp_ep)  # (with tp and pp too)

@@ -167,7 +167,8 @@ def test_ep_stage_mesh_blocks_stay_inside_a_pipeline_coordinate() -> None:
 
 
 def test_ep_with_pp_is_a_valid_config_and_the_rule_names_what_is_left() -> None:
-    """ep x pp (ddp or fsdp stages, every schedule) validates; ep with hsdp is still refused, naming the fix."""
+    """ep x pp (ddp or fsdp stages, every schedule) validates, and so do hsdp stages (tests/test_ep_hsdp_tp_pp.py
+    runs them); an ep that does not divide a stage's data ranks is refused, naming the valid values."""
     from elastictrain.config import ConfigError, build_config
     from elastictrain.parallel.layout import ep_rule
     from elastictrain.task import builtin_task
@@ -177,8 +178,7 @@ def test_ep_with_pp_is_a_valid_config_and_the_rule_names_what_is_left() -> None:
             cfg = build_config(_spec(4, False, pp=2, ep=2, pp_schedule=schedule, plan=plan))
             builtin_task(cfg)  # (the MoE layout check of the built-in task)
     assert ep_rule(1, 1, 2, "ddp", 4) is None and ep_rule(1, 1, 2, "fsdp", 2) is None
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2 with parallel\.plan=hsdp: .*set parallel\.plan=fsdp"):
-        build_config(_spec(4, False, pp=2, ep=2, plan="hsdp", shard_size=2))
+    build_config(_spec(4, False, pp=2, ep=2, plan="hsdp", shard_size=2))
     with pytest.raises(ConfigError, match=r"parallel\.ep=4 does not divide the data-parallel size 2 \(world 4 / "
                                           r"2\); valid parallel\.ep values there: \[1, 2\]"):
         build_config(_spec(4, False, pp=2, ep=4))
@@ -199,9 +199,9 @@ def test_the_planner_prices_ep_per_pipeline_stage() -> None:
     train = Training(global_batch=32, micro_batch=2)
     moe = ModelShape(layers=4, hidden=256, heads=4, seq_len=128, vocab=1000, experts=8, top_k=2)
     both = [e for e in rank_layouts(moe, train, gpu, runnable_only=False) if e.candidate.ep > 1 and e.candidate.pp > 1]
-    assert both and all(e.runnable == (e.candidate.layout_name in ("ddp", "fsdp") and e.candidate.tp == 1
-                                       and e.candidate.cp == 1)
-                        for e in both)  # (ep x pp with tp, cp or hsdp: not yet, parallel.layout.ep_rule)
+    assert both and all(e.runnable == (e.candidate.layout_name in ("ddp", "fsdp", "hsdp")
+                                       and e.candidate.ep % e.candidate.tp == 0)
+                        for e in both)  # (ep x pp with tp, cp and hsdp too: parallel.layout.ep_rule)
     assert {e.candidate.schedule for e in both} >= {"gpipe", "1f1b", "interleaved_1f1b"}
     layer = moe.expert_params / moe.moe_layers  # one MoE layer's experts
     flat, staged = Candidate(dp_replicate=2, ep=2, micro_batch=2), Candidate(dp_replicate=2, ep=2, pp=2, micro_batch=2)

@@ -96,7 +96,7 @@ def test_ep_rule_and_resolution_name_the_valid_values() -> None:
 @pytest.mark.parametrize("parallel, needle", [
     ({"tp": 2}, r"task\.model\.moe is set with parallel\.tp=2 and parallel\.ep=1: .*set parallel\.ep to a multiple "
                 r"of parallel\.tp=2"),
-    ({"tp": 2, "ep": 2, "pp": 2}, r"parallel\.ep=2 with parallel\.pp=2"),
+    ({"tp": 2, "ep": 3}, r"parallel\.ep=3 with parallel\.tp=2: .*ep must be a multiple of tp"),
 ])
 def test_moe_with_tp_needs_an_ep_borrowing_the_tp_ranks(parallel, needle) -> None:
     from elastictrain.config import ConfigError, build_config

@@ -45,8 +45,6 @@ def _spec(world: int, steps: int = STEPS, run_id: str = "ep", ckpt: str | None =
     ({"ep": 2, "tp": 4}, {"experts": 4, "top_k": 2},
      r"parallel\.ep=2 with parallel\.tp=4: .*ep must be a multiple of tp; valid parallel\.ep values with tp=4: "
      r"1 or a multiple of 4 .*set parallel\.ep to one of them"),
-    ({"ep": 2, "pp": 2, "tp": 2}, {"experts": 4, "top_k": 2},
-     r"parallel\.ep=2 with parallel\.pp=2 and parallel\.tp=2: .*set parallel\.tp=1 \(or parallel\.pp=1\)"),
     ({"ep": 2}, None, r"parallel\.ep=2 .* task\.model\.moe is unset; set task\.model\.moe"),
     ({"ep": 4}, {"experts": 6, "top_k": 2}, r"parallel\.ep=4 does not divide task\.model\.moe\.experts=6; valid "
                                             r"parallel\.ep values for it: \[1, 2, 3, 6\]"),

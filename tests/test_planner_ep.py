@@ -112,11 +112,9 @@ def test_all_axes_search_prices_ep_and_marks_what_runs() -> None:
     ranked = rank_layouts(MOE, TRAIN, cl, runnable_only=False)
     eps = {e.candidate.ep for e in ranked}
     assert eps == {1, 2, 4, 8}, eps
-    for e in ranked:  # ep runs under ddp, fsdp or hsdp, a multiple of tp; with cp without tp/pp; under hsdp
-        c = e.candidate  # without tp/pp; with pp only without tp (parallel.layout.ep_rule)
-        runs = (c.layout_name in ("ddp", "fsdp", "hsdp") and c.ep % c.tp == 0 and (c.pp == 1 or c.tp == 1)
-                and (c.cp == 1 or (c.tp == 1 and c.pp == 1))
-                and (c.layout_name != "hsdp" or (c.tp == 1 and c.pp == 1)))
+    for e in ranked:  # ep runs under ddp, fsdp or hsdp, a multiple of tp, with any pp, cp and tp
+        c = e.candidate  # (parallel.layout.ep_rule)
+        runs = c.layout_name in ("ddp", "fsdp", "hsdp") and c.ep % c.tp == 0
         assert e.runnable == ((c.ep == 1 and c.tp == 1) or (c.ep > 1 and runs)), c.describe()
     assert any(e.runnable and e.candidate.ep > 1 and e.candidate.layout_name == "fsdp" for e in ranked)
     assert {e.candidate.ep for e in rank_layouts(DENSE, TRAIN, cl, runnable_only=False)} == {1}

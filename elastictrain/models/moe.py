@@ -23,7 +23,8 @@ holds a disjoint slice of every sample's positions (``x`` is ``[B, T / tp, d]``)
 (slot counts and summed router probabilities) are then summed over the group before ``f`` and ``P`` are
 formed, so ``aux_loss`` is the whole sample's (the same value on every rank of the group: the sum's backward
 is the identity, each rank's share of ``P`` gets the gradient of the one loss) and ``tokens_per_expert`` is
-the whole micro-batch's, as one process counts them.
+the whole micro-batch's, as one process counts them. With ``cp_group`` set too (cp x tp), the group's sums
+are then summed over cp as below (the sample's other positions); ``tokens_per_expert`` stays the group's.
 
 Context parallelism (``cp_group`` set by :func:`elastictrain.parallel.context.enable_context_parallel`): a
 rank holds ``T / cp`` positions of each sample, so ``f`` and ``P`` are formed from the per-expert slot
@@ -230,8 +231,10 @@ class MoEFeedForward(nn.Module):
         counts = F.one_hot(experts.reshape(b, t * k), e).sum(dim=1).to(probs.dtype)  # exact below 2**24
         stats = _SumOverGroup.apply(torch.cat([counts, probs.sum(dim=1)], dim=-1), self.token_group)
         counts, psum = stats[:, :e].detach(), stats[:, e:]
+        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)  # (the group's: not over cp)
+        if self.cp_group is not None:  # cp x tp: the cp ranks hold the sample's other positions (cp's rule)
+            counts, psum, _ = cp_sample_stats(counts, psum, 0, self.cp_group)
         whole = counts.sum(dim=-1, keepdim=True) / k  # each sample's positions over the group (k slots each)
-        self.tokens_per_expert = counts.sum(dim=0).round().to(torch.int64)
         return self.cfg.aux_coef * e * (counts / (whole * k) * (psum / whole)).sum(dim=-1)
 
 

@@ -226,7 +226,7 @@ class MeshDims:
     def holder_keys(self) -> list[tuple[int, ...]]:
         """Every :meth:`holder_key` of the layout, in lexicographic order. Under ep the ep coordinate is a
         function of other coordinates where ep spans tp ranks or factors the shard ranks (hsdp:
-        ``dp_shard x cp = efsdp x ep``), so only the keys some rank has are listed (not the product, whose
+        ``dp_shard x cp x tp = efsdp x ep``), so only the keys some rank has are listed (not the product, whose
         other keys no rank could cover)."""
         if self.ep > 1:
             return sorted({self.holder_key(r) for r in range(self.world_size)})

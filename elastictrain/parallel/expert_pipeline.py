@@ -16,18 +16,21 @@ only calls it.
   auxiliary sum to the rank's loss sum, the last stage its cross-entropy, and the word sums the world, so
   the step's loss is the one-process loss (per sample: cross-entropy + every layer's aux). Nothing depends
   on pp, the split, the schedule or ep (a sample's aux is computed from its own tokens, before dispatch).
-* Expert parallel inside a stage: the experts of a stage's MoE layers are sharded over that stage's data
-  ranks, ``D = edp x ep`` per pipeline coordinate (:meth:`~elastictrain.parallel.dims.MeshDims.ep_group_ranks`
-  never crosses a pp coordinate). :func:`ep_stage_mesh` is the ``(stage, edp, ep)`` DeviceMesh: its ``ep``
-  submesh the all-to-all group of this rank (a process group per (pp coordinate, edp coordinate)), its
-  ``edp`` submesh the ranks of the same stage holding the same experts. Gradients: the stage's dense
-  parameters averaged over the stage's dp group as without ep; the experts left out of that average and
-  reduced by :meth:`~elastictrain.parallel.expert_wiring.ExpertParallel.reduce_grads` (sum over ``edp``,
-  times ``1 / D``), or by FSDP's reduce-scatter over ``edp`` under ``fsdp`` stages.
+* Expert parallel inside a stage: the experts of a stage's MoE layers are sharded over that stage's expert
+  ranks, ``D x cp x tp = edp x ep`` per pipeline coordinate (:meth:`~elastictrain.parallel.dims.MeshDims.ep_group_ranks`
+  never crosses a pp coordinate; under cp and tp an ep group borrows those ranks as without pp).
+  :func:`ep_stage_mesh` is the ``(stage, edp, ep)`` DeviceMesh (``(stage, dp_replicate, efsdp, ep)`` under
+  hsdp): its ``ep`` submesh the all-to-all group of this rank (a process group per (pp coordinate, edp
+  coordinate)), its ``edp`` submesh (hsdp: ``(dp_replicate, efsdp)``) the ranks of the same stage holding
+  the same experts. Gradients: the stage's dense parameters averaged over the stage's dp x cp group as
+  without ep; the experts left out of that average and reduced by
+  :meth:`~elastictrain.parallel.expert_wiring.ExpertParallel.reduce_grads` (sum over ``edp``, times
+  ``1 / (D x cp)``), or by FSDP's reduce-scatter over ``edp`` under ``fsdp`` stages (HSDP under ``hsdp``).
 * The router's token counts: the stages' forwards run inside the schedule, not where the step loop's
   per-micro-batch hook fires, so :class:`StageTokenTally` collects them in :class:`MoEStage`; its
   :meth:`~StageTokenTally.total` sums over the world with every MoE layer of the WHOLE model (zeros for the
-  layers of other stages), so every rank all-reduces the same shape.
+  layers of other stages), so every rank all-reduces the same shape, and divides by tp (a stage's tp ranks
+  each hold their group's counts).
 
 torch's first-step metadata inference runs each stage's forward once more (on the first micro-batch, or on
 uninitialised inputs on later stages): :class:`MoEStage` counts neither its auxiliary loss nor its tokens then.
@@ -46,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from elastictrain.models.moe import moe_aux_loss, moe_layers, moe_token_counts
 from elastictrain.parallel.dims import MeshDims
 from elastictrain.parallel.expert import step_token_counts
-from elastictrain.parallel.expert_wiring import ExpertParallel
+from elastictrain.parallel.expert_wiring import ExpertParallel, ep_mesh_layout
 
 __all__ = ["MoEStage", "StageTokenTally", "ep_stage_mesh", "ep_stage_mesh_blocks", "expert_parameters",
            "stage_expert_parallel"]
@@ -84,14 +87,18 @@ class StageTokenTally:
     def add(self, module: nn.Module) -> None:
         self.parts.append(dict(moe_token_counts(module)))
 
-    def total(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, list[int]] | None:
+    def total(self, group: dist.ProcessGroup | None, device: torch.device, copies: int = 1
+              ) -> dict[str, list[int]] | None:
         """``{layer: [slots per expert]}`` summed over ``group`` (every rank of it calls this, each stage's
-        layers counted by their stage's ranks), None when the model has no MoE layer."""
+        layers counted by their stage's ranks), None when the model has no MoE layer. ``copies``: how many
+        ranks of ``group`` hold each count (ep x tp: a stage's tp ranks, whose layers sum it over tp),
+        divided out."""
         if not self.layers:
             return None
         padded = [{n: part.get(n, torch.zeros(e, dtype=torch.int64, device=device)).to(device)
                    for n, e in self.layers.items()} for part in self.parts or [{}]]
-        return step_token_counts(padded, group)
+        got = step_token_counts(padded, group)
+        return got if copies == 1 else {n: [c // copies for c in v] for n, v in got.items()}
 
 
 class MoEStage(nn.Module):
@@ -132,31 +139,28 @@ def expert_parameters(module: nn.Module) -> set[int]:
     return {id(getattr(layer, p)) for layer in moe_layers(module).values() for p in layer.expert_names}
 
 
-def ep_stage_mesh_blocks(dims: MeshDims) -> list[list[list[int]]]:
-    """The ``(stage, edp, ep)`` mesh as nested lists of ranks: one block per pipeline coordinate (the
-    coordinates outside the data ranks, ascending), in it one row per ep group (ranks that exchange tokens,
-    :meth:`MeshDims.ep_group_ranks`), column ``j`` the ranks of ep coordinate ``j`` (expert replicas)."""
-    blocks: dict[tuple[int, ...], dict[int, list[int]]] = {}
-    for r in range(dims.world_size):
-        c = dims.coord(r)
-        outer = (c["pp"], c["cp"], c["tp"])
-        group = dims.ep_group_ranks(r)
-        blocks.setdefault(outer, {})[group[0]] = group
-    return [[rows[first] for first in sorted(rows)] for _, rows in sorted(blocks.items())]
+def ep_stage_mesh_blocks(dims: MeshDims) -> list:
+    """The ``(stage, edp, ep)`` mesh as nested lists of ranks (under hsdp ``(stage, dp_replicate, efsdp,
+    ep)``): one block per pipeline coordinate, in it one row per ep group (ranks that exchange tokens,
+    :meth:`MeshDims.ep_group_ranks`: a stage's expert ranks ``dp x cp x tp`` factored as ``edp x ep``),
+    column ``j`` the ranks of ep coordinate ``j`` (expert replicas). :func:`ep_mesh_layout`'s, with ``pp > 1``."""
+    return ep_mesh_layout(dims)[0]
 
 
 def ep_stage_mesh(dims: MeshDims, device: torch.device) -> DeviceMesh:
-    """The ``(stage, edp, ep)`` DeviceMesh of :func:`ep_stage_mesh_blocks`. Collective over the default
-    group (every rank calls it, in the same order relative to other group creations)."""
-    blocks = torch.tensor(ep_stage_mesh_blocks(dims), dtype=torch.int)
-    return DeviceMesh(device.type, blocks, mesh_dim_names=("stage", "edp", "ep"))
+    """The ``(stage, edp, ep)`` DeviceMesh of :func:`ep_stage_mesh_blocks` (``(stage, dp_replicate, efsdp,
+    ep)`` under hsdp). Collective over the default group (every rank calls it, in the same order relative
+    to other group creations)."""
+    blocks, names = ep_mesh_layout(dims)
+    return DeviceMesh(device.type, torch.tensor(blocks, dtype=torch.int), mesh_dim_names=names)
 
 
 def stage_expert_parallel(dims: MeshDims, device: torch.device) -> ExpertParallel | None:
     """ep x pp's wiring for a generation (None when ``dims.ep == 1``): the ``(stage, edp, ep)`` mesh
-    (collective: :func:`ep_stage_mesh`), the expert gradient scale ``1 / D`` (D: a stage's data ranks) and
-    whether FSDP stages reduce the expert gradients. The pipeline shards each stage's experts over
+    (collective: :func:`ep_stage_mesh`), the expert gradient scale ``1 / (D x cp)`` (D: a stage's data
+    ranks; the mean over the ranks a stage's dense gradients are averaged over, as without pp) and whether
+    FSDP/HSDP stages reduce the expert gradients. The pipeline shards each stage's experts over
     ``mesh["ep"]`` (:func:`elastictrain.parallel.pipeline.build_pipeline`'s ``ep_mesh``)."""
     if dims.ep == 1:
         return None
-    return ExpertParallel(ep_stage_mesh(dims, device), 1.0 / dims.dp, dims.plan == "fsdp")
+    return ExpertParallel(ep_stage_mesh(dims, device), 1.0 / (dims.dp * dims.cp), dims.plan in ("fsdp", "hsdp"))

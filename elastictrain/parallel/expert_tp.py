@@ -16,7 +16,7 @@ tensor-parallel style:
   ``Shard -> Replicate`` redistribute: the backward keeps the rank's slice of the replicated gradient);
 * the router is replicated over tp (a DTensor ``Replicate``): each rank routes its own tokens, so its
   weight gradient is a partial sum, summed over tp in backward (:class:`_SplitRouter`), and the layer's
-  ``token_group`` sums the load-balancing statistics over tp
+  ``token_group`` sums the load-balancing statistics over tp (and then over cp under cp x tp)
   (:class:`~elastictrain.models.moe.MoEFeedForward`), so the aux loss and the token counts are one process's.
 
 Gradients: the experts as without tp (:func:`elastictrain.parallel.expert.reduce_expert_grads`: summed over

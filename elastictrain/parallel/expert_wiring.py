@@ -19,11 +19,12 @@ The ep math is :mod:`elastictrain.parallel.expert`; this module only wires it, o
 * :class:`TokenTally` (after each micro-batch's forward) and :meth:`TokenTally.total` (once a step): the
   per-expert token slots of every MoE layer over the data ranks, for the ``step`` event.
 
-Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp``, any ``cp``, and ``tp`` dividing ``ep`` (ep x tp:
-the expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`;
-:func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the expert ranks
-(``dp x cp x tp``) are the world; under pp (ep x pp, tp = 1) each stage's data ranks are factored the same
-way and the pipeline wires them (:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
+Supported: ``parallel.plan`` ``ddp``, ``fsdp`` or ``hsdp``, any ``cp`` and ``pp``, and ``tp`` dividing ``ep``
+(ep x tp: the expert group borrows the tp ranks, :mod:`elastictrain.parallel.expert_tp`), in any combination
+(5D included; :func:`elastictrain.parallel.layout.ep_rule` refuses the rest at config time). Without pp the
+expert ranks (``dp x cp x tp``) are the world; under pp each stage's expert ranks are factored the same way
+(:func:`ep_mesh_layout` with a leading ``stage`` dimension) and the pipeline wires them
+(:func:`elastictrain.parallel.expert_pipeline.stage_expert_parallel`).
 Under cp an ep group may span cp ranks: they hold other tokens of the same samples, and a token's expert
 output depends on the token alone; the gradient scale is ``1 / (D x cp)``, the mean over the ranks the
 dense gradients are averaged over (cp ranks' gradients are ``cp`` x partial, parallel/context.py).
@@ -48,7 +49,8 @@ from elastictrain.parallel.expert import (
     step_token_counts,
 )
 
-__all__ = ["ExpertParallel", "TokenTally", "attach_expert_parallel", "ep_mesh_layout", "ep_mesh_rows"]
+__all__ = ["ExpertParallel", "TokenTally", "attach_expert_parallel", "ep_mesh_layout", "ep_mesh_rows",
+           "expert_replica_submesh"]
 
 
 def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
@@ -61,12 +63,28 @@ def ep_mesh_rows(dims: MeshDims) -> list[list[int]]:
 def ep_mesh_layout(dims: MeshDims) -> tuple[list, tuple[str, ...]]:
     """The expert mesh of ``dims`` as nested rank lists and its axis names: ``(edp, ep)`` (ddp, fsdp), or
     under ``hsdp`` ``(dp_replicate, efsdp, ep)``: the rows of :func:`ep_mesh_rows` grouped by replica
-    (an ep group never leaves one, ``MeshDims``' rule), ``efsdp = dp_shard x cp / ep``."""
-    rows = ep_mesh_rows(dims)
-    if dims.plan != "hsdp":
-        return rows, ("edp", "ep")
-    per = len(rows) // dims.dp_replicate
-    return [rows[i * per:(i + 1) * per] for i in range(dims.dp_replicate)], ("dp_replicate", "efsdp", "ep")
+    (an ep group never leaves one, ``MeshDims``' rule), ``efsdp = dp_shard x cp x tp / ep``. Under
+    ``pp > 1`` a leading ``stage`` dimension: one block per pipeline coordinate (an ep group never leaves
+    one either), the same factoring over each stage's ranks."""
+    rows, names = ep_mesh_rows(dims), ("edp", "ep")
+    if dims.plan == "hsdp":  # (rows in rank order: pp, then dp_replicate, outermost)
+        rows, names = _chunks(rows, dims.pp * dims.dp_replicate), ("dp_replicate", "efsdp", "ep")
+    if dims.pp > 1:
+        rows, names = _chunks(rows, dims.pp), ("stage", *names)
+    return rows, names
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    """``items`` cut into ``n`` consecutive parts of equal length."""
+    per = len(items) // n
+    return [items[i * per:(i + 1) * per] for i in range(n)]
+
+
+def expert_replica_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding the same experts in an expert mesh of :func:`ep_mesh_layout`: ``edp``, or under
+    hsdp the 2-D ``(dp_replicate, efsdp)`` (what an FSDP/HSDP of the experts shards over)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[("dp_replicate", "efsdp")] if "efsdp" in names else mesh["edp"]
 
 
 @dataclass
@@ -86,7 +104,7 @@ class ExpertParallel:
     @property
     def replica_mesh(self) -> DeviceMesh:
         """The ranks holding the same experts: ``edp``, or under hsdp the 2-D ``(dp_replicate, efsdp)``."""
-        return self.mesh[("dp_replicate", "efsdp")] if "efsdp" in (self.mesh.mesh_dim_names or ()) else self.mesh["edp"]
+        return expert_replica_submesh(self.mesh)
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:

@@ -166,8 +166,10 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
     d = world_size // n
     if (d * spec.cp * spec.tp) % spec.ep:  # the expert ranks: dp x cp x tp (ep borrows the cp and tp ranks)
         valid = valid_ep(d, spec.tp, spec.cp)
-        where = (f"dp x tp = {d} x {spec.tp}" if spec.cp == 1 and spec.tp > 1 else f"the data-parallel size {d}"
-                 + (f" x cp={spec.cp}" if spec.cp > 1 else ""))
+        if spec.tp == 1:
+            where = f"the data-parallel size {d}" + (f" x cp={spec.cp}" if spec.cp > 1 else "")
+        else:
+            where = f"dp x cp x tp = {d} x {spec.cp} x {spec.tp}" if spec.cp > 1 else f"dp x tp = {d} x {spec.tp}"
         return (f"parallel.ep={spec.ep} does not divide {where} (world {world_size} / "
                 f"{n}); valid parallel.ep values there: {valid}")
     axes = dict(tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep)
@@ -183,7 +185,7 @@ def _dims(spec: LayoutSpec, world_size: int) -> MeshDims | str:
             return f"hsdp needs a multiple of parallel.shard_size={s}{per}, got {d}"
         if s * spec.cp * spec.tp % spec.ep:  # an ep group stays inside one replica: the experts are HSDP too
             valid = valid_ep(s, spec.tp, spec.cp)
-            cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
+            cp = (f" x cp={spec.cp}" if spec.cp > 1 else "") + (f" x tp={spec.tp}" if spec.tp > 1 else "")
             return (f"parallel.ep={spec.ep} under hsdp must divide parallel.shard_size={s}{cp} (an expert-parallel "
                     f"group inside one replica); valid parallel.ep values there: {valid}")
         return MeshDims(dp_replicate=d // s, dp_shard=s, plan="hsdp", **axes)
@@ -276,36 +278,28 @@ def valid_ep(dp: int, tp: int, cp: int = 1) -> list[int]:
 
 
 def ep_rule(cp: int, tp: int, ep: int, plan: str = "ddp", pp: int = 1) -> str | None:
-    """Why ``ep`` cannot compose with the other axes yet (None when it can): expert parallel factors the
-    expert ranks ``dp x cp x tp = edp x ep`` (torchtitan's ``dp_shard x cp x tp = efsdp x ep`` with expert
-    tensor parallel degree 1: the experts are not split over tp, the expert group borrows the cp ranks
-    (other tokens of the same samples) and the tp ranks, so ``ep`` is a multiple of ``tp``). Under ``ddp``
-    the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are FSDP-sharded over
-    them, under ``hsdp`` (``ep`` dividing ``shard_size x cp``) HSDP over (``dp_replicate``, ``efsdp``). Under
-    ``pp`` (any schedule, tp = cp = 1) each stage's data ranks are factored so: a stage's experts are sharded
-    over its own D ranks (parallel/expert_pipeline.py). cp with tp or pp, hsdp with tp or pp, and pp with tp,
-    with ep, are later work."""
+    """Why ``ep`` cannot compose with the other axes (None when it can): expert parallel factors the expert
+    ranks of each pipeline stage ``dp x cp x tp = edp x ep`` (torchtitan's ``dp_shard x cp x tp = efsdp x
+    ep`` with expert tensor parallel degree 1: the experts are not split over tp, the expert group borrows
+    the cp ranks (other tokens of the same samples) and the tp ranks, so ``ep`` is a multiple of ``tp``).
+    Under ``ddp`` the experts' gradients are summed over their ``edp`` replicas, under ``fsdp`` they are
+    FSDP-sharded over them, under ``hsdp`` (``ep`` dividing ``shard_size x cp x tp``) HSDP over
+    (``dp_replicate``, ``efsdp``). Under ``pp`` (any schedule) each stage's expert ranks are factored so: a
+    stage's experts are sharded over its own ranks (parallel/expert_pipeline.py). Every combination of
+    pp, dp (ddp, fsdp, hsdp), cp and tp runs with ep (5D included); what is refused here is an ``ep`` that
+    is not a multiple of ``tp`` and a plan other than those three (that ``ep`` divides the expert ranks is
+    the resolver's rule, :func:`valid_ep`)."""
     if ep == 1:
         return None
-    if cp > 1 and (tp > 1 or pp > 1):
-        return (f"parallel.ep={ep} with parallel.cp={cp}, parallel.tp={tp} and parallel.pp={pp}: expert parallel "
-                "composes with cp without tp or pp only for now (valid with ep > 1 and cp > 1: tp 1, pp 1); set "
-                "parallel.tp=1 and parallel.pp=1, parallel.cp=1, or parallel.ep=1")
     if tp > 1 and ep % tp:
         valid = [e for e in range(tp, 8 * tp + 1, tp)]
         return (f"parallel.ep={ep} with parallel.tp={tp}: the expert group borrows the tensor-parallel ranks (the "
                 f"experts are not split over tp), so ep must be a multiple of tp; valid parallel.ep values with "
-                f"tp={tp}: 1 or a multiple of {tp} dividing dp x tp (e.g. {valid}); set parallel.ep to one of them")
+                f"tp={tp}: 1 or a multiple of {tp} dividing dp x cp x tp (e.g. {valid}); set parallel.ep to one of "
+                "them")
     if plan not in ("ddp", "fsdp", "hsdp"):
         return (f"parallel.ep={ep} with parallel.plan={plan}: expert parallel runs under plan ddp, fsdp or hsdp "
                 "(valid with ep > 1: plan ddp, fsdp, hsdp); set parallel.plan=fsdp, or parallel.ep=1")
-    if plan == "hsdp" and (tp > 1 or pp > 1):
-        return (f"parallel.ep={ep} with parallel.plan=hsdp: expert parallel runs under hsdp without tp or pp only "
-                f"for now (got parallel.tp={tp}, parallel.pp={pp}; valid with ep > 1 and tp or pp > 1: plan ddp, "
-                "fsdp); set parallel.plan=fsdp (or ddp), or parallel.tp=1 and parallel.pp=1")
-    if pp > 1 and tp > 1:
-        return (f"parallel.ep={ep} with parallel.pp={pp} and parallel.tp={tp}: expert parallel runs inside pipeline "
-                "stages without tensor parallel only for now; set parallel.tp=1 (or parallel.pp=1), or parallel.ep=1")
     return None
 
 

@@ -47,7 +47,7 @@ the same :meth:`~PipelineModel.run_micro_batches`. The contract:
   and losses.
 * a stage with mixture-of-experts layers runs inside :class:`~elastictrain.parallel.expert_pipeline.MoEStage`:
   its load-balancing losses join its backward and the rank's loss sum, its token counts the step's tally;
-  under ``parallel.ep > 1`` each stage's experts are sharded over its own data ranks (``ep_mesh``) and left
+  under ``parallel.ep > 1`` each stage's experts are sharded over its own expert ranks (``ep_mesh``) and left
   out of the stage's gradient average (:mod:`elastictrain.parallel.expert_pipeline`);
 * ``parallel.mixed_precision: bf16`` on stages without FSDP: each stage's forward runs under
   ``torch.autocast`` and hands on fp32 outputs, so activations cross stages and reach the loss in fp32
@@ -89,6 +89,7 @@ from elastictrain.parallel.parallelize import (
 from elastictrain.models.moe import moe_layers
 from elastictrain.parallel.expert import enable_expert_parallel
 from elastictrain.parallel.expert_pipeline import MoEStage, StageTokenTally, expert_parameters
+from elastictrain.parallel.expert_wiring import expert_replica_submesh
 from elastictrain.parallel.layout import Layout
 from elastictrain.parallel.precision import AutocastStage, autocast_dtype
 from elastictrain.parallel.stages import local_stages
@@ -338,11 +339,11 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     ``hooks``: the task's :class:`~elastictrain.task.PipelineHooks`. ``materialize_fn(module, device)``
     gives meta parameters memory after parallelizing (values come from a restore or the seeded init).
     ``parallelize_fn`` None: the default layout (parallel/parallelize.py) without the DDP wrapper (see the
-    module doc). ``ep_mesh``: under ``parallel.ep > 1`` the ``(stage, edp, ep)`` mesh
-    (:func:`elastictrain.parallel.expert_pipeline.ep_stage_mesh`) each stage's experts are sharded over
-    before parallelizing. Raises :class:`PipelineError` for a task without pipeline hooks, under ``parallel.cp >
-    1`` for hooks or stage modules without the context-parallel hook, and for experts that do not split
-    over ``ep``."""
+    module doc). ``ep_mesh``: under ``parallel.ep > 1`` the ``(stage, edp, ep)`` mesh (hsdp: ``(stage,
+    dp_replicate, efsdp, ep)``; :func:`elastictrain.parallel.expert_pipeline.ep_stage_mesh`) each stage's
+    experts are sharded over (``ep``, kept with their replica submesh) before parallelizing. Raises
+    :class:`PipelineError` for a task without pipeline hooks, under ``parallel.cp > 1`` for hooks or stage
+    modules without the context-parallel hook, and for experts that do not split over ``ep``."""
     from elastictrain.parallel.context import enable_context_parallel, pipeline_cp_refusal
     from elastictrain.parallel.parallelize import parallelize
     from elastictrain.parallel.speed import apply_block_transforms
@@ -374,9 +375,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, layout: Layout, rank: int
     for index in local_stages(layout.pp_schedule, pp, n_stages, pp_rank):
         whole = copy.deepcopy(model) if v > 1 else model
         stage_module = hooks.stage_fn(whole, index, n_stages)
-        if ep_mesh is not None:  # this stage's experts over its own data ranks, before any data-parallel wrapper
+        if ep_mesh is not None:  # this stage's experts over its own expert ranks, before any data-parallel wrapper
             try:
-                enable_expert_parallel(stage_module, ep_mesh["ep"], ep_mesh["edp"])
+                enable_expert_parallel(stage_module, ep_mesh["ep"], expert_replica_submesh(ep_mesh))
             except ValueError as e:
                 raise PipelineError(f"{e} (pipeline stage {index})") from None
         if parallelize_fn is None and plan.plan == "ddp":

@@ -40,7 +40,7 @@ def runnable_axes() -> frozenset[str]:
 
     axes = {"dp_replicate", "dp_shard", "pp"}
     axes.update(a for a in ("tp", "cp") if a in ParallelConfig.model_fields)
-    axes.add("ep")  # (under ddp, fsdp or hsdp; with cp, or a multiple of tp; pp without tp: layout.ep_rule)
+    axes.add("ep")  # (under ddp, fsdp or hsdp, a multiple of tp, with any pp, cp and tp: layout.ep_rule)
     return frozenset(axes)
 
 

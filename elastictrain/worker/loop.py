@@ -394,11 +394,10 @@ class StepRunner:
             word = done.word.wait()
             if self.ep is not None:  # experts (ddp): summed over their replicas and scaled, before the clip
                 self.ep.reduce_grads(self.pm.model)
-            if self.moe and self.layout.dims.tp == 1:  # (tp ranks route the same tokens: not summed)
-                hooks.tokens_per_expert = (hooks.tally.total(dist.group.WORLD) if self.pm.token_tally is None
-                                           else self.pm.token_tally.total(dist.group.WORLD, self.device))
-            elif self.moe and self.ep is not None:  # ep x tp: each tp rank holds its data rank's whole counts
-                hooks.tokens_per_expert = hooks.tally.total(dist.group.WORLD, self.layout.dims.tp)
+            if self.moe and (self.layout.dims.tp == 1 or self.ep is not None):
+                tp = self.layout.dims.tp  # ep x tp: each tp rank holds its tp group's whole counts
+                hooks.tokens_per_expert = (hooks.tally.total(dist.group.WORLD, tp) if self.pm.token_tally is None
+                                           else self.pm.token_tally.total(dist.group.WORLD, self.device, tp))
         return done, word
 
     def _finish_step(self, s: int, number: int, micro: list[Any], stats: Any,
