@@ -539,7 +539,7 @@ class Controller:
             self.events.emit("worker_lost", world_size=0, step=0,
                              reason="every worker holding training state was lost and no other source holds "
                                     f"it: restarting from step 0 ({got.reason})")
-            self.ledger.last_step = 0
+            self.ledger.rewind(0)  # every step is redone
             for s in chosen:
                 s.has_state = False
         return got.resume
