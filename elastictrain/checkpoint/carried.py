@@ -5,7 +5,7 @@ records, up to the saved step, to its save; they land in the manifest as its sha
 A recovery from a checkpoint this run committed reports, from them, the steps the restored state holds
 whose ``step`` events were never written (``Ledger.replay``). The controller takes every record before
 the save's report that commits it (worker ``poll``), so this is the backstop, not the usual path.
-PURE: no storage, no torch."""
+PURE: no storage."""
 
 from __future__ import annotations
 

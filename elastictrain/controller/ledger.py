@@ -179,9 +179,8 @@ class Ledger:
         # a compiled generation's first step: compile time, not training (goodput's compile_s)
         counted = {"productive_s": full, "degraded_s": 0.0 if compiling else first.step_s - full,
                    "compile_s": first.step_s if compiling else 0.0}
-        tput = self._throughput(first)
-        superseded = self.book.put(step, **counted, tokens_per_s_per_device=tput.pop("_per_device", None),
-                                   mfu=tput.pop("_mfu", None))
+        tput, per_device, step_mfu = self._throughput(first)
+        superseded = self.book.put(step, **counted, tokens_per_s_per_device=per_device, mfu=step_mfu)
         for bucket, seconds in counted.items():
             self.goodput[bucket] += seconds
         lost = 0.0
@@ -234,26 +233,26 @@ class Ledger:
             fields["sample_ids"] = ids
         return self.events.emit("step", **fields)
 
-    def _throughput(self, record: StepRecord) -> dict[str, Any]:
-        """tokens/s (whole step and per device) and MFU of one step from its own time (elastictrain/flops.py).
-        A compiled generation's first step reports ``compile_s`` and stays out of the run's medians: the
-        figures for the medians come back under ``_per_device`` and ``_mfu`` (absent: none), not event fields."""
+    def _throughput(self, record: StepRecord) -> tuple[dict[str, Any], float | None, float | None]:
+        """(the step event's fields, tokens/s per device and MFU for the run's medians) of one step from its
+        own time (elastictrain/flops.py): tokens/s (whole step and per device) and MFU. A compiled
+        generation's first step reports ``compile_s`` and stays out of the medians (None, None)."""
         from elastictrain.flops import mfu
 
         out: dict[str, Any] = {}
         if record.compile_s is not None:
             out["compile_s"] = round(record.compile_s, 6)
         if not record.tokens or record.step_s <= 0:
-            return out
+            return out, None, None
         tps = record.tokens / record.step_s
         per_device = tps / max(1, record.devices)
         peak = record.peak_flops or self.cpu_peak_flops
         value = mfu(record.flops_per_token, tps, record.devices, peak)
         out.update(tokens_per_s=round(tps, 3), tokens_per_s_per_device=round(per_device, 3),
                    mfu=None if value is None else round(value, 6))
-        if record.compile_s is None:
-            out["_per_device"], out["_mfu"] = per_device, value
-        return out
+        if record.compile_s is not None:
+            return out, None, None
+        return out, per_device, value
 
     def save_profile(self, item: dict[str, Any]) -> None:
         """Write one rank's profile files (worker/profile.py) into ``RUN_DIR/profiles/``; a ``profile_saved``
@@ -284,8 +283,8 @@ class Ledger:
             **({"final_eval_loss": self.last_eval_loss} if self.last_eval_loss is not None else {}),
             "world_size_history": self.world_size_history, "failures": self.failures,
             "recoveries": self.recoveries, "lost_steps": self.lost_steps, "memory": self.memory_summary(),
-            "mfu": _median(self.book.median("mfu")),
-            "tokens_per_s_per_device": _median(self.book.median("tokens_per_s_per_device")),
+            "mfu": _rounded(self.book.median("mfu")),
+            "tokens_per_s_per_device": _rounded(self.book.median("tokens_per_s_per_device")),
             "profiles": self.profiles,
             "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,
                         **buckets},
@@ -293,6 +292,6 @@ class Ledger:
         }
 
 
-def _median(value: float | None) -> float | None:
+def _rounded(value: float | None) -> float | None:
     """A median of the run's per-step figures (None without any), rounded for the summary."""
     return None if value is None else round(value, 6)

@@ -1,4 +1,4 @@
-"""What the ledger counted for each step number, so a step counts once whatever how often it ran.
+"""What the ledger counted for each step number, so a step counts once however often it ran.
 
 A recovery that restores an older step than the last one reported makes the steps after it run again (a
 redo). Their first attempt was reported and counted (goodput seconds, throughput figures); the redo
