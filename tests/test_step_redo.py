@@ -148,9 +148,15 @@ def test_carried_records_are_bounded_and_checked(tmp_path):
                         shards={0: {"files": [], "records": records}})
 
     assert [r.step for r in carried(manifest(list(good)))] == [1, 2]
+    pp = StepRecord(step=1, loss=1.0, world_size=1, accum=4, step_s=0.1, compute_s=0.1, finished_at=1.0,
+                    pipeline={"pp": 2, "schedule": "1f1b", "n_microbatches": 4, "stages_per_rank": 1,
+                              "bubble_timeline": 0.2, "bubble_measured": 0.25})
+    (back,) = carried(manifest(list(carry([pp], 1))))
+    assert back.pipeline == pp.pipeline  # goodput counts a pp step's ranks by it
     for bad, why in [([{**good[0], "loss": "1"}], "'loss'"), ([{**good[0], "code": 1}], "unknown fields"),
                      ([{k: v for k, v in good[0].items() if k != "step_s"}], "no 'step_s'"),
                      ([good[1], good[0]], "in order"), ([{**good[0], "step": 3}], "up to 2"),
+                     ([{**good[0], "pipeline": {"pp": "2", "bubble_measured": 0.1}}], "'pipeline'"),
                      ("x", "not a list")]:
         with pytest.raises(ManifestError, match=why):
             carried(manifest(bad))

@@ -16,8 +16,9 @@ from typing import Any
 from elastictrain.checkpoint.manifest import Manifest, ManifestError
 
 CARRIED_MAX = 64  # records per checkpoint: the newest (as the peer tier's snapshots carry)
-# the StepRecord fields a checkpoint keeps, with their JSON types (a number may be an int); the rest (sample
-# ids, per-expert counts, memory, mesh) is reporting detail a replayed step goes without
+# the StepRecord fields a checkpoint keeps, with their JSON types (a number may be an int), and ``pipeline``
+# under pp (a few scalars: goodput counts a pp step's ranks by it); the rest (sample ids, per-expert counts,
+# memory, mesh) is reporting detail a replayed step goes without
 _NUMBERS = ("step_s", "compute_s", "finished_at")
 _INTS = ("step", "world_size", "accum", "tokens", "devices")
 _OPTIONAL_NUMBERS = ("loss", "eval_loss", "flops_per_token", "peak_flops", "compile_s")
@@ -39,6 +40,8 @@ def carry(records: Iterable[Any], up_to: int, keep: int = CARRIED_MAX) -> tuple[
             item[k] = None if value is None or not math.isfinite(value) else value
         if r.skipped:
             item["skipped"] = str(r.skipped)
+        if r.pipeline:
+            item["pipeline"] = dict(r.pipeline)
         out.append(item)
     return tuple(out)
 
@@ -71,7 +74,7 @@ def to_replay(manifest: Manifest, committed_by_this_run: Sequence[int]) -> list[
 def _checked(item: Any, where: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise ManifestError(f"{where} is not an object")
-    unknown = set(item) - {*_INTS, *_NUMBERS, *_OPTIONAL_NUMBERS, "skipped"}
+    unknown = set(item) - {*_INTS, *_NUMBERS, *_OPTIONAL_NUMBERS, "skipped", "pipeline"}
     if unknown:
         raise ManifestError(f"{where} has unknown fields {sorted(unknown)}")
     for key in (*_INTS, *_NUMBERS, "loss"):
@@ -80,6 +83,8 @@ def _checked(item: Any, where: str) -> dict[str, Any]:
     for key, value in item.items():
         if key == "skipped":
             ok = isinstance(value, str)
+        elif key == "pipeline":
+            ok = _pipeline_ok(value)
         elif key in _INTS:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= (1 if key == "step" else 0)
         else:
@@ -88,3 +93,15 @@ def _checked(item: Any, where: str) -> dict[str, Any]:
         if not ok:
             raise ManifestError(f"{where}: field {key!r} has an invalid value {value!r}")
     return dict(item)
+
+
+def _pipeline_ok(value: Any) -> bool:
+    """A step's pipeline fields as the loop reports them: a few named scalars, ``pp`` a rank count and
+    ``bubble_measured`` a share."""
+    if not isinstance(value, dict) or len(value) > 16 or not all(isinstance(k, str) for k in value):
+        return False
+    if not all(v is None or isinstance(v, (str, int, float)) for v in value.values()):
+        return False
+    pp, bubble = value.get("pp"), value.get("bubble_measured")
+    return (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and isinstance(bubble, (int, float))
+            and not isinstance(bubble, bool) and math.isfinite(bubble))
