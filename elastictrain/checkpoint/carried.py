@@ -1,6 +1,7 @@
 """Step records a durable checkpoint carries (issue #40): the reporting rank (rank 0) hands its newest step
-records, up to the saved step, to its save; they land in the manifest as its shard entry's ``records``
-(small JSON: losses, tokens, times), covered by the manifest's digest and signature like the rest.
+records up to the saved step -- those no poll has taken yet, and at least the newest ``CARRIED_MIN`` --
+to its save; they land in the manifest as its shard entry's ``records`` (small JSON: losses, tokens,
+times), covered by the manifest's digest and signature like the rest.
 
 A recovery from a checkpoint this run committed reports, from them, the steps the restored state holds
 whose ``step`` events were never written (``Ledger.replay``). The controller takes every record before
@@ -15,7 +16,8 @@ from typing import Any
 
 from elastictrain.checkpoint.manifest import Manifest, ManifestError
 
-CARRIED_MAX = 64  # records per checkpoint: the newest (as the peer tier's snapshots carry)
+CARRIED_MAX = 64  # records per checkpoint at most: the newest (as the peer tier's snapshots carry)
+CARRIED_MIN = 4  # and at least (a poll's reply lost on the way is a few steps): the manifest stays small
 # the StepRecord fields a checkpoint keeps, with their JSON types (a number may be an int), and ``pipeline``
 # under pp (a few scalars: goodput counts a pp step's ranks by it); the rest (sample ids, per-expert counts,
 # memory, mesh) is reporting detail a replayed step goes without

@@ -637,12 +637,12 @@ class Worker:
         """Stage the state and queue its asynchronous save (``wait``: see ``CheckpointWriter.save_async``)."""
         if self._writer.has_saved(step):  # one save per (step, generation)
             return True
-        from elastictrain.checkpoint.carried import carry
+        from elastictrain.checkpoint.carried import CARRIED_MIN, carry
 
         t0 = time.perf_counter()
-        # the reporting rank's newest records go into the manifest: a recovery from this checkpoint reports
-        # the steps it holds whose events were never written (checkpoint/carried.py)
-        records = carry(self._recent, step) if self.runner.rank == 0 else ()
+        # the reporting rank's newest records go into the manifest (those no poll took yet, at least a few):
+        # a recovery from this checkpoint reports the steps it holds whose events were never written
+        records = carry(self._recent, step, keep=max(CARRIED_MIN, len(self._records))) if self.runner.rank == 0 else ()
         started = self._writer.save_async(step, self.runner.state.state_dict(), wait=wait, records=records)
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
