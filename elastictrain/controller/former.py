@@ -104,6 +104,8 @@ class GenerationFormer:
             got = call_members(joins, t.restart_grace_s, "join", self.rt)
             if src is not None:  # joined and synced in one round
                 steps = got
+                if not any(s.has_state for s in chosen):  # nobody held state: from step 0, every step redone
+                    self.ledger.rewind(0)  # (after the last polls: an old record is never taken for a redo)
             elif isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
