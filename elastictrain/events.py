@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 # The goodput buckets summary.json reports (every one, 0 when a run spent nothing there) besides ``other_s``.
-GOODPUT_BUCKETS = ("productive_s", "degraded_s", "startup_s", "detection_s", "recovery_s", "compile_s",
-                   "checkpoint_stall_s")
+GOODPUT_BUCKETS = ("productive_s", "degraded_s", "startup_s", "detection_s", "recovery_s", "redone_s",
+                   "compile_s", "checkpoint_stall_s")
 
 EVENTS = (
     "run_started", "worker_started", "generation_started", "resumed", "step", "checkpoint_saved",

@@ -22,7 +22,8 @@ metric                                               type       from
 ``elastictrain_checkpoints_committed_total``         counter    ``checkpoint_saved``
 ``elastictrain_checkpoint_stall_seconds``            gauge      ``checkpoint_saved.stall_s`` (the latest)
 ``elastictrain_checkpoint_write_bytes_per_second``   gauge      ``checkpoint_saved.bytes / write_s``
-``elastictrain_goodput_ratio``                       gauge      productive step time / wall time so far
+``elastictrain_goodput_ratio``                       gauge      productive step time / wall time so far (a
+                                                                redone step counted once)
 ``elastictrain_host_memory_peak_bytes``              gauge      ``step.memory.host_mib`` (the highest rank's)
 ``elastictrain_device_memory_allocated_peak_bytes``  gauge      ``step.memory.alloc_mib`` (GPUs)
 ``elastictrain_device_memory_reserved_peak_bytes``   gauge      ``step.memory.reserved_mib`` (GPUs)
@@ -32,8 +33,10 @@ metric                                               type       from
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +72,7 @@ class MetricsState:
     started_at: float | None = None
     workers_max: int = 1
     productive_s: float = 0.0
+    credited: array = field(default_factory=lambda: array("d"))  # productive_s by step (NaN: none), 8 B/step
 
     def observe(self, r: dict[str, Any], now: float) -> None:
         name = r["event"]
@@ -92,8 +96,15 @@ class MetricsState:
                     g[gauge] = float(memory[key]) * 1024 * 1024
             if r.get("eval_loss") is not None:
                 g["elastictrain_eval_loss"] = float(r["eval_loss"])
-            # The ledger's rule: a step at a smaller world size is productive in proportion to its size.
-            self.productive_s += float(r["step_s"]) * min(1.0, r["world_size"] / self.workers_max)
+            # The ledger's rule: a step at a smaller world size is productive in proportion to its size; a
+            # step counts once (a redone step's event supersedes its first attempt's, whose time was lost)
+            step, credit = int(r["step"]), float(r["step_s"]) * min(1.0, r["world_size"] / self.workers_max)
+            if step < len(self.credited) and not math.isnan(self.credited[step]):
+                self.productive_s -= self.credited[step]
+            if len(self.credited) <= step:
+                self.credited.extend([math.nan] * (step + 1 - len(self.credited)))
+            self.credited[step] = credit
+            self.productive_s += credit
         elif name == "step_skipped":
             self.pending.append(("elastictrain_steps_skipped_total", 1.0, {}))
         elif name == "failure":

@@ -1,7 +1,8 @@
 """``elastictrain report RUN_DIR``: one self-contained HTML page (inline CSS and SVG, no script from the
 network, no external file) and a PNG of it, from ``events.jsonl`` and ``summary.json``.
 
-The page shows, on one shared time axis: loss, throughput, the world size, a lane per worker slot (running,
+The page shows, on one shared time axis: loss and throughput (each step once: a redone step's ``step``
+event supersedes its first attempt's), the world size, a lane per worker slot (running,
 starting, failures with their kind, replacements), checkpoints (staged when their step completed, committed
 when the manifest was written), failure/resize/preemption markers; above it the figures of ``summary.json``
 and the goodput breakdown as one bar; for a mixture-of-experts model, a table of the router's load per
@@ -38,7 +39,10 @@ def build_view(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[st
     def t(e: dict[str, Any]) -> float:
         return round(float(e["time"]) - t0, 3)
 
-    steps = [e for e in events if e["event"] == "step"]
+    progress = [e for e in events if e["event"] == "step"]
+    # each step once: a redone step's event (after a restore from an older step) supersedes the earlier one
+    newest = {int(e["step"]): i for i, e in enumerate(progress)}
+    steps = [e for i, e in enumerate(progress) if newest[int(e["step"])] == i]
 
     def done(e: dict[str, Any]) -> float:  # when the step completed (worker clock); the driver records in batches
         return round(float(e.get("finished_at") or e["time"]) - t0, 3)
@@ -87,7 +91,7 @@ def build_view(events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[st
         "loss": [[step_time[int(e["step"])], e["loss"]] for e in steps if e.get("loss") is not None],
         "eval_loss": [[step_time[int(e["step"])], e["eval_loss"]] for e in steps if e.get("eval_loss") is not None],
         "throughput": [[done(e), e.get("samples_per_s")] for e in steps],
-        "steps": [[done(e), int(e["step"])] for e in steps],
+        "steps": [[done(e), int(e["step"])] for e in progress],  # as it went: a restore goes back
         "world": world, "workers_max": start.get("workers_max"),
         "lanes": [lanes[k] for k in sorted(lanes)], "checkpoints": checkpoints, "markers": markers,
         "goodput": {k: float(goodput.get(k) or 0.0) for k in BUCKETS},

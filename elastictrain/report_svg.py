@@ -18,7 +18,8 @@ COLORS = {
 }
 GOODPUT = [("productive_s", "productive", "#2f9e44"), ("degraded_s", "degraded (smaller world)", "#a9e34b"),
            ("startup_s", "start-up", "#74c0fc"), ("detection_s", "detection", "#ff8787"),
-           ("recovery_s", "recovery", "#e03131"), ("compile_s", "compile (first step)", "#9775fa"), ("checkpoint_stall_s", "checkpoint stall", "#f59f00"),
+           ("recovery_s", "recovery", "#e03131"), ("redone_s", "redone (lost steps)", "#fa5252"),
+           ("compile_s", "compile (first step)", "#9775fa"), ("checkpoint_stall_s", "checkpoint stall", "#f59f00"),
            ("other_s", "other", "#ced4da")]
 LEFT, RIGHT, PLOT_W = 120, 20, 1060
 H_LOSS, H_TPUT, H_WORLD, H_LANE, H_CKPT, GAP, TOP = 150, 90, 44, 24, 36, 12, 22

@@ -72,3 +72,8 @@ def test_a_rebuilt_model_restarts_from_the_seeded_values(tmp_path, ray_local, cl
     assert run.result.exit_code == 0
     assert [r["source"] for r in run.of("recovered")] == ["scratch"], run.of("recovered")
     assert run.summary["final_model_sha256"] == clean["final_model_sha256"]
+    # the steps reported before the kill are redone from step 0: each marked, superseding its first event
+    from tests.step_checks import assert_each_step_counted_once
+
+    redone = assert_each_step_counted_once(run)
+    assert redone and redone == list(range(1, len(redone) + 1)), redone

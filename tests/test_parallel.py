@@ -117,6 +117,7 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     from elastictrain.data.cursor import step_sample_ids
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
     from tests.cluster_fixtures import SLOW
+    from tests.step_checks import assert_checkpoints_carry_their_steps, assert_each_step_counted_once
 
     # late enough that earlier saves were committed (saves in flight at the kill are abandoned, never commit)
     kill = {"rank": 1, "step": 17, "point": "mid_step", "kind": "kill"}
@@ -151,6 +152,11 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     # folded, and one process differ by fp32 sum order only (the parameters' tolerance: RECOVERY_PARAM_ATOL)
     assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
+    # each step counts once (issue #40): a step redone after the restore supersedes its first event, marked
+    # `redone`; the first attempt's time is goodput's redone_s; every checkpoint carries its steps' records
+    redone = assert_each_step_counted_once(faulty)
+    assert redone == list(range(recovered["step"] + 1, recovered["step"] + 1 + len(redone))), (redone, recovered)
+    assert_checkpoints_carry_their_steps(faulty)
 
 
 def test_hugging_face_gpt2_shape_under_fsdp(tmp_path, ray_local):

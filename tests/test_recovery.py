@@ -13,6 +13,7 @@ import pytest
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
 from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_grew_back_from_the_last_step, assert_same_numbers
+from tests.step_checks import assert_each_step_counted_once
 from tests.test_ray_console import assert_paragraph_diverted
 
 
@@ -90,6 +91,7 @@ def test_strict_mode_replaces_and_is_bitwise_identical_and_all_workers_lost_reco
     # reported again only when a recovery redid it (lost_steps: restored before it)
     want = clean.losses()
     assert_every_step_once(faulty.events, want)
+    assert_each_step_counted_once(faulty)  # a redo supersedes its first event; goodput counts it once
     # replayed: exactly the steps after the last one reported (by a poll) before the recovery, up to the
     # restored step, written between the second failure and that recovery
     second, recovered = faulty.events.index(failures[1]), faulty.events.index(last)
@@ -113,8 +115,9 @@ def assert_every_step_once(events: list[dict], want: dict[int, float]) -> None:
         if step > high:
             assert step == high + 1, f"steps {high + 1}..{step - 1} never reported"
             high = step
-        else:  # a redo: past the step its generation started from, reported once before
+        else:  # a redo: past the step its generation started from, reported once before, marked so
             assert start < step and counts[step] == 1, (e, start, counts.get(step))
+            assert e.get("redone") is True, e
         counts[step] = counts.get(step, 0) + 1
     assert high == max(want), (high, max(want))
 

@@ -55,6 +55,8 @@ class ShardReport:
     stage_s: float
     write_s: float
     generation: int | None = None  # the membership generation that wrote it (its attempt directory)
+    # the reporting rank's newest step records up to ``step`` (JSON, checkpoint/carried.py), for the manifest
+    records: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,8 @@ def build_manifest(step: int, world_size: int, reports: list[ShardReport], meta:
                 raise CheckpointError(f"step {step}: ranks reported different contents for {path!r}")
             files[path] = info
         shards[r.rank] = {"files": sorted(r.files), "stage_s": round(r.stage_s, 6), "write_s": round(r.write_s, 6)}
+        if r.records:
+            shards[r.rank]["records"] = [dict(x) for x in r.records]
     if not _has_metadata(files):
         raise CheckpointError(f"step {step}: no rank reported one {METADATA_NAME} (rank 0 writes it); cannot commit")
     try:

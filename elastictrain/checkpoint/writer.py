@@ -42,6 +42,7 @@ class _Entry:
     step: int
     staged: Staged | None  # None: this rank skipped the step (busy)
     stage_s: float
+    records: tuple[dict[str, Any], ...] = ()  # step records the save carries (ShardReport.records)
 
 
 _CLOSE = object()
@@ -108,13 +109,16 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------------------------ training thread
 
-    def save_async(self, step: int, state: dict[str, Any], wait: bool | None = None) -> bool:
+    def save_async(self, step: int, state: dict[str, Any], wait: bool | None = None,
+                   records: tuple[dict[str, Any], ...] = ()) -> bool:
         """Stage ``state`` to host memory and save it in the background. Copies from CPU tensors are done
         when this returns; from CUDA tensors they are queued (``elastictrain.checkpoint.host_copy``).
 
         Returns True if a save was started; False if ``when_busy == "skip"`` and ``max_in_flight`` saves
         are still running (a report with a "skipped" error follows), or this step was queued already.
-        ``wait``: override ``when_busy`` (True: wait for a free slot). Raises CheckpointError when closed.
+        ``wait``: override ``when_busy`` (True: wait for a free slot). ``records``: step records (JSON,
+        :func:`~elastictrain.checkpoint.carried.carry`) the save's report carries into the manifest. Raises
+        CheckpointError when closed.
         """
         if self._closed:
             raise CheckpointError(f"checkpoint writer for {self._root_uri} is closed; create a new one")
@@ -133,7 +137,7 @@ class CheckpointWriter:
         except BaseException:
             self._slots.release()
             raise
-        self._enqueue(_Entry(step, staged, time.perf_counter() - t0))
+        self._enqueue(_Entry(step, staged, time.perf_counter() - t0, tuple(records)))
         return True
 
     def _enqueue(self, entry: _Entry) -> None:
@@ -249,7 +253,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported, never raised into training
             refusal = _describe_failure(e, entry.step, step_uri)
         return ShardReport(entry.step, self._rank, files if refusal is None else {}, refusal, entry.stage_s,
-                           time.perf_counter() - t0, generation=self._generation)
+                           time.perf_counter() - t0, generation=self._generation, records=entry.records)
 
     def _prepare_dir(self, step_path: str, step_uri: str, data_path: str, data_uri: str) -> str | None:
         """Rank 0 only: refuse a committed step; clear leftovers of a crashed attempt of this generation

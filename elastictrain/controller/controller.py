@@ -535,8 +535,7 @@ class Controller:
             self.events.emit("worker_lost", world_size=0, step=0,
                              reason="every worker holding training state was lost and no other source holds "
                                     f"it: restarting from step 0 ({got.reason})")
-            self.ledger.last_step = 0
-            for s in chosen:
+            for s in chosen:  # (the ledger rewinds to step 0 once the generation forms: GenerationFormer.form)
                 s.has_state = False
         return got.resume
 

@@ -104,19 +104,25 @@ class GenerationFormer:
             got = call_members(joins, t.restart_grace_s, "join", self.rt)
             if src is not None:  # joined and synced in one round
                 steps = got
+                if not any(s.has_state for s in chosen):  # nobody held state: from step 0, every step redone
+                    self.ledger.rewind(0)  # (after the last polls: an old record is never taken for a redo)
             elif isinstance(resume, PeerRestore):
                 for s, step in zip(chosen, got):
                     s.has_state, s.info["step"] = True, step
                 recovery.source = resume.kind
                 self.ledger.replay(resume.records, resume.step)  # the tier's: steps whose records died
-                self.ledger.last_step = max(self.ledger.last_step, resume.step) if resume.kind == "peer" else resume.step
+                if resume.kind == "peer":  # live survivors: the newest state, nothing is redone
+                    self.ledger.last_step = max(self.ledger.last_step, resume.step)
+                else:  # the tier's snapshot may be older than the last step reported: those are redone
+                    self.ledger.rewind(resume.step)
             else:
                 resume = self._load_checkpoint(chosen, resume, explicit=reason == "start" and
                                                self.config.checkpoint.resume not in ("auto", "never"))
                 for s in chosen:
                     s.has_state = True
                 recovery.source = "checkpoint"
-                self.ledger.last_step = int(resume.step)
+                self._replay_checkpoint(resume)
+                self.ledger.rewind(int(resume.step))
                 self.events.emit("resumed", step=int(resume.step), world_size=world,
                                  from_world_size=getattr(resume, "world_size", None), uri=self.ckpt_root)
             if src is None:
@@ -205,6 +211,20 @@ class GenerationFormer:
             for why in placed.warnings:
                 self.events.emit("warning", source="placement", reason=why)
         return [chosen[i] for i in order]
+
+    def _replay_checkpoint(self, manifest: Any) -> None:
+        """Report the steps the loaded checkpoint holds whose events were never written, from the records
+        it carries (checkpoint/carried.py; only one this run committed). Records that are not what a save
+        writes are a ``warning``, and nothing is reported from them."""
+        from elastictrain.checkpoint.carried import to_replay
+        from elastictrain.checkpoint.manifest import ManifestError
+
+        try:
+            records = to_replay(manifest, self.committer.committed_steps)
+        except ManifestError as e:
+            self.events.emit("warning", source="recovery", reason=f"step records not replayed: {e}")
+            return
+        self.ledger.replay(records, int(manifest.step))
 
     def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:
         """Load ``manifest`` on every member (collective). A load error is the checkpoint's (corrupt bytes

@@ -1,5 +1,6 @@
 """Bookkeeping of a run on the driver: step records into ``step`` events, the world size history, the
-goodput breakdown (it adds up to wall time) and ``summary.json``."""
+goodput breakdown (it adds up to wall time) and ``summary.json``. Each step counts once: a step redone
+after a restore from an older step supersedes its first attempt (:mod:`~elastictrain.controller.step_book`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
+from elastictrain.controller.step_book import StepBook
 from elastictrain.events import GOODPUT_BUCKETS, EventLog
 from elastictrain.worker.loop import StepRecord
 
@@ -19,8 +21,7 @@ class Ledger:
                  keep_compute: int = COMPUTE_TIMES_KEPT, cpu_peak_flops: float | None = None) -> None:
         self.events = events
         self.cpu_peak_flops = cpu_peak_flops  # a CPU worker's FLOP/s (the calibration's), for MFU
-        self.mfus: list[float] = []
-        self.tokens_per_s_per_device: list[float] = []
+        self.book = StepBook()  # per step: what its reported attempt counted (a redo replaces it)
         self.profiles: list[dict[str, Any]] = []
         self.max_workers = max_workers
         self.total_steps = total_steps
@@ -141,6 +142,15 @@ class Ledger:
                 self._emit(step, self._pending[step], complete=False)
         self._pending.clear()
 
+    def rewind(self, step: int) -> None:
+        """The next generation's state is step ``step`` (a restore from the peer memory tier, a durable
+        checkpoint, or step 0): the steps after it run again. Their next ``step`` events supersede the ones
+        already written (``redone: true``, :meth:`_emit`); records of the old attempts still held are
+        dropped. Call after :meth:`replay` (which reports what the restored state holds first)."""
+        for held in [s for s in self._pending if s > step]:
+            del self._pending[held]
+        self.last_step = step
+
     def replay(self, records: Sequence[StepRecord], up_to: int) -> list[int]:
         """A recovery restored step ``up_to`` from snapshots that carried ``records`` (the reporting rank's
         newest, ``SnapshotMeta.records``): emit, in order and marked ``replayed``, the ``step`` events of the
@@ -163,13 +173,22 @@ class Ledger:
             self.goodput["startup_s"] += max(0.0, first.finished_at - first.step_s - self.t0)
         self.step_times.append(first.step_s)
         compiling = first.compile_s is not None
-        if compiling:  # a compiled generation's first step: compile time, not training (goodput's compile_s)
-            self.goodput["compile_s"] += first.step_s
         # A step at a smaller world size is only partly productive: the rest of its time is "degraded".
         workers = first.world_size * (first.pipeline["pp"] if first.pipeline else 1)  # world_size is D under pp
         full = 0.0 if compiling else first.step_s * min(1.0, workers / self.max_workers)
-        self.goodput["productive_s"] += full
-        self.goodput["degraded_s"] += 0.0 if compiling else first.step_s - full
+        # a compiled generation's first step: compile time, not training (goodput's compile_s)
+        counted = {"productive_s": full, "degraded_s": 0.0 if compiling else first.step_s - full,
+                   "compile_s": first.step_s if compiling else 0.0}
+        tput, per_device, step_mfu = self._throughput(first)
+        superseded = self.book.put(step, **counted, tokens_per_s_per_device=per_device, mfu=step_mfu)
+        for bucket, seconds in counted.items():
+            self.goodput[bucket] += seconds
+        lost = 0.0
+        if superseded is not None:  # a redo: the first attempt's time was lost work, not training
+            for bucket in counted:
+                self.goodput[bucket] -= superseded.get(bucket, 0.0)
+                lost += superseded.get(bucket, 0.0)
+            self.goodput["redone_s"] += lost
         self.last_step, self.last_loss, self.last_progress = step, first.loss, first.finished_at
         recent = self.step_times[-20:]
         eta = (self.total_steps - step) * (sum(recent) / len(recent))
@@ -179,7 +198,7 @@ class Ledger:
             "eta_s": round(eta, 1), "total_steps": self.total_steps, "final": step == self.total_steps,
             "finished_at": round(first.finished_at, 6),
         }
-        fields.update(self._throughput(first))
+        fields.update(tput)
         if first.eval_loss is not None:
             fields["eval_loss"] = first.eval_loss
             self.last_eval_loss = first.eval_loss
@@ -187,6 +206,8 @@ class Ledger:
             fields["complete"] = False
         if replayed:
             fields["replayed"] = True
+        if superseded is not None:  # supersedes the step's earlier event(s): a reader keeps the newest
+            fields["redone"], fields["lost_s"] = True, round(lost, 6)
         memory = self._memory_fields()
         if memory:
             fields["memory"] = memory
@@ -212,27 +233,26 @@ class Ledger:
             fields["sample_ids"] = ids
         return self.events.emit("step", **fields)
 
-    def _throughput(self, record: StepRecord) -> dict[str, Any]:
-        """tokens/s (whole step and per device) and MFU of one step from its own time (elastictrain/flops.py).
-        A compiled generation's first step reports ``compile_s`` and stays out of the run's medians."""
+    def _throughput(self, record: StepRecord) -> tuple[dict[str, Any], float | None, float | None]:
+        """(the step event's fields, tokens/s per device and MFU for the run's medians) of one step from its
+        own time (elastictrain/flops.py): tokens/s (whole step and per device) and MFU. A compiled
+        generation's first step reports ``compile_s`` and stays out of the medians (None, None)."""
         from elastictrain.flops import mfu
 
         out: dict[str, Any] = {}
         if record.compile_s is not None:
             out["compile_s"] = round(record.compile_s, 6)
         if not record.tokens or record.step_s <= 0:
-            return out
+            return out, None, None
         tps = record.tokens / record.step_s
         per_device = tps / max(1, record.devices)
         peak = record.peak_flops or self.cpu_peak_flops
         value = mfu(record.flops_per_token, tps, record.devices, peak)
         out.update(tokens_per_s=round(tps, 3), tokens_per_s_per_device=round(per_device, 3),
                    mfu=None if value is None else round(value, 6))
-        if record.compile_s is None:
-            self.tokens_per_s_per_device.append(per_device)
-            if value is not None:
-                self.mfus.append(value)
-        return out
+        if record.compile_s is not None:
+            return out, None, None
+        return out, per_device, value
 
     def save_profile(self, item: dict[str, Any]) -> None:
         """Write one rank's profile files (worker/profile.py) into ``RUN_DIR/profiles/``; a ``profile_saved``
@@ -263,7 +283,8 @@ class Ledger:
             **({"final_eval_loss": self.last_eval_loss} if self.last_eval_loss is not None else {}),
             "world_size_history": self.world_size_history, "failures": self.failures,
             "recoveries": self.recoveries, "lost_steps": self.lost_steps, "memory": self.memory_summary(),
-            "mfu": _median(self.mfus), "tokens_per_s_per_device": _median(self.tokens_per_s_per_device),
+            "mfu": _rounded(self.book.median("mfu")),
+            "tokens_per_s_per_device": _rounded(self.book.median("tokens_per_s_per_device")),
             "profiles": self.profiles,
             "goodput": {"fraction": round(self.goodput.get("productive_s", 0.0) / wall, 4) if wall else 0.0,
                         **buckets},
@@ -271,8 +292,6 @@ class Ledger:
         }
 
 
-def _median(values: list[float]) -> float | None:
-    """The median of a run's per-step figures (None without any), rounded for the summary."""
-    import statistics
-
-    return round(statistics.median(values), 6) if values else None
+def _rounded(value: float | None) -> float | None:
+    """A median of the run's per-step figures (None without any), rounded for the summary."""
+    return None if value is None else round(value, 6)

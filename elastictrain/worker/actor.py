@@ -457,7 +457,15 @@ class Worker:
     def poll(self, after: int | None = None) -> dict[str, Any]:
         """Progress since the last poll: completed step records, checkpoint reports, current phase.
         ``after``: send only the records of later steps (older ones are dropped): a rank other than the
-        generation's reporting one is polled in turn, for its newest compute times only."""
+        generation's reporting one is polled in turn, for its newest compute times only. Checkpoint reports
+        are taken before records: a step's record is queued before its save starts, so a poll that carries
+        a save's report carries the record of its step too, or an earlier one did (a committed step is
+        always a reported one, however soon after the poll every worker dies)."""
+        reports = []
+        while self._ckpt_events:
+            reports.append(self._ckpt_events.popleft())
+        if self._writer is not None:
+            reports.extend(self._writer.completed())
         records = []
         dropped_peak: dict[str, float] = {}  # memory of the records not sent: still in the run's peaks
         while self._records:
@@ -467,11 +475,6 @@ class Worker:
             else:
                 for key, value in (record.memory or {}).items():
                     dropped_peak[key] = max(value, dropped_peak.get(key, 0.0))
-        reports = []
-        while self._ckpt_events:
-            reports.append(self._ckpt_events.popleft())
-        if self._writer is not None:
-            reports.extend(self._writer.completed())
         memory, self._memory_reports = self._memory_reports, []
         if self._replicator is not None:
             memory.append(self._memory_report())
@@ -634,8 +637,13 @@ class Worker:
         """Stage the state and queue its asynchronous save (``wait``: see ``CheckpointWriter.save_async``)."""
         if self._writer.has_saved(step):  # one save per (step, generation)
             return True
+        from elastictrain.checkpoint.carried import CARRIED_MIN, carry
+
         t0 = time.perf_counter()
-        started = self._writer.save_async(step, self.runner.state.state_dict(), wait=wait)
+        # the reporting rank's newest records go into the manifest (those no poll took yet, at least a few):
+        # a recovery from this checkpoint reports the steps it holds whose events were never written
+        records = carry(self._recent, step, keep=max(CARRIED_MIN, len(self._records))) if self.runner.rank == 0 else ()
+        started = self._writer.save_async(step, self.runner.state.state_dict(), wait=wait, records=records)
         if started:  # a skipped save is reported by the writer itself (a ShardReport with the reason)
             self._ckpt_events.append({"staged": step, "stall_s": time.perf_counter() - t0})
         return started
