@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.events import read_events
+
 REPO = Path(__file__).resolve().parents[1]
 EXCLUDES = json.dumps({"excludes": ["runs", "checkpoints", ".git"]})
 
@@ -180,8 +182,8 @@ def default_job(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The events written so far (read_events leaves out a record still being written)."""
+    return read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
 
 
 @pytest.mark.slow
@@ -211,7 +213,10 @@ def test_relative_checkpoint_uri_is_refused_on_several_nodes(cluster: LocalClust
 def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, tmp_path: Path,
                                                          default_job: tuple[subprocess.CompletedProcess, Path]) -> None:
     ckpt = tmp_path / "ckpt"
-    slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.15, generation: null}]"
+    # from step 7 on, 2 s a step (1 s a micro-batch): `ray job stop` (a CLI that imports Ray, then the
+    # supervisor's SIGTERM) lands mid-run however long it takes on a loaded machine; the stop cuts the slow
+    # steps short (0.3 s a step for 24 steps was a ~10 s window that a loaded CLI start could outlast)
+    slow = "[{rank: 0, step: 7, kind: slow, seconds: 1.0, generation: null}]"
     args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0"]
     slow_steps = ["--set", f"faults={slow}"]  # only the first submission: the stop lands mid-run
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
@@ -221,8 +226,8 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
                            wait=False, submission_id=submission)
     assert first.returncode == 0, first.stdout + first.stderr
     deadline = time.time() + 240
-    while time.time() < deadline and not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a")
-                                              if e["event"] == "step"):
+    while not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a") if e["event"] == "step"):
+        assert time.time() < deadline, f"the first submission never reached step 6: {_events(tmp_path / 'a')[-3:]}"
         time.sleep(0.2)
     stop = cluster.ray("job", "stop", submission)  # SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S
     assert stop.returncode == 0, stop.stdout + stop.stderr
