@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,10 @@ from pathlib import Path
 import pytest
 
 from elastictrain.events import read_events
+from tests.checkpoint_fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXCLUDES = json.dumps({"excludes": ["runs", "checkpoints", ".git"]})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:
@@ -44,7 +38,7 @@ class LocalCluster:
         self.env.pop("RAY_ADDRESS", None)
         # Short temp dir of its own: other local Rays live under /tmp/ray; unix socket paths have a length limit.
         self.temp_dir = tempfile.mkdtemp(prefix="etray", dir="/tmp")
-        gcs, dash = _free_port(), _free_port()
+        gcs, dash = free_port(), free_port()
         self.address = f"http://127.0.0.1:{dash}"
         self.procs = [self._start(["--head", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1"])]
@@ -82,9 +76,9 @@ class LocalCluster:
         self.nodes = 1
 
     def _start(self, args: list[str]) -> subprocess.Popen:
-        ports = [f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-                 f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                 f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
+        ports = [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+                 f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
         # Only the head takes the temp dir: a second node in the same one would collide on its socket names.
         temp = [f"--temp-dir={self.temp_dir}"] if "--head" in args else []
         return subprocess.Popen(["ray", "start", "--block", *temp, "--disable-usage-stats", *ports, *args], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
