@@ -67,7 +67,10 @@ def _write_job(tmp_path: Path, spec: dict) -> Path:
 def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local, clean_run):
     import ray
 
-    spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0))
+    # a hang bound of 15 s at least: the first run's steps turn slow mid-run (below), which a bound of 10x
+    # the median step time so far (2 s) could take for a hang on a loaded machine
+    spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0),
+               timeouts={**job()["timeouts"], "watchdog_floor_s": 15})
     # the first run's steps from 13 on take a second more (no number changes): the SIGTERM lands mid-run
     # however late this process sees step 12 on a loaded machine (28 steps of ~0.1 s were its window)
     late = {"rank": 0, "step": 13, "kind": "slow", "seconds": 0.5, "generation": 0}

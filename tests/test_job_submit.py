@@ -207,10 +207,12 @@ def test_relative_checkpoint_uri_is_refused_on_several_nodes(cluster: LocalClust
 def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, tmp_path: Path,
                                                          default_job: tuple[subprocess.CompletedProcess, Path]) -> None:
     ckpt = tmp_path / "ckpt"
-    # from step 7 on, 2 s a step (1 s a micro-batch): `ray job stop` (a CLI that imports Ray, then the
-    # supervisor's SIGTERM) lands mid-run however long it takes on a loaded machine; the stop cuts the slow
-    # steps short (0.3 s a step for 24 steps was a ~10 s window that a loaded CLI start could outlast)
-    slow = "[{rank: 0, step: 7, kind: slow, seconds: 1.0, generation: null}]"
+    # every step 1 s longer (0.5 s a micro-batch): `ray job stop` (a CLI that imports Ray, then the
+    # supervisor's SIGTERM) lands mid-run however long it takes on a loaded machine -- 24 steps after step 6,
+    # cut short by the stop (0.3 s a step was a ~10 s window that a loaded CLI start could outlast). From
+    # step 1, not from step 6: the hang bound follows the median step time, and steps that turned slow
+    # mid-run would look hung under it
+    slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.5, generation: null}]"
     args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0"]
     slow_steps = ["--set", f"faults={slow}"]  # only the first submission: the stop lands mid-run
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
