@@ -61,10 +61,13 @@ def test_strict_mode_replaces_and_is_bitwise_identical_and_all_workers_lost_reco
     survivor holds state, so the keeper's in-memory copy (a snapshot every step) is used, not storage (none
     is configured). The run ends bitwise equal to one without the failures: every step's loss and the final
     model's digest (one run instead of two: a strict replacement and a memory recovery each change no number)."""
-    # 40 steps, the kill from step 10: 26 slow steps left for it to land in generation 0 however loaded the
-    # machine (had it not, the generation-1 kill never fires and the recovery assertions below fail)
+    # 40 steps, the kill from step 10: it must land in generation 0 before step 36 (had it not, the
+    # generation-1 kill never fires and the recovery assertions below fail). Generation 0's steps are 0.4 s
+    # longer (from step 1: the hang bound follows the median step time), so its 26 steps left outlast a late
+    # kill on a loaded machine (at ~75 ms a step they were a ~2 s window); no number changes
+    gen0 = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.2, "generation": 0} for r in (0, 1)]
     both = [{"rank": r, "step": 36, "point": "mid_step", "kind": "kill", "generation": 1} for r in (0, 1)]
-    spec = job(train={"steps": 40}, faults=SLOW + both, recovery={"mode": "strict"},
+    spec = job(train={"steps": 40}, faults=SLOW + gen0 + both, recovery={"mode": "strict"},
                checkpoint={"memory_every_steps": 1})
     bg = BackgroundRun(tmp_path, spec, name="strict")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
