@@ -72,7 +72,7 @@ def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local, cl
     spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0),
                timeouts={**job()["timeouts"], "watchdog_floor_s": 15})
     # the first run's steps from 13 on take a second more (no number changes): the SIGTERM lands mid-run
-    # however late this process sees step 12 on a loaded machine (28 steps of ~0.1 s were its window)
+    # however late this process sees step 12 on a loaded machine (28 steps at the SLOW pace were its window)
     late = {"rank": 0, "step": 13, "kind": "slow", "seconds": 0.5, "generation": 0}
     path = _write_job(tmp_path, {**spec, "faults": SLOW + [late]})
     # Both drivers join the session's Ray (a driver that starts its own is run by test_readme.py)

@@ -1,8 +1,8 @@
 """Reading events.jsonl while a run writes it (what ``BackgroundRun.wait_for``, the CLI tests and ``elastictrain
 report`` on a live run do). A record is one ``write`` of a line, but a reader can see part of it: the kernel
 copies a write into the file a page at a time, so a record that crosses a 4 KiB boundary is visible half
-written for a moment (2 of 10,640 reads beside a writer of 1 KB records, on a loaded 2-core machine). The
-reader must leave such a tail for the next read, not fail on it."""
+written for a moment (seen beside a writer of 1 KB records on a loaded 2-core machine). The reader must
+leave such a tail for the next read, not fail on it."""
 
 from __future__ import annotations
 

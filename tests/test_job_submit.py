@@ -209,7 +209,7 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
     ckpt = tmp_path / "ckpt"
     # every step 1 s longer (0.5 s a micro-batch): `ray job stop` (a CLI that imports Ray, then the
     # supervisor's SIGTERM) lands mid-run however long it takes on a loaded machine -- 24 steps after step 6,
-    # cut short by the stop (0.3 s a step was a ~10 s window that a loaded CLI start could outlast). From
+    # cut short by the stop (at 0.3 s a step, a window that a loaded CLI start could outlast). From
     # step 1, not from step 6: the hang bound follows the median step time, and steps that turned slow
     # mid-run would look hung under it
     slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.5, generation: null}]"

@@ -17,9 +17,9 @@ def test_kill_one_then_both_recovers_from_survivor_then_peer_tier(tmp_path, ray_
     lost work <= the interval, and the run ends bitwise equal to an uninterrupted one (strict mode keeps the
     world size, hence the math)."""
     # Generation 0's steps are 0.4 s longer (the hang bound follows: from step 1): the kill from outside lands
-    # in it however late this thread sees step 8 on a loaded machine (32 steps of ~75 ms were its window).
-    # Both ranks then die at a step of generation 1, not by pid once this thread saw step 22: the 18 steps
-    # left were ~1.4 s in which a late kill found the run finished (or its workers gone).
+    # in it however late this thread sees step 8 on a loaded machine (32 steps at the SLOW pace were its
+    # window). Both ranks then die at a step of generation 1, not by pid once this thread saw step 22: the 18
+    # steps left were a second or two, after which a late kill found the run finished (or its workers gone).
     gen0 = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.2, "generation": 0} for r in (0, 1)]
     both_die = [{"rank": r, "step": 30, "point": "mid_step", "kind": "kill", "generation": 1} for r in (0, 1)]
     spec = job(train={"steps": 40, "audit_samples": True}, faults=SLOW + gen0 + both_die, recovery={"mode": "strict"},
