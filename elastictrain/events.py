@@ -123,5 +123,9 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events of ``run_dir/events.jsonl``, also while a run writes it: every record ends with a
+    newline, so text after the last one is a record still being written (a reader can see part of one
+    write) and is not read yet."""
     path = Path(run_dir) / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.split("\n") if line.strip()]

@@ -40,7 +40,41 @@ class S3Server:
         return opts
 
 
+# Ports a test names for a server it starts later (a rendezvous, moto, `ray start`) come from below the
+# kernel's ephemeral range and above Ray's worker ports (10002-19999 by default): a port the kernel handed
+# out and we closed is free for its next bind(0) -- a gloo listener, a TCPStore on port 0, a Ray agent --
+# during the seconds before our server binds it (ranks start, import torch). Ports here are never handed
+# out by the kernel; only another test's pick can collide (1 in ~12,000), and the pick is checked free.
+_NAMED_PORTS_FROM = 20000
+_HANDED_OUT: set[int] = set()  # this process's picks: two servers of one test never get the same port
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A local TCP port free now, outside the range the kernel assigns on its own (see above); a port the
+    kernel assigns when that range leaves no room."""
+    import random
+
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100 if low - _NAMED_PORTS_FROM >= 1000 else 0):
+        port = rng.randrange(_NAMED_PORTS_FROM, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -209,7 +209,9 @@ class BackgroundRun:
         path = self.dir / "events.jsonl"
         return read_events(self.dir) if path.exists() else []
 
-    def finish(self, timeout: float = 120.0) -> Run:
+    def finish(self, timeout: float = 300.0) -> Run:
+        """The finished run. ``timeout`` bounds a hang, not the run's speed: it stays far above what a run
+        with a fault and a cold replacement takes on a loaded 2-core machine."""
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "run did not finish"
         if self.error:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from elastictrain.checkpoint import CheckpointStore
+from elastictrain.events import read_events
 from tests.checkpoint_fixtures import DUMMY_SECRET, s3_bucket, s3_server  # noqa: F401 - fixtures
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_40, job, run_job
@@ -66,28 +67,34 @@ def _write_job(tmp_path: Path, spec: dict) -> Path:
 def test_preempted_then_resumed_run_is_bitwise_identical(tmp_path, ray_local, clean_run):
     import ray
 
-    spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0))
-    path = _write_job(tmp_path, spec)
+    # a hang bound of 15 s at least: the first run's steps turn slow mid-run (below), which a bound of 10x
+    # the median step time so far (2 s) could take for a hang on a loaded machine
+    spec = job(name="pre", train={"steps": 40}, faults=SLOW, checkpoint=_ckpt(tmp_path, every_steps=0),
+               timeouts={**job()["timeouts"], "watchdog_floor_s": 15})
+    # the first run's steps from 13 on take a second more (no number changes): the SIGTERM lands mid-run
+    # however late this process sees step 12 on a loaded machine (28 steps at the SLOW pace were its window)
+    late = {"rank": 0, "step": 13, "kind": "slow", "seconds": 0.5, "generation": 0}
+    path = _write_job(tmp_path, {**spec, "faults": SLOW + [late]})
     # Both drivers join the session's Ray (a driver that starts its own is run by test_readme.py)
     address = ray.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "elastictrain", "run", str(path), "--ray-address", address, "--run-dir"]
-    proc = subprocess.Popen(cmd + [str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    events = tmp_path / "a" / "events.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if events.exists() and any(json.loads(line).get("step", 0) >= 12 for line in events.read_text().splitlines()
-                                   if '"step"' in line):
-            break
+    cmd = [sys.executable, "-m", "elastictrain", "run", "--ray-address", address, "--run-dir"]
+    proc = subprocess.Popen(cmd + [str(tmp_path / "a"), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not ((tmp_path / "a" / "events.jsonl").exists()
+               and any(e["event"] == "step" and e["step"] >= 12 for e in read_events(tmp_path / "a"))):
+        assert time.time() < deadline and proc.poll() is None, "the first run never reached step 12"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)  # what `ray job stop` and Kubernetes send
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, out[-2000:]
-    first = [json.loads(line) for line in events.read_text().splitlines()]
+    first = read_events(tmp_path / "a")
     (pre,) = [e for e in first if e["event"] == "preempted"]
     assert pre["checkpoint"] is True and pre["step"] >= 12
     # Resubmit the same job (a new cluster would do the same): resume: auto picks up the committed step.
-    again = subprocess.run(cmd + [str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    # (Its job file without the late slow steps: they would slow its steps 13.. too, changing no number.)
+    again = subprocess.run(cmd + [str(tmp_path / "b"), str(_write_job(tmp_path, spec))], capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     second = [json.loads(line) for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines()]
     (resumed,) = [e for e in second if e["event"] == "resumed"]

@@ -135,17 +135,22 @@ def test_retention_invariants(committed: set, uncommitted: set, keep_last: int, 
 
 
 class _Evil:
+    """Unpickled, it runs a shell command that creates ``marker`` (the test's own path: a fixed /tmp name is
+    shared with every other session on the machine)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
     def __reduce__(self):
-        return (os.system, ("echo pwned > /tmp/elastictrain_pwned",))
+        return (os.system, (f"echo pwned > {self.marker}",))
 
 
 def test_safe_metadata_refuses_code_execution(tmp_path) -> None:
-    if os.path.exists("/tmp/elastictrain_pwned"):
-        os.unlink("/tmp/elastictrain_pwned")
-    for payload in (_Evil(), {"x": _Evil()}):
+    marker = tmp_path / "pwned"
+    for payload in (_Evil(str(marker)), {"x": _Evil(str(marker))}):
         with pytest.raises(UnsafeMetadataError, match="refusing"):
             loads_metadata(pickle.dumps(payload), "s3://b/step_1/.metadata")
-    assert not os.path.exists("/tmp/elastictrain_pwned")
+    assert not marker.exists()
     with pytest.raises(UnsafeMetadataError, match="not DCP Metadata"):
         loads_metadata(pickle.dumps({"a": 1}))
     with pytest.raises(CheckpointError, match="corrupt"):

@@ -147,6 +147,18 @@ class FakeGroup(WorkerGroup):
             self.kill(slot)
 
 
+def _step_until(c: Controller, done: Any, states: list[State] | None = None, timeout: float = 180.0) -> None:
+    """``c.step()`` until ``done()`` holds (a bound on a hang, not a timing: a step waits at most a poll
+    interval, so a count of steps was a wall-clock window that a loaded machine's late actor death or
+    respawn outlasted). ``states`` collects the state after each step."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not there within {timeout:g} s: {c.sm.history}"
+        c.step()
+        if states is not None:
+            states.append(c.sm.state)
+
+
 def _controller(tmp_path: Path, scripts: dict[int, dict[str, Any]], **sections: Any) -> tuple[Controller, FakeGroup]:
     config = build_config(job(**sections))
     group = FakeGroup(config.workers.max + config.workers.spares, scripts)
@@ -172,12 +184,8 @@ def test_startup_failure_of_every_worker_fails_once(tmp_path, ray_local) -> None
 def test_own_errors_in_a_row_fail_the_run_as_a_crash_loop(tmp_path, ray_local) -> None:
     scripts = {1: {"run": "error", "error": "ValueError: bad batch"}}
     c, group = _controller(tmp_path, scripts, recovery={"max_failures_per_rank": 1, "mode": "strict"})
-    states = []
-    for _ in range(40):
-        if c.sm.terminal:
-            break
-        c.step()
-        states.append(c.sm.state)
+    states: list[State] = []
+    _step_until(c, lambda: c.sm.terminal, states)
     assert c.sm.state is State.FAILED, states
     assert "crash loop" in c.final_error and "ValueError: bad batch" in c.final_error
     assert State.RECOVERING in states
@@ -188,14 +196,9 @@ def test_preempted_while_recovering_checkpoints_and_exits_75(tmp_path, ray_local
     c, group = _controller(tmp_path, {1: {"run": "error", "error": "ValueError: boom"}})
     c.step()
     assert c.sm.state is State.RUNNING
-    for _ in range(20):
-        c.step()
-        if c.sm.state is State.RECOVERING:
-            break
-    assert c.sm.state is State.RECOVERING
+    _step_until(c, lambda: c.sm.state is State.RECOVERING)
     c.request_preemption("SIGTERM during recovery")
-    while not c.sm.terminal:
-        c.step()
+    _step_until(c, lambda: c.sm.terminal)
     assert c.sm.state is State.PREEMPTED and c.exit_code == 75
     path = [b for _, b, _ in c.sm.history]
     assert path[-2:] == [State.CHECKPOINTING, State.PREEMPTED], path
@@ -241,11 +244,7 @@ def test_replacement_starts_after_the_survivors_regroup_not_beside_their_recover
     group.spawn, c._form_generation = spawn_logged, form_logged
     c.step()  # STARTING -> RUNNING at world 2
     assert c.sm.state is State.RUNNING and c.world_size == 2
-    for _ in range(20):
-        c.step()
-        if c.sm.state is State.RECOVERING:
-            break
-    assert c.sm.state is State.RECOVERING
+    _step_until(c, lambda: c.sm.state is State.RECOVERING)
     group.slots[0].actor.release.remote()  # the death is known: the survivor's step fails now
     before = len(order)
     c.step()  # RECOVERING: the failure is accounted, the survivor regroups alone, then the replacement starts

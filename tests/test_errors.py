@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from elastictrain.worker.errors import classify_step_error, framework_collective, is_communication_error
+from tests.checkpoint_fixtures import free_port
 from tests.ranks import context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, verdicts) -> None:  # noqa: ANN001 - a multiprocessing queue
@@ -43,7 +37,7 @@ def _rank(rank: int, port: int, verdicts) -> None:  # noqa: ANN001 - a multiproc
 def test_a_dead_peer_under_a_real_gloo_collective_is_peer_failed() -> None:
     ctx = context()
     verdicts = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, verdicts)) for r in (0, 1)]
     for p in procs:
         p.start()

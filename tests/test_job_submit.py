@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.events import read_events
+from tests.checkpoint_fixtures import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 EXCLUDES = json.dumps({"excludes": ["runs", "checkpoints", ".git"]})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:
@@ -42,7 +38,7 @@ class LocalCluster:
         self.env.pop("RAY_ADDRESS", None)
         # Short temp dir of its own: other local Rays live under /tmp/ray; unix socket paths have a length limit.
         self.temp_dir = tempfile.mkdtemp(prefix="etray", dir="/tmp")
-        gcs, dash = _free_port(), _free_port()
+        gcs, dash = free_port(), free_port()
         self.address = f"http://127.0.0.1:{dash}"
         self.procs = [self._start(["--head", f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2",
                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1"])]
@@ -80,9 +76,9 @@ class LocalCluster:
         self.nodes = 1
 
     def _start(self, args: list[str]) -> subprocess.Popen:
-        ports = [f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-                 f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                 f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
+        ports = [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+                 f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
         # Only the head takes the temp dir: a second node in the same one would collide on its socket names.
         temp = [f"--temp-dir={self.temp_dir}"] if "--head" in args else []
         return subprocess.Popen(["ray", "start", "--block", *temp, "--disable-usage-stats", *ports, *args], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -180,8 +176,8 @@ def default_job(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The events written so far (read_events leaves out a record still being written)."""
+    return read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
 
 
 @pytest.mark.slow
@@ -211,7 +207,12 @@ def test_relative_checkpoint_uri_is_refused_on_several_nodes(cluster: LocalClust
 def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, tmp_path: Path,
                                                          default_job: tuple[subprocess.CompletedProcess, Path]) -> None:
     ckpt = tmp_path / "ckpt"
-    slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.15, generation: null}]"
+    # every step 1 s longer (0.5 s a micro-batch): `ray job stop` (a CLI that imports Ray, then the
+    # supervisor's SIGTERM) lands mid-run however long it takes on a loaded machine -- 24 steps after step 6,
+    # cut short by the stop (at 0.3 s a step, a window that a loaded CLI start could outlast). From
+    # step 1, not from step 6: the hang bound follows the median step time, and steps that turned slow
+    # mid-run would look hung under it
+    slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.5, generation: null}]"
     args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0"]
     slow_steps = ["--set", f"faults={slow}"]  # only the first submission: the stop lands mid-run
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
@@ -221,8 +222,8 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
                            wait=False, submission_id=submission)
     assert first.returncode == 0, first.stdout + first.stderr
     deadline = time.time() + 240
-    while time.time() < deadline and not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a")
-                                              if e["event"] == "step"):
+    while not any(e.get("step", 0) >= 6 for e in _events(tmp_path / "a") if e["event"] == "step"):
+        assert time.time() < deadline, f"the first submission never reached step 6: {_events(tmp_path / 'a')[-3:]}"
         time.sleep(0.2)
     stop = cluster.ray("job", "stop", submission)  # SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S
     assert stop.returncode == 0, stop.stdout + stop.stderr

@@ -5,25 +5,19 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from elastictrain.checkpoint.memory_dcp import Coverage, SnapshotReader, coverage, take_snapshot
+from tests.checkpoint_fixtures import free_port
 from tests.ranks import run_ranks
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # odd sizes: FSDP's dim-0 shards are uneven and one rank's may be empty
     return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3, bias=True))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(world: int, sharded: bool):
@@ -84,7 +78,7 @@ def _worker(rank: int, world: int, port: int, job: str, out: str) -> None:
 
 
 def _spawn(world: int, job: str, out: Path) -> None:
-    run_ranks(_worker, (world, _free_port(), job, str(out)), world)
+    run_ranks(_worker, (world, free_port(), job, str(out)), world)
 
 
 def _flat(tree) -> dict:

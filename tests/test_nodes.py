@@ -9,6 +9,15 @@ import ray
 from tests.cluster_fixtures import SLOW, node_of
 from tests.conftest import BackgroundRun, job
 
+
+def _gen0_slow(ranks: int) -> list[dict]:
+    """Generation 0's steps 0.25 s longer a micro-batch on every rank, from step 1 (the hang bound follows the
+    median step time): the node removed once the test sees a step goes in that generation however late the
+    test sees it on a loaded machine (at the SLOW pace, the steps left were a window of a few seconds).
+    The generations after it run at their own pace; no number changes."""
+    return [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.25, "generation": 0} for r in range(ranks)]
+
+
 def test_node_loss_shrinks_and_grows_back_when_capacity_returns(tmp_path, cluster):
     c, nodes = cluster
     earlier = set(ray.util.placement_group_table())  # the cluster's groups of earlier tests (now removed)
@@ -16,7 +25,7 @@ def test_node_loss_shrinks_and_grows_back_when_capacity_returns(tmp_path, cluste
     # worker start while world 1 trains, and the run is still going when they are up however loaded the
     # machine (50 folded steps: 200 s); the grow-back cuts those steps short, so they cost nothing otherwise
     folded = {"rank": 0, "step": 1, "kind": "slow", "seconds": 1.0, "generation": 1}
-    bg = BackgroundRun(tmp_path, job(train={"steps": 60}, faults=SLOW + [folded]), name="node")
+    bg = BackgroundRun(tmp_path, job(train={"steps": 60}, faults=SLOW + _gen0_slow(2) + [folded]), name="node")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10)
     c.remove_node(node_of(nodes, victim["node_id"]))
@@ -81,7 +90,7 @@ def test_a_node_lost_with_two_workers_is_one_failure_of_the_budget(tmp_path, clu
     hosted (before, 2 failures > 1 ended the run). Each worker still gets its own event (#21 item 8)."""
     c, nodes = cluster
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03, "generation": None} for r in range(4)]
-    spec = job(train={"steps": 40}, workers={"min": 1, "max": 4, "cpus_per_worker": 0.5}, faults=slow,
+    spec = job(train={"steps": 40}, workers={"min": 1, "max": 4, "cpus_per_worker": 0.5}, faults=slow + _gen0_slow(4),
                recovery={"max_failures": 1})
     bg = BackgroundRun(tmp_path, spec, name="node2")
     bg.wait_for(lambda e: e["event"] == "generation_started" and e["world_size"] == 4, timeout=120)

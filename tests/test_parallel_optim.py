@@ -10,13 +10,13 @@ sum over ranks): a few ulps apart, relative 1e-6 allowed; a missing or doubled s
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from elastictrain.parallel import optim
+from tests.checkpoint_fixtures import free_port
 from tests.ranks import run_ranks
 
 OPTIMIZERS = {
@@ -26,12 +26,6 @@ OPTIMIZERS = {
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(mesh) -> torch.nn.Module:
@@ -131,7 +125,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("optim")
-    run_ranks(_worker, (4, _free_port(), str(out)), 4)
+    run_ranks(_worker, (4, free_port(), str(out)), 4)
     return torch.load(out / "results.pt")
 
 

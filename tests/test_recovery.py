@@ -62,10 +62,13 @@ def test_strict_mode_replaces_and_is_bitwise_identical_and_all_workers_lost_reco
     survivor holds state, so the keeper's in-memory copy (a snapshot every step) is used, not storage (none
     is configured). The run ends bitwise equal to one without the failures: every step's loss and the final
     model's digest (one run instead of two: a strict replacement and a memory recovery each change no number)."""
-    # 40 steps, the kill from step 10: 26 slow steps left for it to land in generation 0 however loaded the
-    # machine (had it not, the generation-1 kill never fires and the recovery assertions below fail)
+    # 40 steps, the kill from step 10: it must land in generation 0 before step 36 (had it not, the
+    # generation-1 kill never fires and the recovery assertions below fail). Generation 0's steps are 0.4 s
+    # longer (from step 1: the hang bound follows the median step time), so its 26 steps left outlast a late
+    # kill on a loaded machine (at the SLOW steps' pace they were a window of a few seconds); no number changes
+    gen0 = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.2, "generation": 0} for r in (0, 1)]
     both = [{"rank": r, "step": 36, "point": "mid_step", "kind": "kill", "generation": 1} for r in (0, 1)]
-    spec = job(train={"steps": 40}, faults=SLOW + both, recovery={"mode": "strict"},
+    spec = job(train={"steps": 40}, faults=SLOW + gen0 + both, recovery={"mode": "strict"},
                checkpoint={"memory_every_steps": 1})
     bg = BackgroundRun(tmp_path, spec, name="strict")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
@@ -197,12 +200,13 @@ def test_a_kill_among_four_ddp_ranks_costs_one_failure_and_no_collective_timeout
     declared hung. Ranks leaving a failed step let go of their process groups, which fails such waits at
     once: one failure, no hang, and the survivors keep their state (lost work: the step in flight)."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    # a collective timeout far beyond the run's own length: waiting it out cannot pass for recovering
-    timeouts = {"collective_s": 300, "step_watchdog_cap_s": 310, "poll_s": 320, "restart_grace_s": 330,
+    # a collective timeout far beyond the run's own length and the bound on its end below: waiting it out
+    # cannot pass for recovering
+    timeouts = {"collective_s": 600, "step_watchdog_cap_s": 610, "poll_s": 620, "restart_grace_s": 630,
                 "watchdog_floor_s": 2}
     spec = job(train={"steps": 14}, workers={"min": 2, "max": 4}, faults=SLOW + [kill],
                checkpoint={"memory_every_steps": 0}, timeouts=timeouts)
-    run = BackgroundRun(tmp_path, spec).finish(timeout=150)
+    run = BackgroundRun(tmp_path, spec).finish()  # (the default bounds a hang, far below collective_s)
     assert run.result.exit_code == 0 and run.summary["final_step"] == 14
     # Four ranks trained up to the kill (the session's Ray has 4 CPUs: fewer would prove a smaller ring).
     assert run.of("generation_started")[0]["world_size"] == 4

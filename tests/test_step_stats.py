@@ -3,18 +3,11 @@ several buckets, gradients equal to DDP without the hook and the word summed ove
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tests.checkpoint_fixtures import free_port
 from tests.ranks import run_ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int) -> None:
@@ -47,7 +40,7 @@ def _rank(rank: int, port: int) -> None:
 
 
 def test_word_rides_in_the_last_bucket_and_gradients_are_unchanged():
-    run_ranks(_rank, (_free_port(),), 2)
+    run_ranks(_rank, (free_port(),), 2)
 
 
 def _rank_without_ddp(rank: int, port: int) -> None:
@@ -66,4 +59,4 @@ def _rank_without_ddp(rank: int, port: int) -> None:
 
 
 def test_without_ddp_the_word_takes_its_own_all_reduce():
-    run_ranks(_rank_without_ddp, (_free_port(),), 2)
+    run_ranks(_rank_without_ddp, (free_port(),), 2)
