@@ -309,7 +309,7 @@ class WorkerGroup:
                 continue
             if ok is True:
                 self._warm.append(Warm(s.actor, int(s.info.get("pid") or 0), str(s.info.get("ip")),
-                                       str(s.info.get("node_id"))))
+                                       str(s.info.get("node_id")), self._pool_key.session))
                 # the pool's now, not this run's: shutdown's kill (by actor and by pid) must not reach it
                 s.actor, s.setup_ref, s.state = None, None, SlotState.DEAD
                 s.info.pop("pid", None)

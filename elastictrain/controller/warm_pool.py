@@ -76,6 +76,7 @@ class Warm:
     pid: int
     ip: str
     node_id: str
+    session: str  # PoolKey.session of the run that pooled it: killed only while that session is this driver's
 
 
 def _callables(task: Any) -> list[Any]:
@@ -118,16 +119,29 @@ def task_identity(config: JobConfig, task: Any) -> str:
     return digest.hexdigest()
 
 
+def current_session() -> str | None:
+    """This driver's Ray session and job (``<GCS address>/<job id>``), None when Ray is not initialised."""
+    try:
+        if not ray.is_initialized():
+            return None
+        ctx = ray.get_runtime_context()
+        return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    except Exception:  # noqa: BLE001 - shutting down
+        return None
+
+
 def pool_key(config: JobConfig, task: Any) -> PoolKey:
     """The key of a run of ``config`` and ``task`` in this driver's Ray job (``ray.init`` done)."""
-    ctx = ray.get_runtime_context()
-    session = f"{ctx.gcs_address}/{ctx.get_job_id()}"
-    env = json.dumps(dict(ctx.runtime_env or {}), sort_keys=True, default=str)
-    return PoolKey(session, env, float(config.workers.cpus_per_worker), task_identity(config, task))
+    env = json.dumps(dict(ray.get_runtime_context().runtime_env or {}), sort_keys=True, default=str)
+    return PoolKey(current_session() or "", env, float(config.workers.cpus_per_worker), task_identity(config, task))
 
 
 def kill_warm(warm: Warm) -> None:
-    """Kill a pooled process: SIGKILL by pid on this node (gone at once), and Ray's kill."""
+    """Kill a pooled process: SIGKILL by pid on this node (gone at once), and Ray's kill. Nothing when the
+    session it was pooled in is no longer this driver's: Ray killed it with that job, and its pid may be
+    another process's by now."""
+    if warm.session != current_session():
+        return
     try:
         here = ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - Ray shut down: its processes went with it
