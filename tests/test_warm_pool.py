@@ -197,3 +197,14 @@ def test_an_edited_task_file_is_not_served_by_an_old_process_and_the_pool_dies_w
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_reuse_of_gpu_workers_is_refused_at_the_edge() -> None:
+    from elastictrain import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as info:
+        build_config(job(workers={"reuse": True, "use_gpu": True}))
+    text = str(info.value)
+    assert "workers.reuse=true with workers.use_gpu=true" in text and "set workers.reuse to false" in text
+    assert build_config(job(workers={"reuse": False, "use_gpu": True})).workers.reuse is False
+    assert build_config({"name": "defaults"}).workers.reuse is False  # off for users unless asked

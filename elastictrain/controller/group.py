@@ -276,7 +276,7 @@ class WorkerGroup:
             self._placement_waited.add(id(pg))
             bound = PLACEMENT_WAIT_S if slot.index < self.config.workers.min else EXTRA_PLACEMENT_WAIT_S
             ray.wait([self._ready_refs[id(pg)]], timeout=bound)
-        node = self._bundle_node(slot.index) if self.placed(slot) else None
+        node = self._placed_node(slot.index) if self.placed(slot) else None
         if node is None:
             return None, None
         slot.reusable = True
@@ -290,6 +290,16 @@ class WorkerGroup:
         ).remote(self.config, self.task, slot.index)
         return actor, None
 
+    def _placed_node(self, index: int) -> str | None:
+        """The node of slot ``index``'s bundle while its group stands placed (``CREATED``); None while Ray
+        re-places it (a lost node: an actor pinned there would be unschedulable, one in the bundle waits)."""
+        pg, bundle = self._placement[index]
+        try:
+            table = placement_group_table(pg)
+        except Exception:  # noqa: BLE001 - unknown: a worker in the bundle, as without reuse
+            return None
+        return table.get("bundles_to_node_id", {}).get(bundle) if table.get("state") == "CREATED" else None
+
     def keep_warm(self) -> int:
         """The run ended cleanly (the controller's judgement: finished, no failure, no fault configured):
         retire its reusable members and ready spares (``Worker.retire``) and keep those that answered
@@ -297,6 +307,12 @@ class WorkerGroup:
         killed by it as usual. Returns how many were kept. Never raises."""
         if not self._reuse:
             return 0
+        try:
+            return self._retire_into_pool()
+        except Exception:  # noqa: BLE001 - Ray going away: nothing is kept, shutdown kills as usual
+            return len(self._warm)
+
+    def _retire_into_pool(self) -> int:
         slots = [s for s in self.slots
                  if s.actor is not None and s.reusable and s.state in (SlotState.MEMBER, SlotState.READY)]
         calls = [(s, s.actor.retire.remote()) for s in slots]
