@@ -118,8 +118,11 @@ def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, fl
     return f"no single node has a whole worker bundle {bundle} free"
 
 
-PLACEMENT_WAIT_S = 10.0  # workers.reuse: how long a first worker's spawn waits for the core group to be placed
-EXTRA_PLACEMENT_WAIT_S = 1.0  # ... and an extra slot's for its own group (else: a worker in the bundle)
+# workers.reuse: how long the first spawn waits for the core group to be placed (the run cannot start without
+# it; a worker in the bundle would wait as long), and the first spawn of an extra slot for all the extra slots'
+# groups at once (created with the core: placed by then, unless capacity is short; else a worker in the bundle)
+PLACEMENT_WAIT_S = 30.0
+EXTRA_PLACEMENT_WAIT_S = 2.0
 
 
 class SlotState(enum.Enum):
@@ -269,13 +272,16 @@ class WorkerGroup:
         the slot's bundle (its ``reuse`` call is the set-up), else a new one outside the placement group
         (``num_cpus=0``, hard affinity to that node: the bundle holds the resources) whose set-up the caller
         starts. ``(None, None)`` while the bundle is not placed: the caller starts one in the bundle (never
-        pooled). The first spawn of a slot waits for its group to be placed, bounded (the run's first
-        workers are spawned right after their groups are created)."""
+        pooled). The first spawn of a slot waits for its group to be placed, bounded, once per group (the
+        run's first workers are spawned right after their groups are created; the extra slots' groups are
+        waited for together)."""
         pg, _ = self._placement[slot.index]
         if id(pg) not in self._placement_waited:
-            self._placement_waited.add(id(pg))
-            bound = PLACEMENT_WAIT_S if slot.index < self.config.workers.min else EXTRA_PLACEMENT_WAIT_S
-            ray.wait([self._ready_refs[id(pg)]], timeout=bound)
+            core = slot.index < self.config.workers.min
+            pgs = [pg] if core else [p for p, _ in self._placement[self.config.workers.min:]]
+            refs = [self._ready_refs[id(p)] for p in pgs if id(p) not in self._placement_waited]
+            self._placement_waited.update(id(p) for p in pgs)
+            ray.wait(refs, num_returns=len(refs), timeout=PLACEMENT_WAIT_S if core else EXTRA_PLACEMENT_WAIT_S)
         node = self._placed_node(slot.index) if self.placed(slot) else None
         if node is None:
             return None, None
