@@ -249,6 +249,8 @@ class WorkersConfig(_Section):
     spares: int = Field(0, ge=0, description="pre-started standby workers that replace a failed one at once")
     standby: bool = Field(True, description="after a first replacement, keep one worker process started ahead "
                                             "(imports done, no resources) for the next one (CPU workers)")
+    reuse: bool = Field(False, description="keep a cleanly finished run's worker processes for the next run of "
+                                           "this driver process (CPU workers; see docs/config.md)")
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -257,6 +259,10 @@ class WorkersConfig(_Section):
     def _min_le_max(self) -> WorkersConfig:
         if self.min > self.max:
             raise ValueError(f"workers.min={self.min} exceeds workers.max={self.max}; set min <= max")
+        if self.reuse and self.use_gpu:
+            raise ValueError("workers.reuse=true with workers.use_gpu=true: only CPU worker processes are reused "
+                             "(a GPU process's device state is not given back between runs); set workers.reuse "
+                             "to false")
         return self
 
 

@@ -34,7 +34,11 @@ BASE_JOB: dict[str, Any] = {
     "train": {"steps": 20, "seed": 0, "global_batch": 16, "micro_batch": 4, "log_every": 100},
     # no standby process started ahead (workers.standby, on by default): a run starts one once it trained a
     # step, an extra process importing torch beside every short test run; tests/test_standby.py turns it on
-    "workers": {"min": 1, "max": 2, "standby": False},
+    # worker processes reused across the suite's runs (workers.reuse, off by default): a run that ended cleanly
+    # leaves its processes to the next run of the session under the same key (elastictrain/controller/
+    # warm_pool.py), instead of each run starting its own (~4 CPU-s each); tests whose promise is about fresh
+    # processes, memory high-water marks or the standby set it false
+    "workers": {"min": 1, "max": 2, "standby": False, "reuse": True},
     # no peer memory tier (checkpoint.memory_every_steps, 10 by default): it starts a ShardKeeper process per
     # node, importing torch, beside every run; the tests whose promise involves the tier turn it on
     "checkpoint": {"memory_every_steps": 0},

@@ -117,7 +117,9 @@ def test_every_step_reports_peak_memory_and_the_run_reports_each_ranks_to_its_en
     (the digest, the final model's write) is in ``summary.json``'s per-rank peaks too: 600 MiB every rank
     holds for a moment while its final model's state is read show there, above every step's figure (the
     first one's holds the set-up) and well above the last step's (the share rule runs to the end)."""
-    spec = job(train={"steps": STEPS}, workers={"min": 2, "max": 2})
+    # fresh processes (workers.reuse, on in BASE_JOB, off): the first figure is a fresh process's set-up, and a
+    # reused one's heap keeps what an earlier run freed, which moves every figure
+    spec = job(train={"steps": STEPS}, workers={"min": 2, "max": 2, "reuse": False})
     task = builtin_task(build_config(spec))
     task = dataclasses.replace(task, loss_fn=AllocatingLoss(task.loss_fn),
                                model_fn=AllocatingStateDict(task.model_fn))

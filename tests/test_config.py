@@ -109,7 +109,7 @@ def test_cli_help_listing_and_a_config_error_do_not_import_torch(tmp_path):
 def test_gpus_asked_of_a_local_ray_without_them_is_a_config_error(tmp_path):
     from elastictrain.preflight import check_local_gpus
 
-    gpu = build_config(job(workers={"use_gpu": True, "min": 2, "max": 4}))
+    gpu = build_config(job(workers={"use_gpu": True, "reuse": False, "min": 2, "max": 4}))
     with pytest.raises(ConfigError, match=r"workers.use_gpu=true.*workers.min=2.*has 1 that torch can use"):
         check_local_gpus(gpu, 1)
     check_local_gpus(gpu, 2)  # min fits: the run starts and grows as GPUs appear (none will, locally)
@@ -219,7 +219,7 @@ def test_hsdp_on_gpus_needs_whole_nodes_or_a_shard_size() -> None:
     driver once it knows the cluster's GPUs per node -- not after every worker started (#21 item 9)."""
     from elastictrain.preflight import check_plan_on_gpus
 
-    spec = job(workers={"min": 4, "max": 12, "use_gpu": True}, parallel={"plan": "hsdp"},
+    spec = job(workers={"min": 4, "max": 12, "use_gpu": True, "reuse": False}, parallel={"plan": "hsdp"},
                train={"global_batch": 96, "micro_batch": 1})
     cfg = build_config(spec)  # the node's GPUs are unknown here: only the data rule is checked
     with pytest.raises(ConfigError) as e:

@@ -131,7 +131,7 @@ def test_starts_below_max_with_what_fits(tmp_path, ray_local) -> None:
 
 def test_no_capacity_for_min_names_the_missing_resource(tmp_path, ray_local) -> None:
     fast = {"collective_s": 1, "step_watchdog_cap_s": 2, "watchdog_floor_s": 1, "poll_s": 3, "restart_grace_s": 4}
-    run = run_job(tmp_path, job(workers={"use_gpu": True}, timeouts=fast))
+    run = run_job(tmp_path, job(workers={"use_gpu": True, "reuse": False}, timeouts=fast))
     assert run.result.exit_code == 1
     (failed,) = run.of("run_failed")
     assert "GPU: 0 of 1 free on any node" in failed["reason"], failed["reason"]

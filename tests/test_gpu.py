@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _gpu_job(tmp_path, **sections):
-    return job(workers={"min": 1, "max": 1, "use_gpu": True},
+    return job(workers={"min": 1, "max": 1, "use_gpu": True, "reuse": False},
                parallel={"plan": "fsdp", "mixed_precision": "bf16"},
                checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 10, "memory_every_steps": 5},
                **sections)
@@ -66,7 +66,7 @@ def test_nccl_abort_then_the_next_generation_trains_on(tmp_path):
     from elastictrain.worker.actor import worker_actor_class
 
     _ensure_local_ray()
-    cfg = build_config(job(workers={"min": 1, "max": 1, "use_gpu": True}, train={"steps": 20}))
+    cfg = build_config(job(workers={"min": 1, "max": 1, "use_gpu": True, "reuse": False}, train={"steps": 20}))
     worker = worker_actor_class().options(num_gpus=1, num_cpus=1).remote(cfg, builtin_task(cfg), 0)
     try:
         info = ray.get(worker.setup.remote(), timeout=120)

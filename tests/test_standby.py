@@ -76,7 +76,9 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
 
 
 def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
-    config = build_config(job(workers={"min": 1, "max": 1, "standby": True}))  # the default (off in BASE_JOB)
+    # standby: the default (off in BASE_JOB); reuse off (on in BASE_JOB): the promises here are about which
+    # process a slot runs in
+    config = build_config(job(workers={"min": 1, "max": 1, "reuse": False, "standby": True}))
     group = WorkerGroup(config, task_from_config(config))
     try:
         group.spawn(0)
@@ -126,7 +128,7 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
 
 
 def test_no_standby_when_turned_off(ray_local) -> None:
-    config = build_config(job(workers={"min": 1, "max": 1, "standby": False}))
+    config = build_config(job(workers={"min": 1, "max": 1, "reuse": False, "standby": False}))
     group = WorkerGroup(config, task_from_config(config))
     try:
         group._start_standby(0)  # what a replacement's set-up calls
@@ -152,7 +154,7 @@ def test_first_replacement_of_a_run_runs_in_the_standby_started_ahead(tmp_path, 
     (rank 1 SIGKILLed from outside, strict mode: the replacement must join) runs in that process."""
     # 0.1 s more per step on both ranks, every generation: the run outlasts the test's few calls below
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.1, "generation": None} for r in (0, 1)]
-    spec = job(train={"steps": 40}, workers={"min": 2, "max": 2, "standby": True}, recovery={"mode": "strict"},
+    spec = job(train={"steps": 40}, workers={"min": 2, "max": 2, "reuse": False, "standby": True}, recovery={"mode": "strict"},
                faults=slow)
     bg = BackgroundRun(tmp_path, spec)
     standby = _wait_standby_started(bg)  # maybe still importing: a replacement takes it all the same

@@ -145,6 +145,8 @@ class Controller:
                     self._fail(f"controller error while {state.value}: {describe_remote_error(e)} (last "
                                f"committed checkpoint: {(self.committer.committed_steps or [None])[-1]})")
         finally:
+            if self._ended_clean():  # workers.reuse: its processes may serve this driver's next run
+                self.group.keep_warm()
             self.group.shutdown()
             self.sources.close()  # the peer tier's keepers (actors of this run, holding its snapshots)
             self.committer.drain(timeout=self.config.timeouts.poll_s)  # commits queued before the end
@@ -152,6 +154,11 @@ class Controller:
             if frozen:
                 gc.unfreeze()  # a driver used as a library: its objects are collectable again
         return self.summary()
+
+    def _ended_clean(self) -> bool:
+        """Finished, with no failure charged and no fault configured: its workers' processes saw nothing
+        that a fresh process would not have (the rule for ``workers.reuse``, controller/warm_pool.py)."""
+        return self.sm.state is State.FINISHED and not self.budget.log and not self.config.faults
 
     def request_preemption(self, reason: str) -> None:
         """Called from a signal handler or a drain notice: stop at a step boundary, checkpoint, exit."""

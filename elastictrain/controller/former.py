@@ -149,7 +149,8 @@ class GenerationFormer:
             if first_time or reason == "start":
                 self.events.emit("worker_started", rank=r, slot=s.index, pid=s.info.get("pid"),
                                  node_id=s.info.get("node_id"), generation=gen, setup_s=s.info.get("setup_s"),
-                                 device=s.info.get("device"), standby=s.info.get("standby", False))
+                                 device=s.info.get("device"), standby=s.info.get("standby", False),
+                                 reused=s.info.get("reused", False))
         self.monitor.new_generation(gen, world, time.time(), steps[0])
         self.ledger.new_generation(gen, world, layout.accum)
         self.ledger.last_step = max(self.ledger.last_step, steps[0])

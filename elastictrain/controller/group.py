@@ -4,6 +4,10 @@ slot has its own, so the run starts with what fits and grows when capacity appea
 died gets a new actor in the same bundle: Ray re-places a bundle lost with its node when capacity exists,
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
+With ``workers.reuse`` (CPU workers) a placed slot's actor is created outside its group, pinned to the
+bundle's node, or taken warm from the driver's pool of an earlier run's processes, and a run that ended
+cleanly gives its workers back to that pool (:meth:`WorkerGroup.keep_warm`;
+:mod:`elastictrain.controller.warm_pool` says why it is built so).
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
 workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement that took
@@ -28,11 +32,12 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
+from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, pool_key
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, Phase, put_back, sweep
@@ -113,6 +118,13 @@ def describe_shortfall(bundle: dict[str, float], free_by_node: list[dict[str, fl
     return f"no single node has a whole worker bundle {bundle} free"
 
 
+# workers.reuse: how long the first spawn waits for the core group to be placed (the run cannot start without
+# it; a worker in the bundle would wait as long), and the first spawn of an extra slot for all the extra slots'
+# groups at once (created with the core: placed by then, unless capacity is short; else a worker in the bundle)
+PLACEMENT_WAIT_S = 30.0
+EXTRA_PLACEMENT_WAIT_S = 2.0
+
+
 class SlotState(enum.Enum):
     STARTING = "starting"  # actor created, setup() in flight
     READY = "ready"        # set up, not in the current generation
@@ -136,6 +148,8 @@ class Slot:
     started_at: float = 0.0
     incarnation: int = 0
     from_standby: bool = False  # this incarnation runs in the standby process started ahead
+    reusable: bool = False  # this incarnation's process is outside the placement group (workers.reuse)
+    reused: bool = False  # ... and was taken warm from the pool (an earlier run's process)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
@@ -161,6 +175,10 @@ class WorkerGroup:
     _standby_file: str | None = None  # where it writes its priorities before lowering them (same node only)
     _marks: list[str] = []  # files of standbys taken: removed at shutdown (a mark must outlive the take)
     rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
+    _reuse: bool = False  # workers.reuse (CPU workers): placed slots' processes are pooled (warm_pool.py)
+    _pool_key: PoolKey | None = None
+    _warm: list[Warm] = []  # this run's workers retired into the pool (keep_warm); released at shutdown
+    _placement_waited: set[int] = set()  # placement groups waited for once (reusable spawns)
 
     def __init__(self, config: JobConfig, task: Task) -> None:
         self.config = config
@@ -181,6 +199,12 @@ class WorkerGroup:
         self._ready_refs = {id(pg): pg.ready() for pg in self._pgs}
         self.slots = [Slot(i) for i in range(slots)]
         self._actor_cls = worker_actor_class()
+        self._reuse = w.reuse and not w.use_gpu
+        self._warm, self._placement_waited = [], set()
+        if self._reuse:
+            self._pool_key = pool_key(config, task)
+        else:  # reuse off: the key no longer matches, nothing stays warm beside this run
+            POOL.clear()
 
     def placed(self, slot: Slot) -> bool:
         """True once the slot's placement group holds its resources (an actor there can start)."""
@@ -227,17 +251,91 @@ class WorkerGroup:
         w = self.config.workers
         actor = self._take_standby(index)
         slot.from_standby = actor is not None
+        slot.reusable = slot.reused = False
+        setup_ref = None
+        if actor is None and self._reuse:
+            actor, setup_ref = self._spawn_reusable(slot)
         if actor is None:
             actor = self._actor_cls.options(
                 num_cpus=w.cpus_per_worker, num_gpus=1 if w.use_gpu else 0,
                 scheduling_strategy=self._in_bundle(index), max_restarts=0, max_task_retries=0,
             ).remote(self.config, self.task, index)
         slot.actor = actor
-        slot.setup_ref = slot.actor.setup.remote(index)
+        slot.setup_ref = setup_ref if setup_ref is not None else slot.actor.setup.remote(index)
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         slot.started_at = time.time()
         slot.incarnation += 1
         return slot
+
+    def _spawn_reusable(self, slot: Slot) -> tuple[Any, Any]:
+        """``(actor, setup ref)`` for a slot under ``workers.reuse``: a warm process from the pool on the node of
+        the slot's bundle (its ``reuse`` call is the set-up), else a new one outside the placement group
+        (``num_cpus=0``, hard affinity to that node: the bundle holds the resources) whose set-up the caller
+        starts. ``(None, None)`` while the bundle is not placed: the caller starts one in the bundle (never
+        pooled). The first spawn of a slot waits for its group to be placed, bounded, once per group (the
+        run's first workers are spawned right after their groups are created; the extra slots' groups are
+        waited for together)."""
+        pg, _ = self._placement[slot.index]
+        if id(pg) not in self._placement_waited:
+            core = slot.index < self.config.workers.min
+            pgs = [pg] if core else [p for p, _ in self._placement[self.config.workers.min:]]
+            refs = [self._ready_refs[id(p)] for p in pgs if id(p) not in self._placement_waited]
+            self._placement_waited.update(id(p) for p in pgs)
+            ray.wait(refs, num_returns=len(refs), timeout=PLACEMENT_WAIT_S if core else EXTRA_PLACEMENT_WAIT_S)
+        node = self._placed_node(slot.index) if self.placed(slot) else None
+        if node is None:
+            return None, None
+        slot.reusable = True
+        warm = POOL.take(self._pool_key, node)
+        if warm is not None:
+            slot.reused = True
+            return warm.actor, warm.actor.reuse.remote(self.config, self.task, slot.index)
+        actor = self._actor_cls.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            max_restarts=0, max_task_retries=0,
+        ).remote(self.config, self.task, slot.index)
+        return actor, None
+
+    def _placed_node(self, index: int) -> str | None:
+        """The node of slot ``index``'s bundle while its group stands placed (``CREATED``); None while Ray
+        re-places it (a lost node: an actor pinned there would be unschedulable, one in the bundle waits)."""
+        pg, bundle = self._placement[index]
+        try:
+            table = placement_group_table(pg)
+        except Exception:  # noqa: BLE001 - unknown: a worker in the bundle, as without reuse
+            return None
+        return table.get("bundles_to_node_id", {}).get(bundle) if table.get("state") == "CREATED" else None
+
+    def keep_warm(self) -> int:
+        """The run ended cleanly (the controller's judgement: finished, no failure, no fault configured):
+        retire its reusable members and ready spares (``Worker.retire``) and keep those that answered
+        True within ``timeouts.poll_s`` for the pool (handed over at :meth:`shutdown`); the others are
+        killed by it as usual. Returns how many were kept. Never raises."""
+        if not self._reuse:
+            return 0
+        try:
+            return self._retire_into_pool()
+        except Exception:  # noqa: BLE001 - Ray going away: nothing is kept, shutdown kills as usual
+            return len(self._warm)
+
+    def _retire_into_pool(self) -> int:
+        slots = [s for s in self.slots
+                 if s.actor is not None and s.reusable and s.state in (SlotState.MEMBER, SlotState.READY)]
+        calls = [(s, s.actor.retire.remote()) for s in slots]
+        if calls:
+            ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=self.config.timeouts.poll_s)
+        for s, ref in calls:
+            try:
+                ok = ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - not answered, or failed: killed at shutdown
+                continue
+            if ok is True:
+                self._warm.append(Warm(s.actor, int(s.info.get("pid") or 0), str(s.info.get("ip")),
+                                       str(s.info.get("node_id")), self._pool_key.session))
+                # the pool's now, not this run's: shutdown's kill (by actor and by pid) must not reach it
+                s.actor, s.setup_ref, s.state = None, None, SlotState.DEAD
+                s.info.pop("pid", None)
+        return len(self._warm)
 
     def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         pg, bundle = self._placement[index]
@@ -353,6 +451,7 @@ class WorkerGroup:
             try:
                 slot.info = ray.get(ref)
                 slot.info["standby"] = slot.from_standby
+                slot.info["reused"] = slot.reused
                 slot.state = SlotState.READY
                 if slot.incarnation > 1:  # a replacement is up: have a process ready for the next one
                     self._start_standby(slot.index)
@@ -431,3 +530,6 @@ class WorkerGroup:
                 remove_placement_group(pg)
             except Exception:
                 pass
+        if self._reuse:  # what the pool held and this run did not take goes; this run's retired workers stay
+            POOL.release(self._pool_key, self._warm)
+            self._warm = []

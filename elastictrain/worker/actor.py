@@ -10,6 +10,10 @@ Sharded layouts (fsdp/hsdp) rebuild model and optimizer per generation and load 
 DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: survivors' held snapshots
 (:meth:`Worker.hold_snapshot`, also after a clean stop for a grow), the peer memory tier's keepers, or the
 durable checkpoint.
+
+Under ``workers.reuse`` a process outlives its run: a cleanly finished run retires it (:meth:`Worker.retire`:
+everything the run built dropped, the process put back as it was when the actor was created) and the
+driver's next run hands it a new config and task (:meth:`Worker.reuse`); controller/warm_pool.py says when.
 """
 
 from __future__ import annotations
@@ -66,6 +70,27 @@ and because those calls are collectives that must not overlap anyway."""
 RECORDS_CARRIED = 64
 
 _on_state_thread = ray.method(concurrency_group=STATE_GROUP)
+
+# What this process looked like when its first Worker was created (workers.reuse: a retired worker is put back
+# to it): its environment variables and the global torch generator's state.
+_FRESH: dict[str, Any] = {}
+
+
+def _remember_fresh() -> None:
+    if not _FRESH:
+        _FRESH["env"] = dict(os.environ)
+        _FRESH["rng"] = torch.random.get_rng_state()
+
+
+def _back_to_fresh() -> None:
+    """Environment variables and the global torch generator as at the first Worker's creation."""
+    env = _FRESH["env"]
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    torch.random.set_rng_state(_FRESH["rng"])
 
 
 def _node_ip() -> str:
@@ -130,6 +155,8 @@ class Worker:
     def __init__(self, config: JobConfig, task: Task, slot: int) -> None:
         if slot >= 0:  # a standby (slot -1) stays at the low priority until taken (worker/import_priority.py)
             import_priority.restore(by="init")
+        _remember_fresh()
+        self._tainted = False  # saw a failed step, an abort or a fault: never reused (retire says False)
         self.config = config
         self.task = task
         self.slot = slot
@@ -171,6 +198,9 @@ class Worker:
             _freeze_imported_objects()
             threads = max(1, int(self.config.workers.cpus_per_worker))
             torch.set_num_threads(threads)
+            # what Ray sets for an actor that asked for the CPUs; one outside its bundle (workers.reuse) asked
+            # for none and got 1 (controller/warm_pool.py): children (data loaders) see the same either way
+            os.environ["OMP_NUM_THREADS"] = str(threads)
             faults = FaultInjector(self.config.faults)
             if self.config.workers.use_gpu:
                 _nccl_environment(self.config.stable_id, self.slot)
@@ -191,6 +221,52 @@ class Worker:
             "state_bytes": 3 * sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
             "fingerprint": _fingerprint(self.runner),
         }
+
+    @_on_state_thread
+    def retire(self) -> bool:
+        """End of a cleanly finished run under ``workers.reuse``: close what the run opened (:meth:`shutdown`)
+        and drop everything it built (model, optimizer, data, held snapshots, stores, DTensor's mesh caches,
+        ``torch._dynamo``'s compiled code), put the environment variables and the global torch generator
+        back as they were at this process's first creation, let the garbage collector see everything again
+        (the next set-up freezes what is left, as a fresh one does) and reset the host memory high-water
+        mark. Returns False, doing nothing, if this process saw a failed step or an abort, or its run had
+        faults configured (one may have fired here), or its process group did not go: the group kills it
+        instead."""
+        from elastictrain.parallel.mesh import forget_earlier_meshes
+        from elastictrain.worker import memory_peak
+
+        if self._tainted or self.config.faults:
+            return False
+        self.shutdown()
+        if dist.is_initialized():
+            return False
+        self.runner = None
+        self._held = self._store = self._writer = self._ckpt_group = self._replicator = None
+        self._stores = {}
+        self._records.clear()
+        self._recent.clear()
+        self._ckpt_events.clear()
+        self._memory_reports = []
+        forget_earlier_meshes()
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        _back_to_fresh()
+        gc.unfreeze()
+        gc.collect()
+        memory_peak.reset_host()
+        self._status = "retired"
+        return True
+
+    @_on_state_thread
+    def reuse(self, config: JobConfig, task: Task, slot: int) -> dict[str, Any]:
+        """A retired process (:meth:`retire`) takes a slot of a new run: this worker is created anew with
+        the run's ``config`` and ``task`` and set up as a fresh one is (:meth:`setup`, whose answer this is:
+        the model and data built from the config and seed alone, ``prebuilt`` false)."""
+        if self._status != "retired":
+            raise RuntimeError(f"reuse of a worker in status {self._status!r}: only a retired one is reused")
+        self.__init__(config, task, slot)
+        return self.setup(slot)
 
     def wake(self) -> dict[str, Any]:
         """A standby process was taken: put it back at the training priority now (not on the state thread,
@@ -307,6 +383,7 @@ class Worker:
         r = self.runner
         if r is None or not r.abort(generation):
             return "other generation"
+        self._tainted = True
         if not dist.is_initialized():
             return "marked"
         if not self.config.workers.use_gpu:
@@ -392,6 +469,7 @@ class Worker:
                     return self._result("stopped")
             if failed is None:
                 return self._result("done")
+            self._tainted = True
             # outside the except clause: the failed step's frames (and their tensors) are gone by now.
             # Only a survivor releases: a rank that failed by its own error is killed by the controller,
             # which closes its connections anyway.

@@ -54,6 +54,13 @@ def host_reset_works() -> bool:
     return _reset_ok
 
 
+def reset_host() -> None:
+    """Reset the host high-water mark to the current RSS (where the kernel allows: :func:`host_reset_works`):
+    a worker process reused for another run (``workers.reuse``) reports that run's peaks, not an earlier one's."""
+    if host_reset_works():
+        _reset_host()
+
+
 def read_and_reset(device: torch.device) -> dict[str, float]:
     """``{"host_mib": ...}`` plus, on CUDA, ``{"alloc_mib": ..., "reserved_mib": ...}``: the peaks since the
     previous call (or the process start), in MiB; then the marks are reset to the current use."""

@@ -1,0 +1,210 @@
+"""Worker processes kept warm between runs of one driver process (``workers.reuse``).
+
+Ray starts every actor in a fresh interpreter, and a worker's start is seconds of CPU (Ray's worker boot,
+torch, DTensor, ``torch._dynamo``: docs/perf/2026-11-28-suite-time.md). A driver that calls
+``Trainer(...).fit()`` again and again (a sweep, a notebook, the test suite) pays that per worker per run.
+With ``workers.reuse`` a run that ended cleanly hands its workers' processes to :data:`POOL`, emptied of the
+run (:meth:`Worker.retire <elastictrain.worker.actor.Worker.retire>`), and the next run of the same driver
+takes them instead of starting processes (``Worker.reuse``: the run's config and task, then the set-up of
+a fresh worker).
+
+Why the rules are what they are:
+
+- Placement. Removing a placement group kills the actors in it, and the group of a run is removed when the
+  run ends. A reusable worker is therefore created outside the group: ``num_cpus=0`` and pinned (hard node
+  affinity) to the node of its slot's bundle, which holds the resources, as the standby process is
+  (controller/group.py). ``workers.placement_strategy`` still decides the nodes (the bundles are placed
+  by it, the workers follow them); a lost node takes the worker with it, as it would in the bundle; a
+  slot whose bundle is not placed yet (waiting for capacity, re-placing after a node loss) gets an actor
+  in the bundle as before, which is never pooled. The pool holds no resources between runs.
+- Threads. Ray sets ``OMP_NUM_THREADS`` of an actor from the CPUs it asked for (1 for ``num_cpus=0``:
+  ``ray/_private/utils.py set_omp_num_threads_if_unset``), after the preload imported torch, so it only
+  reaches child processes; the set-up sets torch's threads and ``OMP_NUM_THREADS`` to
+  ``workers.cpus_per_worker`` itself, so a worker in the bundle and one outside it compute alike.
+- The key (:class:`PoolKey`): everything that makes one process differ from another that this driver
+  could start now: the Ray session and job (a new ``ray.init`` is another job, whose actors these are
+  not), the job's runtime environment (its env vars), ``workers.cpus_per_worker`` and the task's code
+  (:func:`task_identity`: the files that define the task's callables, by path and content digest; an
+  edited task file imported by name would otherwise keep running the old module a warm process has
+  imported). The node is matched per worker (a worker is taken only for a bundle on its node). A run
+  whose key differs empties the pool (kills its processes), so does a run with reuse off; and the pool
+  never holds more than the last run's workers (whatever the last run did not take is killed when it
+  ends).
+- What is pooled: only CPU workers (a GPU process's CUDA context is not given back), only processes
+  created for reuse (outside the placement group, never a standby), only from a run that ended
+  ``finished`` with no failure charged and no fault configured, only members or ready spares, and only
+  when the worker itself says it saw no failed step, no abort and no fault (``Worker.retire`` answers
+  False then) and answered its retire within ``timeouts.poll_s``. Everything else is killed as without
+  reuse.
+- Lifetime. The pooled actors are owned by this driver: Ray kills them with the driver's job (at
+  ``ray.shutdown``, or when the driver exits), so nothing outlives the driver; :meth:`WarmPool.clear`
+  kills them earlier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, fields
+from typing import Any
+
+import ray
+
+from elastictrain.config import JobConfig
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What must be equal for a process to serve another run (see the module's docstring)."""
+
+    session: str  # the Ray session (GCS address) and this driver's job id
+    runtime_env: str  # the job's runtime environment, as JSON (env vars, working dir, ...)
+    cpus_per_worker: float
+    task: str  # task_identity()
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A pooled worker process: its actor handle and where it runs."""
+
+    actor: Any
+    pid: int
+    ip: str
+    node_id: str
+    session: str  # PoolKey.session of the run that pooled it: killed only while that session is this driver's
+
+
+def _callables(task: Any) -> list[Any]:
+    """The task's callables (and its pipeline hooks'), unwrapped from ``functools.partial`` and bound methods."""
+    out: list[Any] = []
+    todo = [getattr(task, f.name) for f in fields(task)] if hasattr(task, "__dataclass_fields__") else []
+    while todo:
+        value = todo.pop()
+        if value is None or isinstance(value, (str, int, float, bool)):
+            continue
+        if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):  # PipelineHooks
+            todo.extend(getattr(value, f.name) for f in fields(value))
+            continue
+        if hasattr(value, "func"):  # functools.partial
+            todo.append(value.func)
+            todo.extend(v for v in (*value.args, *value.keywords.values()) if callable(v))
+            continue
+        out.append(getattr(value, "__func__", value))
+    return out
+
+
+def task_identity(config: JobConfig, task: Any) -> str:
+    """The task's code, as a warm process would have it imported: a digest of the path and content of every
+    file defining one of the task's callables (and, for ``task.kind: python``, the entry's module). A file
+    edited between two runs changes it. Modules those files import in turn are not read: edit one of them
+    and restart the driver (or set ``workers.reuse: false``)."""
+    modules = {getattr(inspect.getmodule(fn), "__name__", None) for fn in _callables(task)}
+    if config.task.kind == "python" and config.task.entry:
+        modules.add(config.task.entry.partition(":")[0])
+    digest = hashlib.sha256(f"kind={config.task.kind}".encode())
+    for name in sorted(m for m in modules if m):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        digest.update(f"\0{name}\0{path}\0".encode())
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    digest.update(hashlib.sha256(f.read()).digest())
+            except OSError:  # gone since it was imported: never matches a later read
+                digest.update(os.urandom(16))
+    return digest.hexdigest()
+
+
+def current_session() -> str | None:
+    """This driver's Ray session and job (``<GCS address>/<job id>``), None when Ray is not initialised."""
+    try:
+        if not ray.is_initialized():
+            return None
+        ctx = ray.get_runtime_context()
+        return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    except Exception:  # noqa: BLE001 - shutting down
+        return None
+
+
+def pool_key(config: JobConfig, task: Any) -> PoolKey:
+    """The key of a run of ``config`` and ``task`` in this driver's Ray job (``ray.init`` done)."""
+    env = json.dumps(dict(ray.get_runtime_context().runtime_env or {}), sort_keys=True, default=str)
+    return PoolKey(current_session() or "", env, float(config.workers.cpus_per_worker), task_identity(config, task))
+
+
+def kill_warm(warm: Warm) -> None:
+    """Kill a pooled process: SIGKILL by pid on this node (gone at once), and Ray's kill. Nothing when the
+    session it was pooled in is no longer this driver's: Ray killed it with that job, and its pid may be
+    another process's by now."""
+    if warm.session != current_session():
+        return
+    try:
+        here = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - Ray shut down: its processes went with it
+        here = None
+    if warm.pid and warm.ip == here:
+        try:
+            os.kill(warm.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        ray.kill(warm.actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone (its job ended, or Ray shut down)
+        pass
+
+
+class WarmPool:
+    """The warm processes of this driver, under one key. Thread-safe: runs in threads of one driver
+    (tests' background runs) take and release concurrently."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: PoolKey | None = None
+        self._idle: list[Warm] = []
+
+    def take(self, key: PoolKey, node_id: str | None) -> Warm | None:
+        """A warm process on ``node_id`` under ``key``, removed from the pool; None if there is none. A
+        pool under another key is emptied first (its processes killed)."""
+        with self._lock:
+            if key != self._key:
+                stale, self._idle, self._key = self._idle, [], key
+            else:
+                stale = []
+            found = next((w for w in self._idle if w.node_id == node_id), None) if node_id else None
+            if found is not None:
+                self._idle.remove(found)
+        for warm in stale:
+            kill_warm(warm)
+        return found
+
+    def release(self, key: PoolKey | None, warm: list[Warm]) -> None:
+        """A run ended: kill what the pool still holds (what that run did not take, or another key's) and
+        keep ``warm`` (that run's retired workers) under ``key``."""
+        with self._lock:
+            stale, self._idle = self._idle, list(warm) if key is not None else []
+            self._key = key if warm else None
+        for w in stale:
+            kill_warm(w)
+        if key is None:
+            for w in warm:
+                kill_warm(w)
+
+    def clear(self) -> int:
+        """Kill every pooled process; returns how many."""
+        with self._lock:
+            n = len(self._idle)
+        self.release(None, [])
+        return n
+
+    def pids(self) -> list[int]:
+        """The pids of the pooled processes (for tests and reports)."""
+        with self._lock:
+            return [w.pid for w in self._idle]
+
+
+POOL = WarmPool()
+"""This driver process's pool (one per process: what it holds is Ray actors owned by this driver)."""

@@ -1,0 +1,210 @@
+"""``workers.reuse``: a cleanly finished run's worker processes serve the driver's next run
+(elastictrain/controller/warm_pool.py), and a reused process is indistinguishable from a fresh one.
+
+One module-scoped sequence of runs in this driver (tests/conftest.py's session Ray), read by the tests below:
+``A`` (another job: other seed, steps and learning rate, 2 workers), ``B`` (job Y, takes A's processes),
+``F`` (job Y with a raised fault: takes B's, which then saw a failure), ``G`` (job Y: fresh processes, since
+F's are not pooled) and ``H`` (another key: ``cpus_per_worker`` 0.5). The driver-level promises (an edited
+task file, the pool emptied at ``ray.shutdown`` and at exit) run in a second driver process connected to the
+session's Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from elastictrain.controller.warm_pool import POOL
+from tests.conftest import _ensure_local_ray, job, run_job
+
+ROOT = Path(__file__).resolve().parent.parent
+W2 = {"min": 2, "max": 2, "reuse": True}
+Y = job(name="y", train={"steps": 8}, workers=W2)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _all_gone(pids: list[int], timeout: float = 120.0) -> list[int]:
+    """Wait (bounded, generous: a loaded machine) until none of ``pids`` runs; the ones still running."""
+    deadline = time.time() + timeout
+    alive = list(pids)
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if _state(p) not in (None, "Z", "X")]
+        if alive:
+            time.sleep(0.2)  # polling a condition (the kernel's process table), not a timing window
+    return alive
+
+
+def _started(run) -> list[dict]:
+    return sorted(run.of("worker_started"), key=lambda e: e["rank"])
+
+
+@pytest.fixture(scope="module")
+def seq(tmp_path_factory):
+    _ensure_local_ray()
+    tmp = tmp_path_factory.mktemp("warm")
+    out = {"A": run_job(tmp, job(name="a", train={"steps": 5, "seed": 7}, workers=W2,
+                                 task={"optimizer": {"lr": 1e-2, "warmup_steps": 1}}), name="A")}
+    out["pool_after_A"] = sorted(POOL.pids())
+    out["B"] = run_job(tmp, Y, name="B")
+    boom = {"rank": 1, "step": 3, "point": "backward", "kind": "raise"}
+    out["F"] = run_job(tmp, {**Y, "faults": [boom]}, name="F")
+    out["pool_after_F"] = sorted(POOL.pids())
+    out["G"] = run_job(tmp, Y, name="G")
+    out["pool_after_G"] = sorted(POOL.pids())
+    out["H"] = run_job(tmp, job(name="h", train={"steps": 2}, workers={"min": 1, "max": 1, "reuse": True,
+                                                                        "cpus_per_worker": 0.5}), name="H")
+    out["pool_after_H"] = sorted(POOL.pids())
+    return out
+
+
+def test_a_reused_run_trains_bitwise_like_fresh_processes(seq) -> None:
+    a, b, g = seq["A"], seq["B"], seq["G"]
+    for run in (a, b, g):
+        assert run.result.exit_code == 0, run.summary
+    # B ran in A's processes (pooled after A's clean end), G in fresh ones
+    assert seq["pool_after_A"] == sorted(e["pid"] for e in _started(a))
+    assert [e["reused"] for e in _started(b)] == [True, True]
+    assert sorted(e["pid"] for e in _started(b)) == seq["pool_after_A"]
+    assert [e["reused"] for e in _started(g)] == [False, False]
+    # A trained another job in those processes: nothing of it (model, optimizer, data, RNG) reaches B
+    assert a.losses() != b.losses()
+    assert b.losses() == g.losses() and len(b.losses()) == 8  # every step, bitwise
+    assert b.summary["final_model_sha256"] == g.summary["final_model_sha256"]
+    params_b, params_g = b.final_params(), g.final_params()
+    assert params_b.keys() == params_g.keys() and all(params_b[k].equal(params_g[k]) for k in params_b)
+
+
+def test_a_faulted_runs_processes_are_never_reused(seq) -> None:
+    f, g = seq["F"], seq["G"]
+    assert f.result.exit_code == 0 and f.of("failure"), f.summary  # recovered from its raised fault
+    assert all(e["reused"] for e in _started(f) if e["generation"] == 0)  # F took B's processes...
+    f_pids = {e["pid"] for e in f.of("worker_started")}
+    assert seq["pool_after_F"] == []  # ... and gave none back: neither the raiser, its peer, nor the replacement
+    assert f_pids.isdisjoint(e["pid"] for e in g.of("worker_started"))
+    assert _all_gone(sorted(f_pids)) == []
+
+
+def test_the_pool_holds_the_last_runs_workers_and_is_emptied_when_the_key_changes(seq) -> None:
+    g, h = seq["G"], seq["H"]
+    g_pids = sorted(e["pid"] for e in _started(g))
+    assert seq["pool_after_G"] == g_pids
+    # H's cpus_per_worker differs: G's processes were killed, H started its own and is the pool now
+    assert [e["reused"] for e in _started(h)] == [False]
+    assert _all_gone(g_pids) == []
+    assert seq["pool_after_H"] == [e["pid"] for e in _started(h)]
+
+
+def test_a_run_with_reuse_off_empties_the_pool(seq, tmp_path) -> None:
+    held = seq["pool_after_H"] or POOL.pids()
+    run = run_job(tmp_path, job(name="off", train={"steps": 2}, workers={"min": 1, "max": 1, "reuse": False}))
+    assert run.result.exit_code == 0
+    assert [e["reused"] for e in _started(run)] == [False]
+    assert POOL.pids() == []
+    assert _all_gone(held) == []
+
+
+TASK_V1 = '''
+import dataclasses
+import functools
+
+from elastictrain import build_config
+from elastictrain.task import builtin_task
+
+SCALE = 1.0
+
+
+def _scaled(loss_fn, model, batch, seeds):
+    return SCALE * loss_fn(model, batch, seeds)
+
+
+def make():
+    base = builtin_task(build_config({"task": {"model": {"seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32,
+                                                          "dropout": 0.1}}}))
+    return dataclasses.replace(base, loss_fn=functools.partial(_scaled, base.loss_fn))
+'''
+
+DRIVER = '''
+import importlib, json, os, pathlib, sys
+here = pathlib.Path(__file__).parent
+import ray
+from elastictrain import Trainer, build_config
+from elastictrain.controller.warm_pool import POOL
+ray.init(address=os.environ["ET_TEST_RAY"], log_to_driver=False)
+spec = json.loads((here / "spec.json").read_text())
+
+def run(name):
+    result = Trainer(build_config(spec), run_dir=here / name, console=None).fit()
+    events = [json.loads(line) for line in (here / name / "events.jsonl").read_text().splitlines()]
+    return {"exit": result.exit_code, "started": [e for e in events if e["event"] == "worker_started"],
+            "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"}}
+
+out = {"v1": run("v1"), "pool_v1": POOL.pids()}
+out["v1b"] = run("v1b")  # the same file: reused
+(here / "mytask.py").write_text((here / "mytask.py").read_text().replace("SCALE = 1.0", "SCALE = 2.0"))
+importlib.reload(sys.modules["mytask"])  # the driver runs the edited file (as a notebook's reload does)
+out["v2"] = run("v2")
+out["pool_v2"] = POOL.pids()
+if sys.argv[1] == "shutdown":
+    ray.shutdown()
+print("RESULT " + json.dumps(out), flush=True)
+sys.stdin.read()  # stays alive until the test has looked
+'''
+
+
+@pytest.mark.slow  # a second driver (its own job on the session's Ray) starting its own worker processes
+@pytest.mark.parametrize("end", ["shutdown", "exit"])
+def test_an_edited_task_file_is_not_served_by_an_old_process_and_the_pool_dies_with_the_driver(
+        ray_local, tmp_path, end) -> None:
+    (tmp_path / "mytask.py").write_text(TASK_V1)  # beside the driver script: on its workers' path (Ray's rule)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    spec = job(name="edit", train={"steps": 3}, workers={"min": 1, "max": 1, "reuse": True},
+               task={"kind": "python", "entry": "mytask:make"})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "ET_TEST_RAY": ray.get_runtime_context().gcs_address}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), end], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = next((ln for ln in proc.stdout if ln.startswith("RESULT ")), None)
+        assert line is not None, f"the driver ended without a result (exit {proc.wait()})"
+        out = json.loads(line[len("RESULT "):])
+        v1, v1b, v2 = out["v1"], out["v1b"], out["v2"]
+        assert v1["exit"] == v1b["exit"] == v2["exit"] == 0
+        assert [e["reused"] for e in v1b["started"]] == [True]  # the same file: the warm process served it
+        assert [e["reused"] for e in v2["started"]] == [False]  # edited: a fresh process imported it
+        pool = out["pool_v2"]
+        assert pool == [v2["started"][0]["pid"]] and v1b["started"][0]["pid"] not in pool
+        # the edited file's code ran: the first step's loss (before any update) exactly doubled
+        assert v2["losses"]["1"] == 2 * v1["losses"]["1"] and v1b["losses"] == v1["losses"]
+        if end == "shutdown":  # the driver lives on: ray.shutdown alone ended its pooled process
+            assert _all_gone(pool) == []
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        assert _all_gone(pool) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_reuse_of_gpu_workers_is_refused_at_the_edge() -> None:
+    from elastictrain import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as info:
+        build_config(job(workers={"reuse": True, "use_gpu": True}))
+    text = str(info.value)
+    assert "workers.reuse=true with workers.use_gpu=true" in text and "set workers.reuse to false" in text
+    assert build_config(job(workers={"reuse": False, "use_gpu": True})).workers.reuse is False
+    assert build_config({"name": "defaults"}).workers.reuse is False  # off for users unless asked
