@@ -102,12 +102,13 @@ def assert_same_numbers(run: Any, ref: Any, *, steps: range | None = None, loss_
 
 def assert_grew_back_from_the_last_step(run: Any) -> None:
     """The run grew back (``generation_started`` with reason ``grow``), each time from the last step it had
-    trained (the members' live state: the step of the last ``step`` event before it), never from an older
+    trained (the members' live state: the step of the last ``step`` event before it, which after a restore
+    from an older checkpoint is a redone step below the highest one reported), never from an older
     committed checkpoint."""
     grown = [i for i, e in enumerate(run.events) if e["event"] == "generation_started" and e["reason"] == "grow"]
     assert grown, [e for e in run.events if e["event"] == "generation_started"]
     for i in grown:
-        trained = max(e["step"] for e in run.events[:i] if e["event"] == "step")
+        trained = [e["step"] for e in run.events[:i] if e["event"] == "step"][-1]
         assert run.events[i]["step"] == trained, (run.events[i], trained)
     later = [e for e in run.events[grown[0]:] if e["event"] == "resumed"]
     assert not later, later  # no reload from storage after the first grow-back
