@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/parallel.py [--world 4] [--steps 5] [--warmup 2] [--d-model 512] [--layers 16]
 [--kill-steps 40] [--kill-repeats 5] [--kill-batch 32,8] [--memory-every 10] [--plans ddp,fsdp,hsdp]
-[--pp 2] [--pp-schedules 1f1b] [--kill-pp] [--kill-tp] [--kill-model tiny|big]``
+[--pp 2] [--pp-schedules 1f1b] [--kill-pp] [--kill-tp] [--kill-cp] [--kill-ep] [--kill-model tiny|big]``
 
 The pipeline targets of issue #22 on a quiet machine, one command (the 50.7M default model; every schedule
 measured; ``--plans ''`` leaves out the 4-process plans; ``--kill-pp`` adds the kill runs of ddp and
@@ -49,6 +49,13 @@ with the same model, data and global batch; printed after the table, each beside
   tiny job the ratio is bounded by tp's own step (DTensor's dispatch and ~25 collectives per micro-batch on
   2 layers of d_model 64), so only the big model speaks to the target. Figures:
   ``docs/perf/2026-11-23-parallel-cpu.md``.
+* kill -> next step under cp2 x dp2 (``--kill-cp``) and ep2 x dp2 (``--kill-ep``) against ddp on the same
+  job (target <= 2x, issue #39): rank 1 killed on ``--world 4``, as above; the ep runs and their ddp runs
+  train the kill model with 4 experts (top 2), so both sides run the same model. The command::
+
+      python benchmarks/parallel.py --plans '' --pp 0 --tp 0 --kill-cp --kill-ep --kill-repeats 3
+
+  Figures: ``docs/perf/2026-11-28-kill-cp-ep.md``.
 
 Tensor-parallel rows (``[--tp 2]``, T = 2 by default; ``--tp 0`` skips them, issue #23): ``tpT`` (with sequence
 parallel) and ``tpT-nosp`` on T processes against ``ddpT``, and ``tpTxppP`` on T*P processes (ddp over what
@@ -513,6 +520,9 @@ def _print_pp_kill(kills: dict, args: argparse.Namespace) -> None:
 
 
 TP_KILL = {"plan": "ddp", "tp": 2}  # tp2 x dp2 on 4 processes: rank 1 is tp coordinate 1 of replica 0
+CP_KILL = {"plan": "ddp", "cp": 2}  # cp2 x dp2 on 4 processes: rank 1 is cp coordinate 1 of replica 0
+EP_KILL = {"plan": "ddp", "ep": 2}  # ep2 x dp2 on 4 processes: rank 1 holds the experts of ep coordinate 1
+MOE = {"experts": 4, "top_k": 2}  # the ep kill runs' experts (their ddp runs train the same MoE model)
 
 
 def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
@@ -529,6 +539,39 @@ def _tp_kills(args: argparse.Namespace, kills: dict) -> dict:
                                                               parallel, *_kill_model(args))
                                 for _ in range(args.kill_repeats)])
     return out
+
+
+def _axis_kills(args: argparse.Namespace, axis: str) -> dict:
+    """Kill runs under cp2 x dp2 (``--kill-cp``) or ep2 x dp2 (``--kill-ep``) on ``--world 4`` and ddp's on the
+    same job, rank 1 SIGKILLed as in the other kill rows (median of ``--kill-repeats``). The ep runs and
+    their ddp runs train the kill model with :data:`MOE` experts (ddp: every rank holds all of them), so
+    both sides run the same model; the cp runs' ddp is the plain kill model's (it is the same job)."""
+    if args.world != 4:
+        raise SystemExit(f"--kill-{axis} runs {axis}2 x dp2: it needs --world 4")
+    model, timeouts = _kill_model(args)
+    if axis == "ep":
+        model = {**model, "moe": MOE}
+    runs = (("ddp", None), ("cp2xdp2", CP_KILL)) if axis == "cp" else (("ddp-moe", None), ("ep2xdp2", EP_KILL))
+    return {label: _kill_row([_time_to_next_step_after_kill(label, args.world, args.kill_steps, args.kill_batch,
+                                                            parallel or {"plan": "ddp"}, model, timeouts)
+                              for _ in range(args.kill_repeats)])
+            for label, parallel in runs}
+
+
+def _print_axis_kill(kills: dict, args: argparse.Namespace, label: str, base: str, flag: str) -> None:
+    """The ``--kill-cp`` / ``--kill-ep`` verdict: kill -> next step against ddp's on the same job (target <= 2x)."""
+    if label not in kills or base not in kills:
+        print(f"  kill -> next step under {label} (target <= 2x ddp): not run ({flag} runs it: two more 4-process "
+              "kill runs)")
+        return
+    row, ddp = kills[label], kills[base]
+    ratio = row[0] / ddp[0]
+    print(f"  kill -> next step under {label}: {row[0]:.2f} s [{row[1]:.2f}] ({row[2]}) vs {base} {ddp[0]:.2f} s "
+          f"[{ddp[1]:.2f}] ({ddp[2]}) on {args.world} processes = {ratio:.2f}x (target <= 2x) {_verdict(ratio <= 2)}")
+    print(f"  one step of each (median, s): {label} {row[4]['steady_before']:.3f} at {args.world} processes, "
+          f"{row[4]['steady_step']:.3f} at {row[4]['world_after']:.0f} after the kill; {base} "
+          f"{ddp[4]['steady_before']:.3f}, {ddp[4]['steady_step']:.3f}; first step after recovery "
+          f"{row[4]['first_step']:.3f} vs {ddp[4]['first_step']:.3f}")
 
 
 def _kill_model_params(args: argparse.Namespace) -> int:
@@ -598,6 +641,11 @@ def main() -> None:
                    help="kill runs under pp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
     p.add_argument("--kill-tp", action="store_true",
                    help="kill runs under tp2 x dp2 too (--world 4), against ddp's (run if not in --plans)")
+    p.add_argument("--kill-cp", action="store_true",
+                   help="kill runs under cp2 x dp2 (--world 4) and ddp's on the same job")
+    p.add_argument("--kill-ep", action="store_true",
+                   help="kill runs under ep2 x dp2 (--world 4, the kill model with 4 experts, top 2) and ddp's "
+                        "on the same MoE model")
     p.add_argument("--kill-model", choices=("tiny", "big"), default="tiny",
                    help="the kill runs' model: tiny (jobs/tiny_gpt.yaml's, default) or big (--layers x "
                         "--d-model, the throughput rows' model: issue #23's kill target is stated on it)")
@@ -628,6 +676,10 @@ def main() -> None:
                                   for _ in range(args.kill_repeats)])
     if args.kill_tp and args.kill_steps:
         kills.update(_tp_kills(args, kills))
+    axis_kills = {}  # their ddp rows are their own (the ep one trains the MoE model)
+    for axis in ("cp", "ep"):
+        if getattr(args, f"kill_{axis}") and args.kill_steps:
+            axis_kills.update(_axis_kills(args, axis))
     first = (plans or [base])[0]
     model = f"params={first.params / 1e6:.1f}M " if first is not None else ""
     print(f"{model}global_batch={args.global_batch} micro_batch={args.micro_batch} "
@@ -653,6 +705,15 @@ def main() -> None:
         _print_pp_kill(kills, args)
     if args.kill_tp:
         _print_tp_kill(kills, args)
+    if axis_kills:
+        for plan, (*_, each, _phases) in axis_kills.items():
+            print(f"kill runs {plan}: next step {each} s")
+        _print_kill_phases(axis_kills)
+        print(f"  kill -> next step, {_kill_model_line(args)}:")
+    if args.kill_cp:
+        _print_axis_kill(axis_kills, args, "cp2xdp2", "ddp", "--kill-cp")
+    if args.kill_ep:
+        _print_axis_kill(axis_kills, args, "ep2xdp2", "ddp-moe", "--kill-ep")
 
 
 if __name__ == "__main__":
