@@ -1,8 +1,8 @@
 """Expert parallel with a second model axis recovers like every other layout (issue 39; real Ray, real gloo,
-real SIGKILL): the tiny MoE GPT of tests/test_ep_wiring.py (4 experts, top 2, dropout off) under
-cp2 x dp2 x ep2 and tp2 x dp2 x ep2 on 4 workers, the peer tier every step. In both layouts an ep group is
-a group of the other axis ({0, 1} and {2, 3}: the two cp halves of the same samples, or the two tp shards
-of the same rows), so the two ep groups are replicas of each other: a SIGKILLed rank's state (its cp or tp
+real SIGKILL and SIGSTOP): the tiny MoE GPT of tests/test_ep_wiring.py (4 experts, top 2, dropout off) under
+cp2 x dp2 x ep2 (a rank SIGKILLed) and tp2 x dp2 x ep2 (a rank hung: SIGSTOP) on 4 workers, the peer tier
+every step. In both layouts an ep group is a group of the other axis ({0, 1} and {2, 3}: the two cp halves of the same samples, or the two tp shards
+of the same rows), so the two ep groups are replicas of each other: a lost rank's state (its cp or tp
 coordinate's dense part, its ep coordinate's experts) is served by the survivors (source ``peer``, no
 keeper, no storage), the 3 left fold to one whole group (cp2 x ep2 or tp2 x ep2 on 2 workers: a group of
 cp, tp or ep is never split) and grow back to 4 once the replacement is up (the folded generation runs
@@ -44,13 +44,14 @@ def _clean(steps: int) -> InProcessRun:
     return _CLEAN[steps]
 
 
-def _killed_run(tmp_path, name: str, rank: int, **parallel):
+def _killed_run(tmp_path, name: str, rank: int, kind: str = "kill", **parallel):
     """``parallel`` on 4 workers (min 2), GROW_STEPS steps, the peer tier every step, ``rank`` SIGKILLed
-    mid-step 6 with no spare; the folded generation (1) slow enough for the replacement to join it."""
+    (``kind`` "kill") or stopped dead (SIGSTOP: "hang") mid-step 6 with no spare; the folded generation (1)
+    slow enough for the replacement to join it."""
     from tests.conftest import run_job
     from tests.test_pp_recovery import GROW_STEPS, TIMEOUTS, _slow
 
-    kill = {"rank": rank, "step": 6, "point": "mid_step", "kind": "kill"}
+    kill = {"rank": rank, "step": 6, "point": "mid_step", "kind": kind}
     spec = _spec(4, GROW_STEPS, name, ep=2, plan="ddp", **parallel)
     # the folded generation: 0.5 s a micro-batch (4 of them on one data rank: 2 s a step, under the
     # watchdog's floor) for up to 26 steps, the window test_tp_recovery gives a cold replacement on a loaded
@@ -61,13 +62,13 @@ def _killed_run(tmp_path, name: str, rank: int, **parallel):
     return run_job(tmp_path, spec, name=name), GROW_STEPS
 
 
-def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str) -> None:
+def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str, failure: str = "process_died") -> None:
     """One failure (the kill), served by the survivors, 4 -> 2 -> 4 with the meshes named, the survivors in
     their processes, the audit, the token counts, and every step's numbers of the uninterrupted run."""
     from tests.test_pp_recovery import _kept_their_process
 
     assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
-    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", killed)], run.of("failure")
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [(failure, killed)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
     assert "every ep coordinate's" in rec["reason"], rec
@@ -91,10 +92,12 @@ def test_ep2_x_cp2_x_dp2_rank_killed_recovers_from_the_other_ep_group_shrinks_an
     _recovered_in_place(run, steps, 1, "ddp: dp_replicate=2 x cp=2", "ddp: dp_replicate=1 x cp=2")
 
 
-def test_ep2_x_tp2_x_dp2_rank_killed_recovers_from_the_other_ep_group_shrinks_and_grows(tmp_path, ray_local):
+def test_ep2_x_tp2_x_dp2_rank_hung_recovers_from_the_other_ep_group_shrinks_and_grows(tmp_path, ray_local):
     """tp2 x dp2 x ep2, sequence parallel on (ep groups = tp groups {0, 1}, {2, 3}; rank 2 holds tp
-    coordinate 0 and experts 0-1, rank 0 is its replica): rank 2 is SIGKILLed, the survivors serve every
-    (tp, ep) coordinate, the run folds to tp2 x ep2 and grows back. Against the broken build (the restored
-    ranks of ep coordinate 1 given experts 0-1): the losses differ from step 6, the first after the restore."""
-    run, steps = _killed_run(tmp_path, "eptpkill", 2, tp=2)
-    _recovered_in_place(run, steps, 2, "ddp: dp_replicate=2 x tp=2", "ddp: dp_replicate=1 x tp=2")
+    coordinate 0 and experts 0-1, rank 0 is its replica): rank 2 stops dead (SIGSTOP) mid-step 6, the
+    watchdog names it (a hang, not a death: its peers wait in the all-to-all and tp collectives), it is
+    killed, the survivors serve every (tp, ep) coordinate, the run folds to tp2 x ep2 and grows back.
+    Against the broken build (the restored ranks of ep coordinate 1 given experts 0-1): the losses differ
+    from step 6, the first after the restore."""
+    run, steps = _killed_run(tmp_path, "eptphang", 2, kind="hang", tp=2)
+    _recovered_in_place(run, steps, 2, "ddp: dp_replicate=2 x tp=2", "ddp: dp_replicate=1 x tp=2", failure="hang")
