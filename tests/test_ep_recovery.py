@@ -1,14 +1,14 @@
-"""Expert parallel with a second model axis recovers like every other layout (issue 39; real Ray, real gloo,
-real SIGKILL and SIGSTOP): the tiny MoE GPT of tests/test_ep_wiring.py (4 experts, top 2, dropout off) under
-cp2 x dp2 x ep2 (a rank SIGKILLed) and tp2 x dp2 x ep2 (a rank hung: SIGSTOP) on 4 workers, the peer tier
-every step. In both layouts an ep group is a group of the other axis ({0, 1} and {2, 3}: the two cp halves
-of the same samples, or the two tp shards of the same rows), so the two ep groups are replicas of each other: a lost rank's state (its cp or tp
-coordinate's dense part, its ep coordinate's experts) is served by the survivors (source ``peer``, no
-keeper, no storage), the 3 left fold to one whole group (cp2 x ep2 or tp2 x ep2 on 2 workers: a group of
-cp, tp or ep is never split) and grow back to 4 once the replacement is up (the folded generation runs
-slowly so that happens: tests/test_pp_recovery.py's GROW_STEPS). The survivors keep their processes, at
-most one step is lost, every step saw exactly its samples (the audit) and every step's loss (a redone one
-too) and the final parameters are those of the uninterrupted one-process run (ep1, no cp, no tp).
+"""Expert parallel with a second model axis recovers like every other layout (issue 39; real Ray, real gloo, real
+SIGKILL and SIGSTOP): the tiny MoE GPT of tests/test_ep_wiring.py (4 experts, top 2, dropout off) under cp2 x
+dp2 x ep2 (a rank SIGKILLed) and tp2 x dp2 x ep2 (a rank hung: SIGSTOP) on 4 workers, the peer tier every step.
+In both layouts an ep group is a group of the other axis ({0, 1} and {2, 3}: the two cp halves of the same
+samples, or the two tp shards of the same rows), so the two ep groups are replicas of each other: a lost rank's
+state (its cp or tp coordinate's dense part, its ep coordinate's experts) is served by the survivors (source
+``peer``, no keeper, no storage), the 3 left fold to one whole group (cp2 x ep2 or tp2 x ep2 on 2 workers: a
+group of cp, tp or ep is never split) and grow back to 4 once the replacement is up (the folded generation runs
+slowly so that happens: tests/test_pp_recovery.py's GROW_STEPS). The survivors keep their processes, at most
+one step is lost, every step saw exactly its samples (the audit) and every step's loss (a redone one too) and
+the final parameters are those of the uninterrupted one-process run (ep1, no cp, no tp).
 
 One run per layout: each shrinks and grows back, the two moves a resize makes (the ep groups re-formed on
 2 ranks, then on 4); both faults in one run would need a run that changes its cp or tp, which a run never
