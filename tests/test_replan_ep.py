@@ -17,16 +17,13 @@ run failed there; the pure test fails the same way.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
-from tests.conftest import job, run_job
+from tests.conftest import job
 from tests.test_ep_wiring import TASK
-
-STEPS = 20
-TRAIN = {"steps": STEPS, "global_batch": 24, "micro_batch": 2}  # data-parallel sizes 1, 2, 3, 4 all valid
-FIGURES = {"device_memory": 2.0e6, "runtime_bytes": 1e6, "intra_node_bw": 1e5}
+# test_replan_live's run length, batch (data-parallel sizes 1, 2, 3, 4 all valid) and calibration
+from tests.test_replan_live import FIGURES, STEPS, TRAIN
 
 
 def _spec(calibration: str | None, **sections) -> dict:
@@ -71,23 +68,11 @@ def test_auto_moe_run_replans_ep_at_each_resize_and_moves_the_experts_through_me
     from tests.audit import assert_cursor_audit
     from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                          assert_same_numbers)
-    from tests.test_replan_live import _slow
+    from tests.test_replan_live import killed_auto_run
 
-    calibration = tmp_path / "figures.json"
-    calibration.write_text(json.dumps(FIGURES))
-    kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
-    t = job()["timeouts"]
-    # the fsdp 3 generation (1) runs slowly so that the replacement is up before the run ends (the grow-back
-    # cuts it short)
-    spec = _spec(str(calibration), faults=_slow(4, 0.03) + [kill] + _slow(3, 1.0, generation=1),
-                 train={**TRAIN, "audit_samples": True},
-                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2},
-                 recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240})
-    run = run_job(tmp_path, spec, name="auto-moe")
-    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    run = killed_auto_run(tmp_path, _spec, "auto-moe")  # (the fsdp 3 generation is slow: the grow-back ends it)
     planned = run.of("run_started")[0]["planned"]
     assert (planned["layout"]["plan"], planned["layout"]["ep"], planned["world_size"]) == ("ddp", 2, 4), planned
-    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     replans = run.of("replanned")
     assert [(e["action"], e["world_size"], e["new_layout"], e["mesh"]) for e in replans] == [
         ("required", 3, "fsdp 3, mb 2", {"dp_shard": 3}),

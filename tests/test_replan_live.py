@@ -77,26 +77,35 @@ def _audit(run) -> None:
     assert_cursor_audit(run, STEPS, MODEL["seq_len"], TRAIN["global_batch"])
 
 
+def killed_auto_run(tmp_path, spec_fn, name: str):
+    """A ``plan: auto`` run of ``spec_fn(calibration_path, **sections)`` (the calibration: :data:`FIGURES`) on 4
+    workers, checkpoints every 2 steps, the sample audit on: rank 1 SIGKILLed mid-step 4 with no spare, the
+    generation after it (the 3 survivors) slow, so that the replacement is up before the run ends (the
+    grow-back cuts it short). Returns the run, checked to have trained every step with that one failure."""
+    calibration = tmp_path / "figures.json"
+    calibration.write_text(json.dumps(FIGURES))
+    kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
+    t = job()["timeouts"]
+    spec = spec_fn(str(calibration), faults=_slow(4, 0.03) + [kill] + _slow(3, 1.0, generation=1),
+                   train={**TRAIN, "audit_samples": True},
+                   checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2},
+                   recovery={"min_workers_wait_s": 240},
+                   timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240})
+    run = run_job(tmp_path, spec, name=name)
+    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    return run
+
+
 def test_auto_run_replans_at_each_resize_and_moves_state_through_memory(tmp_path, ray_local):
     """4 workers plan pp2 x ddp2; rank 1 is SIGKILLed with no spare: 3 survivors cannot hold whole
     pipelines, so the next generation runs fsdp 3 (``replanned``: required), restored from the survivors'
     snapshots; the replacement comes up and the group grows back to pp2 x ddp2 (``replanned``: switch,
     its move paid for). Every generation's ranks report the mesh they built; the run ends at the loss of an
     uninterrupted one, every step seeing exactly its samples."""
-    calibration = tmp_path / "figures.json"
-    calibration.write_text(json.dumps(FIGURES))
-    kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
-    t = job()["timeouts"]
-    # the fsdp 3 generation (1) runs slowly so that the replacement is up before the run ends
-    spec = _spec(str(calibration), faults=_slow(4, 0.03) + [kill] + _slow(3, 1.0, generation=1),
-                 train={**TRAIN, "audit_samples": True},
-                 checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2},
-                 recovery={"min_workers_wait_s": 240}, timeouts={**t, "watchdog_floor_s": 10, "restart_grace_s": 240})
-    run = run_job(tmp_path, spec, name="auto")
-    assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
+    run = killed_auto_run(tmp_path, _spec, "auto")
     planned = run.of("run_started")[0]["planned"]
     assert (planned["layout"]["plan"], planned["layout"]["pp"], planned["world_size"]) == ("ddp", 2, 4), planned
-    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     replans = run.of("replanned")
     assert [(e["action"], e["world_size"], e["new_layout"]) for e in replans] == [
         ("required", 3, "fsdp 3, mb 2"), ("switch", 4, "ddp 2, pp 2 1f1b, mb 2")], replans
