@@ -52,6 +52,26 @@ def test_one_snapshot_of_each_part_fits_the_sized_budget(plan, shard, pp, tp, wo
     assert tier.budget >= 2 * per_part * on_node  # KEEP_PER_RANK = 2 snapshots of each pusher fit
 
 
+@pytest.mark.parametrize("plan,pp,world,parts", [("ddp", 2, 4, 2), ("ddp", 1, 4, 1), ("fsdp", 1, 4, 4)])
+def test_under_ep_the_budget_holds_snapshots_that_carry_their_dense_part_whole(plan, pp, world, parts) -> None:
+    """Under ep every expert coordinate pushes a snapshot, and each carries its dense part whole (replicated
+    over the ep group): a snapshot is dense / dense parts + its experts, not state / pushers. The budget is
+    sized by the dense parts. Before (sized by the pushers): pp2 x dp2 x ep2's keeper held one step of the four
+    pushers, evicted on every snapshot, and a killed rank's step was found incomplete (restart from 0)."""
+    from elastictrain.controller.gather import dense_parts, snapshot_pushers
+    from elastictrain.parallel.layout import LayoutSpec, resolve
+
+    layout = resolve(LayoutSpec(plan, global_batch=16, micro_batch=1, pp=pp, ep=2, pp_schedule="gpipe"), world)
+    pushers = snapshot_pushers(layout)
+    assert dense_parts(layout) == parts
+    state, dense_share = 4_800_000_000, 0.8  # a small MoE: most of the state is dense
+    dense, experts = state * dense_share, state * (1 - dense_share)
+    snapshot = dense / parts + experts / len(pushers)  # the largest a pusher sends (experts split evenly)
+    tier = size_budget(state, world=dense_parts(layout), ranks_per_node=len(pushers), node_free_bytes=None,
+                       configured_gib=None)
+    assert tier.budget >= 2 * snapshot * len(pushers)  # KEEP_PER_RANK = 2 snapshots of each pusher fit
+
+
 @pytest.mark.slow
 def test_a_tier_too_small_for_the_layout_is_said_at_start(tmp_path, ray_local) -> None:
     from elastictrain import build_config

@@ -3,7 +3,9 @@
 A keeper holds the snapshots of the ranks of one other node (the keeper ring), ``KEEP_PER_RANK`` steps of
 each: one complete step survives while the next step's pushes are in flight. A rank's snapshot is its share
 of the training state, so a keeper needs about ``KEEP_PER_RANK * state_bytes * ranks_per_node / world``
-(``state_bytes``: the whole training state, what the workers report at setup). Unset,
+(``state_bytes``: the whole training state, what the workers report at setup; ``world``: the parts it is
+split into, which under ep are its dense parts, since each expert coordinate's snapshot carries its dense
+part whole: ``controller/gather.py``'s ``dense_parts``). Unset,
 ``checkpoint.memory_budget_gib`` is that need, capped at half the smallest node's free host memory; set, it
 is taken as given. When the budget cannot hold one snapshot of every served rank and the layout has no
 replica (a lost shard, stage or tp coordinate exists nowhere else) and no periodic checkpoint, a loss

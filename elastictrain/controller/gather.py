@@ -104,6 +104,15 @@ def snapshot_pushers(layout: Layout) -> set[int]:
     return set(first.values())
 
 
+def dense_parts(layout: Layout) -> int:
+    """PURE: how many distinct parts the state's non-expert (dense) tensors fall into: one per
+    :meth:`MeshDims.holder_key` with its ep coordinate left out. Under ep every expert coordinate pushes a
+    snapshot, and each carries its dense part whole (replicated over the ep group), so a snapshot is at most
+    ``state / dense_parts`` bytes, not ``state / pushers``; without ep the two counts are equal."""
+    dims = layout.dims
+    return len({dims.holder_key(r)[:-1] if dims.ep > 1 else dims.holder_key(r) for r in range(dims.world_size)})
+
+
 def _memory_restore(step: int, srcs: list[Any]) -> PeerRestore:
     """A restore from the peer tier's snapshots ``srcs`` of ``step``, with the step records they carry taken
     off their metas (they stay with the controller: the loading ranks need none of them)."""
@@ -160,13 +169,14 @@ class SourceGatherer:
         from elastictrain.checkpoint.tier_budget import size_budget, tier_shortfall
 
         state = max(int(s.info.get("state_bytes") or 0) for s in chosen)
-        pushers = snapshot_pushers(layout)  # one snapshot of each part of the state: `parts` of state / parts
+        pushers = snapshot_pushers(layout)  # the ranks that push: one per part of the state (holder key)
         per_node: dict[str, int] = {}
         for r, s in enumerate(chosen):
             node = str(s.info.get("node_id"))
             per_node[node] = per_node.get(node, 0) + (r in pushers)
         free = self.rt.free_memory(set(per_node))
-        ranks, world = max(1, max(per_node.values())), len(pushers)
+        # a snapshot's bytes are bounded by state / dense parts (under ep each carries its dense part whole)
+        ranks, world = max(1, max(per_node.values())), dense_parts(layout)
         ck = self.config.checkpoint
         tier = size_budget(state, world, ranks, min(free) if free else None, ck.memory_budget_gib)
         self._budget = tier.budget
