@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
+from tests.ep_checks import step_and_match
 from tests.ranks import run_ranks
 from tests.test_expert_parallel import _GPT, ATOL, RTOL, _data
 
@@ -59,13 +60,6 @@ def _loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, 
     if cp_rank is not None:
         batch = shard_sequence(batch, CP, cp_rank)
     return _gpt_loss(module, batch, torch.zeros(len(inputs), dtype=torch.int64))
-
-
-def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
 
 
 def _layout(dims, rank: int):
@@ -133,14 +127,7 @@ def _layouts(rank: int, port: int) -> None:
                 got = optim.clip_grad_norm(module.parameters(), MAX_NORM, foreach=False)
                 torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
                                            msg=lambda m, s=step, n=name: f"{n} step {s} grad norm: {m}")
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            whole = {n: _gathered(r[0]) for n, r in runs.items()}
-            for k, v in ref.state_dict().items():
-                for n in runs:
-                    torch.testing.assert_close(whole[n][k], v, atol=ATOL, rtol=RTOL,
-                                               msg=lambda m, s=step, n=n, k=k: f"{n} step {s} {k}: {m}")
+            step_and_match(opts, {n: r[0] for n, r in runs.items()}, ref, step)
     finally:
         dist.destroy_process_group()
 

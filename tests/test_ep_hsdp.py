@@ -31,18 +31,12 @@ import pytest
 import torch
 
 from tests.checkpoint_fixtures import free_port
+from tests.ep_checks import assert_loads_into_one_process, step_and_match
 from tests.ranks import run_ranks
 from tests.test_expert_parallel import ATOL, RTOL, _build, _data, _losses
 
 STEPS, EP, BATCH, WORLD = 3, 2, 8, 4
 MAX_NORM = 0.05  # clips at every step (the norms are ~0.2-0.6): the norm over every shard matters
-
-
-def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
 
 
 def _hsdp(replicate: int, cpu: torch.device):
@@ -120,22 +114,12 @@ def _layouts(rank: int, port: int, ckpt: str) -> None:
                 got = optim.clip_grad_norm(pm.module.parameters(), MAX_NORM, foreach=False)
                 torch.testing.assert_close(got, want, atol=0, rtol=RTOL,
                                            msg=lambda m, s=step, n=name: f"{n} step {s} grad norm: {m}")
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            whole = {n: _gathered(r[0]) for n, r in runs.items()}
-            for k, v in ref.state_dict().items():
-                for n in runs:
-                    torch.testing.assert_close(whole[n][k], v, atol=ATOL, rtol=RTOL,
-                                               msg=lambda m, s=step, n=n, k=k: f"{n} step {s} {k}: {m}")
+            step_and_match(opts, {n: r[0] for n, r in runs.items()}, ref, step)
         # the hsdp x ep state by name: DCP's (replicate, efsdp, ep) expert shards load into one process's model
         dcp.save(runs["hsdp2x2"][0].state_dict(), checkpoint_id=ckpt)
         dist.barrier()
         if rank == 0:
-            one = GPT(_GPT).state_dict()  # other values (a fresh seed-less build): all overwritten
-            dcp.load(one, checkpoint_id=ckpt, no_dist=True)
-            for k, v in ref.state_dict().items():
-                torch.testing.assert_close(one[k], v, atol=ATOL, rtol=RTOL, msg=lambda m, k=k: f"{k} loaded: {m}")
+            assert_loads_into_one_process(ckpt, GPT(_GPT).state_dict(), ref)  # (a fresh seed-less build)
     finally:
         dist.destroy_process_group()
 
