@@ -1,0 +1,103 @@
+"""Issue 38's audit (docs/perf/2026-11-28-issue38-audit.md): the bullets no other file proved.
+
+* every size preset, built on the meta device, has the published parameter count (Hugging Face's model
+  cards: 1B, 8B, 70B and 405B), and its rotary frequencies are exactly those ``transformers`` computes for
+  the published ``rope_scaling`` of that model (Llama 3.1's ``llama3`` scaling, factor 8; Llama 3.2 1B's
+  factor 32);
+* a Hugging Face file holding a tensor the name table does not know is a config error naming that tensor
+  (tests/test_hf_llama.py covers a wrong shape and a missing tensor);
+* the report (``elastictrain report``) shows the run's MFU and tokens/s per device and links each profile
+  trace (tests/test_speed.py checks they reach step events and summary.json).
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+
+import pytest
+import torch
+
+# (size, published parameter count, the published rope scaling of its config.json)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+PUBLISHED = [("1b", 1_235_814_400, {**LLAMA31_ROPE, "factor": 32.0}), ("8b", 8_030_261_248, LLAMA31_ROPE),
+             ("70b", 70_553_706_496, LLAMA31_ROPE), ("405b", 405_853_388_800, LLAMA31_ROPE)]
+
+
+@pytest.mark.parametrize("size, params, rope", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_each_preset_has_the_published_size_and_llama3_rope_scaling(size, params, rope):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from elastictrain.models.llama import Llama, llama_config, rope_frequencies
+
+    cfg = llama_config(size, max_seq_len=16)  # the rotary tables' length: no parameter depends on it
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert sum(p.numel() for p in model.parameters()) == params
+    hf = transformers.LlamaConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, rope_theta=500000.0,
+                                  max_position_embeddings=131072, rope_scaling=dict(rope))
+    want, scale = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert scale == 1.0 and cfg.rope_theta == 500000.0
+    assert torch.equal(rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), want.float())
+
+
+def test_a_tensor_the_name_table_does_not_know_is_a_config_error_naming_it(tmp_path):
+    """Checked on the driver from the headers (task build), before any worker: one message naming it."""
+    pytest.importorskip("transformers")
+    from elastictrain.config import ConfigError, build_config
+    from elastictrain.task import builtin_task
+    from tests.test_hf_llama import _rewrite, _spec, save_hf
+
+    src = tmp_path / "src"
+    save_hf(src)
+    _rewrite(src, lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(16)))
+    with pytest.raises(ConfigError, match=r"tensor model\.layers\.0\.self_attn\.q_norm\.weight is not a weight "
+                                          r"of this Llama") as e:
+        builtin_task(build_config(_spec(1, str(src))))
+    assert "\n" not in str(e.value)
+
+
+class _Page(html.parser.HTMLParser):
+    """The figures (``id="fig-..."`` text) and the links of a rendered report page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.figs: dict[str, str] = {}
+        self.links: list[str] = []
+        self._fig: str | None = None
+
+    def handle_starttag(self, tag, attrs):  # noqa: ANN001
+        a = dict(attrs)
+        if (a.get("id") or "").startswith("fig-"):
+            self._fig = a["id"][4:]
+        if tag == "a" and "profile" in (a.get("class") or ""):
+            self.links.append(a["href"])
+
+    def handle_data(self, data):  # noqa: ANN001
+        if self._fig is not None:
+            self.figs[self._fig] = data
+            self._fig = None
+
+
+def test_the_report_shows_mfu_and_tokens_per_device_and_links_the_traces(tmp_path):
+    from elastictrain.report import write_report
+
+    t0 = 1000.0
+    steps = [{"event": "step", "time": t0 + 1 + s, "finished_at": t0 + 1 + s, "step": s, "loss": 5.0, "world_size": 2,
+              "step_s": 1.0, "samples_per_s": 8.0, "tokens_per_s": 512.0, "tokens_per_s_per_device": 256.0,
+              "mfu": 0.4215} for s in (1, 2, 3)]
+    files = ["profiles/step2_rank0.json", "profiles/step2_rank1.json"]
+    saved = [{"event": "profile_saved", "time": t0 + 3.5, "rank": r, "step": 2, "files": [f]} for r, f in enumerate(files)]
+    events = [{"event": "run_started", "time": t0, "name": "p", "run_id": "p", "workers_max": 2}, *steps, *saved]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = {"state": "finished", "exit_code": 0, "final_step": 3, "wall_s": 5.0, "mfu": 0.4215,
+               "tokens_per_s_per_device": 256.0, "run_id": "p",
+               "profiles": [{"rank": e["rank"], "step": 2, "files": e["files"]} for e in saved]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = _Page()
+    page.feed(write_report(tmp_path, png=False)["html"].read_text())
+    assert page.figs["mfu"] == "42.1%", page.figs
+    assert float(page.figs["tokens-per-s-per-device"].replace(",", "")) == 256.0
+    assert page.links == files  # relative to the run directory, where the report is written beside profiles/
