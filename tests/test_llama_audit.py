@@ -101,3 +101,35 @@ def test_the_report_shows_mfu_and_tokens_per_device_and_links_the_traces(tmp_pat
     assert page.figs["mfu"] == "42.1%", page.figs
     assert float(page.figs["tokens-per-s-per-device"].replace(",", "")) == 256.0
     assert page.links == files  # relative to the run directory, where the report is written beside profiles/
+
+
+def test_a_recovered_generations_recompile_counts_as_compile_time_not_training(tmp_path):
+    """``parallel.compile`` after a recovery: the new generation's first step (its blocks compiled again, or
+    served by a standby's compile ahead) reports ``compile_s``, and its time goes to goodput's ``compile_s``
+    beside the recovery's own buckets, never to productive time; a redone step's compiling attempt is lost
+    work (``redone_s``). tests/test_speed.py checks generation 0's first step alone."""
+    from elastictrain.controller.ledger import Ledger
+    from elastictrain.events import EventLog
+    from elastictrain.worker.loop import StepRecord
+
+    log = EventLog(tmp_path, console=None)
+    ledger = Ledger(log, total_steps=4, global_batch=4, max_workers=2, cpu_peak_flops=1e10)
+
+    def record(step: int, step_s: float, compile_s: float | None = None) -> StepRecord:
+        return StepRecord(step=step, loss=1.0, world_size=2, accum=1, step_s=step_s, compute_s=step_s,
+                          finished_at=float(step), tokens=256, flops_per_token=1e6, devices=2, compile_s=compile_s)
+
+    ledger.new_generation(0, 2, 1)
+    events = [ledger.add(0, record(1, 5.0, 5.0), complete=True)[0], ledger.add(0, record(2, 0.5), complete=True)[0]]
+    ledger.add_time("recovery", 2.0)  # a failure after step 2; the survivors regroup (generation 1) ...
+    ledger.rewind(1)  # ... from a snapshot of step 1: step 2 is redone, compiling again
+    ledger.new_generation(1, 2, 1)
+    events += [ledger.add(0, record(2, 3.0, 3.0), complete=True)[0], ledger.add(0, record(3, 0.5), complete=True)[0]]
+    assert [e.get("compile_s") for e in events] == [5.0, None, 3.0, None]
+    assert events[2]["redone"] and events[2]["lost_s"] == 0.5
+    summary = ledger.summary("finished", {})
+    g = summary["goodput"]
+    assert g["compile_s"] == 5.0 + 3.0 and g["recovery_s"] == 2.0  # both compiling first steps
+    assert g["productive_s"] == 0.5 and g["redone_s"] == 0.5  # step 3; step 2's first attempt, superseded
+    assert summary["mfu"] == pytest.approx(1e6 * 256 / 0.5 / (2 * 1e10))  # step 3's: compiling steps left out
+    log.close()
