@@ -4,14 +4,15 @@ or a wait that cannot end.
 
 Only cheap facts are checked: a local data path (a remote data URL is left to the workers: the driver may
 have no credentials for it, and the workers' set-up errors are quoted anyway), the GPUs of this machine
-when the job runs on a local Ray started here, and whether anything answers at the Ray address (one TCP
-connect of at most 5 s).
+when the job runs on a local Ray started here, the GPU types of the cluster against ``parallel.float8``, and
+whether anything answers at the Ray address (one TCP connect of at most 5 s).
 """
 
 from __future__ import annotations
 
 import glob
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from elastictrain.config import ConfigError, JobConfig
@@ -83,6 +84,25 @@ def check_plan_on_gpus(config: JobConfig, gpus_per_node: int | None) -> None:
             f"parallel.shard_size is unset, so hsdp shards over the {gpus_per_node} GPUs of a node, but {name}="
             f"{n} is not usable with it ({is_valid(spec, n)[1]}): set parallel.shard_size to a size that "
             f"divides workers.min and workers.max, or make them multiples of {gpus_per_node}")
+
+
+def check_float8_gpus(config: JobConfig, gpu_types: Sequence[str]) -> None:
+    """PURE. Raise ConfigError when ``parallel.float8`` asks for float8 matmuls on a cluster whose GPU nodes
+    (``gpu_types``: Ray's ``accelerator_type`` of each alive GPU node) are all of types the device table
+    (:mod:`elastictrain.devices`) knows to lack them (compute capability below 8.9: an A100). A cluster with
+    one capable or unknown type passes: the worker's own check (``parallel/speed.py`` ``float8_unavailable``,
+    a ``setup_failed`` naming why) covers what the driver cannot know."""
+    from elastictrain.devices import lookup
+
+    if not config.parallel.float8 or not config.workers.use_gpu or not gpu_types:
+        return
+    devices = [lookup(t) for t in gpu_types]
+    if any(d is None or d.float8 is not False for d in devices):
+        return
+    seen = sorted({f"{t} (compute capability {d.capability[0]}.{d.capability[1]})"  # type: ignore[union-attr,index]
+                   for t, d in zip(gpu_types, devices, strict=True)})
+    raise ConfigError(f"parallel.float8=true needs GPUs of compute capability >= 8.9 (H100, H200, L40S, ...); "
+                      f"this cluster's GPUs are {', '.join(seen)}; set parallel.float8=false")
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:

@@ -124,6 +124,11 @@ class Trainer:
             from elastictrain.planner.job import plan_for_run
 
             self.config, planned = plan_for_run(self.config, self._builtin_task)
+        if self.config.workers.use_gpu and self.config.parallel.float8:  # the cluster's GPU types are known now
+            from elastictrain.controller.controller import gpu_types
+            from elastictrain.preflight import check_float8_gpus
+
+            check_float8_gpus(self.config, gpu_types())
         if self.config.workers.use_gpu and self.config.parallel.plan == "hsdp":  # a node's GPUs are known now
             from elastictrain.controller.controller import gpus_per_node
             from elastictrain.preflight import check_plan_on_gpus

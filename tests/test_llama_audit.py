@@ -133,3 +133,25 @@ def test_a_recovered_generations_recompile_counts_as_compile_time_not_training(t
     assert g["productive_s"] == 0.5 and g["redone_s"] == 0.5  # step 3; step 2's first attempt, superseded
     assert summary["mfu"] == pytest.approx(1e6 * 256 / 0.5 / (2 * 1e10))  # step 3's: compiling steps left out
     log.close()
+
+
+@pytest.mark.parametrize("types, refused", [
+    (["A100"], "A100 (compute capability 8.0)"), (["A100-40G", "A100"], "A100 (compute capability 8.0), A100-40G"),
+    (["H100"], None), (["A100", "H100"], None), (["L4"], None), (["MI300X"], None), (["V100"], None), ([], None)])
+def test_float8_on_a_cluster_of_older_gpus_is_a_config_error_naming_why(types, refused):
+    """The driver's pre-flight (elastictrain/preflight.py, after Ray is up): Ray's accelerator types of the GPU
+    nodes against the device table's compute capability. Refused only where every GPU is known to lack float8;
+    an unknown type (V100 is not in the table) or a mixed cluster is left to the worker's own check."""
+    from elastictrain.config import ConfigError, build_config
+    from elastictrain.preflight import check_float8_gpus
+
+    cfg = build_config({"parallel": {"float8": True, "plan": "fsdp"}, "workers": {"use_gpu": True}})
+    if refused is None:
+        check_float8_gpus(cfg, types)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_float8_gpus(cfg, types)
+    msg = str(e.value)
+    assert refused in msg and "compute capability >= 8.9" in msg and "set parallel.float8=false" in msg
+    assert "\n" not in msg
+    check_float8_gpus(build_config({"workers": {"use_gpu": True}}), types)  # float8 off: nothing to refuse

@@ -609,6 +609,12 @@ def gpus_per_node() -> int | None:
     return min(counts) if counts else None
 
 
+def gpu_types() -> list[str]:
+    """Ray's ``accelerator_type`` of each alive GPU node that declares one (``parallel.float8``'s pre-flight)."""
+    return [k.split(":", 1)[1] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU", 0) > 0
+            for k in n["Resources"] if k.startswith("accelerator_type:")]
+
+
 def _calibrated_flops(config: JobConfig) -> float | None:
     """A CPU worker's FLOP/s for MFU: ``parallel.calibration``'s measured ``flops`` (None without one, on GPU
     workers, whose peak comes from the table in elastictrain/flops.py, or when the file does not read)."""
