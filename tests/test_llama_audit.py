@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +156,52 @@ def test_float8_on_a_cluster_of_older_gpus_is_a_config_error_naming_why(types, r
     assert refused in msg and "compute capability >= 8.9" in msg and "set parallel.float8=false" in msg
     assert "\n" not in msg
     check_float8_gpus(build_config({"workers": {"use_gpu": True}}), types)  # float8 off: nothing to refuse
+
+
+def _llama_forward_backward(ac: Any) -> tuple[dict[str, int], float, dict[str, torch.Tensor]]:
+    """One forward and backward of the debug Llama parallelized (one gloo rank) under
+    ``activation_checkpointing=ac``: the aten ops run (matmuls, SDPA, RMSNorm's rsqrt), the loss, the gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from elastictrain.config import ParallelConfig
+    from elastictrain.models.llama import Llama, llama_config
+    from elastictrain.parallel.parallelize import parallelize
+
+    counts = {"mm": 0, "sdpa": 0, "rsqrt": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            name = func.overloadpacket.__name__
+            key = "mm" if name in ("mm", "addmm", "bmm") else "sdpa" if "scaled_dot_product" in name else name
+            if key in counts:
+                counts[key] += 1
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = parallelize(Llama(llama_config("debug", max_seq_len=16)), init_device_mesh("cpu", (1,)),
+                            ParallelConfig(activation_checkpointing=ac)).module
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        with Count():
+            loss = model(ids).float().logsumexp(-1).mean()
+            loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+        return counts, loss.item(), grads
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_llamas_blocks_recompute_selectively_or_fully_and_change_no_number():
+    """Activation checkpointing comes with the Llama as with the GPT (tests/test_speed.py checks the GPT):
+    full recomputation reruns each block's matmuls and attention, selective reruns RMSNorm (its rsqrt) but
+    no matmul and no attention; the loss and every gradient are bitwise those without checkpointing."""
+    none, full, sel = (_llama_forward_backward(ac) for ac in (False, "full", "selective"))
+    (cn, ln, gn), (cf, lf, gf), (cs, ls, gs) = none, full, sel
+    assert cs["mm"] == cn["mm"] < cf["mm"] and cs["sdpa"] == cn["sdpa"] < cf["sdpa"], (cn, cf, cs)
+    assert cs["rsqrt"] == cf["rsqrt"] > cn["rsqrt"], (cn, cf, cs)
+    assert ln == lf == ls and set(gn) == set(gf) == set(gs)
+    for name, g in gn.items():
+        assert torch.equal(gf[name], g) and torch.equal(gs[name], g), name
