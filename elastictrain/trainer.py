@@ -96,8 +96,9 @@ class Trainer:
 
     def fit(self) -> RunResult:
         """Run the job. Raises ConfigError (pre-flight: e.g. a local data path that does not exist, GPUs asked
-        of a local Ray on a machine without them, a Ray address where nothing answers), RunDirInUse (a reused
-        run directory) and CheckpointUnavailable (exit 3) before any Ray resource is requested."""
+        of a local Ray on a machine without them, a Ray address where nothing answers, parallel.float8 on a
+        cluster whose GPUs all lack it), RunDirInUse (a reused run directory) and CheckpointUnavailable (exit
+        3) before any Ray resource is requested."""
         from elastictrain.preflight import check_job, check_local_gpus
 
         if (self.run_dir / "events.jsonl").exists():
