@@ -7,7 +7,14 @@
 * a Hugging Face file holding a tensor the name table does not know is a config error naming that tensor
   (tests/test_hf_llama.py covers a wrong shape and a missing tensor);
 * the report (``elastictrain report``) shows the run's MFU and tokens/s per device and links each profile
-  trace (tests/test_speed.py checks they reach step events and summary.json).
+  trace (tests/test_speed.py checks they reach step events and summary.json);
+* a recovered generation's first step under ``parallel.compile`` (its recompile) counts in goodput's
+  ``compile_s``, never as training;
+* ``parallel.float8`` on a cluster whose GPUs all lack float8 (the device table's compute capability) is a
+  config error on the driver, naming the GPUs and the fix;
+* the Llama's blocks under full and selective recomputation: which ops run again, and no number changes.
+
+Each was shown to fail against a build broken on purpose (the audit note names the break).
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ def test_the_report_shows_mfu_and_tokens_per_device_and_links_the_traces(tmp_pat
               "step_s": 1.0, "samples_per_s": 8.0, "tokens_per_s": 512.0, "tokens_per_s_per_device": 256.0,
               "mfu": 0.4215} for s in (1, 2, 3)]
     files = ["profiles/step2_rank0.json", "profiles/step2_rank1.json"]
-    saved = [{"event": "profile_saved", "time": t0 + 3.5, "rank": r, "step": 2, "files": [f]} for r, f in enumerate(files)]
+    saved = [{"event": "profile_saved", "time": t0 + 3.5, "rank": r, "step": 2, "files": [f]}
+             for r, f in enumerate(files)]
     events = [{"event": "run_started", "time": t0, "name": "p", "run_id": "p", "workers_max": 2}, *steps, *saved]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     summary = {"state": "finished", "exit_code": 0, "final_step": 3, "wall_s": 5.0, "mfu": 0.4215,
