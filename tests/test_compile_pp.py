@@ -24,7 +24,9 @@ from tests.ranks import run_ranks
 from tests.test_speed import COMPILE_LOSS_RTOL
 
 
-def _llama_pp(rank: int, port: int, out: str) -> None:
+def _llama_pp(rank: int, port: int, out: str, parallel: dict[str, Any] | None = None, world: int = 2) -> None:
+    """One rank: the debug Llama eager then compiled under ``parallel`` (default pp2), 3 steps each; saves
+    its losses, compile_s, gathered model, graphs traced and blocks compiled to ``out`` (``_{rank}.pt``)."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -38,22 +40,24 @@ def _llama_pp(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1  # no pool of compile workers on a 2-core machine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     results: dict[bool, dict[str, Any]] = {}
     try:
         for compiled in (False, True):
             cfg = build_config(job(task={"kind": "llama", "llama": {"size": "debug"},
                                          "model": {"seq_len": 16, "dropout": 0.0}},
-                                   train={"steps": 3, "global_batch": 4, "micro_batch": 2},
-                                   workers={"min": 2, "max": 2}, parallel={"pp": 2, "compile": compiled}))
+                                   train={"steps": 3, "global_batch": 2 * world, "micro_batch": 2},
+                                   workers={"min": world, "max": world},
+                                   parallel={**(parallel or {"pp": 2}), "compile": compiled}))
             runner = StepRunner(dataclasses.replace(builtin_task(cfg), lr_fn=None), cfg.train, FaultInjector(()),
                                 parallel=cfg.parallel)
-            runner.attach(rank, 2, 0, resolve(spec_from_config(cfg), 2))
+            runner.attach(rank, world, 0, resolve(spec_from_config(cfg), world))
             if runner.uninitialized:
                 runner.init_from_seed()
             graphs = counters["stats"]["unique_graphs"]
             records = [runner.run_step(False)[0] for _ in range(cfg.train.steps)]
-            blocks = [b for module in runner.pm.modules for b in repeated_blocks(module)]  # this rank's stage
+            modules = getattr(runner.pm, "modules", None) or [runner.pm.model]  # this rank's stages, or its model
+            blocks = [b for module in modules for b in repeated_blocks(module)]
             results[compiled] = {
                 "losses": [r.loss for r in records], "compile_s": [r.compile_s for r in records],
                 "params": runner.state.full_model_state(), "graphs": counters["stats"]["unique_graphs"] - graphs,
