@@ -20,7 +20,9 @@ RECOVERY_PARAM_ATOL = 1e-4
 
 
 class HFGPT2:
-    """A model with the shape of Hugging Face's GPT-2 (GPT2LMHeadModel, tied embeddings), tiny."""
+    """A model with the shape of Hugging Face's GPT-2 (GPT2LMHeadModel, tied embeddings), tiny. Not for pp:
+    a pipelined GPT-2 takes ``examples/pipeline_gpt2.py``'s hooks (``GPT2_PIPELINE``; its ``make_task`` builds a
+    GPT-2 of this size, eager attention), tested in tests/test_pipeline_gpt2.py."""
 
     def __call__(self):
         from transformers import GPT2Config, GPT2LMHeadModel

@@ -52,7 +52,8 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
     checkpoint restore does), ``_steps`` (default STEPS) steps, then (``_save``) its training state saved
     with DCP; rank 0 saves each run's losses, audited sample ids and the gathered whole model (``_digest``:
     and the model digest the driver would combine from every rank's part). ``_task``:
-    keys of the job's ``task`` section to set (e.g. another built-in model, tests/test_llama.py)."""
+    keys of the job's ``task`` section to set (e.g. another built-in model, tests/test_llama.py); ``_entry``:
+    a ``"module:function"`` making the Task (an example's ``make_task``, called with the harness's seq_len)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -77,12 +78,16 @@ def _train(rank: int, world: int, layouts: list[dict[str, Any]], port: int, out:
             parallel = dict(parallel)
             steps, load, save = parallel.pop("_steps", STEPS), parallel.pop("_load", None), parallel.pop("_save", None)
             llama, meta = parallel.pop("_llama", False), parallel.pop("_meta", False)
-            digest = parallel.pop("_digest", False)
+            digest, entry = parallel.pop("_digest", False), parallel.pop("_entry", None)
             cfg = build_config(_spec(world, parallel.pop("_task", None), **parallel))
             if llama:  # a model the project did not write, with the plan of examples/tp_llama.py
                 from examples.tp_llama import make_task
 
                 task = dataclasses.replace(make_task(seq_len=MODEL["seq_len"]), lr_fn=None)
+            elif entry:  # a model the project did not write, through the hooks its example gives
+                module, fn = entry.split(":")
+                task = dataclasses.replace(getattr(importlib.import_module(module), fn)(seq_len=MODEL["seq_len"]),
+                                           lr_fn=None)
             else:
                 task = dataclasses.replace(builtin_task(cfg), lr_fn=None)
             runner = StepRunner(task, cfg.train, FaultInjector(()), audit=True, parallel=cfg.parallel)

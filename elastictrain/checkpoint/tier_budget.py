@@ -8,7 +8,8 @@ split into, which under ep are its dense parts, since each expert coordinate's s
 part whole: ``controller/gather.py``'s ``dense_parts``). Unset,
 ``checkpoint.memory_budget_gib`` is that need, capped at half the smallest node's free host memory; set, it
 is taken as given. When the budget cannot hold one snapshot of every served rank and the layout has no
-replica (a lost shard, stage or tp coordinate exists nowhere else) and no periodic checkpoint, a loss
+replica (a lost shard, stage, tp coordinate or, under ep, expert coordinate exists nowhere else:
+``controller/gather.py``'s ``every_part_replicated``) and no periodic checkpoint, a loss
 restarts from step 0: :func:`tier_shortfall` says so, naming the fix, before the first failure does.
 """
 

@@ -113,6 +113,20 @@ def dense_parts(layout: Layout) -> int:
     return len({dims.holder_key(r)[:-1] if dims.ep > 1 else dims.holder_key(r) for r in range(dims.world_size)})
 
 
+def every_part_replicated(layout: Layout) -> bool:
+    """PURE: whether every part of the training state (each :meth:`MeshDims.holder_key`) is held by at least
+    two ranks, so that losing any one rank leaves a replica to restore it from. ``dp_replicate > 1`` is not
+    enough: under ep the holder key carries the ep coordinate, and the experts of an ep coordinate have a
+    replica only when the expert ranks span more than one ep group (``expert_replica_ranks``); ddp x ep2 on
+    2 ranks has ``dp_replicate`` 2 and no replica of either rank's experts."""
+    dims = layout.dims
+    held: dict[tuple[int, ...], int] = {}
+    for r in range(dims.world_size):
+        key = dims.holder_key(r)
+        held[key] = held.get(key, 0) + 1
+    return min(held.values()) >= 2
+
+
 def _memory_restore(step: int, srcs: list[Any]) -> PeerRestore:
     """A restore from the peer tier's snapshots ``srcs`` of ``step``, with the step records they carry taken
     off their metas (they stay with the controller: the loading ranks need none of them)."""
@@ -181,7 +195,7 @@ class SourceGatherer:
         tier = size_budget(state, world, ranks, min(free) if free else None, ck.memory_budget_gib)
         self._budget = tier.budget
         self.rt.get([k.set_budget.remote(tier.budget) for k in self.keepers.values()], timeout=self.config.timeouts.poll_s)
-        why = tier_shortfall(tier, -(-state // world), ranks, has_replica=layout.dims.dp_replicate > 1,
+        why = tier_shortfall(tier, -(-state // world), ranks, has_replica=every_part_replicated(layout),
                              periodic_checkpoint=ck.uri is not None and ck.every_steps > 0)
         if why and not self._short_said:
             self._short_said = True

@@ -80,7 +80,8 @@ def local_part(state: dict[str, torch.Tensor], plain_primary: bool,
                primary_along: dict[str, bool] | None = None) -> dict[str, list[Any]]:
     """This rank's contribution: name -> [sum of its counted elements' hashes, elements counted, global
     shape, dtype]. No collective. ``state``: the model state dict as the rank holds it (DTensor shards,
-    stage subsets, or whole tensors); ``primary_along``: see :func:`counts`."""
+    stage subsets, or whole tensors); ``primary_along``: see :func:`counts`. Raises ValueError naming the
+    tensor and its placements when :func:`global_indices` does not map its local shard's shape."""
     out: dict[str, list[Any]] = {}
     for name, t in state.items():
         shape, dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
@@ -89,6 +90,11 @@ def local_part(state: dict[str, torch.Tensor], plain_primary: bool,
             continue
         if isinstance(t, DTensor):
             local, index = t.to_local(), global_indices(t)
+            mapped = tuple(len(i) for i in index)
+            if mapped != tuple(local.shape):  # a placement global_indices does not map: say which, not a broadcast
+                raise ValueError(f"model digest: {name}'s local shard is {tuple(local.shape)} but its placements "
+                                 f"{tuple(t.placements)} on mesh {t.device_mesh.mesh_dim_names} map {mapped} of "
+                                 f"{tuple(t.shape)}: a placement parallel/digest.py global_indices does not know")
         else:
             local, index = t, [torch.arange(n) for n in t.shape]
         out[name] = [_hash_sum(name, local.detach().cpu(), index, tuple(t.shape)), local.numel(), shape, dtype]
