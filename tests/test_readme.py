@@ -3,7 +3,8 @@ the quickstart, its rerun ("already finished"), the extension to 80 steps, `ckpt
 fresh start under a new run id (started right after the quickstart, beside the commands in between: they
 do not touch its run). The first two run exactly as a new user types them (no ``RAY_ADDRESS``): the
 quickstart starts a private local Ray, the rerun none ("already finished" is decided before Ray); the later
-runs connect to the session's (``RAY_ADDRESS``), the commands unchanged. The "Your own corpus" block: the
+runs connect to the session's (``RAY_ADDRESS``), the commands unchanged, and `ckpt ls/verify/export` (no Ray,
+no worker) run through click in the test's process. The "Your own corpus" block: the
 prepare on a private Ray (its tasks write ``prepared/`` from their own directory), the two runs on the
 session's."""
 
@@ -50,7 +51,7 @@ def _on_the_sessions_ray() -> dict[str, str]:
 
 
 @pytest.mark.slow  # the quickstart starts a private local Ray; the later runs use the session's
-def test_readme_commands_are_true(tmp_path, ray_local):
+def test_readme_commands_are_true(tmp_path, ray_local, monkeypatch):
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
         ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["run", "jobs/tiny_gpt.yaml"]], commands
@@ -67,6 +68,21 @@ def test_readme_commands_are_true(tmp_path, ray_local):
         assert "Traceback" not in err, (args, err[-2000:])
         return out
 
+    def in_process(args: list[str]) -> str:
+        """A command that starts no Ray nor worker, run by click's runner in this process (in the commands'
+        directory): the same argv and exit code, without a subprocess's imports (torch: seconds of CPU)."""
+        from click.testing import CliRunner
+
+        from elastictrain.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        try:
+            r = CliRunner().invoke(main, args, catch_exceptions=False)
+        finally:
+            monkeypatch.undo()
+        assert r.exit_code == 0, (args, r.output[-2000:])
+        return r.stdout
+
     private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
     outputs = [finish(commands[0], start(commands[0], private))]  # the quickstart: a private local Ray
     # The fresh start (a new run id, its own run directory) touches nothing the commands between it and the
@@ -75,8 +91,9 @@ def test_readme_commands_are_true(tmp_path, ray_local):
     fresh_start = start(commands[-1])
     try:
         outputs.append(finish(commands[1], start(commands[1], private)))  # the rerun, as typed: no Ray at all
-        for args in commands[2:-1]:
-            outputs.append(finish(args, start(args)))
+        outputs.append(finish(commands[2], start(commands[2])))  # the extension, on the session's Ray
+        for args in commands[3:-1]:  # `ckpt ls/verify/export`: the same argv through click, in this process
+            outputs.append(in_process(args))
     except BaseException:
         fresh_start.kill()
         fresh_start.communicate()
