@@ -1,6 +1,6 @@
 """examples/custom_task.py runs end to end on 2 workers and learns (without the standby process and the peer
 tier's keeper, which the example's defaults start and its promise is not about: two process starts less,
-~4 s of CPU each, as tests/conftest.py's BASE_JOB)."""
+as tests/conftest.py's BASE_JOB)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ fresh start under a new run id (started right after the quickstart, beside the c
 do not touch its run). The first two run exactly as a new user types them (no ``RAY_ADDRESS``): the
 quickstart starts a private local Ray, the rerun none ("already finished" is decided before Ray); the later
 runs connect to the session's (``RAY_ADDRESS``), the commands unchanged, and `ckpt ls/verify/export` (no Ray,
-no worker) run through click in the test's process. The "Your own corpus" block runs on the session's Ray
-(its relative paths made absolute on the driver)."""
+no worker) run through click in the test's process. The "Your own corpus" block: the prepare on its private
+Ray, the two runs on the session's."""
 
 from __future__ import annotations
 
@@ -159,15 +159,16 @@ def prepare_commands() -> list[list[str]]:
             if shlex.split(line, comments=True)[:1] == ["elastictrain"]]
 
 
-@pytest.mark.slow  # a prepare on Ray Data, then two `elastictrain run`s: on the session's Ray
+@pytest.mark.slow  # a prepare on Ray Data (a private local Ray), then two `elastictrain run`s (the session's)
 def test_readme_prepare_then_run(tmp_path, ray_local):
     """The README's prepare -> run block as written: one prepare with a tokenizer trained here, then the tiny
     GPT's and the built-in Llama's jobs on it, each to its last step (on the manifest's 300 ids: a model of the
-    byte vocabulary would fail at its first id past 255). On the session's Ray (``RAY_ADDRESS``), whose
-    workers run in the pytest process's directory, not the commands': the relative ``corpus/`` and
-    ``--out prepared/`` of the prepare and the jobs' ``task.data.source: ./prepared`` are made absolute on
-    the driver (elastictrain/data_cli.py, elastictrain/jobenv.py), as for a user's ``--ray-address`` to a
-    Ray started elsewhere; three private Rays' starts (~3.5 s of CPU each) cheaper."""
+    byte vocabulary would fail at its first id past 255). The runs on the session's Ray (``RAY_ADDRESS``),
+    whose workers run in the pytest process's directory, not the commands': the jobs' relative
+    ``task.data.source: ./prepared`` is made absolute on the driver (elastictrain/jobenv.py), a private Ray's
+    start cheaper each. The prepare starts its private local Ray, as typed: on the session's,
+    each of its 4 tasks would start a worker process that preloads torch (the session's Ray preloads the
+    worker actor's module), dearer than a Ray start."""
     from tests.test_prepared_data import _corpus, _tokenizer
 
     commands = prepare_commands()
@@ -177,10 +178,11 @@ def test_readme_prepare_then_run(tmp_path, ray_local):
     _corpus(tmp_path / "corpus")
     _tokenizer(tmp_path / "tokenizer.json")
     session = _on_the_sessions_ray()
+    private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
     outputs = []
     for args in commands:
         r = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
-                           capture_output=True, timeout=600, env=session)
+                           capture_output=True, timeout=600, env=private if args[0] == "data" else session)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout[-2000:], r.stderr[-2000:])
         outputs.append(r.stdout)
     assert "elastictrain: prepared prepared/: train" in outputs[0] and "vocab 300" in outputs[0]
