@@ -56,9 +56,9 @@ def prepare(source: str, tokenizer: str, out: str, text_column: str, seq_len: in
     source_at, val_source_at, out_at = (absolute_input(p, cwd=here, working_dir=working_dir)
                                         for p in (source, val_source, out))
     try:
-        m = run_prepare(source_at, tokenizer, out_at, text_column=text_column, seq_len=seq_len, val_fraction=val_fraction,
-                        val_source=val_source_at, eos=eos, storage_options=opts, progress=not no_progress,
-                        ray_address=ray_address)
+        m = run_prepare(source_at, tokenizer, out_at, text_column=text_column, seq_len=seq_len,
+                        val_fraction=val_fraction, val_source=val_source_at, eos=eos, storage_options=opts,
+                        progress=not no_progress, ray_address=ray_address)
     except PrepareError as e:
         click.echo(f"elastictrain: data prepare: {e}", err=True)
         sys.exit(EXIT_CONFIG)
