@@ -3,8 +3,8 @@ Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); 
 actor's process is recovered (the world of 15 steps slower, ``degraded_step_s``, so the replacement's start
 falls inside it however loaded the machine: the grow-back cuts it short) and the run finishes its steps with
 the world sizes the policy promises, with one ``join`` per member and generation and no ``sync`` round
-(counted; each member's ``run`` goes right behind its ``join``: tests/test_sim.py counts that). Correctness only: no timing is asserted
-(``benchmarks/scale.py --ray-actors N`` has the figures).
+(counted; each member's ``run`` goes right behind its ``join``: tests/test_sim.py counts that). Correctness
+only: no timing is asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
 
 On the session's multi-node ``cluster`` (tests/cluster_fixtures.py), not the session's local Ray: the local
 Ray's workers preload the worker actor's module (torch), and the point here is an actor process without it;
