@@ -4,6 +4,7 @@ library at import: ``--help`` stays fast)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -47,11 +48,17 @@ def prepare(source: str, tokenizer: str, out: str, text_column: str, seq_len: in
                    "'{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'", err=True)
         sys.exit(EXIT_CONFIG)
     from elastictrain.data.prepare import PrepareError, prepare as run_prepare
+    from elastictrain.jobenv import absolute_input, ray_working_dir
 
+    # Ray Data's tasks open SOURCE and write --out from their own directory (the one their Ray was started
+    # in): relative local paths are the user's, made absolute here as `elastictrain run` does (jobenv.py)
+    here, working_dir = os.getcwd(), ray_working_dir(os.environ)
+    source_at, val_source_at, out_at = (absolute_input(p, cwd=here, working_dir=working_dir)
+                                        for p in (source, val_source, out))
     try:
-        m = run_prepare(source, tokenizer, out, text_column=text_column, seq_len=seq_len, val_fraction=val_fraction,
-                        val_source=val_source, eos=eos, storage_options=opts, progress=not no_progress,
-                        ray_address=ray_address)
+        m = run_prepare(source_at, tokenizer, out_at, text_column=text_column, seq_len=seq_len,
+                        val_fraction=val_fraction, val_source=val_source_at, eos=eos, storage_options=opts,
+                        progress=not no_progress, ray_address=ray_address)
     except PrepareError as e:
         click.echo(f"elastictrain: data prepare: {e}", err=True)
         sys.exit(EXIT_CONFIG)

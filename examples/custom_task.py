@@ -51,11 +51,15 @@ TASK = Task(model_fn=make_model, loss_fn=per_sample_loss, optimizer_fn=make_opti
             dataset_fn=SyntheticRegression, grad_clip=1.0, name="mlp_regression")
 
 
-def main(steps: int = 60, run_dir: str | Path | None = None, console: Any = sys.stdout) -> RunResult:
+def main(steps: int = 60, run_dir: str | Path | None = None, console: Any = sys.stdout,
+         workers: dict[str, Any] | None = None, checkpoint: dict[str, Any] | None = None) -> RunResult:
+    """Train the MLP for ``steps``; ``workers`` / ``checkpoint``: keys added to those sections (e.g. a test's
+    ``{"standby": False}``)."""
     config = build_config({
         "name": "custom_mlp",
         "train": {"steps": steps, "seed": 0, "global_batch": 32, "micro_batch": 8, "log_every": 10},
-        "workers": {"min": 1, "max": 2},
+        "workers": {"min": 1, "max": 2, **(workers or {})},
+        "checkpoint": {**(checkpoint or {})},
     })
     result = Trainer(config, TASK, run_dir=run_dir, console=console).fit()
     if console is not None:

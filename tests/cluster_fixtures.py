@@ -4,8 +4,8 @@ can act between steps) and ``cluster``, a multi-node local Ray on one machine.
 The fixtures are registered once, for the whole session, by tests/conftest.py (``pytest_plugins``): a test asks
 for ``cluster`` by name and imports only ``SLOW`` / ``node_of``. (Imported into each module instead, a fixture
 is defined once per module, and a session-scoped one would start a cluster per module and keep them all.)
-``cluster_2x2`` (two nodes of 2 CPU slots) is the placement tests'. tests/conftest.py runs every test on a
-cluster after the others, the ``cluster_2x2`` ones first, so each multi-node Ray is started once.
+tests/conftest.py runs every test on the cluster after the others, so it is started once (the placement
+tests, tests/test_placement_nodes.py, and the simulator's actors, tests/test_sim_ray.py, share it too).
 """
 
 from __future__ import annotations
@@ -96,24 +96,3 @@ def cluster(_session_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
 def node_of(nodes: list[Any], node_id: str) -> Any:
     """The node (of ``cluster``'s list) with this Ray node id."""
     return next(n for n in nodes if n.node_id == node_id)
-
-
-@pytest.fixture(scope="module")
-def cluster_2x2() -> Iterator[Cluster]:
-    """Two worker nodes of 2 CPU slots each and a head with none, for a module's placement tests (no node
-    is removed: nothing to top up). The session's local Ray is shut down first (``ray_local`` brings it
-    back for the next test that asks)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                      "_system_config": NO_METRICS})
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=2)
-        c.wait_for_nodes()
-        ray.init(address=c.address, log_to_driver=False)
-        yield c
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()

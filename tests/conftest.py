@@ -23,7 +23,7 @@ from tests import durations
 # minute with 150 logs). Every Ray a test starts inherits it, those of `elastictrain run` subprocesses too.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
-# The multi-node fixtures (``cluster``, ``cluster_2x2``), registered once for the session (see the module).
+# The multi-node fixture (``cluster``), registered once for the session (see the module).
 pytest_plugins = ("tests.cluster_fixtures",)
 
 # A small but real job: the byte-level GPT on Python's docs, 2 workers, seconds per run on 2 CPU cores.
@@ -73,10 +73,6 @@ def ray_local():
     yield
 
 
-# Fixtures of tests that start a Ray of their own (tests/test_sim_ray.py: actors without the torch preload).
-OWN_RAY_FIXTURES = ("bare_ray",)
-
-
 def pytest_configure(config):
     """``pytest -n N`` distributes the units :func:`pytest_collection_modifyitems` marks, in its order
     (pytest-xdist's ``loadgroup``, without its reordering of units by their number of tests)."""
@@ -91,9 +87,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     """Order the tests, and group them for ``pytest -n 2`` (pytest-xdist, ``--dist loadgroup``).
 
-    Tests that shut the session's local Ray down run together: those on a multi-node ``cluster``
-    (tests/cluster_fixtures.py), the ``cluster_2x2`` ones first, so each multi-node Ray is started once,
-    then those on their own local Ray (``OWN_RAY_FIXTURES``). Run among the others, each would make the next
+    Tests that shut the session's local Ray down run together: those on the multi-node ``cluster``
+    (tests/cluster_fixtures.py), so it is started once. Run among the others, each would make the next
     test on ``ray_local`` start the session's Ray again (its raylet, and its prestarted workers importing
     torch). Run alone (no ``-n``) they come last.
 
@@ -105,19 +100,12 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     processes finish together. (In file order a 100 s module came last and ran alone for half a minute.)"""
     def on_cluster(item: Any) -> bool:
         info = getattr(item, "_fixtureinfo", None)
-        names = ("cluster", "cluster_2x2")
-        defs = [d for n in names for d in info.name2fixturedefs.get(n, ())] if info is not None else ()
+        defs = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
         return any(d.func.__module__ == "tests.cluster_fixtures" for d in defs)
 
-    def own_ray(item: Any) -> bool:
-        return any(n in getattr(item, "fixturenames", ()) for n in OWN_RAY_FIXTURES)
-
-    def shared_cluster(item: Any) -> bool:  # the session's ``cluster`` (after the module-scoped 2x2 ones)
-        return "cluster" in getattr(item, "fixturenames", ())
-
-    alone = {id(item) for item in items if on_cluster(item) or own_ray(item)}
+    alone = {id(item) for item in items if on_cluster(item)}
     if not getattr(config.option, "loadgroup", False):  # set in each xdist process (see pytest_configure)
-        items.sort(key=lambda item: (on_cluster(item), own_ray(item), shared_cluster(item)))
+        items.sort(key=on_cluster)
         return
     heavy = {item.path for item in items
              if "ray_local" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow")}
@@ -129,8 +117,7 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     def seconds(item: Any) -> float:  # a unit not recorded yet: a guess by its kind
         return recorded.get(unit(item), 30.0 if item.path in heavy else 1.0)
 
-    items.sort(key=lambda item: (id(item) not in alone, -seconds(item), unit(item),
-                                 not on_cluster(item), own_ray(item), shared_cluster(item)))
+    items.sort(key=lambda item: (id(item) not in alone, -seconds(item), unit(item)))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(unit(item)))
 

@@ -1,6 +1,8 @@
-"""Placement by topology on a real multi-node Ray (``ray.cluster_utils.Cluster``, 2 nodes of 2 CPU slots):
-Ray's SPREAD strategy puts the workers' bundles on alternate nodes, and the controller gives ranks so that
-a pipeline's stages (and a TP group's ranks) share a node, as the ``worker_started`` events show."""
+"""Placement by topology on a real multi-node Ray (the session's ``cluster``: 2 worker nodes of one CPU, two
+workers of half a CPU on each): Ray's SPREAD strategy puts the workers' bundles on alternate nodes, and the
+controller gives ranks so that a pipeline's stages (and a TP group's ranks) share a node, as the
+``worker_started`` events show. (On a cluster of its own, two nodes of 2 CPUs, it cost a head and two
+nodes' starts: GCS, raylets, agents.)"""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ def _nodes_by_rank(run) -> list[str]:
 
 def _spec(**parallel) -> dict:
     return copy.deepcopy(job(task=TASK, train={"steps": 2, "global_batch": 16, "micro_batch": 2},
-                             workers={"min": 4, "max": 4, "placement_strategy": "SPREAD"}, parallel=parallel))
+                             workers={"min": 4, "max": 4, "cpus_per_worker": 0.5, "placement_strategy": "SPREAD"},
+                             parallel=parallel))
 
 
 @pytest.mark.parametrize("factor", ["pp", "tp"])
-def test_each_stage_or_tp_group_of_a_2x2_layout_is_on_one_node(tmp_path, cluster_2x2, factor) -> None:
+def test_each_stage_or_tp_group_of_a_2x2_layout_is_on_one_node(tmp_path, cluster, factor) -> None:
     """pp2 x dp2: stage 0 is ranks 0,1 and stage 1 ranks 2,3; tp2 x dp2: ranks 0,1 and ranks 2,3 are TP
     groups. The bundles alternate nodes (a, b, a, b); in slot order each pair would span both nodes: placed
     by topology, each stage (or TP group, whose all-reduces then stay inside a node) is on a node of its own."""

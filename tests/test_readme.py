@@ -1,8 +1,11 @@
 """The README's quickstart commands, run as written and in order (issue 8 item 2):
 the quickstart, its rerun ("already finished"), the extension to 80 steps, `ckpt ls/verify/export`, and a
 fresh start under a new run id (started right after the quickstart, beside the commands in between: they
-do not touch its run). The quickstart starts a private local Ray, as a user's first run does; the later runs
-connect to the session's (``RAY_ADDRESS``), the commands unchanged."""
+do not touch its run). The first two run exactly as a new user types them (no ``RAY_ADDRESS``): the
+quickstart starts a private local Ray, the rerun none ("already finished" is decided before Ray); the later
+runs connect to the session's (``RAY_ADDRESS``), the commands unchanged, and `ckpt ls/verify/export` (no Ray,
+no worker) run through click in the test's process. The "Your own corpus" block: the prepare on its private
+Ray, the two runs on the session's."""
 
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def _on_the_sessions_ray() -> dict[str, str]:
 
 
 @pytest.mark.slow  # the quickstart starts a private local Ray; the later runs use the session's
-def test_readme_commands_are_true(tmp_path, ray_local):
+def test_readme_commands_are_true(tmp_path, ray_local, monkeypatch):
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
         ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["run", "jobs/tiny_gpt.yaml"]], commands
@@ -64,6 +67,21 @@ def test_readme_commands_are_true(tmp_path, ray_local):
         assert "Traceback" not in err, (args, err[-2000:])
         return out
 
+    def in_process(args: list[str]) -> str:
+        """A command that starts no Ray nor worker, run by click's runner in this process (in the commands'
+        directory): the same argv and exit code, without a subprocess's imports (torch: seconds of CPU)."""
+        from click.testing import CliRunner
+
+        from elastictrain.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        try:
+            r = CliRunner().invoke(main, args, catch_exceptions=False)
+        finally:
+            monkeypatch.undo()
+        assert r.exit_code == 0, (args, r.output[-2000:])
+        return r.stdout
+
     private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
     outputs = [finish(commands[0], start(commands[0], private))]  # the quickstart: a private local Ray
     # The fresh start (a new run id, its own run directory) touches nothing the commands between it and the
@@ -71,8 +89,10 @@ def test_readme_commands_are_true(tmp_path, ray_local):
     # hold its 2 workers and the extension's).
     fresh_start = start(commands[-1])
     try:
-        for args in commands[1:-1]:
-            outputs.append(finish(args, start(args)))
+        outputs.append(finish(commands[1], start(commands[1], private)))  # the rerun, as typed: no Ray at all
+        outputs.append(finish(commands[2], start(commands[2])))  # the extension, on the session's Ray
+        for args in commands[3:-1]:  # `ckpt ls/verify/export`: the same argv through click, in this process
+            outputs.append(in_process(args))
     except BaseException:
         fresh_start.kill()
         fresh_start.communicate()
@@ -123,10 +143,14 @@ def test_readme_runtime_env_json_sets_the_run_id() -> None:
 def test_readme_report_command(raised_run, tmp_path) -> None:
     """`elastictrain report RUN_DIR [--out FILE] [--no-png]` on a finished run: the page is written where
     --out says, one line names it (a RUN_DIR that is no run: tests/test_cli_input.py)."""
-    out = tmp_path / "page.html"
-    proc = subprocess.run([sys.executable, "-m", "elastictrain", "report", str(raised_run.dir), "--out", str(out),
-                           "--no-png"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"elastictrain: html {out}", proc.stdout + proc.stderr
+    from click.testing import CliRunner
+
+    from elastictrain.cli import main
+
+    out = tmp_path / "page.html"  # the argv through click in this process: a subprocess's imports less
+    r = CliRunner().invoke(main, ["report", str(raised_run.dir), "--out", str(out), "--no-png"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and r.stdout.strip() == f"elastictrain: html {out}", r.output
     assert out.stat().st_size > 0 and not out.with_suffix(".png").exists()
 
 
@@ -139,13 +163,16 @@ def prepare_commands() -> list[list[str]]:
             if shlex.split(line, comments=True)[:1] == ["elastictrain"]]
 
 
-@pytest.mark.slow  # a prepare on Ray Data, then two `elastictrain run`s (a private local Ray each)
-def test_readme_prepare_then_run(tmp_path):
+@pytest.mark.slow  # a prepare on Ray Data (a private local Ray), then two `elastictrain run`s (the session's)
+def test_readme_prepare_then_run(tmp_path, ray_local):
     """The README's prepare -> run block as written: one prepare with a tokenizer trained here, then the tiny
     GPT's and the built-in Llama's jobs on it, each to its last step (on the manifest's 300 ids: a model of the
-    byte vocabulary would fail at its first id past 255). Each on a private local Ray: the jobs read
-    ``./prepared`` from their workers' directory, which is the directory their own Ray was started in (the
-    session's Ray runs its workers in the pytest process's)."""
+    byte vocabulary would fail at its first id past 255). The runs on the session's Ray (``RAY_ADDRESS``),
+    whose workers run in the pytest process's directory, not the commands': the jobs' relative
+    ``task.data.source: ./prepared`` is made absolute on the driver (elastictrain/jobenv.py), a private Ray's
+    start cheaper each. The prepare starts its private local Ray, as typed: on the session's,
+    each of its 4 tasks would start a worker process that preloads torch (the session's Ray preloads the
+    worker actor's module), dearer than a Ray start."""
     from tests.test_prepared_data import _corpus, _tokenizer
 
     commands = prepare_commands()
@@ -154,10 +181,12 @@ def test_readme_prepare_then_run(tmp_path):
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
     _corpus(tmp_path / "corpus")
     _tokenizer(tmp_path / "tokenizer.json")
+    session = _on_the_sessions_ray()
+    private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
     outputs = []
     for args in commands:
         r = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
-                           capture_output=True, timeout=600)
+                           capture_output=True, timeout=600, env=private if args[0] == "data" else session)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout[-2000:], r.stderr[-2000:])
         outputs.append(r.stdout)
     assert "elastictrain: prepared prepared/: train" in outputs[0] and "vocab 300" in outputs[0]

@@ -1,36 +1,27 @@
 """The Ray variant of the simulation (elastictrain/sim/ray_actors.py, ray_run.py): the real controller over
 Ray drives 16 lightweight actors (``num_cpus=0``, no torch in their processes); a real SIGKILL of one
-actor's process is recovered and the run finishes its steps with the world sizes the policy promises,
-with one ``join`` per member and generation and no ``sync`` round (counted; each member's ``run`` goes
-right behind its ``join``: tests/test_sim.py counts that). Correctness only: no timing is asserted
-(``benchmarks/scale.py --ray-actors N`` has the figures).
+actor's process is recovered (the world of 15 steps slower, ``degraded_step_s``, so the replacement's start
+falls inside it however loaded the machine: the grow-back cuts it short) and the run finishes its steps with
+the world sizes the policy promises, with one ``join`` per member and generation and no ``sync`` round
+(counted; each member's ``run`` goes right behind its ``join``: tests/test_sim.py counts that). Correctness
+only: no timing is asserted (``benchmarks/scale.py --ray-actors N`` has the figures).
 
-Its own local Ray, not the session's: the session's workers preload the worker actor's module (torch),
-and the point here is an actor process without it. It shuts its Ray down after; the next test on
-``ray_local`` starts the session's again."""
+On the session's multi-node ``cluster`` (tests/cluster_fixtures.py), not the session's local Ray: the local
+Ray's workers preload the worker actor's module (torch), and the point here is an actor process without it;
+the cluster's nodes preload nothing (a Ray of its own would cost a start: GCS, raylet, agents)."""
 
 from __future__ import annotations
-
-import pytest
-import ray
 
 from elastictrain.sim.ray_run import run_ray_actors
 from elastictrain.sim.scenarios import promised_worlds, sim_config
 
-ACTORS, STEPS, STEP_S = 16, 400, 0.025  # ten simulated seconds: time for a replacement to start under load
+# ten simulated seconds at full size; the world of 15 steps every 0.25 s: 95 s for the replacement to start
+# (a Ray worker process importing Ray, no torch), cut short when it joins
+ACTORS, STEPS, STEP_S, DEGRADED_S = 16, 400, 0.025, 0.25
 
 
-@pytest.fixture
-def bare_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(bare_ray) -> None:
-    r = run_ray_actors(ACTORS, steps=STEPS, step_s=STEP_S, kill_at=20)
+def test_16_actors_recover_a_sigkill_and_finish_with_the_promised_world_sizes(cluster) -> None:
+    r = run_ray_actors(ACTORS, steps=STEPS, step_s=STEP_S, kill_at=20, degraded_step_s=DEGRADED_S)
     assert not r.torch_in_actor
     assert (r.state, r.steps, r.lost_steps) == ("finished", STEPS, 0), r
     assert r.worlds == promised_worlds(sim_config(ACTORS, STEPS, STEP_S), [16, 15, 16]) == [16, 15, 16], r

@@ -65,8 +65,11 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
 class Hub:
     """One generation's rendezvous and failure fan-out, on a thread of rank 0's process."""
 
-    def __init__(self, host: str, step_s: float) -> None:
+    def __init__(self, host: str, step_s: float, full_world: int = 0, degraded_step_s: float | None = None) -> None:
         self.step_s = step_s
+        # a world below ``full_world`` steps every ``degraded_step_s`` (when given): the pace is the hub's,
+        # sent with "go", so every member of a generation keeps the same clock
+        self.full_world, self.degraded_step_s = full_world, degraded_step_s
         self.listener = socket.create_server((host, 0))
         self.port = self.listener.getsockname()[1]
         self.sel = selectors.DefaultSelector()
@@ -123,7 +126,9 @@ class Hub:
             self.runs.append(msg["run"])
             if len(self.runs) == self.world:
                 self.t0, self.s0 = time.time(), max(self.runs)
-                self._broadcast({"go": self.t0, "s0": self.s0})
+                if self.degraded_step_s is not None and self.world < self.full_world:
+                    self.step_s = self.degraded_step_s
+                self._broadcast({"go": self.t0, "s0": self.s0, "pace": self.step_s})
                 if self.stop_wanted:
                     self._stop()
         elif "stop" in msg and not self.stop_wanted:
@@ -148,8 +153,10 @@ class Hub:
 class SimActor:
     """One simulated worker process (use :func:`sim_actor_class` for the Ray actor class)."""
 
-    def __init__(self, step_s: float, collective_s: float) -> None:
+    def __init__(self, step_s: float, collective_s: float, full_world: int = 0,
+                 degraded_step_s: float | None = None) -> None:
         self.step_s, self.collective_s = step_s, collective_s
+        self.full_world, self.degraded_step_s = full_world, degraded_step_s  # the hub's pace (see Hub)
         self.slot = -1
         self.gen: int | None = None
         self.rank = 0
@@ -181,7 +188,7 @@ class SimActor:
         if self.hub is not None:
             self.hub.close()
         host = ray.util.get_node_ip_address()
-        self.hub = Hub(host, self.step_s)
+        self.hub = Hub(host, self.step_s, self.full_world, self.degraded_step_s)
         return host, self.hub.port
 
     def _leave(self) -> None:
@@ -268,8 +275,9 @@ class SimActor:
             t0, s0 = self._await("go"), self.view["s0"]
         except ConnectionError:
             return self._result("peer_failed")
+        pace = self.view.get("pace", self.step_s)
         while self.step < target_step:
-            end = t0 + (self.step + 1 - s0) * self.step_s
+            end = t0 + (self.step + 1 - s0) * pace
             with self.cond:
                 self.cond.wait_for(lambda: "broken" in self.view or time.time() >= end, max(0.0, end - time.time()))
                 if "broken" in self.view and time.time() < end:
@@ -277,7 +285,7 @@ class SimActor:
                 stop_at = self.view.get("stopat")
             self.step += 1
             self.phase_since = end
-            self.records.append(Record(self.step, 1.0, self.world, self.accum, self.step_s, self.step_s / 2, end))
+            self.records.append(Record(self.step, 1.0, self.world, self.accum, pace, pace / 2, end))
             if stop_at is not None and self.step >= stop_at and self.step < target_step:
                 return self._result("stopped")
         return self._result("done")

@@ -74,8 +74,9 @@ class ActorGroup(WorkerGroup):
     """A worker group of :class:`~elastictrain.sim.ray_actors.SimActor` actors, one per slot, placed by Ray
     anywhere (``num_cpus=0``: no placement groups, every slot is placed)."""
 
-    def __init__(self, config: JobConfig, step_s: float) -> None:  # noqa: D107 - no placement groups to make
-        self.config, self.step_s = config, step_s
+    def __init__(self, config: JobConfig, step_s: float,  # noqa: D107 - no placement groups to make
+                 degraded_step_s: float | None = None) -> None:
+        self.config, self.step_s, self.degraded_step_s = config, step_s, degraded_step_s
         self.calls: Counter[str] = Counter()  # the controller's calls on the actors, by method
         self.slots = [Slot(i) for i in range(config.workers.max + config.workers.spares)]
         self._actor_cls = sim_actor_class()
@@ -85,7 +86,7 @@ class ActorGroup(WorkerGroup):
         slot = self.slots[index]
         slot.from_standby = False
         slot.actor = _Handle(self._actor_cls.options(num_cpus=0, max_restarts=0, max_task_retries=0).remote(
-            self.step_s, self.config.timeouts.collective_s), self.calls)
+            self.step_s, self.config.timeouts.collective_s, self.config.workers.max, self.degraded_step_s), self.calls)
         slot.setup_ref = slot.actor.setup.remote(index)
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         slot.started_at = time.time()
@@ -138,16 +139,19 @@ class RayRunResult:
 
 
 def run_ray_actors(actors: int, *, steps: int = 60, step_s: float = 0.05, kill_at: int | None = 20,
-                   kill_slot: int | None = None) -> RayRunResult:
+                   kill_slot: int | None = None, degraded_step_s: float | None = None) -> RayRunResult:
     """Run the real controller over ``actors`` simulated actors (Ray must be initialized) and, at step
     ``kill_at`` (None: no fault), SIGKILL the process of slot ``kill_slot`` (default: one in the middle,
-    not rank 0's)."""
+    not rank 0's). ``degraded_step_s``: the step time of a generation below ``actors`` (None: ``step_s``),
+    so the replacement's start falls inside the degraded generation however slow it is, and the grow-back
+    cuts those steps short (a test's bound, not a timing window); figures are taken without it."""
     # the start waits for every actor: Ray starts their processes a few at a time (one per CPU at once)
-    config = sim_config(actors, steps, step_s, restart_grace_s=max(60.0, 5.0 * actors))
+    config = sim_config(actors, steps, step_s, restart_grace_s=max(60.0, 5.0 * actors),
+                        slowest_step_s=degraded_step_s)
     victim = actors // 2 + 1 if kill_slot is None else kill_slot
     with tempfile.TemporaryDirectory() as tmp:
         events = EventLog(Path(tmp), console=None)
-        group = ActorGroup(config, step_s)
+        group = ActorGroup(config, step_s, degraded_step_s)
         marks: dict[str, float] = {}
         checked: dict[str, Any] = {}
         phases = Phases()

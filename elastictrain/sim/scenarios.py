@@ -36,11 +36,12 @@ DECISION_MARKS = ("recovery source:", "-> CHECKPOINTING")  # the controller's li
 
 
 def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float = 60, memory_every_steps: int = 0,
-               **recovery: Any) -> JobConfig:
+               slowest_step_s: float | None = None, **recovery: Any) -> JobConfig:
     """A job for ``ranks`` simulated workers: ddp, one sample per rank and step (every world size that
     divides the global batch is valid: ``ranks`` and many sizes below it), timeouts scaled to the simulated
-    step time. ``restart_grace_s``: also how long the start waits for every worker (the Ray variant's
-    actor processes start a few at a time)."""
+    step time (``slowest_step_s``: the slowest step a run paces, when slower than ``step_s``).
+    ``restart_grace_s``: also how long the start waits for every worker (the Ray variant's actor processes
+    start a few at a time)."""
     return build_config({
         "name": "sim",
         "train": {"steps": steps, "seed": 0, "global_batch": math.lcm(ranks, 720720),
@@ -50,7 +51,8 @@ def sim_config(ranks: int, steps: int, step_s: float, *, restart_grace_s: float 
         # starts its keepers through the runtime, and the simulated world's keepers (sim/world.py SimKeeper)
         # take their budget and answer their catalogs -- empty: simulated workers hold no state
         "checkpoint": {"memory_every_steps": memory_every_steps},
-        "timeouts": {"collective_s": 2, "step_watchdog_cap_s": 5, "watchdog_floor_s": max(0.5, 10 * step_s),
+        "timeouts": {"collective_s": 2, "step_watchdog_cap_s": 5,
+                     "watchdog_floor_s": max(0.5, 10 * max(step_s, slowest_step_s or 0.0)),
                      "poll_s": 10, "restart_grace_s": restart_grace_s},
         "recovery": {"max_failures": 10 ** 6, "max_failures_per_rank": 10, **recovery},
     })
