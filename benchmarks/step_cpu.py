@@ -1,7 +1,7 @@
 """CPU seconds per training step: elastictrain DDP's processes against plain torchrun DDP's, same job.
 
-Run: ``python benchmarks/step_cpu.py [--steps N] [--warmup W] [--dropout D] [--side both|elastictrain|plain]
-[--profile-driver K]``
+Run: ``python benchmarks/step_cpu.py [--steps N] [--warmup W] [--dropout D] [--rounds R]
+[--side both|elastictrain|plain] [--profile-driver K]``
 
 Wall-clock throughput means nothing on a shared machine; CPU time does not depend on who else runs. Both
 sides train ``benchmarks/throughput.py``'s job (tiny GPT, 2 CPU workers, one intra-op thread each, no
@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,9 +137,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _report(title: str, sampler: Sampler, t0: float, t1: float, steps: int) -> float:
+TRAINING = ("worker rank", "rank process")  # the labels of the two training processes of each side
+
+
+def _report(title: str, sampler: Sampler, t0: float, t1: float, steps: int) -> tuple[float, float]:
+    """Print the table; return (every process, the training processes) in CPU-s per step."""
     print(f"\n## {title}: CPU-s per step over {steps} steps")
-    total = 0.0
+    total = training = 0.0
     for pid in sorted(sampler.samples):
         try:
             per = sampler.between(pid, t0, t1)
@@ -147,12 +152,13 @@ def _report(title: str, sampler: Sampler, t0: float, t1: float, steps: int) -> f
             continue
         s = sum(v for name, v in per.items() if not name.startswith("cpu-sampler")) / steps
         total += s
+        training += s if sampler.labels[pid].startswith(TRAINING) else 0.0
         print(f"  {sampler.labels[pid]:<24} pid {pid:<8} {s * 1e3:8.2f} ms/step")
         for name, v in sorted(per.items(), key=lambda kv: -kv[1]):
             if v / steps >= 5e-5:
                 print(f"      {name:<20} {v / steps * 1e3:8.2f} ms/step")
     print(f"  total (the sampler's own thread left out) {total * 1e3:8.2f} ms/step")
-    return total
+    return total, training
 
 
 def _ray_daemons() -> dict[int, str]:
@@ -165,7 +171,7 @@ def _ray_daemons() -> dict[int, str]:
 
 
 def run_elastictrain(steps: int, warmup: int, global_batch: int, micro_batch: int, dropout: float,
-                     profile_top: int = 0) -> None:
+                     profile_top: int = 0) -> tuple[float, float]:
     import ray
 
     from elastictrain import Trainer, build_config
@@ -208,10 +214,10 @@ def run_elastictrain(steps: int, warmup: int, global_batch: int, micro_batch: in
     if not result.ok:
         raise RuntimeError(f"elastictrain run failed (exit {result.exit_code})")
     times = {e["step"]: e["finished_at"] for e in events if e["event"] == "step"}
-    _report("elastictrain", sampler, times[warmup], times[steps], steps - warmup)
+    return _report("elastictrain", sampler, times[warmup], times[steps], steps - warmup)
 
 
-def run_plain(steps: int, warmup: int, global_batch: int, micro_batch: int, dropout: float) -> None:
+def run_plain(steps: int, warmup: int, global_batch: int, micro_batch: int, dropout: float) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--standalone",
            str(PLAIN_SCRIPT), "--steps", str(steps), "--global-batch", str(global_batch),
            "--micro-batch", str(micro_batch), "--seed", str(SEED)]
@@ -235,7 +241,7 @@ def run_plain(steps: int, warmup: int, global_batch: int, micro_batch: int, drop
     if proc.returncode or not lines:
         raise RuntimeError(f"plain DDP failed: {(out + err)[-2000:]}")
     times = json.loads(lines[-1][len(RESULT_PREFIX):])["times"]
-    _report("plain DDP (torchrun)", sampler, times[warmup - 1], times[steps - 1], steps - warmup)
+    return _report("plain DDP (torchrun)", sampler, times[warmup - 1], times[steps - 1], steps - warmup)
 
 
 def main() -> int:
@@ -248,19 +254,29 @@ def main() -> int:
     p.add_argument("--profile-driver", type=int, default=0, metavar="K",
                    help="cProfile the driver's main thread (thread CPU clock) and print its top K functions")
     p.add_argument("--side", choices=("both", "elastictrain", "plain"), default="both")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, alternating the sides; medians at the end")
     a = p.parse_args()
     import ray
 
     os.environ["RAY_worker_niceness"] = "0"
     ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
+    rows: dict[str, list[tuple[float, float]]] = {"elastictrain": [], "plain": []}
     try:
-        if a.side in ("both", "elastictrain"):
-            run_elastictrain(a.steps, a.warmup, a.global_batch, a.micro_batch, a.dropout, a.profile_driver)
-        if a.side in ("both", "plain"):
-            run_plain(a.steps, a.warmup, a.global_batch, a.micro_batch, a.dropout)
+        for _ in range(a.rounds):
+            if a.side in ("both", "elastictrain"):
+                rows["elastictrain"].append(run_elastictrain(a.steps, a.warmup, a.global_batch, a.micro_batch,
+                                                             a.dropout, a.profile_driver))
+            if a.side in ("both", "plain"):
+                rows["plain"].append(run_plain(a.steps, a.warmup, a.global_batch, a.micro_batch, a.dropout))
     finally:
         ray.shutdown()
+    print("\n## medians over the rounds, CPU-ms per step: all processes / the two training processes")
+    for side, got in rows.items():
+        if got:
+            print(f"  {side:<13} {statistics.median(t for t, _ in got) * 1e3:7.2f} / "
+                  f"{statistics.median(w for _, w in got) * 1e3:7.2f}   rounds: "
+                  + ", ".join(f"{t * 1e3:.2f}/{w * 1e3:.2f}" for t, w in got))
     return 0
 
 
