@@ -33,8 +33,9 @@ def clean():
 
 
 def _tier_complete_step(bg: BackgroundRun, world: int) -> int:
-    """The newest step of which the run's keepers hold every rank's generation-0 snapshot (-1: none yet).
-    Asked of the keepers themselves (real Ray calls), not inferred from how far the run has got."""
+    """The newest step of which the run's keepers hold every rank's generation-0 snapshot (-1: none yet):
+    under fsdp every rank pushes its own shard. Asked of the keepers themselves (real Ray calls), not
+    inferred from how far the run has got."""
     import ray
 
     keepers = list(bg.trainer.controller.sources.keepers.values())
