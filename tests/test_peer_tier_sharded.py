@@ -32,12 +32,40 @@ def clean():
     return InProcessRun(_spec("ddp", 1))
 
 
-def _kill_rank_1(tmp_path, spec, name, ranks=(1,)):
-    """SIGKILL ``ranks`` (by pid, one right after the other) once the run is past step 8."""
+def _tier_complete_step(bg: BackgroundRun, world: int) -> int:
+    """The newest step of which the run's keepers hold every rank's generation-0 snapshot (-1: none yet):
+    under fsdp every rank pushes its own shard. Asked of the keepers themselves (real Ray calls), not
+    inferred from how far the run has got."""
+    import ray
+
+    keepers = list(bg.trainer.controller.sources.keepers.values())
+    held: dict[int, set[int]] = {}
+    for metas in ray.get([k.catalog.remote() for k in keepers], timeout=120):
+        for m in metas:
+            if m.generation == 0:
+                held.setdefault(m.step, set()).add(m.rank)
+    return max((s for s, ranks in held.items() if ranks == set(range(world))), default=-1)
+
+
+def _kill_rank_1(tmp_path, spec, name, ranks=(1,), world: int = 2, tier: bool = True):
+    """SIGKILL ``ranks`` (by pid, one right after the other) once the run is past step 8 and, with the peer
+    tier on, once its keepers hold a complete step at least as new as the step reported then: the kill waits
+    for that condition, not for a step number standing for "the tier has caught up by now" (a keeper slow to
+    come up on a loaded machine held nothing at step 8, and the run restarted from scratch). From step 9 the
+    first generation's steps take a second more each, so the run is still there to be killed (tens of
+    seconds, not the 0.7 s steps 9-30 take unslowed); no number changes."""
+    import time
+
+    held_open = [{"rank": r, "step": 9, "kind": "slow", "seconds": 1.0, "generation": 0} for r in range(world)]
+    spec = {**spec, "faults": list(spec["faults"]) + held_open}
     bg = BackgroundRun(tmp_path, spec, name=name)
     victims = [bg.wait_for(lambda e, r=r: e["event"] == "worker_started" and e["rank"] == r, timeout=240)
                for r in ranks]
-    bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8, timeout=120)
+    reported = bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 8, timeout=240)["step"]
+    deadline = time.monotonic() + 240  # bounds a hang, not the tier's speed
+    while tier and _tier_complete_step(bg, world) < reported:
+        assert time.monotonic() < deadline and bg.thread.is_alive(), f"the tier never held a complete step >= {reported}"
+        bg.thread.join(0.05)
     for victim in victims:
         os.kill(victim["pid"], signal.SIGKILL)
     return bg.finish(timeout=480)
@@ -81,7 +109,7 @@ def test_fsdp_two_ranks_killed_at_once_recover_from_peer_memory_tier(tmp_path, r
     the keeper holds. Lost work <= two intervals (the newest snapshot may still be in flight at the kill).
     strict: two replacements load their shards from the keeper at world size 4."""
     spec = _spec("fsdp", 4, mode="strict", checkpoint={"memory_every_steps": 2})
-    run = _kill_rank_1(tmp_path, spec, "fsdp2", ranks=(1, 2))
+    run = _kill_rank_1(tmp_path, spec, "fsdp2", ranks=(1, 2), world=4)
     assert {(f["kind"], f["rank"]) for f in run.of("failure")} >= {("process_died", 1), ("process_died", 2)}
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
@@ -94,10 +122,12 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
     """Elastic: fold 4 -> 2 from the keeper, then grow back 2 -> 4 from the two survivors' snapshots. The
     survivor that was rank 3 of the first 4-rank mesh is rank 1 of the regrown one; with DTensor's
     per-thread caches still holding the first, equal-looking mesh it loaded rank 3's rows (seen: loss 5.09
-    instead of 3.78 at the end). The folded generation runs slowly so the grow-back happens."""
-    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 1.0, "generation": 1} for r in (0, 1))
+    instead of 3.78 at the end). The folded generation runs slowly so the grow-back happens (3 s a step: its
+    ~20 steps leave a replacement about a minute to come up on a loaded machine; they last only until it
+    does, so the passing run pays a step or two)."""
+    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 3.0, "generation": 1} for r in (0, 1))
     spec = _spec("fsdp", 4, extra_faults=folded_slow, checkpoint={"memory_every_steps": 2})
-    run = _kill_rank_1(tmp_path, spec, "fsdp", ranks=(1, 2))
+    run = _kill_rank_1(tmp_path, spec, "fsdp", ranks=(1, 2), world=4)
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
     assert f"lost {rec['lost_steps']} completed step(s)" in rec["reason"], rec
@@ -110,10 +140,10 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
 def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean):
     """HSDP on 4 (2 replica groups x 2 shards): rank 1 dies; ranks 0 and 3 hold shards 0 and 1 at the
     newest step and serve them; the group folds to 2 and grows back. No storage, no keeper."""
-    # the folded generation (1) runs slowly, so the replacement is ready before the run ends even on a
-    # loaded machine: the grow-back must happen
-    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 1.0, "generation": 1} for r in (0, 1))
-    run = _kill_rank_1(tmp_path, _spec("hsdp", 4, min_workers=2, extra_faults=folded_slow), "hsdp")
+    # the folded generation (1) runs slowly (3 s a step, until the replacement is up), so the replacement is
+    # ready before the run ends even on a loaded machine: the grow-back must happen
+    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 3.0, "generation": 1} for r in (0, 1))
+    run = _kill_rank_1(tmp_path, _spec("hsdp", 4, min_workers=2, extra_faults=folded_slow), "hsdp", tier=False)
     # only the killed rank fails: rank 2, blocked in a replica all-reduce with rank 0 when rank 0 left the
     # failed step, is released at once by rank 0 letting go of its groups (not declared hung)
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")

@@ -126,7 +126,11 @@ def assert_every_step_once(events: list[dict], want: dict[int, float]) -> None:
 
 
 def test_hung_worker_is_found_by_watchdog_and_replaced(tmp_path, ray_local):
-    spec = job(train={"steps": 80}, faults=SLOW)
+    # generation 0's steps from 11 on take half a second more (both ranks alike: no straggler; no number
+    # changes): the SIGSTOP lands mid-run however late this process sees step 10 on a loaded machine (the
+    # 70 steps left at the SLOW pace were a window of about 2 s)
+    late = [{"rank": r, "step": 11, "kind": "slow", "seconds": 0.5, "generation": 0} for r in (0, 1)]
+    spec = job(train={"steps": 80}, faults=SLOW + late)
     bg = BackgroundRun(tmp_path, spec, name="hang")
     victim = bg.wait_for(lambda e: e["event"] == "worker_started" and e["rank"] == 1)
     bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10)
