@@ -585,13 +585,6 @@ class JobConfig(_Section):
             raise ValueError("parallel.float8=true needs CUDA GPUs of compute capability >= 8.9 (H100, L40S, "
                              "RTX 4090 ...) and workers.use_gpu=false runs on CPU; set workers.use_gpu=true or "
                              "parallel.float8=false")
-    @model_validator(mode="after")
-    def _eval_layout(self) -> JobConfig:
-        if self.train.eval_every and (self.parallel.pp > 1 or self.parallel.tp > 1):
-            raise ValueError(f"train.eval_every={self.train.eval_every} needs parallel.pp=1 and parallel.tp=1 "
-                             f"(got pp={self.parallel.pp}, tp={self.parallel.tp}): the evaluation runs the whole "
-                             "model's forward; set train.eval_every=0 or use a ddp/fsdp/hsdp layout")
-        return self
 
     def _faults_exist(self) -> None:
         for f in self.faults:
