@@ -8,13 +8,13 @@ blocks and dropout on (off in evaluation).
 Tolerance: 1e-5 relative, the layouts' own (tests/parallel_fixtures.py): tp and pp compute one process's
 math with fp32 sums in another order (tp: the row-parallel linears' partial sums, the sharded cross-entropy;
 pp2 x dp1: the gradients accumulated over 4 micro-batches on one rank instead of 2 x 2 then averaged), which
-moves a loss by ~1e-7 relative; the held-out loss is a float64 sum of those per-sample losses.
+moved a loss by at most 4.3e-8 relative here; the held-out loss is a float64 sum of those per-sample losses.
 
 Broken builds (2026-11-28, each failing here): every tp rank counting its eval losses (``counts_loss``
-ignored in ``ParallelModel.eval_loss_sum``): the tp2 eval losses doubled; the pipeline's last stage
-scoring the micro-batches' windows against the wrong rows (``target`` rows reversed in
-``PipelineModel._feed``): the pp2 training and eval losses off by ~1e-2; the pipeline evaluating in training
-mode (``module.eval()`` left out): the pp2 eval losses off by dropout's share (~1e-2)."""
+ignored in ``ParallelModel.eval_loss_sum``): the tp2 eval losses doubled; the pipeline's last stage scoring
+the windows against the wrong rows (``target`` rows reversed in ``PipelineModel._feed``): pp2's eval loss
+off by 2e-3 relative; the pipeline evaluating with a training ``schedule.step`` (a backward whose gradients
+leak into the next step) instead of ``schedule.eval``: pp2's step-2 eval loss off by 4.5e-3."""
 
 from __future__ import annotations
 
