@@ -436,22 +436,22 @@ _KILL_TIMEOUTS = {**job()["timeouts"], "collective_s": 60, "step_watchdog_cap_s"
                   "watchdog_floor_s": 10, "restart_grace_s": 240}
 
 
-@pytest.mark.slow  # a kill, a replacement process and a restore from storage: ~40-90 s under load
+@pytest.mark.slow  # a kill, a replacement process and a keeper: ~30-90 s under load
 @pytest.mark.parametrize("parallel", [{"plan": "fsdp"}, {"plan": "ddp", "pp": 2}], ids=["fsdp", "pp2"])
 def test_fsdp_and_pp2_on_prepared_data_survive_a_sigkill(prepared, tmp_path, ray_local, clean_run, parallel):
     """2 workers under fsdp (each holds half of every block) or a 2-stage pipeline (each holds one stage),
-    rank 1 SIGKILLed mid-step 6: no survivor holds its state, so it comes from the last committed checkpoint
-    (every 2 steps: step 4, or an earlier one when a commit was still in flight) and the lost steps are
-    redone at world size 2 (strict). Every sample of every step once
-    (the redone one too), and every step's loss (each report of a redone step counts), the held-out losses
-    at steps 4 and 8 (the pipeline's by a forward-only pass of its schedule) and the final parameters
-    those of the uninterrupted ddp run the ddp test trains (the same model and data: the references are
-    shared, these runs add no clean run). Tolerance: tests/parallel_fixtures.py's (1e-5 relative on
-    losses, 1e-4 on parameters after a recovery): fsdp's reduce-scatter and sharded clip norm, and pp2's
-    gradients accumulated over 4 micro-batches on one data rank, sum the same numbers in another order.
-    Broken on purpose (2026-11-28, each failing here): the redone step fed the next step's samples
-    (``rank_micro_batches(s + 1, ...)`` in ``run_step`` after a restore); the restore from storage leaving
-    the optimizer state out (``TrainingState.load_from``)."""
+    rank 1 SIGKILLed mid-step 6: no survivor holds its state, the peer memory tier (a snapshot every step)
+    does, and the replacement loads it from the keeper (strict: every step at world size 2). Every sample of
+    every step once, and every step's loss (each report of a redone step counts), the held-out losses at
+    steps 4 and 8 (the pipeline's by a forward-only pass of its schedule) and the final parameters those of
+    the uninterrupted ddp run the ddp test trains (the same model and data: the reference is shared, these
+    runs add no clean run). Tolerance: tests/parallel_fixtures.py's (1e-5 relative on losses, 1e-4 on
+    parameters after a recovery): fsdp's reduce-scatter and sharded clip norm, and pp2's gradients
+    accumulated over 4 micro-batches on one data rank, sum the same numbers in another order (measured
+    2026-11-28: losses within 3e-8 relative, parameters within 4.4e-6 of ddp's; the final digests differ,
+    so the parameters are compared by value). Not a durable checkpoint: a commit lands a poll or more after
+    its save, and in 6 short steps none had (seen: pp2 restarted from step 0).
+    Broken on purpose (2026-11-28, each failing here): BROKEN."""
     from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_same_numbers
 
     source = str(prepared / "a")
@@ -460,20 +460,15 @@ def test_fsdp_and_pp2_on_prepared_data_survive_a_sigkill(prepared, tmp_path, ray
     slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03} for r in range(2)]
     spec = _spec(source) | {
         "parallel": parallel, "workers": {"min": 2, "max": 2, "standby": False, "reuse": True},
-        "checkpoint": {**job()["checkpoint"], "uri": str(tmp_path / "ckpt"), "every_steps": 2, "when_busy": "wait"},
-        "faults": [*slow, kill], "recovery": {"mode": "strict", "min_workers_wait_s": 240},
-        "timeouts": dict(_KILL_TIMEOUTS)}
+        "checkpoint": {**job()["checkpoint"], "memory_every_steps": 1}, "faults": [*slow, kill],
+        "recovery": {"mode": "strict", "min_workers_wait_s": 240}, "timeouts": dict(_KILL_TIMEOUTS)}
     run = run_job(tmp_path, spec, name="killed")
     assert run.result.exit_code == 0 and run.summary["final_step"] == 8, run.summary
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     (rec,) = run.of("recovered")
-    (failure,) = run.of("failure")
-    # a commit lands on the committer thread: the newest one before the failure, or one in flight then
-    committed = [e["step"] for e in run.of("checkpoint_saved")]
-    before = max((e["step"] for e in run.of("checkpoint_saved") if e["time"] < failure["time"]), default=0)
-    assert rec["source"] == ("checkpoint" if committed and rec["step"] else "scratch"), (rec, committed)
-    assert before <= rec["step"] <= 4 and rec["world_size"] == 2 and rec["lost_steps"] >= 1, (rec, before)
-    assert any(e.get("redone") for e in run.of("step")), "no step was redone"
+    # at most two intervals lost: the newest snapshot may still have been in flight (docs/config.md)
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 2 and rec["world_size"] == 2, rec
+    assert "survivors at step" in rec["reason"] and " lack " in rec["reason"], rec  # no survivor held it
     _audit(run, 8, len(PreparedWindows(source, SEQ)))
     assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
     want = {e["step"]: e["eval_loss"] for e in clean.of("step") if "eval_loss" in e}
