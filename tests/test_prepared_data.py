@@ -451,7 +451,10 @@ def test_fsdp_and_pp2_on_prepared_data_survive_a_sigkill(prepared, tmp_path, ray
     2026-11-28: losses within 3e-8 relative, parameters within 4.4e-6 of ddp's; the final digests differ,
     so the parameters are compared by value). Not a durable checkpoint: a commit lands a poll or more after
     its save, and in 6 short steps none had (seen: pp2 restarted from step 0).
-    Broken on purpose (2026-11-28, each failing here): BROKEN."""
+    Broken on purpose (2026-11-28, both layouts failing here): a restore one step ahead (``TrainingState.
+    load_from`` setting the step + 1): step 6 never trained, the audit fails; the evaluation's windows moved
+    by the membership generation (``eval_sample_ids(j + generation, ...)``): the held-out loss at step 8,
+    after the recovery, off by 8e-5 relative."""
     from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_same_numbers
 
     source = str(prepared / "a")
