@@ -232,6 +232,9 @@ class TrainConfig(_Section):
                                                             "into RUN_DIR/profiles/ (null: none)")
     eval_every: int = Field(0, ge=0, description="steps between held-out evaluations (validation split); 0 = none")
     eval_batches: int = Field(1, ge=1, description="global batches of validation windows per evaluation")
+    read_ahead_steps: int = Field(2, ge=0, le=16, description="steps whose batches a worker reads ahead of the "
+                                  "one it trains (a dataset that reads by range: a prepared corpus); memory: "
+                                  "that many more steps' batches of the rank")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:

@@ -8,9 +8,9 @@ the kernel's page cache keeps what was read, shared and reclaimable, and the pro
 map would count every page a long run touched, and its fault-around neighbours, in the worker's RSS). Any
 other fsspec URL (``s3://``) is read by ranged reads, a batch at a time: its windows' byte ranges sorted, merged
 where they touch or lie close (:mod:`elastictrain.byte_ranges`) and fetched in one ``cat_ranges`` call, the
-windows cut back out in the batch's own order; :meth:`PreparedWindows.prefetch` starts this and the next
-step's batches in background threads. What a worker holds is bounded by two steps' windows, whatever the
-corpus size.
+windows cut back out in the batch's own order; :meth:`PreparedWindows.prefetch` starts this step's and the
+next ``train.read_ahead_steps`` steps' batches in background threads. What a worker holds is bounded by
+those steps' windows, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ class PreparedWindows:
         return {"input": x[:, :-1].contiguous(), "target": x[:, 1:].contiguous()}
 
     def prefetch(self, batches: Any) -> None:
-        """Read the batches ``batches`` (sequences of window ids: the current and the next step's micro-batches
-        of this rank) in background threads, each with one coalesced read (remote URIs; a local path needs
-        none). Batches asked for before and not among them are dropped, so what waits is bounded by those
-        two steps' windows."""
+        """Read the batches ``batches`` (sequences of window ids: the current and the next steps' micro-batches
+        of this rank) in background threads, in order, each with one coalesced read (remote URIs; a local path
+        needs none). Batches asked for before and not among them are dropped, so what waits is bounded by the
+        windows of the batches last asked for."""
         if self.local:
             return
         keys = [tuple(int(i) for i in ids) for ids in batches]

@@ -467,13 +467,17 @@ class StepRunner:
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
         """With a batch read-ahead (a dataset with ``prefetch(batches)``: a prepared corpus), schedule this step's
-        and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
-        reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
+        micro-batches of this rank and those of the next ``train.read_ahead_steps`` steps (none past
+        ``train.steps``), in step order: they are read (the dataset's ranged reads in its own threads) and
+        stacked in the read-ahead's thread while this step computes, so a slow read has that many steps to
+        land. What is held is bounded by those steps' batches (the read-ahead drops any not scheduled again)."""
         if self.batches is None:
             return
-        nxt = rank_micro_batches(s + 1, dp_rank, d, self.train.micro_batch, self.train.global_batch,
-                                 self.train.seed, self.dataset_len)
-        self.batches.schedule(micro + nxt)
+        ahead = list(micro)
+        for t in range(s + 1, min(s + 1 + self.train.read_ahead_steps, self.train.steps)):
+            ahead += rank_micro_batches(t, dp_rank, d, self.train.micro_batch, self.train.global_batch,
+                                        self.train.seed, self.dataset_len)
+        self.batches.schedule(ahead)
 
     def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
         """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written

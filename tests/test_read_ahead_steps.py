@@ -1,0 +1,57 @@
+"""``train.read_ahead_steps``: the step loop's batch read-ahead holds exactly the next K steps' micro-batches of
+its rank (bounded: nothing past them, nothing past ``train.steps``), and the numbers trained do not depend
+on K. One process (a one-rank gloo group), the worker's StepRunner on a hand-written prepared corpus, no Ray.
+
+Broken on purpose (2026-11-28, failing here): the loop scheduling one step ahead whatever K (the read-ahead
+before ``train.read_ahead_steps``): the pending batches after step 1 are step 2's only; the bound on
+``train.steps`` left out: after the last steps the read-ahead still holds batches of steps the run never
+trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_batch_prefetch import SEQ, corpus  # noqa: F401 - fixture
+
+STEPS = 5
+
+
+def _train(corpus_dir, k: int) -> tuple[list[float], list[set[tuple[int, ...]]], list[list[list[int]]]]:
+    """``STEPS`` steps with ``read_ahead_steps=k``: every step's loss, the batches pending in the read-ahead
+    after each step, and each step's micro-batches (the cursor's)."""
+    import torch.distributed as dist
+
+    from elastictrain import build_config
+    from elastictrain.data.cursor import rank_micro_batches
+    from tests.conftest import job
+    from tests.ranks import attached_runner
+
+    spec = job(task={**job()["task"], "data": {"source": str(corpus_dir)}},
+               train={"steps": STEPS, "read_ahead_steps": k}, workers={"min": 1, "max": 1, "standby": False})
+    spec["task"]["model"] = {**spec["task"]["model"], "seq_len": SEQ}
+    cfg = build_config(spec)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runner = attached_runner(cfg, 0, 1)
+        losses, pending = [], []
+        for _ in range(STEPS):
+            losses.append(runner.run_step(False)[0].loss)
+            pending.append(set(runner.batches._pending))
+        t = cfg.train
+        micro = [[[int(i) for i in ids] for ids in rank_micro_batches(s, 0, 1, t.micro_batch, t.global_batch, t.seed,
+                                                                      runner.dataset_len)] for s in range(STEPS)]
+        runner.close_data()
+    finally:
+        dist.destroy_process_group()
+    return losses, pending, micro
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_read_ahead_holds_the_next_k_steps_and_trains_the_same_numbers(corpus, k):  # noqa: F811
+    losses, pending, micro = _train(corpus, k)
+    for s in range(STEPS):  # after step s (0-based): steps s+1 .. s+k, none past the run's last
+        want = {tuple(ids) for t in range(s + 1, min(s + 1 + k, STEPS)) for ids in micro[t]}
+        assert pending[s] == want, (k, s, sorted(pending[s]), sorted(want))
+    ref, _, _ = _train(corpus, 1)
+    assert losses == ref and all(torch.isfinite(torch.tensor(losses)))
