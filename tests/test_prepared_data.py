@@ -392,38 +392,43 @@ def test_training_reads_the_corpus_from_s3(prepared, s3_server, s3_bucket, tmp_p
 
 @pytest.mark.slow  # its own moto server, stalled for a hang bound
 def test_a_stalled_s3_read_is_named_and_costs_no_step(prepared, tmp_path, ray_local, clean_run):
-    """moto's S3 server SIGSTOPped while 2 workers train on the corpus there: the controller names the stall
-    (`data_stalled`: storage, not a worker, past the hang bound) and replaces nobody; once the server runs
-    again the run finishes with every step's samples once and the losses of the run on the local copy."""
-    import os
-    import signal
-
+    """2 workers train on the corpus on moto's S3 server, through a relay that holds every ranged read
+    after the first 24 (tests/s3_gate.py: the stall starts mid-run, at a read the count fixes, whatever the
+    machine's speed; steps 1-3 of both ranks read at least 12 batches): the controller names the stall
+    (`data_stalled`: storage, not a worker, past the hang bound) and replaces nobody; once the reads are
+    released the run finishes with every step's samples once and the losses of the run on the local copy.
+    (It stopped the server with SIGSTOP once the run reported step 2: a run whose read-ahead had read its
+    last steps by then never stalled.)"""
     import s3fs
 
     from tests.checkpoint_fixtures import MotoProcess
     from tests.conftest import BackgroundRun
+    from tests.s3_gate import S3Gate
 
     moto = MotoProcess()
+    gate = S3Gate(moto.port, after=24)
     try:
-        opts = moto.options()
-        s3fs.S3FileSystem(**opts).mkdir("stall")
-        fs = s3fs.S3FileSystem(**opts)
+        fs = s3fs.S3FileSystem(**moto.options())
+        fs.mkdir("stall")
         for rel, data in _files(prepared / "a").items():
             fs.pipe_file(f"s3://stall/corpus/{rel}", data)
+        opts = moto.options()
+        opts["client_kwargs"] = {"endpoint_url": gate.endpoint}
         spec = _spec("s3://stall/corpus", eval_every=0)  # the training reads stall (evaluation adds none)
         spec["task"]["data"]["storage_options"] = opts
-        # steps of ~0.3 s (a slow fault on both ranks): a hang bound of ~3 s, and the stall starts mid-run
+        # steps of ~0.3 s (a slow fault on both ranks): a hang bound of ~3 s once steps were timed
         spec["faults"] = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.3, "generation": None} for r in (0, 1)]
-        bg = BackgroundRun(tmp_path, spec, name="stalled")
-        bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2, timeout=180)
-        os.kill(moto.proc.pid, signal.SIGSTOP)
+        import time; bg_t0 = time.time(); bg = BackgroundRun(tmp_path, spec, name="stalled")
         try:
-            named = bg.wait_for(lambda e: e["event"] == "data_stalled", timeout=120)
+            named = bg.wait_for(lambda e: e["event"] == "data_stalled", timeout=240)
         finally:
-            os.kill(moto.proc.pid, signal.SIGCONT)
+            gate.release()
         run = bg.finish(timeout=180)
     finally:
+        gate.close()
         moto.stop()
+    print("DBG", named, gate.ranged, [(e["event"], round(e["time"] - bg_t0, 2), e.get("step")) for e in run.events if e["event"] in ("step", "data_stalled", "generation_started")])
+    assert gate.held.is_set() and gate.ranged > 24, gate.ranged
     assert named["rank"] in (0, 1) and named["waited_s"] > named["bound_s"] and "storage" in named["reason"]
     assert run.result.exit_code == 0 and not run.of("failure") and not run.of("stall_aborted"), run.summary
     assert run.losses() == clean_run(_spec(str(prepared / "a"))).losses()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoint_fixtures import s3_bucket, s3_server  # noqa: F401 - fixtures
 from tests.test_batch_prefetch import SEQ, corpus  # noqa: F401 - fixture
 
 STEPS = 5
@@ -55,3 +56,47 @@ def test_the_read_ahead_holds_the_next_k_steps_and_trains_the_same_numbers(corpu
         assert pending[s] == want, (k, s, sorted(pending[s]), sorted(want))
     ref, _, _ = _train(corpus, 1)
     assert losses == ref and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_batch_read_ahead_from_s3_is_read_once(corpus, s3_server, s3_bucket):  # noqa: F811
+    """The loop's calls with 2 steps of read-ahead (schedule steps s..s+2, take step s's micro-batches) for 6
+    steps over the corpus on moto's S3: every batch is fetched exactly once (a batch stays asked for at
+    three schedules; the read-ahead thread took it at the first), and equals the local synchronous read.
+    Broken on purpose (2026-11-28, failing here): ``PreparedWindows.prefetch`` reading again a batch that
+    ``batch`` already handed out (before ``_taken``): every batch but the first step's read 2-3 times."""
+    import threading
+    from collections import Counter
+
+    import s3fs
+
+    from elastictrain.data.prefetch import BatchPrefetcher
+    from elastictrain.data.windows import PreparedWindows
+    from tests.test_batch_prefetch import _micro
+
+    opts = s3_server.options()
+    fs = s3fs.S3FileSystem(**opts)
+    for p in sorted(corpus.rglob("*")):
+        if p.is_file():
+            fs.pipe_file(f"{s3_bucket}/c/{p.relative_to(corpus)}", p.read_bytes())
+    reads: Counter = Counter()
+    lock = threading.Lock()
+
+    class Counted(PreparedWindows):
+        def read_windows(self, ids):
+            with lock:
+                reads[tuple(int(i) for i in ids)] += 1
+            return super().read_windows(ids)
+
+    remote, local = Counted(f"{s3_bucket}/c", SEQ, storage_options=opts), PreparedWindows(str(corpus), SEQ)
+    ahead = BatchPrefetcher(remote, None, batch=remote.batch)
+    try:
+        for s in range(6):
+            ahead.schedule([ids for t in range(s, s + 3) for ids in _micro(t, 0, 1, len(local))])
+            for ids in _micro(s, 0, 1, len(local)):
+                got, want = ahead.take(ids), local.batch(ids)
+                assert all(torch.equal(got[k], want[k]) for k in want), (s, ids)
+    finally:
+        ahead.close()
+        remote.close()
+    trained = [tuple(ids) for s in range(6) for ids in _micro(s, 0, 1, len(local))]
+    assert all(reads[k] == 1 for k in trained), {k: reads[k] for k in trained if reads[k] != 1}
