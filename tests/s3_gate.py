@@ -1,15 +1,18 @@
-"""A TCP relay in front of an S3 endpoint (moto's server) that stalls its ranged reads from a given one on:
-the clients' real requests reach the real server, except that once ``after`` requests with a ``Range``
-header went through, every further one is held (its bytes not forwarded: to the client, a server that
-stopped answering) until :meth:`S3Gate.release`. What the stall hits is fixed by the count of reads, not by
-when a test gets to stop the server: :attr:`S3Gate.held` is set when the first read is held."""
+"""A TCP relay in front of an S3 endpoint (moto's server) that stalls its reads of prepared shards from a
+given one on: the clients' real requests reach the real server, except that once ``after`` GETs of ``.bin``
+objects (a prepared corpus's shards, always read by range) went through, every further one is held (its
+bytes not forwarded: to the client, a server that stopped answering) until :meth:`S3Gate.release`. What
+the stall hits is fixed by the count of reads, not by when a test gets to stop the server: :attr:`S3Gate.held`
+is set when the first read is held."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
-_RANGE = b"\r\nrange: bytes="
+_SHARD_GET = re.compile(rb"get /[^ ]*\.bin[^ ]* http/1\.1\r\n")
+_TAIL = 512  # bytes kept from the previous chunk: a request line split over two chunks
 
 
 class S3Gate:
@@ -18,7 +21,7 @@ class S3Gate:
 
     def __init__(self, port: int, after: int) -> None:
         self.after = after
-        self.ranged = 0  # requests with a Range header seen (held ones included)
+        self.reads = 0  # shard GETs seen (held ones included)
         self.held = threading.Event()  # a ranged read is held
         self._release = threading.Event()
         self._lock = threading.Lock()
@@ -52,11 +55,13 @@ class S3Gate:
         try:
             while data := src.recv(65536):
                 if requests:
-                    seen = (tail + data).lower().count(_RANGE)
-                    tail = data[1 - len(_RANGE):]  # a header split over two chunks, never one counted twice
+                    both = (tail + data).lower()
+                    # a request line wholly inside the tail was counted with the previous chunk
+                    seen = sum(1 for m in _SHARD_GET.finditer(both) if m.end() > len(tail))
+                    tail = data[-_TAIL:]
                     with self._lock:
-                        self.ranged += seen
-                        hold = seen and self.ranged > self.after
+                        self.reads += seen
+                        hold = seen and self.reads > self.after
                     if hold and not self._release.is_set():
                         self.held.set()
                         self._release.wait()
