@@ -332,10 +332,15 @@ class PipelineModel(ParallelModel):
         sends the activations as in training) over ``mbs``, as many as the schedule's ``n_microbatches``
         (the held-out batch splits over the ranks as a step's does). The last stage applies
         ``Task.pipeline.loss_fn`` (``loss_fn``, the whole model's, is not used); its per-sample loss sum, zero
-        on other stages and on tp/cp coordinates > 0. The schedule re-infers its stages' buffers when it
+        on other stages and on tp/cp coordinates > 0. Raises :class:`PipelineError` under the zbv schedule,
+        which has no forward-only pass in torch 2.13. The schedule re-infers its stages' buffers when it
         switches between eval and training (torch's mode-switch check), a forward's cost each way."""
         if len(mbs) != self.layout.accum:
             raise RuntimeError(f"{len(mbs)} micro-batches for a schedule built for {self.layout.accum}")
+        if self.layout.pp_schedule == "zbv":  # (a planned layout: the config refuses an explicit one)
+            from elastictrain.config import zbv_eval_refusal
+
+            raise PipelineError(zbv_eval_refusal())
         args, kwargs = self._feed(mbs, 1.0, None)
         try:
             with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
