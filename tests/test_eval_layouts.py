@@ -1,10 +1,10 @@
 """Held-out evaluation (``train.eval_every``) under every layout that splits the model: tp2 (every tp rank
 runs the forward together under ``loss_parallel``, tp coordinate 0 counts the loss) and pp2 (a forward-only
 pass of the pipeline schedule, the last stage scores; 1f1b, and interleaved_1f1b with two stages a rank) give
-the held-out losses of ddp2 and of one process,
-and the training steps after an evaluation keep their numbers (the schedule switches between eval and
-training). On gloo processes without Ray: the worker's step path (``StepRunner``), the tiny GPT with 2
-blocks and dropout on (off in evaluation). The zbv schedule has no forward-only pass in torch 2.13: refused.
+the held-out losses of ddp2 and of one process, and the training steps after an evaluation keep their
+numbers (the schedule switches between eval and training). On gloo processes without Ray: the worker's step
+path (``StepRunner``), the tiny GPT with 2 blocks and dropout on (off in evaluation). The zbv schedule has no
+forward-only pass in torch 2.13: refused.
 
 Tolerance: 1e-5 relative, the layouts' own (tests/parallel_fixtures.py): tp and pp compute one process's
 math with fp32 sums in another order (tp: the row-parallel linears' partial sums, the sharded cross-entropy;
@@ -32,8 +32,9 @@ RTOL = 1e-5
 
 def _eval_rank(rank: int, world: int, items: list[dict], port: int, out: str) -> None:
     """One rank: for each layout of ``items`` (``parallel`` keys; ``n_layer``: the model's blocks), 2 steps
-    with a held-out evaluation after each (the training windows as the validation split: what is scored does not matter, only that every layout scores the
-    same); rank 0 saves every layout's step records' (loss, eval_loss)."""
+    with a held-out evaluation after each (the training windows as the validation split: what is scored does
+    not matter, only that every layout scores the same); rank 0 saves every layout's step records'
+    (loss, eval_loss)."""
     import dataclasses
 
     import torch
