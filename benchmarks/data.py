@@ -203,11 +203,12 @@ def wait_in_a_fresh_process(prepared: Path, s3: tuple | None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
+def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30, read_ahead_steps: int = 2) -> dict:
     """What the tiny job's step (seq_len 64, micro-batch 8, one process) waits for its data, as a share of the
     step, through the step loop's own read-ahead (data/prefetch.py ``BatchPrefetcher``) called as the loop calls
-    it (worker/loop.py ``_read_ahead`` and ``_LoopHooks.load``): at the start of step ``s`` schedule this and the
-    next step's micro-batches, then ``take`` the batch; the wait is the time in ``take`` (the loop's "data"
+    it (worker/loop.py ``_read_ahead`` and ``_LoopHooks.load``): at the start of step ``s`` schedule this step's
+    and the next ``read_ahead_steps`` steps' micro-batches (``train.read_ahead_steps``, 2 by default), then
+    ``take`` the batch; the wait is the time in ``take`` (the loop's "data"
     phase). The share is over the steps after the first (the steady state); the first step of a run (or of a
     generation) reads its own batch, as nothing was scheduled before it: reported apart as ``first_wait_ms``."""
     import torch
@@ -231,8 +232,8 @@ def bench_wait(prepared: Path, s3: tuple | None, steps: int = 30) -> dict:
             for s in range(steps + 1):
                 t0 = time.perf_counter()
                 (ids,) = rank_micro_batches(s, 0, 1, 8, 8, 0, len(w))
-                (nxt,) = rank_micro_batches(s + 1, 0, 1, 8, 8, 0, len(w))
-                ahead.schedule([ids, nxt])
+                ahead.schedule([ids] + [rank_micro_batches(t, 0, 1, 8, 8, 0, len(w))[0]
+                                        for t in range(s + 1, min(s + 1 + read_ahead_steps, steps + 1))])
                 t = time.perf_counter()
                 batch = ahead.take(ids)
                 waited = time.perf_counter() - t

@@ -232,6 +232,9 @@ class TrainConfig(_Section):
                                                             "into RUN_DIR/profiles/ (null: none)")
     eval_every: int = Field(0, ge=0, description="steps between held-out evaluations (validation split); 0 = none")
     eval_batches: int = Field(1, ge=1, description="global batches of validation windows per evaluation")
+    read_ahead_steps: int = Field(2, ge=0, le=16, description="steps whose batches a worker reads ahead of the "
+                                  "one it trains (a dataset that reads by range: a prepared corpus); memory: "
+                                  "that many more steps' batches of the rank")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -444,6 +447,15 @@ class FaultConfig(_Section):
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
+def zbv_eval_refusal(eval_every: int | None = None) -> str:
+    """Why ``train.eval_every`` cannot run under ``parallel.pp_schedule=zbv``, and the fix (one line)."""
+    key = "train.eval_every" if eval_every is None else f"train.eval_every={eval_every}"
+    return (f"{key} with parallel.pp_schedule=zbv: torch 2.13's ZBV schedule has no "
+            "forward-only pass (its V hands the last stage's output straight to its backward: schedule.eval fails "
+            "with \"can't steal_bwd_input\"); use pp_schedule gpipe, 1f1b, interleaved_1f1b or zero_bubble, or "
+            "set train.eval_every=0")
+
+
 class JobConfig(_Section):
     name: str = "job"
     run_id: str | None = Field(None, description="stable id for checkpoint resume; defaults to name")
@@ -477,6 +489,7 @@ class JobConfig(_Section):
         if self.parallel.plan == "auto":  # the planner picks a layout valid at workers.min/max at start
             self._axes_rules()
             self._speed_rules()
+            self._eval_rules()
             self._faults_exist()
             return self
         spec = spec_from_config(self)
@@ -502,6 +515,7 @@ class JobConfig(_Section):
         self._speed_rules()
         if self.task.kind != "python":
             self._builtin_model_splits()
+        self._eval_rules()
         self._faults_exist()
         return self
 
@@ -585,13 +599,10 @@ class JobConfig(_Section):
             raise ValueError("parallel.float8=true needs CUDA GPUs of compute capability >= 8.9 (H100, L40S, "
                              "RTX 4090 ...) and workers.use_gpu=false runs on CPU; set workers.use_gpu=true or "
                              "parallel.float8=false")
-    @model_validator(mode="after")
-    def _eval_layout(self) -> JobConfig:
-        if self.train.eval_every and (self.parallel.pp > 1 or self.parallel.tp > 1):
-            raise ValueError(f"train.eval_every={self.train.eval_every} needs parallel.pp=1 and parallel.tp=1 "
-                             f"(got pp={self.parallel.pp}, tp={self.parallel.tp}): the evaluation runs the whole "
-                             "model's forward; set train.eval_every=0 or use a ddp/fsdp/hsdp layout")
-        return self
+
+    def _eval_rules(self) -> None:
+        if self.train.eval_every and self.parallel.pp > 1 and self.parallel.pp_schedule == "zbv":
+            raise ValueError(zbv_eval_refusal(self.train.eval_every))
 
     def _faults_exist(self) -> None:
         for f in self.faults:

@@ -149,8 +149,11 @@ def test_windows_are_the_token_stream_sliced(prepared):
 
 
 def _spec(source: str, **train) -> dict:
+    """The training job on a prepared corpus: 8 steps of the GPT with 2 blocks (one per stage of pp2, so
+    every layout trains the same model and the ddp run is every layout's reference), the held-out loss after
+    steps 4 and 8."""
     task = {**job()["task"], "data": {"source": source}}
-    task["model"] = {**task["model"], "seq_len": SEQ}
+    task["model"] = {**task["model"], "seq_len": SEQ, "n_layer": 2}
     return job(task=task, train={"steps": 8, "audit_samples": True, "eval_every": 4, "eval_batches": 2, **train})
 
 
@@ -285,7 +288,7 @@ def test_tp_that_does_not_divide_the_manifests_vocab_is_a_config_error(tmp_path,
     assert build_config(spec(odd, vocab_size=302)).task.model.vocab_size == 302
 
 
-def test_eval_needs_a_validation_split_and_a_whole_model_layout(prepared, tmp_path):
+def test_eval_needs_a_validation_split_under_any_layout(prepared, tmp_path):
     import shutil
 
     from elastictrain import build_config
@@ -301,10 +304,9 @@ def test_eval_needs_a_validation_split_and_a_whole_model_layout(prepared, tmp_pa
     (no_val / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="has 0 validation tokens"):
         builtin_task(build_config(_spec(str(no_val))))
-    pp2 = _spec(str(prepared / "a")) | {"parallel": {"pp": 2}, "workers": {"min": 2, "max": 2}}
-    pp2["task"]["model"]["n_layer"] = 2
-    with pytest.raises(ConfigError, match="train.eval_every=4 needs parallel.pp=1"):
-        build_config(pp2)
+    for parallel in ({"pp": 2}, {"tp": 2}):  # every layout evaluates (tests/test_eval_layouts.py)
+        spec = _spec(str(prepared / "a")) | {"parallel": parallel, "workers": {"min": 2, "max": 2}}
+        assert builtin_task(build_config(spec)).eval_dataset_fn is not None
 
 
 def test_eval_ids_are_the_same_windows_at_any_world_size():
@@ -388,62 +390,123 @@ def test_training_reads_the_corpus_from_s3(prepared, s3_server, s3_bucket, tmp_p
     _audit(run, 4, len(PreparedWindows(str(prepared / "a"), SEQ)))
 
 
+# Timeouts for a loaded 2-core machine: the survivor of a killed pipeline or fsdp step can take longer than
+# 15 s to leave it (tests/test_pp_recovery.py), and a stalled read's hang bound (10x a step's time) can pass
+# 15 s, when the peers' collective would time out before the stall is named. The order collective < watchdog
+# cap < poll < restart grace is kept.
+_LOADED_TIMEOUTS = {**job()["timeouts"], "collective_s": 60, "step_watchdog_cap_s": 70, "poll_s": 80,
+                     "watchdog_floor_s": 10, "restart_grace_s": 240}
+
+
+def _shard_gets(w: PreparedWindows, steps: range, world: int, micro: int, batch: int) -> int:
+    """The ranged GETs of every micro-batch of ``steps`` (0-based) of every rank, each batch read once in one
+    coalesced ``cat_ranges`` call (elastictrain/byte_ranges.py's plan, as ``PreparedWindows.read_windows``)."""
+    from elastictrain.byte_ranges import plan_reads
+    from elastictrain.data.cursor import rank_micro_batches
+
+    size = w.dtype.itemsize
+    total = 0
+    for s in steps:
+        for r in range(world):
+            for ids in rank_micro_batches(s, r, world, micro, batch, 0, len(w)):
+                pieces = [(str(k), lo * size, hi * size) for i in ids
+                          for k, lo, hi in w._pieces(int(i) * SEQ, (int(i) + 1) * SEQ + 1)]
+                total += len(plan_reads(pieces, w.merge_gap)[0])
+    return total
+
+
 @pytest.mark.slow  # its own moto server, stalled for a hang bound
 def test_a_stalled_s3_read_is_named_and_costs_no_step(prepared, tmp_path, ray_local, clean_run):
-    """moto's S3 server SIGSTOPped while 2 workers train on the corpus there: the controller names the stall
-    (`data_stalled`: storage, not a worker, past the hang bound) and replaces nobody; once the server runs
-    again the run finishes with every step's samples once and the losses of the run on the local copy."""
-    import os
-    import signal
-
+    """2 workers train on the corpus on moto's S3 server through a relay (tests/s3_gate.py) that holds
+    every read of a shard after those of steps 1-5 (and each worker's sample-length probe): the stall
+    starts at a read the count fixes, whatever the machine's speed, a batch of step 6 or later (read ahead
+    from step 4 on), so steps were timed for the hang bound. The controller names the stall
+    (`data_stalled`: storage, not a worker, past the hang bound) and replaces nobody; once the reads are
+    released the run finishes with every step's samples once and the losses of the run on the local copy.
+    (It stopped the server with SIGSTOP once the run reported step 2: a run whose read-ahead had read its
+    last steps by then never stalled.) Broken on purpose (2026-11-28, failing here): the loop reading its
+    batches in phase ``compute`` instead of ``data``: no `data_stalled` within 240 s."""
     import s3fs
 
     from tests.checkpoint_fixtures import MotoProcess
     from tests.conftest import BackgroundRun
+    from tests.s3_gate import S3Gate
 
+    local = PreparedWindows(str(prepared / "a"), SEQ)
+    after = _shard_gets(local, range(5), 2, 4, 16) + 2  # + each worker's probe of window 0 (one read)
     moto = MotoProcess()
+    gate = S3Gate(moto.port, after=after)
     try:
-        opts = moto.options()
-        s3fs.S3FileSystem(**opts).mkdir("stall")
-        fs = s3fs.S3FileSystem(**opts)
+        fs = s3fs.S3FileSystem(**moto.options())
+        fs.mkdir("stall")
         for rel, data in _files(prepared / "a").items():
             fs.pipe_file(f"s3://stall/corpus/{rel}", data)
+        opts = moto.options()
+        opts["client_kwargs"] = {"endpoint_url": gate.endpoint}
         spec = _spec("s3://stall/corpus", eval_every=0)  # the training reads stall (evaluation adds none)
         spec["task"]["data"]["storage_options"] = opts
-        # steps of ~0.3 s (a slow fault on both ranks): a hang bound of ~3 s, and the stall starts mid-run
+        # steps of ~0.3 s (a slow fault on both ranks) or more: a hang bound of >= 10 s once steps were timed
         spec["faults"] = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.3, "generation": None} for r in (0, 1)]
+        spec["timeouts"] = dict(_LOADED_TIMEOUTS)
         bg = BackgroundRun(tmp_path, spec, name="stalled")
-        bg.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2, timeout=180)
-        os.kill(moto.proc.pid, signal.SIGSTOP)
         try:
-            named = bg.wait_for(lambda e: e["event"] == "data_stalled", timeout=120)
+            named = bg.wait_for(lambda e: e["event"] == "data_stalled", timeout=240)
         finally:
-            os.kill(moto.proc.pid, signal.SIGCONT)
+            gate.release()
         run = bg.finish(timeout=180)
     finally:
+        gate.close()
         moto.stop()
-    assert named["rank"] in (0, 1) and named["waited_s"] > named["bound_s"] and "storage" in named["reason"]
+    assert gate.held.is_set() and gate.reads > after, (gate.reads, after)
+    assert named["step"] >= 4 and named["rank"] in (0, 1), named
+    assert named["waited_s"] > named["bound_s"] and "storage" in named["reason"], named
     assert run.result.exit_code == 0 and not run.of("failure") and not run.of("stall_aborted"), run.summary
     assert run.losses() == clean_run(_spec(str(prepared / "a"))).losses()
-    _audit(run, 8, len(PreparedWindows(str(prepared / "a"), SEQ)))
+    _audit(run, 8, len(local))
 
 
-@pytest.mark.slow  # two more runs: fsdp and a 2-stage pipeline
-def test_fsdp_and_pp2_train_on_prepared_data(prepared, tmp_path, ray_local):
-    """The same 2-block model on the prepared corpus under fsdp (2 ranks) and a 2-stage pipeline: every
-    sample of every step once, and the same losses (to float summation order)."""
+@pytest.mark.slow  # a kill, a replacement process and a keeper: ~30-90 s under load
+@pytest.mark.parametrize("parallel", [{"plan": "fsdp"}, {"plan": "ddp", "pp": 2}], ids=["fsdp", "pp2"])
+def test_fsdp_and_pp2_on_prepared_data_survive_a_sigkill(prepared, tmp_path, ray_local, clean_run, parallel):
+    """2 workers under fsdp (each holds half of every block) or a 2-stage pipeline (each holds one stage),
+    rank 1 SIGKILLed mid-step 6: no survivor holds its state, the peer memory tier (a snapshot every step)
+    does, and the replacement loads it from the keeper (strict: every step at world size 2). Every sample of
+    every step once, and every step's loss (each report of a redone step counts), the held-out losses at
+    steps 4 and 8 (the pipeline's by a forward-only pass of its schedule) and the final parameters those of
+    the uninterrupted ddp run the ddp test trains (the same model and data: the reference is shared, these
+    runs add no clean run). Tolerance: tests/parallel_fixtures.py's (1e-5 relative on losses, 1e-4 on
+    parameters after a recovery): fsdp's reduce-scatter and sharded clip norm, and pp2's gradients
+    accumulated over 4 micro-batches on one data rank, sum the same numbers in another order (measured
+    2026-11-28: losses within 3e-8 relative, parameters within 4.4e-6 of ddp's; the final digests differ,
+    so the parameters are compared by value). Not a durable checkpoint: a commit lands a poll or more after
+    its save, and in 6 short steps none had (seen: pp2 restarted from step 0).
+    Broken on purpose (2026-11-28, both layouts failing here): a restore one step ahead (``TrainingState.
+    load_from`` setting the step + 1): step 6 never trained, the audit fails; the evaluation's windows moved
+    by the membership generation (``eval_sample_ids(j + generation, ...)``): the held-out loss at step 8,
+    after the recovery, off by 8e-5 relative."""
+    from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_same_numbers
+
     source = str(prepared / "a")
-    n = len(PreparedWindows(source, SEQ))
-    runs = {}
-    for name, parallel in (("fsdp", {"plan": "fsdp"}), ("pp2", {"plan": "ddp", "pp": 2})):
-        spec = _spec(source, steps=4, eval_every=0)
-        spec["task"]["model"]["n_layer"] = 2
-        spec = spec | {"parallel": parallel, "workers": {"min": 2, "max": 2, "standby": False}}
-        runs[name] = run_job(tmp_path, spec, name=name)
-        assert runs[name].result.exit_code == 0, runs[name].summary
-        _audit(runs[name], 4, n)
-    for step, loss in runs["fsdp"].losses().items():
-        assert abs(runs["pp2"].losses()[step] - loss) <= 1e-4 * loss, step
+    clean = clean_run(_spec(source))
+    kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
+    slow = [{"rank": r, "step": 1, "kind": "slow", "seconds": 0.03} for r in range(2)]
+    spec = _spec(source) | {
+        "parallel": parallel, "workers": {"min": 2, "max": 2, "standby": False, "reuse": True},
+        "checkpoint": {**job()["checkpoint"], "memory_every_steps": 1}, "faults": [*slow, kill],
+        "recovery": {"mode": "strict", "min_workers_wait_s": 240}, "timeouts": dict(_LOADED_TIMEOUTS)}
+    run = run_job(tmp_path, spec, name="killed")
+    assert run.result.exit_code == 0 and run.summary["final_step"] == 8, run.summary
+    assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    (rec,) = run.of("recovered")
+    # at most two intervals lost: the newest snapshot may still have been in flight (docs/config.md)
+    assert rec["source"] == "memory" and rec["lost_steps"] <= 2 and rec["world_size"] == 2, rec
+    assert "survivors at step" in rec["reason"] and " lack " in rec["reason"], rec  # no survivor held it
+    _audit(run, 8, len(PreparedWindows(source, SEQ)))
+    assert_same_numbers(run, clean, param_atol=RECOVERY_PARAM_ATOL)
+    want = {e["step"]: e["eval_loss"] for e in clean.of("step") if "eval_loss" in e}
+    got = [(e["step"], e["eval_loss"]) for e in run.of("step") if e.get("eval_loss") is not None]
+    assert sorted({s for s, _ in got}) == sorted(want) == [4, 8], got
+    assert all(abs(v - want[s]) <= 1e-5 * want[s] for s, v in got), (got, want)
 
 
 # -------------------------------------------------------------------------------------------- memory flat

@@ -7,10 +7,12 @@ the rank or the layout is cached: after a failure, a restore to an earlier step 
 size, the ids asked for differ and a stale batch is never handed out (it is dropped at the next
 :meth:`~BatchPrefetcher.schedule`, or at once by :meth:`~BatchPrefetcher.reset`).
 
-The loop (worker/loop.py) calls :meth:`~BatchPrefetcher.schedule` at the start of step ``s`` with this step's
-and step ``s + 1``'s micro-batches of its rank, then :meth:`~BatchPrefetcher.take` per micro-batch in its
-"data" phase: a step waits only for what is not ready yet (the first step of a generation reads its own
-batches; every later one finds them assembled). What a worker holds is bounded by those two steps' batches.
+The loop (worker/loop.py) calls :meth:`~BatchPrefetcher.schedule` at the start of step ``s`` with the
+micro-batches of its rank of steps ``s .. s + train.read_ahead_steps`` (in step order, none past
+``train.steps``), then :meth:`~BatchPrefetcher.take` per micro-batch in its "data" phase: a step waits only
+for what is not ready yet (the first step of a generation reads its own batches; every later one finds them
+assembled, and a slow read has ``read_ahead_steps`` steps to land). What a worker holds is bounded by those
+``read_ahead_steps + 1`` steps' batches.
 benchmarks/data.py measures the data wait through this same object.
 """
 
@@ -52,7 +54,7 @@ class BatchPrefetcher:
         return self.collate([self.dataset[int(i)] for i in ids])
 
     def schedule(self, batches: Sequence[Sequence[int]]) -> None:
-        """Start assembling ``batches`` (lists of sample ids: this step's and the next step's micro-batches),
+        """Start assembling ``batches`` (lists of sample ids: this step's and the next steps' micro-batches),
         in order; pending batches not among them are dropped (another step's, rank's or layout's)."""
         keys = [tuple(int(i) for i in ids) for ids in batches]
         prefetch = getattr(self.dataset, "prefetch", None)

@@ -8,9 +8,9 @@ the kernel's page cache keeps what was read, shared and reclaimable, and the pro
 map would count every page a long run touched, and its fault-around neighbours, in the worker's RSS). Any
 other fsspec URL (``s3://``) is read by ranged reads, a batch at a time: its windows' byte ranges sorted, merged
 where they touch or lie close (:mod:`elastictrain.byte_ranges`) and fetched in one ``cat_ranges`` call, the
-windows cut back out in the batch's own order; :meth:`PreparedWindows.prefetch` starts this and the next
-step's batches in background threads. What a worker holds is bounded by two steps' windows, whatever the
-corpus size.
+windows cut back out in the batch's own order; :meth:`PreparedWindows.prefetch` starts this step's and the
+next ``train.read_ahead_steps`` steps' batches in background threads. What a worker holds is bounded by
+those steps' windows, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ class PreparedWindows:
         self._fds: dict[int, int] = {}
         self._ahead: dict[Key, Future] = {}  # a prefetched batch's windows, [len(key), seq_len + 1]
         self._held_by: dict[int, Key] = {}  # window -> a prefetched batch holding it (for ``dataset[i]``)
+        # prefetched batches handed out by ``batch`` and still asked for: not read again (the step loop's
+        # read-ahead asks for a batch at every step until it trains it, and took it at the first)
+        self._taken: set[Key] = set()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -109,15 +112,18 @@ class PreparedWindows:
         key = tuple(self._check(i) for i in ids)
         with self._lock:
             ahead = self._ahead.pop(key, None)
+            if ahead is not None:
+                self._taken.add(key)
         tokens = ahead.result() if ahead is not None else self.read_windows(key)
         x = torch.from_numpy(tokens.astype(np.int64))
         return {"input": x[:, :-1].contiguous(), "target": x[:, 1:].contiguous()}
 
     def prefetch(self, batches: Any) -> None:
-        """Read the batches ``batches`` (sequences of window ids: the current and the next step's micro-batches
-        of this rank) in background threads, each with one coalesced read (remote URIs; a local path needs
-        none). Batches asked for before and not among them are dropped, so what waits is bounded by those
-        two steps' windows."""
+        """Read the batches ``batches`` (sequences of window ids: the current and the next steps' micro-batches
+        of this rank) in background threads, in order, each with one coalesced read (remote URIs; a local path
+        needs none). Batches asked for before and not among them are dropped, so what waits is bounded by the
+        windows of the batches last asked for; one :meth:`batch` already took is not read again while it
+        stays asked for (asked for again after it was dropped, it is read again)."""
         if self.local:
             return
         keys = [tuple(int(i) for i in ids) for ids in batches]
@@ -128,8 +134,9 @@ class PreparedWindows:
             wanted = set(keys)
             for key in [k for k in self._ahead if k not in wanted]:  # e.g. another rank's after a regroup
                 self._ahead.pop(key).cancel()
+            self._taken &= wanted
             for key in keys:
-                if key not in self._ahead:
+                if key not in self._ahead and key not in self._taken:
                     self._ahead[key] = self._pool.submit(self.read_windows, key)
             self._held_by = {i: key for key in self._ahead for i in key}
 
@@ -139,6 +146,7 @@ class PreparedWindows:
             self._pool = None
         self._ahead.clear()
         self._held_by.clear()
+        self._taken.clear()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

@@ -292,6 +292,18 @@ class ParallelModel:
                 compute_s += time.perf_counter() - c0
         return MicroStepResult(word, compute_s, time.perf_counter() - t0)
 
+    def eval_loss_sum(self, mbs: list[MicroBatch], loss_fn: LossFn) -> torch.Tensor:
+        """Forward only (the caller holds ``torch.no_grad`` and ``eval()`` mode): the float64 sum of
+        ``loss_fn``'s per-sample losses over ``mbs`` (this rank's micro-batches of one held-out global batch),
+        under :attr:`autocast_dtype` as in training; zero on a rank that does not count losses
+        (:attr:`counts_loss`: tp or cp coordinates > 0, whose losses coordinate 0 already counts), so one sum
+        over the world counts every sample once. Collective where the forward is (tp, cp, fsdp)."""
+        total = torch.zeros((), dtype=torch.float64, device=_device_of(self.model))
+        for mb in mbs:
+            with autocast(self.autocast_dtype, total.device):
+                total += loss_fn(self.module, mb.batch, mb.seeds).double().sum()
+        return total if self.counts_loss else torch.zeros_like(total)
+
     @property
     def grads_in_buckets(self) -> bool:
         """Gradients live in the wrapper's reduction buckets (DDP's ``gradient_as_bucket_view``): zero them in

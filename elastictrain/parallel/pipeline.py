@@ -283,29 +283,16 @@ class PipelineModel(ParallelModel):
             raise RuntimeError(f"{n} micro-batches for a schedule built for {self.layout.accum}")
         hooks.phase("compute")
         mbs = [hooks.load(k) for k in range(n)]
-        # cp: every micro-batch holds the same positions (this rank's, [t]); the samples' tensors are [b, ...]
-        batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch if k != "positions"}
-        seeds = torch.cat([mb.seeds for mb in mbs]).to(_device(self.model))
-        extra: dict[str, torch.Tensor] = {}
-        if "positions" in mbs[0].batch:  # one row per sample: torch cuts every tensor keyword on dim 0
-            extra["positions"] = mbs[0].batch["positions"].to(seeds.device).expand(seeds.numel(), -1)
-        device = seeds.device
-        self._loss.batch, self._loss.scale, self._loss.hooks = batch, scale, hooks
-        self._loss.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._loss.remaining = n
+        args, kwargs = self._feed(mbs, scale, hooks)
         if self.token_tally is not None:
             self.token_tally.reset()
         self._clock.compute_s, self._clock.hooks = 0.0, hooks
         hooks.seed(0)  # the global RNG per step (stage forwards run in the schedule's order, not per sample)
         hooks.forwarded(0)
-        args = tuple(self._inputs_fn(batch)) if any(s.is_first for s in self.stages) else ()
-        rows = torch.arange(seeds.numel(), device=device)
-        last = any(s.is_last for s in self.stages)
         s0 = time.perf_counter()
         try:
             with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
-                self.schedule.step(*args, target=rows if last else None, return_outputs=False, seeds=seeds,
-                                   **extra)
+                self.schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             wall = time.perf_counter() - s0
             self._clock.hooks = self._loss.hooks = None
@@ -321,6 +308,46 @@ class PipelineModel(ParallelModel):
         # compute_s counts the stages' forward/backward only, wall_s the schedule.step: their gap is the bubble
         return MicroStepResult(word, self._clock.compute_s, wall, schedule=self.layout.pp_schedule,
                                n_microbatches=n, stages_per_rank=self.layout.stages_per_rank)
+
+    def _feed(self, mbs: list[MicroBatch], scale: float,
+              hooks: StepHooks | None) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        """The schedule's inputs for ``mbs`` (the first stage's args; ``target``, ``seeds`` and cp's
+        ``positions`` as keywords), with the loss set to count them from zero."""
+        # cp: every micro-batch holds the same positions (this rank's, [t]); the samples' tensors are [b, ...]
+        batch = {k: torch.cat([mb.batch[k] for mb in mbs]) for k in mbs[0].batch if k != "positions"}
+        seeds = torch.cat([mb.seeds for mb in mbs]).to(_device(self.model))
+        kwargs: dict[str, Any] = {"seeds": seeds}
+        if "positions" in mbs[0].batch:  # one row per sample: torch cuts every tensor keyword on dim 0
+            kwargs["positions"] = mbs[0].batch["positions"].to(seeds.device).expand(seeds.numel(), -1)
+        self._loss.batch, self._loss.scale, self._loss.hooks = batch, scale, hooks
+        self._loss.loss_sum = torch.zeros((), dtype=torch.float64, device=seeds.device)
+        self._loss.remaining = len(mbs)
+        last = any(s.is_last for s in self.stages)
+        kwargs["target"] = torch.arange(seeds.numel(), device=seeds.device) if last else None
+        args = tuple(self._inputs_fn(batch)) if any(s.is_first for s in self.stages) else ()
+        return args, kwargs
+
+    def eval_loss_sum(self, mbs: list[MicroBatch], loss_fn: LossFn) -> torch.Tensor:
+        """One forward-only pass of the schedule (torch's ``schedule.eval``: no backward, the stages' p2p
+        sends the activations as in training) over ``mbs``, as many as the schedule's ``n_microbatches``
+        (the held-out batch splits over the ranks as a step's does). The last stage applies
+        ``Task.pipeline.loss_fn`` (``loss_fn``, the whole model's, is not used); its per-sample loss sum, zero
+        on other stages and on tp/cp coordinates > 0. Raises :class:`PipelineError` under the zbv schedule,
+        which has no forward-only pass in torch 2.13. The schedule re-infers its stages' buffers when it
+        switches between eval and training (torch's mode-switch check), a forward's cost each way."""
+        if len(mbs) != self.layout.accum:
+            raise RuntimeError(f"{len(mbs)} micro-batches for a schedule built for {self.layout.accum}")
+        if self.layout.pp_schedule == "zbv":  # (a planned layout: the config refuses an explicit one)
+            from elastictrain.config import zbv_eval_refusal
+
+            raise PipelineError(zbv_eval_refusal())
+        args, kwargs = self._feed(mbs, 1.0, None)
+        try:
+            with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+        finally:
+            self._loss.batch = {}
+        return self._loss.loss_sum if self.counts_loss else torch.zeros_like(self._loss.loss_sum)
 
 
 def _device(model: nn.Module) -> torch.device:

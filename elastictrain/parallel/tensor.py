@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastictrain.parallel.parallelize import (
     LossFn,
+    MicroBatch,
     MicroStepResult,
     ParallelModel,
     StepHooks,
@@ -156,13 +157,24 @@ class TensorParallelModel(ParallelModel):
     def run_micro_batches(self, n: int, loss_fn: LossFn, scale: float, hooks: StepHooks) -> MicroStepResult:
         """The base step inside ``loss_parallel``, with the per-sample losses made local; then the
         data-parallel gradient average (plan ddp)."""
-
-        def tp_loss(module: nn.Module, batch: dict[str, torch.Tensor], seeds: torch.Tensor) -> torch.Tensor:
-            return local_loss(loss_fn(module, batch, seeds))
-
         with loss_parallel():
-            done = super().run_micro_batches(n, tp_loss, scale, hooks)
+            done = super().run_micro_batches(n, _local(loss_fn), scale, hooks)
         settle_grads(list(self.model.parameters()))
         if self.grad_group is not None:
             average_grads(self.dense, self.grad_group)
         return done
+
+    def eval_loss_sum(self, mbs: list[MicroBatch], loss_fn: LossFn) -> torch.Tensor:
+        """The base forward-only sum inside ``loss_parallel``: every tp rank runs the forward together (its
+        collectives), tp coordinate 0 counts the (replicated) per-sample losses."""
+        with loss_parallel():
+            return super().eval_loss_sum(mbs, _local(loss_fn))
+
+
+def _local(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` with its per-sample losses made plain tensors (:func:`local_loss`)."""
+
+    def tp_loss(module: nn.Module, batch: dict[str, torch.Tensor], seeds: torch.Tensor) -> torch.Tensor:
+        return local_loss(loss_fn(module, batch, seeds))
+
+    return tp_loss

@@ -37,7 +37,7 @@ from elastictrain.parallel import optim
 from elastictrain.parallel.bubble import schedule_bubble
 from elastictrain.models.moe import moe_layers
 from elastictrain.parallel.expert_wiring import ExpertParallel, TokenTally, attach_expert_parallel
-from elastictrain.parallel.context_wiring import cp_coord, shard_batch
+from elastictrain.parallel.context_wiring import shard_batch
 from elastictrain.parallel.context_wiring import wire_model as wire_context_parallel
 from elastictrain.parallel.mesh import build_mesh
 from elastictrain.parallel.parallelize import MicroBatch, MicroStepResult, ParallelModel, _has_dtensor, wrap
@@ -424,11 +424,13 @@ class StepRunner:
 
     def evaluate(self, dp_rank: int, d: int) -> float:
         """The mean ``loss_fn`` over ``train.eval_batches`` global batches of the validation split (ids:
-        ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (one
-        all-reduce of the loss sum). The same value on every rank and at every world size (to float
-        summation order). Needs pp = tp = 1 (the config refuses eval under them). Under cp each rank scores
-        its positions of the samples (the loss function sums them over cp) and cp coordinate 0 alone adds the
-        per-sample losses, which every cp rank holds."""
+        ``eval_sample_ids``), without gradients and in ``eval()`` mode; collective over the group (the
+        layout's forward, then one all-reduce of the loss sum). The same value on every rank and at every
+        world size and layout (to float summation order). The parallelized model runs the forward
+        (:meth:`~elastictrain.parallel.parallelize.ParallelModel.eval_loss_sum`): every tp rank together
+        under ``loss_parallel``, a pipeline's stages in a forward-only pass of its schedule, each cp rank its
+        positions; one rank of each data-parallel rank's tp/cp group counts the per-sample losses. A
+        pipeline's last stage applies ``Task.pipeline.loss_fn`` (the task's ``loss_fn`` is not used there)."""
         g, m = self.train.global_batch, self.train.micro_batch
         n = len(self.eval_dataset)
         module = self.pm.module
@@ -436,21 +438,17 @@ class StepRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         # a prepared split with the default collate reads a micro-batch's (adjacent) windows in one read
         read = getattr(self.eval_dataset, "batch", None) if self.task.collate_fn is None else None
-        self._set_phase("compute")
         with torch.no_grad():
             for j in range(self.train.eval_batches):
+                mbs = []
                 for k in range(g // (d * m)):
                     ids = eval_sample_ids(j, dp_rank, d, m, g, k, n)
                     self._set_phase("data")  # storage, not compute (the watchdog names a stall here)
                     host = read(ids) if read else self.collate([self.eval_dataset[int(i)] for i in ids])
-                    self._set_phase("compute")
-                    batch = _to(host, self.device)
-                    batch = shard_batch(batch, self.layout.dims, self.rank)
-                    seeds = torch.zeros(len(ids), dtype=torch.long)
-                    with autocast(self.pm.autocast_dtype, self.device):  # as in training (bf16 without FSDP)
-                        loss = self.task.loss_fn(module, batch, seeds).double().sum()  # (collective under cp)
-                    if cp_coord(self.layout.dims, self.rank) == 0:
-                        total += loss
+                    batch = shard_batch(_to(host, self.device), self.layout.dims, self.rank)
+                    mbs.append(MicroBatch([int(i) for i in ids], batch, torch.zeros(len(ids), dtype=torch.long)))
+                self._set_phase("compute")
+                total += self.pm.eval_loss_sum(mbs, self.task.loss_fn)  # (collective under tp, cp, pp, fsdp)
         self._set_phase("collective")
         dist.all_reduce(total)
         self._set_phase("idle")
@@ -469,13 +467,17 @@ class StepRunner:
 
     def _read_ahead(self, s: int, micro: list[Any], dp_rank: int, d: int) -> None:
         """With a batch read-ahead (a dataset with ``prefetch(batches)``: a prepared corpus), schedule this step's
-        and the next step's micro-batches of this rank: the next step's batches are read (the dataset's ranged
-        reads in its own threads) and stacked in the read-ahead's thread while this step computes."""
+        micro-batches of this rank and those of the next ``train.read_ahead_steps`` steps (none past
+        ``train.steps``), in step order: they are read (the dataset's ranged reads in its own threads) and
+        stacked in the read-ahead's thread while this step computes, so a slow read has that many steps to
+        land. What is held is bounded by those steps' batches (the read-ahead drops any not scheduled again)."""
         if self.batches is None:
             return
-        nxt = rank_micro_batches(s + 1, dp_rank, d, self.train.micro_batch, self.train.global_batch,
-                                 self.train.seed, self.dataset_len)
-        self.batches.schedule(micro + nxt)
+        ahead = list(micro)
+        for t in range(s + 1, min(s + 1 + self.train.read_ahead_steps, self.train.steps)):
+            ahead += rank_micro_batches(t, dp_rank, d, self.train.micro_batch, self.train.global_batch,
+                                        self.train.seed, self.dataset_len)
+        self.batches.schedule(ahead)
 
     def _apply_optimizer(self, s: int, word: torch.Tensor, local_loss: torch.Tensor | None) -> str | None:
         """Commit step ``s``: clip, check, then the optimizer. Nothing of the training state is written
