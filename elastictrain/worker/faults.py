@@ -27,6 +27,9 @@ class FaultInjector:
     def __init__(self, faults: Sequence[FaultConfig]) -> None:
         self._faults = list(faults)
         self._fired: set[int] = set()
+        # a fault acted on this process (fired, armed, slowed a step, made one non-finite): under
+        # workers.reuse the process is then never pooled (Worker.retire, controller/warm_pool.py)
+        self.touched = False
         # set by the step runner (``bind``): what ``abort`` and ``stall`` do to this worker's group
         self._abort: Callable[[], None] | None = None
         self._stall: Callable[[], None] | None = None
@@ -46,6 +49,7 @@ class FaultInjector:
             if i in self._fired and not f.repeat:
                 continue
             self._fired.add(i)
+            self.touched = True
             self._act(f)
 
     def arm_backward(self, loss: Any, *, rank: int, step: int, generation: int) -> None:
@@ -58,6 +62,7 @@ class FaultInjector:
                     or (i in self._fired and not f.repeat)):
                 continue
             self._fired.add(i)
+            self.touched = True
             message = f"injected fault at rank {f.rank} step {f.step} (backward): this rank's own error"
 
             def hook(grad: Any) -> Any:
@@ -67,16 +72,20 @@ class FaultInjector:
 
     def extra_delay(self, *, rank: int, step: int, generation: int) -> float:
         """Seconds a ``slow`` fault adds to this step (it slows every step from ``step`` on)."""
-        return sum(
+        delay = sum(
             f.seconds for f in self._faults
             if f.kind == "slow" and f.rank == rank and step >= f.step
             and (f.generation is None or f.generation == generation)
         )
+        self.touched = self.touched or delay > 0
+        return delay
 
     def nan_at(self, *, rank: int, step: int, generation: int) -> bool:
         """True if a ``nan`` fault makes this rank's loss and gradients non-finite at ``step``."""
-        return any(f.kind == "nan" and f.rank == rank and f.step == step
-                   and (f.generation is None or f.generation == generation) for f in self._faults)
+        hit = any(f.kind == "nan" and f.rank == rank and f.step == step
+                  and (f.generation is None or f.generation == generation) for f in self._faults)
+        self.touched = self.touched or hit
+        return hit
 
     def _act(self, f: FaultConfig) -> None:
         if f.kind == "kill":
