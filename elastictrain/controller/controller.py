@@ -158,7 +158,7 @@ class Controller:
     def _ended_clean(self) -> bool:
         """Finished: its live workers trained through to the clean end (the failed ones were killed), and
         each says itself whether it may be pooled (``Worker.retire``: not after its own error or a fault
-        acting on it). The rule for ``workers.reuse``, controller/warm_pool.py."""
+        fired in it). The rule for ``workers.reuse``, controller/warm_pool.py."""
         return self.sm.state is State.FINISHED
 
     def request_preemption(self, reason: str) -> None:

@@ -311,7 +311,7 @@ class WorkerGroup:
         """The run ended ``finished`` (the controller's judgement; its failed workers were killed on the way):
         retire its reusable members and ready spares (``Worker.retire``) and keep those that answered
         True within ``timeouts.poll_s`` for the pool (handed over at :meth:`shutdown`); the others (a
-        worker that failed a step by its own error or that a fault acted on says False) are killed by
+        worker that failed a step by its own error or that a fault fired in says False) are killed by
         it as usual. Returns how many were kept. Never raises."""
         if not self._reuse:
             return 0

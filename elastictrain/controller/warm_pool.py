@@ -43,7 +43,7 @@ Why the rules are what they are:
   created for reuse (outside the placement group, never a standby), only from a run that ended
   ``finished``, only members or ready spares (a worker killed, hung, timed out or failed was killed
   by then), and only when the worker itself agrees (``Worker.retire`` answers False after a step it
-  failed by its own error, when a fault fired, was armed, slowed or poisoned a step in it, when its
+  failed by its own error, when a fault fired in it (``slow`` and ``nan`` do not count), when its
   process group did not go, or when a checkpoint writer it abandoned still runs) within
   ``timeouts.poll_s``. A survivor of a failure and a replacement that trained through to the clean end
   are pooled: the aborted generations' groups were destroyed at the next rendezvous (their gloo

@@ -237,9 +237,9 @@ class Worker:
         retired like any other: the aborted generations' process groups were destroyed at the next join
         (their connections severed first), their stores and snapshots are dropped here, and a checkpoint
         writer abandoned at a membership change must have ended. Returns False, doing nothing, if this
-        process failed a step by its own error or a fault acted on it (fired, armed, slowed or poisoned a
-        step here), or its process group did not go, or an abandoned writer's thread is still running after
-        ``timeouts.collective_s``: the group kills it instead."""
+        process failed a step by its own error or a fault fired in it (kill, hang, raise, abort, stall;
+        ``slow`` and ``nan`` do not count), or its process group did not go, or an abandoned writer's
+        thread is still running after ``timeouts.collective_s``: the group kills it instead."""
         from elastictrain.parallel.mesh import forget_earlier_meshes
         from elastictrain.worker import memory_peak
 

@@ -27,8 +27,9 @@ class FaultInjector:
     def __init__(self, faults: Sequence[FaultConfig]) -> None:
         self._faults = list(faults)
         self._fired: set[int] = set()
-        # a fault acted on this process (fired, armed, slowed a step, made one non-finite): under
-        # workers.reuse the process is then never pooled (Worker.retire, controller/warm_pool.py)
+        # a fault fired in this process (kill, hang, raise, abort, stall; a raise armed on a backward): under
+        # workers.reuse it is never pooled (Worker.retire, controller/warm_pool.py). ``slow`` and ``nan``
+        # change a step's time or numbers, not the process: they do not count
         self.touched = False
         # set by the step runner (``bind``): what ``abort`` and ``stall`` do to this worker's group
         self._abort: Callable[[], None] | None = None
@@ -72,20 +73,16 @@ class FaultInjector:
 
     def extra_delay(self, *, rank: int, step: int, generation: int) -> float:
         """Seconds a ``slow`` fault adds to this step (it slows every step from ``step`` on)."""
-        delay = sum(
+        return sum(
             f.seconds for f in self._faults
             if f.kind == "slow" and f.rank == rank and step >= f.step
             and (f.generation is None or f.generation == generation)
         )
-        self.touched = self.touched or delay > 0
-        return delay
 
     def nan_at(self, *, rank: int, step: int, generation: int) -> bool:
         """True if a ``nan`` fault makes this rank's loss and gradients non-finite at ``step``."""
-        hit = any(f.kind == "nan" and f.rank == rank and f.step == step
-                  and (f.generation is None or f.generation == generation) for f in self._faults)
-        self.touched = self.touched or hit
-        return hit
+        return any(f.kind == "nan" and f.rank == rank and f.step == step
+                   and (f.generation is None or f.generation == generation) for f in self._faults)
 
     def _act(self, f: FaultConfig) -> None:
         if f.kind == "kill":
