@@ -6,11 +6,12 @@ One module-scoped sequence of runs in this driver (tests/conftest.py's session R
 Every run has ``min`` = ``max`` workers (a failure waits for its replacement, so every fault fires in the
 generation it names):
 
-- ``K`` (3 workers): rank 1 killed in step 3 (generation 0), then its replacement raises in step 6's
+- ``K`` (3 workers, 12 samples a step): rank 1 killed in step 3 (generation 0), then its replacement raises in step 6's
   backward (generation 1): two survivors (ranks 0 and 2), the killed process, the raiser, and the second
   replacement, which trains to the end.
-- ``L1`` (2 workers, job ``Y``): rank 1 killed in step 3; its two processes come from ``K``'s three, and
-  the replacement takes the third, idle beside it.
+- ``C`` (2 workers, job ``Y`` without faults): takes two of ``K``'s three; the third stays idle in the pool.
+- ``L1`` (``Y``): rank 1 killed in step 3; its two processes come from the pool's three, and the
+  replacement takes the third, idle beside it.
 - ``L2`` (``Y``): the same; the pool holds no idle process now, so the replacement is a fresh one.
 - ``B`` (``Y`` without faults) on what survived: rank 0 of ``K`` has survived three faulted runs.
 - ``G`` (``Y``) on fresh processes (the pool emptied first): the reference ``B`` must equal bitwise, and
@@ -68,8 +69,11 @@ def seq(tmp_path_factory):
     _ensure_local_ray()
     tmp = tmp_path_factory.mktemp("pool_faulted")
     POOL.clear()  # earlier files' processes: this sequence counts its own
-    out = {"K": run_job(tmp, {**Y, "workers": W3, "faults": [KILL3, RAISE6]}, name="K"), "pool": {}}
+    k = job(name="k", train={"steps": 8, "global_batch": 12, "micro_batch": 2}, workers=W3, faults=[KILL3, RAISE6])
+    out = {"K": run_job(tmp, k, name="K"), "pool": {}}
     out["pool"]["K"] = _pool()
+    out["C"] = run_job(tmp, Y, name="C")
+    out["pool"]["C"] = _pool()
     for name in ("L1", "L2"):
         out[name] = run_job(tmp, {**Y, "faults": [KILL3]}, name=name)
         out["pool"][name] = _pool()
@@ -111,6 +115,15 @@ def test_a_faulted_run_pools_its_survivors_and_replacement_never_the_process_a_f
     assert _gone(hit) == []  # the killed process and the raiser: killed by the run, never pooled
 
 
+def test_the_pool_keeps_what_a_smaller_run_left_idle(seq) -> None:
+    c = seq["C"]
+    assert c.result.exit_code == 0, c.summary
+    taken = [e["pid"] for e in c.of("worker_started")]
+    assert [e["reused"] for e in c.of("worker_started")] == [True, True]
+    (idle,) = set(seq["pool"]["K"]) - set(taken)
+    assert set(seq["pool"]["C"]) == set(taken) | {idle}  # within the node's CPUs' worth (4 on the session's Ray)
+
+
 def test_a_replacement_takes_an_idle_pooled_process_and_a_fresh_one_when_none_is_idle(seq) -> None:
     l1, l2 = seq["L1"], seq["L2"]
     for run in (l1, l2):
@@ -118,9 +131,8 @@ def test_a_replacement_takes_an_idle_pooled_process_and_a_fresh_one_when_none_is
         assert [e["kind"] for e in run.of("failure")] == ["process_died"]
         assert [e["reused"] for e in _started(run, 0)] == [True, True]  # from the previous run's pool
         assert _survivor(seq) in seq["pool"][run.dir.name]
-    # L1: K left three processes; L1's first generation took two and its replacement the third
-    k_pool = set(seq["pool"]["K"])
-    assert {e["pid"] for e in l1.of("worker_started")} == k_pool
+    # L1: the pool held three processes; L1's first generation took two and its replacement the third
+    assert {e["pid"] for e in l1.of("worker_started")} == set(seq["pool"]["C"])
     assert [e["reused"] for e in l1.of("worker_started") if e["generation"] > 0] == [True]
     # L2: L1 left two, both taken at the start: the replacement is fresh, and pooled after the clean end
     (fresh,) = [e for e in l2.of("worker_started") if e["generation"] > 0]
@@ -144,10 +156,10 @@ def test_a_run_on_survivors_of_faulted_runs_trains_bitwise_like_fresh_processes(
 
 def test_a_survivors_threads_and_open_files_do_not_grow_run_after_run(seq) -> None:
     survivor = _survivor(seq)
-    counts = [seq["pool"][name][survivor] for name in ("K", "L1", "L2", "B")]
+    counts = [seq["pool"][name][survivor] for name in ("K", "C", "L1", "L2", "B")]
     fresh = seq["pool"]["G"]  # fresh processes retired after one clean run
     assert len(fresh) == 2
-    # the same process after 1, 2, 3 faulted runs and a clean one: no thread or descriptor kept from an
+    # the same process after a faulted run, a clean one, two faulted ones and a clean one: no thread or descriptor kept from an
     # aborted generation, and no more than a fresh process holds
     assert all(later == counts[0] for later in counts[1:]), counts
     assert counts[0][0] <= max(t for t, _ in fresh.values()), (counts, fresh)
@@ -161,3 +173,20 @@ def test_a_run_that_did_not_finish_pools_nothing(seq) -> None:
     assert seq["pool"]["X"] == []
     survivors = [e["pid"] for e in x.of("worker_started") if e["pid"] not in _failed_pids(x)]
     assert survivors and _gone(survivors) == []
+
+
+def test_a_fault_that_fires_marks_its_process_and_slow_or_nan_do_not() -> None:
+    """The worker's half of the rule (``Worker.retire`` refuses a process a fault fired in), without Ray."""
+    from elastictrain.config import FaultConfig
+    from elastictrain.worker.faults import FaultInjector, InjectedFault
+
+    faults = [FaultConfig(rank=1, step=3, point="before_step", kind="raise"),
+              FaultConfig(rank=0, step=1, point="before_step", kind="slow", seconds=0.0),
+              FaultConfig(rank=0, step=2, point="before_step", kind="nan")]
+    bystander, slowed, raiser = FaultInjector(faults), FaultInjector(faults), FaultInjector(faults)
+    bystander.fire(rank=0, step=3, point="before_step", generation=0)  # another rank's fault: not this one
+    slowed.extra_delay(rank=0, step=4, generation=0)
+    assert slowed.nan_at(rank=0, step=2, generation=0)
+    with pytest.raises(InjectedFault):
+        raiser.fire(rank=1, step=3, point="before_step", generation=0)
+    assert (bystander.touched, slowed.touched, raiser.touched) == (False, False, True)
