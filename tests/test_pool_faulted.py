@@ -159,11 +159,14 @@ def test_a_survivors_threads_and_open_files_do_not_grow_run_after_run(seq) -> No
     counts = [seq["pool"][name][survivor] for name in ("K", "C", "L1", "L2", "B")]
     fresh = seq["pool"]["G"]  # fresh processes retired after one clean run
     assert len(fresh) == 2
-    # the same process after a faulted run, a clean one, two faulted ones and a clean one: no thread or descriptor kept from an
-    # aborted generation, and no more than a fresh process holds
-    assert all(later == counts[0] for later in counts[1:]), counts
-    assert counts[0][0] <= max(t for t, _ in fresh.values()), (counts, fresh)
-    assert counts[0][1] <= max(f for _, f in fresh.values()), (counts, fresh)
+    # the same process after a faulted run, a clean one, two faulted ones and a clean one: no thread or
+    # descriptor kept from an aborted generation (each holds a gloo group's threads and sockets: a leaked
+    # one adds several of each per run), and no more than a fresh process holds. A margin of 2 threads and
+    # 4 descriptors over the whole sequence: Ray may open a connection or a thread late, once
+    threads, fds = [t for t, _ in counts], [f for _, f in counts]
+    assert max(threads) - threads[0] <= 2 and max(fds) - fds[0] <= 4, counts
+    assert max(threads) <= max(t for t, _ in fresh.values()) + 2, (counts, fresh)
+    assert max(fds) <= max(f for _, f in fresh.values()) + 4, (counts, fresh)
 
 
 def test_a_run_that_did_not_finish_pools_nothing(seq) -> None:
