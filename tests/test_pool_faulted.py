@@ -188,6 +188,7 @@ def test_a_fault_that_fires_marks_its_process_and_slow_or_nan_do_not() -> None:
               FaultConfig(rank=0, step=2, point="before_step", kind="nan")]
     bystander, slowed, raiser = FaultInjector(faults), FaultInjector(faults), FaultInjector(faults)
     bystander.fire(rank=0, step=3, point="before_step", generation=0)  # another rank's fault: not this one
+    slowed.fire(rank=0, step=1, point="before_step", generation=0)  # a slow fault's own point: no act
     slowed.extra_delay(rank=0, step=4, generation=0)
     assert slowed.nan_at(rank=0, step=2, generation=0)
     with pytest.raises(InjectedFault):

@@ -50,7 +50,7 @@ class FaultInjector:
             if i in self._fired and not f.repeat:
                 continue
             self._fired.add(i)
-            self.touched = True
+            self.touched = self.touched or f.kind != "slow"  # a slow fault acts through extra_delay only
             self._act(f)
 
     def arm_backward(self, loss: Any, *, rank: int, step: int, generation: int) -> None:
