@@ -101,6 +101,7 @@ def _survivor(seq) -> int:
     return _started(seq["K"], 0)[0]["pid"]
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_a_faulted_run_pools_its_survivors_and_replacement_never_the_process_a_fault_hit(seq) -> None:
     k = seq["K"]
     assert k.result.exit_code == 0, k.summary
@@ -115,6 +116,7 @@ def test_a_faulted_run_pools_its_survivors_and_replacement_never_the_process_a_f
     assert _gone(hit) == []  # the killed process and the raiser: killed by the run, never pooled
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_the_pool_keeps_what_a_smaller_run_left_idle(seq) -> None:
     c = seq["C"]
     assert c.result.exit_code == 0, c.summary
@@ -124,6 +126,7 @@ def test_the_pool_keeps_what_a_smaller_run_left_idle(seq) -> None:
     assert set(seq["pool"]["C"]) == set(taken) | {idle}  # within the node's CPUs' worth (4 on the session's Ray)
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_a_replacement_takes_an_idle_pooled_process_and_a_fresh_one_when_none_is_idle(seq) -> None:
     l1, l2 = seq["L1"], seq["L2"]
     for run in (l1, l2):
@@ -140,6 +143,7 @@ def test_a_replacement_takes_an_idle_pooled_process_and_a_fresh_one_when_none_is
     assert len(seq["pool"]["L1"]) == len(seq["pool"]["L2"]) == 2
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_a_run_on_survivors_of_faulted_runs_trains_bitwise_like_fresh_processes(seq) -> None:
     b, g = seq["B"], seq["G"]
     for run in (b, g):
@@ -154,6 +158,7 @@ def test_a_run_on_survivors_of_faulted_runs_trains_bitwise_like_fresh_processes(
     assert params_b.keys() == params_g.keys() and all(params_b[k].equal(params_g[k]) for k in params_b)
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_a_survivors_threads_and_open_files_do_not_grow_run_after_run(seq) -> None:
     survivor = _survivor(seq)
     counts = [seq["pool"][name][survivor] for name in ("K", "C", "L1", "L2", "B")]
@@ -169,6 +174,7 @@ def test_a_survivors_threads_and_open_files_do_not_grow_run_after_run(seq) -> No
     assert max(fds) <= max(f for _, f in fresh.values()) + 4, (counts, fresh)
 
 
+@pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
 def test_a_run_that_did_not_finish_pools_nothing(seq) -> None:
     x = seq["X"]
     assert x.result.exit_code != 0, x.summary
