@@ -11,7 +11,7 @@ DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: su
 (:meth:`Worker.hold_snapshot`, also after a clean stop for a grow), the peer memory tier's keepers, or the
 durable checkpoint.
 
-Under ``workers.reuse`` a process outlives its run: a cleanly finished run retires it (:meth:`Worker.retire`:
+Under ``workers.reuse`` a process outlives its run: a run that ended ``finished`` retires it (:meth:`Worker.retire`:
 everything the run built dropped, the process put back as it was when the actor was created) and the
 driver's next run hands it a new config and task (:meth:`Worker.reuse`); controller/warm_pool.py says when.
 """
@@ -228,7 +228,7 @@ class Worker:
 
     @_on_state_thread
     def retire(self) -> bool:
-        """End of a cleanly finished run under ``workers.reuse``: close what the run opened (:meth:`shutdown`)
+        """End of a run that ended ``finished`` under ``workers.reuse``: close what the run opened (:meth:`shutdown`)
         and drop everything it built (model, optimizer, data, held snapshots, stores, DTensor's mesh caches,
         ``torch._dynamo``'s compiled code), put the environment variables and the global torch generator
         back as they were at this process's first creation, let the garbage collector see everything again
