@@ -207,6 +207,14 @@ class CheckpointWriter:
         self._thread.join(self._close_timeout_s)
         self._pool.clear()
 
+    def running(self) -> bool:
+        """True while the writer's thread runs (after :meth:`abandon` it ends on its own)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the writer's thread to end (after :meth:`close` or :meth:`abandon`)."""
+        self._thread.join(timeout)
+
     # ---------------------------------------------------------------------------------- background thread
 
     def _run(self) -> None:

@@ -156,9 +156,10 @@ class Controller:
         return self.summary()
 
     def _ended_clean(self) -> bool:
-        """Finished, with no failure charged and no fault configured: its workers' processes saw nothing
-        that a fresh process would not have (the rule for ``workers.reuse``, controller/warm_pool.py)."""
-        return self.sm.state is State.FINISHED and not self.budget.log and not self.config.faults
+        """Finished: its live workers trained through to the clean end (the failed ones were killed), and
+        each says itself whether it may be pooled (``Worker.retire``: not after its own error or a fault
+        fired in it). The rule for ``workers.reuse``, controller/warm_pool.py."""
+        return self.sm.state is State.FINISHED
 
     def request_preemption(self, reason: str) -> None:
         """Called from a signal handler or a drain notice: stop at a step boundary, checkpoint, exit."""

@@ -5,9 +5,10 @@ died gets a new actor in the same bundle: Ray re-places a bundle lost with its n
 so a replacement waits for capacity instead of failing. A slot with a group of its own that lost its node
 gets a new group instead (:meth:`WorkerGroup.replace_lost_placement`: Ray's re-placing spins its GCS).
 With ``workers.reuse`` (CPU workers) a placed slot's actor is created outside its group, pinned to the
-bundle's node, or taken warm from the driver's pool of an earlier run's processes, and a run that ended
-cleanly gives its workers back to that pool (:meth:`WorkerGroup.keep_warm`;
-:mod:`elastictrain.controller.warm_pool` says why it is built so).
+bundle's node, or taken warm from the driver's pool of earlier runs' processes (a first generation's
+workers, a replacement, a grow-back alike), and a run that ended ``finished`` gives the workers that trained
+through to its end back to that pool (:meth:`WorkerGroup.keep_warm`; :mod:`elastictrain.controller.warm_pool`
+says why it is built so). An idle pooled process on a node stands in for the standby there.
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
 workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement that took
@@ -37,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
-from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, pool_key
+from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, node_caps, pool_key
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, Phase, put_back, sweep
@@ -307,10 +308,11 @@ class WorkerGroup:
         return table.get("bundles_to_node_id", {}).get(bundle) if table.get("state") == "CREATED" else None
 
     def keep_warm(self) -> int:
-        """The run ended cleanly (the controller's judgement: finished, no failure, no fault configured):
+        """The run ended ``finished`` (the controller's judgement; its failed workers were killed on the way):
         retire its reusable members and ready spares (``Worker.retire``) and keep those that answered
-        True within ``timeouts.poll_s`` for the pool (handed over at :meth:`shutdown`); the others are
-        killed by it as usual. Returns how many were kept. Never raises."""
+        True within ``timeouts.poll_s`` for the pool (handed over at :meth:`shutdown`); the others (a
+        worker that failed a step by its own error or that a fault fired in says False) are killed by
+        it as usual. Returns how many were kept. Never raises."""
         if not self._reuse:
             return 0
         try:
@@ -358,6 +360,9 @@ class WorkerGroup:
             return
         self._standby_started = True
         self._standby_node = self._bundle_node(index)
+        if self._reuse and POOL.holds(self._pool_key, self._standby_node):
+            self._standby_node = None  # an idle pooled process there serves the next replacement (_spawn_reusable)
+            return
         folder = os.path.join(tempfile.gettempdir(), "elastictrain-standby")
         sweep(folder, time.time())  # what standbys killed before their group could remove their files left
         self._standby_file = os.path.join(folder, f"{uuid.uuid4().hex}.json")
@@ -530,6 +535,16 @@ class WorkerGroup:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        if self._reuse:  # what the pool held and this run did not take goes; this run's retired workers stay
-            POOL.release(self._pool_key, self._warm)
+        if self._reuse:  # this run's retired workers stay, with what the pool held and this run did not take,
+            # bounded per node by what its CPUs hold (warm_pool.py); the rest goes
+            POOL.release(self._pool_key, self._warm, self._pool_caps())
             self._warm = []
+
+    def _pool_caps(self) -> dict[str, int] | None:
+        """Per alive node, how many idle processes of this run's key the pool may keep (None: unknown, the
+        pool keeps this run's workers only)."""
+        try:
+            nodes = ray.nodes()
+        except Exception:  # noqa: BLE001 - Ray going away
+            return None
+        return node_caps(self.config.workers.cpus_per_worker, nodes)

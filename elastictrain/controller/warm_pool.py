@@ -3,7 +3,7 @@
 Ray starts every actor in a fresh interpreter, and a worker's start is seconds of CPU (Ray's worker boot,
 torch, DTensor, ``torch._dynamo``: docs/perf/2026-11-28-suite-time.md). A driver that calls
 ``Trainer(...).fit()`` again and again (a sweep, a notebook, the test suite) pays that per worker per run.
-With ``workers.reuse`` a run that ended cleanly hands its workers' processes to :data:`POOL`, emptied of the
+With ``workers.reuse`` a run that ended ``finished`` hands its workers' processes to :data:`POOL`, emptied of the
 run (:meth:`Worker.retire <elastictrain.worker.actor.Worker.retire>`), and the next run of the same driver
 takes them instead of starting processes (``Worker.reuse``: the run's config and task, then the set-up of
 a fresh worker).
@@ -27,14 +27,30 @@ Why the rules are what they are:
   (:func:`task_identity`: the files that define the task's callables, by path and content digest; an
   edited task file imported by name would otherwise keep running the old module a warm process has
   imported). The node is matched per worker (a worker is taken only for a bundle on its node). A run
-  whose key differs empties the pool (kills its processes), so does a run with reuse off; and the pool
-  never holds more than the last run's workers (whatever the last run did not take is killed when it
-  ends).
+  whose key differs empties the pool (kills its processes), so does a run with reuse off.
+- Who takes from the pool: every spawn of a placed slot (the first generation's workers, a replacement
+  after a failure, a grow-back, an extra slot): a warm process answers ``reuse`` (its set-up) in a
+  fraction of a fresh one's start. Under ``workers.standby`` an idle pooled process on the node stands in
+  for the standby there (none is started while one waits: it would be a second process ready for the
+  same replacement).
+- How many it holds: a run that ends gives back its retired workers, and what the pool held that the run
+  did not take stays beside them (a 2-worker run after a 4-worker one leaves 2 idle), at most as many per
+  node as that node's CPUs hold workers of ``workers.cpus_per_worker`` (:func:`node_caps`), the run's own
+  first: a node cannot run more workers of one key at once than its CPUs hold (each bundle takes
+  ``cpus_per_worker``), so a process beyond that could never be taken by one run, and every idle process
+  holds its interpreter's memory (torch imported: hundreds of MiB). The extras are killed.
 - What is pooled: only CPU workers (a GPU process's CUDA context is not given back), only processes
   created for reuse (outside the placement group, never a standby), only from a run that ended
-  ``finished`` with no failure charged and no fault configured, only members or ready spares, and only
-  when the worker itself says it saw no failed step, no abort and no fault (``Worker.retire`` answers
-  False then) and answered its retire within ``timeouts.poll_s``. Everything else is killed as without
+  ``finished``, only members or ready spares (a worker killed, hung, timed out or failed was killed
+  by then), and only when the worker itself agrees (``Worker.retire`` answers False after a step it
+  failed by its own error, when a fault fired in it (``slow`` and ``nan`` do not count), when its
+  process group did not go, or when a checkpoint writer it abandoned still runs) within
+  ``timeouts.poll_s``. A survivor of a failure and a replacement that trained through to the clean end
+  are pooled: the aborted generations' groups were destroyed at the next rendezvous (their gloo
+  connections severed first), and ``retire`` drops what they left (stores, held snapshots, step
+  records, the runner with its abort flag, DTensor's mesh caches, compiled code, environment
+  variables); tests/test_pool_faulted.py holds that such a process trains bitwise like a fresh one and
+  that its threads and open files do not grow run after run. Everything else is killed as without
   reuse.
 - Lifetime. The pooled actors are owned by this driver: Ray kills them with the driver's job (at
   ``ray.shutdown``, or when the driver exits), so nothing outlives the driver; :meth:`WarmPool.clear`
@@ -157,6 +173,35 @@ def kill_warm(warm: Warm) -> None:
         pass
 
 
+def bounded(idle: list[Warm], caps: dict[str, int] | None) -> tuple[list[Warm], list[Warm]]:
+    """PURE. ``(keep, kill)``: the first ``caps[node]`` processes of ``idle`` on each node are kept (a node
+    absent from ``caps`` keeps none: it is gone); ``caps`` None keeps all."""
+    if caps is None:
+        return list(idle), []
+    keep: list[Warm] = []
+    kill: list[Warm] = []
+    per_node: dict[str, int] = {}
+    for w in idle:
+        n = per_node.get(w.node_id, 0)
+        if n < caps.get(w.node_id, 0):
+            per_node[w.node_id] = n + 1
+            keep.append(w)
+        else:
+            kill.append(w)
+    return keep, kill
+
+
+def node_caps(cpus_per_worker: float, nodes: list[dict[str, Any]]) -> dict[str, int]:
+    """PURE. How many idle processes of one key each alive node may keep: as many workers of
+    ``cpus_per_worker`` as its CPUs hold (``nodes`` as ``ray.nodes()`` reports them), at least one."""
+    caps = {}
+    for node in nodes:
+        if node.get("Alive") and node.get("NodeID"):
+            cpus = float((node.get("Resources") or {}).get("CPU", 0.0))
+            caps[node["NodeID"]] = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
+    return caps
+
+
 class WarmPool:
     """The warm processes of this driver, under one key. Thread-safe: runs in threads of one driver
     (tests' background runs) take and release concurrently."""
@@ -181,17 +226,29 @@ class WarmPool:
             kill_warm(warm)
         return found
 
-    def release(self, key: PoolKey | None, warm: list[Warm]) -> None:
-        """A run ended: kill what the pool still holds (what that run did not take, or another key's) and
-        keep ``warm`` (that run's retired workers) under ``key``."""
+    def holds(self, key: PoolKey | None, node_id: str | None) -> bool:
+        """True if an idle process under ``key`` runs on ``node_id`` (a spawn there would take it)."""
         with self._lock:
-            stale, self._idle = self._idle, list(warm) if key is not None else []
-            self._key = key if warm else None
-        for w in stale:
+            return key is not None and key == self._key and any(w.node_id == node_id for w in self._idle)
+
+    def release(self, key: PoolKey | None, warm: list[Warm], caps: dict[str, int] | None = None) -> None:
+        """A run ended: keep ``warm`` (that run's retired workers) under ``key``, with what the pool still
+        holds under the same key (what that run did not take), at most ``caps[node]`` processes per node
+        (:func:`bounded`; no cap given: that run's workers only); kill the rest (another key's, the
+        extras). ``key`` None: kill everything."""
+        with self._lock:
+            same = key is not None and key == self._key
+            held, stale = (self._idle, []) if same else ([], self._idle)
+            if key is None:
+                keep, extra = [], list(warm) + held
+            elif caps is None:  # no bound known: that run's workers only
+                keep, extra = list(warm), held
+            else:  # that run's workers first: the most recently used
+                keep, extra = bounded(list(warm) + held, caps)
+            self._idle = keep
+            self._key = key if keep else None
+        for w in stale + extra:
             kill_warm(w)
-        if key is None:
-            for w in warm:
-                kill_warm(w)
 
     def clear(self) -> int:
         """Kill every pooled process; returns how many."""

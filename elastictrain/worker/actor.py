@@ -11,7 +11,7 @@ DCP StorageReader (:meth:`Worker.restore_from`), resharded into the new mesh: su
 (:meth:`Worker.hold_snapshot`, also after a clean stop for a grow), the peer memory tier's keepers, or the
 durable checkpoint.
 
-Under ``workers.reuse`` a process outlives its run: a cleanly finished run retires it (:meth:`Worker.retire`:
+Under ``workers.reuse`` a process outlives its run: a run that ended ``finished`` retires it (:meth:`Worker.retire`:
 everything the run built dropped, the process put back as it was when the actor was created) and the
 driver's next run hands it a new config and task (:meth:`Worker.reuse`); controller/warm_pool.py says when.
 """
@@ -156,7 +156,11 @@ class Worker:
         if slot >= 0:  # a standby (slot -1) stays at the low priority until taken (worker/import_priority.py)
             import_priority.restore(by="init")
         _remember_fresh()
-        self._tainted = False  # saw a failed step, an abort or a fault: never reused (retire says False)
+        # failed a step by its own error, or a fault acted here: never reused (retire says False). A survivor
+        # (a peer's failure broke its step, the controller aborted its generation) is not: retire clears
+        # what the aborted generations left (controller/warm_pool.py)
+        self._tainted = False
+        self._abandoned: list[Any] = []  # checkpoint writers given up at a membership change (retire waits for them)
         self.config = config
         self.task = task
         self.slot = slot
@@ -224,21 +228,25 @@ class Worker:
 
     @_on_state_thread
     def retire(self) -> bool:
-        """End of a cleanly finished run under ``workers.reuse``: close what the run opened (:meth:`shutdown`)
+        """End of a run that ended ``finished`` under ``workers.reuse``: close what the run opened (:meth:`shutdown`)
         and drop everything it built (model, optimizer, data, held snapshots, stores, DTensor's mesh caches,
         ``torch._dynamo``'s compiled code), put the environment variables and the global torch generator
         back as they were at this process's first creation, let the garbage collector see everything again
         (the next set-up freezes what is left, as a fresh one does) and reset the host memory high-water
-        mark. Returns False, doing nothing, if this process saw a failed step or an abort, or its run had
-        faults configured (one may have fired here), or its process group did not go: the group kills it
-        instead."""
+        mark. A survivor of a failure (a peer died or failed, the controller aborted its generation) is
+        retired like any other: the aborted generations' process groups were destroyed at the next join
+        (their connections severed first), their stores and snapshots are dropped here, and a checkpoint
+        writer abandoned at a membership change must have ended. Returns False, doing nothing, if this
+        process failed a step by its own error or a fault fired in it (kill, hang, raise, abort, stall;
+        ``slow`` and ``nan`` do not count), or its process group did not go, or an abandoned writer's
+        thread is still running after ``timeouts.collective_s``: the group kills it instead."""
         from elastictrain.parallel.mesh import forget_earlier_meshes
         from elastictrain.worker import memory_peak
 
-        if self._tainted or self.config.faults:
+        if self._tainted or (self.runner is not None and self.runner.faults.touched):
             return False
         self.shutdown()
-        if dist.is_initialized():
+        if dist.is_initialized() or not self._writers_gone():
             return False
         self.runner = None
         self._held = self._store = self._writer = self._ckpt_group = self._replicator = None
@@ -257,6 +265,15 @@ class Worker:
         memory_peak.reset_host()
         self._status = "retired"
         return True
+
+    def _writers_gone(self) -> bool:
+        """Every checkpoint writer abandoned at a membership change has ended (its thread ends on its own:
+        an in-flight save finishes or fails with its group), waited for up to ``timeouts.collective_s``."""
+        deadline = time.monotonic() + self.config.timeouts.collective_s
+        for writer in self._abandoned:
+            writer.join(max(0.0, deadline - time.monotonic()))
+        self._abandoned = [w for w in self._abandoned if w.running()]
+        return not self._abandoned
 
     @_on_state_thread
     def reuse(self, config: JobConfig, task: Task, slot: int) -> dict[str, Any]:
@@ -383,7 +400,6 @@ class Worker:
         r = self.runner
         if r is None or not r.abort(generation):
             return "other generation"
-        self._tainted = True
         if not dist.is_initialized():
             return "marked"
         if not self.config.workers.use_gpu:
@@ -410,6 +426,7 @@ class Worker:
     def _leave_group(self) -> None:
         if self._writer is not None:  # a membership change abandons in-flight saves (they never commit)
             self._ckpt_events.extend(self._writer.abandon())
+            self._abandoned = [w for w in (*self._abandoned, self._writer) if w.running()]
         self._writer = None
         if self.runner is not None:
             self.runner.detach()
@@ -469,7 +486,8 @@ class Worker:
                     return self._result("stopped")
             if failed is None:
                 return self._result("done")
-            self._tainted = True
+            if failed["status"] != "peer_failed":  # its own error (a survivor of a peer's is not tainted)
+                self._tainted = True
             # outside the except clause: the failed step's frames (and their tensors) are gone by now.
             # Only a survivor releases: a rank that failed by its own error is killed by the controller,
             # which closes its connections anyway.

@@ -27,6 +27,10 @@ class FaultInjector:
     def __init__(self, faults: Sequence[FaultConfig]) -> None:
         self._faults = list(faults)
         self._fired: set[int] = set()
+        # a fault fired in this process (kill, hang, raise, abort, stall; a raise armed on a backward): under
+        # workers.reuse it is never pooled (Worker.retire, controller/warm_pool.py). ``slow`` and ``nan``
+        # change a step's time or numbers, not the process: they do not count
+        self.touched = False
         # set by the step runner (``bind``): what ``abort`` and ``stall`` do to this worker's group
         self._abort: Callable[[], None] | None = None
         self._stall: Callable[[], None] | None = None
@@ -46,6 +50,7 @@ class FaultInjector:
             if i in self._fired and not f.repeat:
                 continue
             self._fired.add(i)
+            self.touched = self.touched or f.kind != "slow"  # a slow fault acts through extra_delay only
             self._act(f)
 
     def arm_backward(self, loss: Any, *, rank: int, step: int, generation: int) -> None:
@@ -58,6 +63,7 @@ class FaultInjector:
                     or (i in self._fired and not f.repeat)):
                 continue
             self._fired.add(i)
+            self.touched = True
             message = f"injected fault at rank {f.rank} step {f.step} (backward): this rank's own error"
 
             def hook(grad: Any) -> Any:
