@@ -134,6 +134,14 @@ class KeeperState:
     def stats(self) -> dict[str, int]:
         return {"bytes": sum(s.meta.nbytes for s, _ in self._snaps.values()), "entries": len(self._snaps)}
 
+    def reset(self, budget_bytes: int) -> dict[str, int]:
+        """Empty, as a new keeper of ``budget_bytes``: every snapshot dropped, the budget and the put order
+        reset (a pooled keeper serving another run, ``workers.reuse``). Returns :meth:`stats` after."""
+        self.set_budget(budget_bytes)
+        self._snaps.clear()
+        self._seq = 0
+        return self.stats()
+
 
 @ray.remote(num_cpus=0)
 class ShardKeeper:
@@ -162,6 +170,11 @@ class ShardKeeper:
 
     def stats(self) -> dict[str, int]:
         return self._state.stats()
+
+    def reset(self, budget_bytes: int) -> dict[str, int]:
+        """Drop every snapshot and take ``budget_bytes``: the keeper is given back to the driver's pool or
+        taken from it (controller/keeper_pool.py). Returns ``stats()`` after: 0 bytes, 0 entries."""
+        return self._state.reset(budget_bytes)
 
 
 class KeeperSource:

@@ -170,8 +170,9 @@ class SourceGatherer:
         for node in [n for n in self.keepers if n not in alive]:
             del self.keepers[node]
         budget = self._budget or max(1, int((self.config.checkpoint.memory_budget_gib or 4.0) * (1 << 30)))
-        for node in sorted(alive - set(self.keepers)):
-            self.keepers[node] = self.rt.start_keeper(node, budget)
+        reuse, t = self.config.workers.reuse, self.config.timeouts.poll_s
+        for node in sorted(alive - set(self.keepers)):  # workers.reuse: a pooled one (controller/keeper_pool.py)
+            self.keepers[node] = self.rt.start_keeper(node, budget, reuse=reuse, timeout=t)
 
     def size_keepers(self, chosen: list[Slot], layout: Layout) -> None:
         """Size every keeper's budget from the job (checkpoint/tier_budget.py): the state bytes the workers
@@ -202,15 +203,21 @@ class SourceGatherer:
             self.events.emit("peer_tier_short", budget_bytes=tier.budget, need_bytes=tier.need, reason=why)
 
     def close(self) -> None:
-        """Kill the keepers this run started (the run is over: its snapshots have no reader left). The
-        controller calls it on every path out of its run. Until then each keeper holds up to
-        ``checkpoint.memory_budget_gib`` of snapshots, and a driver that keeps the Trainer (a notebook, a
-        benchmark running one job after another) would otherwise keep them all alive."""
-        keepers, self.keepers = list(self.keepers.values()), {}
+        """End the keepers this run started or took (the run is over: its snapshots have no reader left):
+        killed, or with ``workers.reuse`` emptied and given to the driver's pool when alive on an alive node
+        (controller/keeper_pool.py). The controller calls it on every path out of its run. Until then each
+        keeper holds up to ``checkpoint.memory_budget_gib`` of snapshots, and a driver that keeps the
+        Trainer (a notebook, a benchmark running one job after another) would otherwise keep them all alive."""
+        keepers, self.keepers = dict(self.keepers), {}
         self._early_catalogs = (None, {})
-        for keeper in keepers:
+        reuse = self.config.workers.reuse and bool(keepers)
+        try:
+            alive = self.rt.alive_nodes() if reuse else set()
+        except Exception:  # noqa: BLE001 - Ray going away: kill them
+            alive = set()
+        for node, keeper in keepers.items():
             try:
-                self.rt.stop_keeper(keeper)
+                self.rt.stop_keeper(keeper, node=node, reuse=node in alive, timeout=self.config.timeouts.poll_s)
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
 

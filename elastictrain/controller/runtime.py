@@ -37,12 +37,15 @@ class Runtime(Protocol):
         """Watch a generation's in-flight ``run`` calls: how a death (the call fails) or the end of the
         loop is learned without looking at each call every poll interval."""
 
-    def start_keeper(self, node: str, budget: int) -> Any:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> Any:
         """A peer-tier keeper (``ShardKeeper``'s calls: ``set_budget``, ``catalog``...) bound to ``node``
-        (it dies with its node), keeping up to ``budget`` bytes."""
+        (it dies with its node), keeping up to ``budget`` bytes. ``reuse``: an idle keeper of this driver on
+        ``node`` is taken if it answers ``reset`` empty within ``timeout`` (controller/keeper_pool.py)."""
 
-    def stop_keeper(self, keeper: Any) -> None:
-        """End a keeper this run started (:meth:`start_keeper`); raises if it is gone already."""
+    def stop_keeper(self, keeper: Any, *, node: str | None = None, reuse: bool = False,
+                    timeout: float | None = None) -> None:
+        """End a keeper this run started or took (:meth:`start_keeper`); raises if it is gone already.
+        ``reuse``: give it, reset and checked empty within ``timeout``, to the driver's pool as ``node``'s."""
 
     def free_memory(self, nodes: set[str]) -> list[int]:
         """The memory each alive node among ``nodes`` offers (bytes; nodes that do not say are left out)."""
@@ -105,20 +108,44 @@ class RayRuntime:
     def watch(self, refs: Sequence[Any]) -> RayRunWatch:
         return RayRunWatch(refs)
 
-    def start_keeper(self, node: str, budget: int) -> Any:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastictrain.checkpoint import ShardKeeper
+        from elastictrain.controller.keeper_pool import KEEPERS, kill_keeper
+        from elastictrain.controller.warm_pool import current_session
 
+        while reuse and (keeper := KEEPERS.take(current_session(), node)) is not None:
+            if _empty_after_reset(keeper, budget, timeout):
+                KEEPERS.reused += 1
+                return keeper
+            kill_keeper(keeper)
+        KEEPERS.started += 1
         return ShardKeeper.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
 
-    def stop_keeper(self, keeper: Any) -> None:
+    def stop_keeper(self, keeper: Any, *, node: str | None = None, reuse: bool = False,
+                    timeout: float | None = None) -> None:
+        from elastictrain.controller.keeper_pool import IDLE_BUDGET, KEEPERS
+        from elastictrain.controller.warm_pool import current_session
+
+        if reuse and node is not None and _empty_after_reset(keeper, IDLE_BUDGET, timeout):
+            KEEPERS.give(current_session(), node, keeper)
+            return
         ray.kill(keeper, no_restart=True)
 
     def free_memory(self, nodes: set[str]) -> list[int]:
         return [int(n["Resources"]["memory"]) for n in ray.nodes()
                 if n.get("Alive") and n["NodeID"] in nodes and n["Resources"].get("memory")]
+
+
+def _empty_after_reset(keeper: Any, budget: int, timeout: float | None) -> bool:
+    """True if ``keeper`` answered ``reset(budget)`` within ``timeout`` holding nothing."""
+    try:
+        stats = ray.get(keeper.reset.remote(budget), timeout=timeout)
+    except Exception:  # noqa: BLE001 - dead or hung: not reusable
+        return False
+    return stats.get("bytes") == 0 and stats.get("entries") == 0
 
 
 class RayRunWatch:

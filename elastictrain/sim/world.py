@@ -465,12 +465,13 @@ class SimWorld:
     def watch(self, refs: Sequence[Any]) -> SimRunWatch:
         return SimRunWatch(self, refs)
 
-    def start_keeper(self, node: str, budget: int) -> SimKeeper:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> SimKeeper:
         keeper = SimKeeper(self, node, budget)
         self.keepers.append(keeper)
         return keeper
 
-    def stop_keeper(self, keeper: SimKeeper) -> None:
+    def stop_keeper(self, keeper: SimKeeper, *, node: str | None = None, reuse: bool = False,
+                    timeout: float | None = None) -> None:
         keeper.killed = True
 
     def free_memory(self, nodes: set[str]) -> list[int]:
