@@ -4,7 +4,8 @@
 One module-scoped sequence of runs in this driver (tests/conftest.py's session Ray), read by the tests below:
 ``A`` (another job: other seed, steps and learning rate, 2 workers), ``B`` (job Y, takes A's processes),
 ``F`` (job Y with a raised fault: takes B's; the raiser is never pooled, its survivor and replacement
-are: tests/test_pool_faulted.py), ``G`` (job Y: fresh processes, the pool emptied after F) and ``H`` (another key: ``cpus_per_worker`` 0.5). The driver-level promises (an edited
+are: tests/test_pool_faulted.py), ``G`` (job Y: fresh processes, the pool emptied after F by ``POOL.clear``)
+and ``H`` (another key: ``cpus_per_worker`` 0.5; G's processes stay idle beside H's). The driver-level promises (an edited
 task file, the pool emptied at ``ray.shutdown`` and at exit) run in a second driver process connected to the
 session's Ray."""
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from elastictrain.controller.warm_pool import POOL
+from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, WarmPool, current_session
 from tests.conftest import _ensure_local_ray, job, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,23 +102,47 @@ def test_a_faulted_runs_failed_process_is_never_reused(seq) -> None:
     assert _all_gone(sorted(hit)) == []
 
 
-def test_the_pool_holds_the_last_runs_workers_and_is_emptied_when_the_key_changes(seq) -> None:
+def test_the_pool_keeps_other_keys_processes_beside_a_run_of_another_key(seq) -> None:
     g, h = seq["G"], seq["H"]
     g_pids = sorted(e["pid"] for e in _started(g))
     assert seq["pool_after_G"] == g_pids
-    # H's cpus_per_worker differs: G's processes were killed, H started its own and is the pool now
+    # H's cpus_per_worker differs: it took none of G's processes (started its own), and G's stay idle beside
+    # H's for a later run of G's key (4 CPUs hold 8 workers of 0.5: nothing over the cap)
     assert [e["reused"] for e in _started(h)] == [False]
-    assert _all_gone(g_pids) == []
-    assert seq["pool_after_H"] == [e["pid"] for e in _started(h)]
+    assert set(e["pid"] for e in _started(h)).isdisjoint(g_pids)
+    assert seq["pool_after_H"] == sorted(g_pids + [e["pid"] for e in _started(h)])
 
 
-def test_a_run_with_reuse_off_empties_the_pool(seq, tmp_path) -> None:
-    held = seq["pool_after_H"] or POOL.pids()
+def test_a_run_with_reuse_off_neither_takes_from_the_pool_nor_empties_it(seq, tmp_path) -> None:
+    held = sorted(POOL.pids())
+    assert held  # H's and G's
     run = run_job(tmp_path, job(name="off", train={"steps": 2}, workers={"min": 1, "max": 1, "reuse": False}))
     assert run.result.exit_code == 0
-    assert [e["reused"] for e in _started(run)] == [False]
-    assert POOL.pids() == []
-    assert _all_gone(held) == []
+    (started,) = _started(run)
+    assert started["reused"] is False and started["pid"] not in held
+    assert sorted(POOL.pids()) == held and all(_state(p) not in (None, "Z", "X") for p in held)
+    assert POOL.clear() == len(held)  # the explicit way to empty it
+    assert _all_gone(held) == [] and POOL.pids() == []
+
+
+def _w(node: str, n: int) -> Warm:
+    # pid 0 and no actor: kill_warm sends no signal and Ray's kill of nothing is ignored
+    return Warm(actor=None, pid=0, ip="nowhere", node_id=node, session=current_session())
+
+
+def test_release_keeps_every_key_within_the_node_cap_and_kills_the_least_recently_used() -> None:
+    pool = WarmPool()
+    k1, k2 = (PoolKey(current_session() or "", "{}", c, "t") for c in (1.0, 0.5))
+    a, b, c, d = (_w("n1", i) for i in range(4))
+    pool.release(k1, [a, b], {"n1": 3})
+    pool.release(k2, [c], {"n1": 3})  # another key: k1's stay beside it
+    assert pool.holds(k1, "n1") and pool.holds(k2, "n1") and len(pool.pids()) == 3
+    assert pool.take(k2, "n2") is None and pool.take(k1, "n1") in (a, b)  # own key, own node only
+    pool.release(k1, [], {"n1": 3})
+    pool.release(k2, [d], {"n1": 2})  # over the cap: the least recently used (k1's, given back first) goes
+    assert pool.holds(k2, "n1") and not pool.holds(k1, "n1") and len(pool.pids()) == 2
+    assert pool.take(k2, "n1") is d and pool.take(k2, "n1") is c  # most recently used first
+    assert pool.clear() == 0
 
 
 TASK_V1 = '''
@@ -189,7 +214,8 @@ def test_an_edited_task_file_is_not_served_by_an_old_process_and_the_pool_dies_w
         assert [e["reused"] for e in v1b["started"]] == [True]  # the same file: the warm process served it
         assert [e["reused"] for e in v2["started"]] == [False]  # edited: a fresh process imported it
         pool = out["pool_v2"]
-        assert pool == [v2["started"][0]["pid"]] and v1b["started"][0]["pid"] not in pool
+        # v1's process (the old file's key) was not taken by v2: it stays idle beside v2's (killed with the driver)
+        assert sorted(pool) == sorted([v2["started"][0]["pid"], v1b["started"][0]["pid"]])
         # the edited file's code ran: the first step's loss (before any update) exactly doubled
         assert v2["losses"]["1"] == 2 * v1["losses"]["1"] and v1b["losses"] == v1["losses"]
         if end == "shutdown":  # the driver lives on: ray.shutdown alone ended its pooled process

@@ -202,10 +202,8 @@ class WorkerGroup:
         self._actor_cls = worker_actor_class()
         self._reuse = w.reuse and not w.use_gpu
         self._warm, self._placement_waited = [], set()
-        if self._reuse:
+        if self._reuse:  # reuse off: this run neither takes from the pool nor empties it (warm_pool.py)
             self._pool_key = pool_key(config, task)
-        else:  # reuse off: the key no longer matches, nothing stays warm beside this run
-            POOL.clear()
 
     def placed(self, slot: Slot) -> bool:
         """True once the slot's placement group holds its resources (an actor there can start)."""

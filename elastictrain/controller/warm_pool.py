@@ -27,18 +27,22 @@ Why the rules are what they are:
   (:func:`task_identity`: the files that define the task's callables, by path and content digest; an
   edited task file imported by name would otherwise keep running the old module a warm process has
   imported). The node is matched per worker (a worker is taken only for a bundle on its node). A run
-  whose key differs empties the pool (kills its processes), so does a run with reuse off.
+  takes only processes of its own key; idle processes of other keys stay (a later run of their key takes
+  them: the suite's files alternate tasks and ``cpus_per_worker``). A run with reuse off neither takes
+  from the pool nor empties it; :meth:`WarmPool.clear` empties it (a test whose promise needs it).
 - Who takes from the pool: every spawn of a placed slot (the first generation's workers, a replacement
   after a failure, a grow-back, an extra slot): a warm process answers ``reuse`` (its set-up) in a
   fraction of a fresh one's start. Under ``workers.standby`` an idle pooled process on the node stands in
   for the standby there (none is started while one waits: it would be a second process ready for the
   same replacement).
 - How many it holds: a run that ends gives back its retired workers, and what the pool held that the run
-  did not take stays beside them (a 2-worker run after a 4-worker one leaves 2 idle), at most as many per
-  node as that node's CPUs hold workers of ``workers.cpus_per_worker`` (:func:`node_caps`), the run's own
-  first: a node cannot run more workers of one key at once than its CPUs hold (each bundle takes
-  ``cpus_per_worker``), so a process beyond that could never be taken by one run, and every idle process
-  holds its interpreter's memory (torch imported: hundreds of MiB). The extras are killed.
+  did not take stays beside them (a 2-worker run after a 4-worker one leaves 2 idle; other keys' idle
+  processes), at most as many per node, all keys together, as that node's CPUs hold workers of the ending
+  run's ``workers.cpus_per_worker`` (:func:`node_caps`), the most recently used first (the run's own,
+  then the pool's in the order they were given back): a node cannot run more workers of one key at once
+  than its CPUs hold (each bundle takes ``cpus_per_worker``), so a process beyond that could never be
+  taken by one run, and every idle process holds its interpreter's memory (torch imported: hundreds of
+  MiB). The extras, the least recently used, are killed.
 - What is pooled: only CPU workers (a GPU process's CUDA context is not given back), only processes
   created for reuse (outside the placement group, never a standby), only from a run that ended
   ``finished``, only members or ready spares (a worker killed, hung, timed out or failed was killed
@@ -52,6 +56,8 @@ Why the rules are what they are:
   variables); tests/test_pool_faulted.py holds that such a process trains bitwise like a fresh one and
   that its threads and open files do not grow run after run. Everything else is killed as without
   reuse.
+- The peer memory tier's keepers are pooled beside the workers under the same switch, by rules of their
+  own (controller/keeper_pool.py).
 - Lifetime. The pooled actors are owned by this driver: Ray kills them with the driver's job (at
   ``ray.shutdown``, or when the driver exits), so nothing outlives the driver; :meth:`WarmPool.clear`
   kills them earlier.
@@ -203,64 +209,60 @@ def node_caps(cpus_per_worker: float, nodes: list[dict[str, Any]]) -> dict[str, 
 
 
 class WarmPool:
-    """The warm processes of this driver, under one key. Thread-safe: runs in threads of one driver
-    (tests' background runs) take and release concurrently."""
+    """The warm processes of this driver, of every key, most recently used first. Thread-safe: runs in
+    threads of one driver (tests' background runs) take and release concurrently."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._key: PoolKey | None = None
-        self._idle: list[Warm] = []
+        self._idle: list[tuple[PoolKey, Warm]] = []  # most recently given back first
 
     def take(self, key: PoolKey, node_id: str | None) -> Warm | None:
-        """A warm process on ``node_id`` under ``key``, removed from the pool; None if there is none. A
-        pool under another key is emptied first (its processes killed)."""
+        """A warm process of ``key`` on ``node_id``, removed from the pool; None if there is none. Idle
+        processes of other keys stay."""
         with self._lock:
-            if key != self._key:
-                stale, self._idle, self._key = self._idle, [], key
-            else:
-                stale = []
-            found = next((w for w in self._idle if w.node_id == node_id), None) if node_id else None
-            if found is not None:
-                self._idle.remove(found)
-        for warm in stale:
-            kill_warm(warm)
-        return found
+            found = next((i for i, (k, w) in enumerate(self._idle) if k == key and w.node_id == node_id),
+                         None) if node_id else None
+            return None if found is None else self._idle.pop(found)[1]
 
     def holds(self, key: PoolKey | None, node_id: str | None) -> bool:
-        """True if an idle process under ``key`` runs on ``node_id`` (a spawn there would take it)."""
+        """True if an idle process of ``key`` runs on ``node_id`` (a spawn there would take it)."""
         with self._lock:
-            return key is not None and key == self._key and any(w.node_id == node_id for w in self._idle)
+            return key is not None and any(k == key and w.node_id == node_id for k, w in self._idle)
 
     def release(self, key: PoolKey | None, warm: list[Warm], caps: dict[str, int] | None = None) -> None:
-        """A run ended: keep ``warm`` (that run's retired workers) under ``key``, with what the pool still
-        holds under the same key (what that run did not take), at most ``caps[node]`` processes per node
-        (:func:`bounded`; no cap given: that run's workers only); kill the rest (another key's, the
-        extras). ``key`` None: kill everything."""
+        """A run ended: keep ``warm`` (that run's retired workers, of ``key``) first, then what the pool still
+        holds, of every key, least recently used last, at most ``caps[node]`` processes per node, all keys
+        together (:func:`bounded`: the least recently used are killed first); no cap given (Ray going
+        away): that run's workers only. ``key`` None: kill everything."""
         with self._lock:
-            same = key is not None and key == self._key
-            held, stale = (self._idle, []) if same else ([], self._idle)
+            held = [(k, w) for k, w in self._idle if w.session == current_session()]  # others died with their job
+            given = [(key, w) for w in warm] if key is not None else []
             if key is None:
-                keep, extra = [], list(warm) + held
-            elif caps is None:  # no bound known: that run's workers only
-                keep, extra = list(warm), held
-            else:  # that run's workers first: the most recently used
-                keep, extra = bounded(list(warm) + held, caps)
+                keep, extra = [], [w for w in warm] + [w for _, w in held]
+            elif caps is None:
+                keep, extra = given, [w for _, w in held]
+            else:
+                ordered = given + held
+                kept, extra = bounded([w for _, w in ordered], caps)
+                ids = {id(w) for w in kept}
+                keep = [(k, w) for k, w in ordered if id(w) in ids]
             self._idle = keep
-            self._key = key if keep else None
-        for w in stale + extra:
+        for w in extra:
             kill_warm(w)
 
     def clear(self) -> int:
-        """Kill every pooled process; returns how many."""
+        """Kill every pooled process, of every key; returns how many. Tests whose promise needs an empty
+        pool call it (a run with ``workers.reuse: false`` leaves the pool as it is)."""
         with self._lock:
-            n = len(self._idle)
-        self.release(None, [])
-        return n
+            idle, self._idle = [w for _, w in self._idle], []
+        for w in idle:
+            kill_warm(w)
+        return len(idle)
 
-    def pids(self) -> list[int]:
-        """The pids of the pooled processes (for tests and reports)."""
+    def pids(self, key: PoolKey | None = None) -> list[int]:
+        """The pids of the pooled processes (of ``key``; None: of every key), for tests and reports."""
         with self._lock:
-            return [w.pid for w in self._idle]
+            return [w.pid for k, w in self._idle if key is None or k == key]
 
 
 POOL = WarmPool()
