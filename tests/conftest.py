@@ -39,7 +39,8 @@ BASE_JOB: dict[str, Any] = {
     # warm_pool.py), instead of each run starting its own (~4 CPU-s each); tests whose promise is about fresh
     # processes, memory high-water marks or the standby set it false
     "workers": {"min": 1, "max": 2, "standby": False, "reuse": True},
-    # no peer memory tier (checkpoint.memory_every_steps, 10 by default): it starts a ShardKeeper process per
+    # no peer memory tier (checkpoint.memory_every_steps, 10 by default): it starts (or, under workers.reuse,
+    # takes from the pool: controller/keeper_pool.py) a ShardKeeper process per
     # node, importing torch, beside every run; the tests whose promise involves the tier turn it on
     "checkpoint": {"memory_every_steps": 0},
     "timeouts": {"collective_s": 15, "step_watchdog_cap_s": 20, "poll_s": 30, "restart_grace_s": 90,
