@@ -125,7 +125,7 @@ def test_a_run_with_reuse_off_neither_takes_from_the_pool_nor_empties_it(seq, tm
     assert _all_gone(held) == [] and POOL.pids() == []
 
 
-def _w(node: str, n: int) -> Warm:
+def _w(node: str) -> Warm:
     # pid 0 and no actor: kill_warm sends no signal and Ray's kill of nothing is ignored
     return Warm(actor=None, pid=0, ip="nowhere", node_id=node, session=current_session())
 
@@ -133,7 +133,7 @@ def _w(node: str, n: int) -> Warm:
 def test_release_keeps_every_key_within_the_node_cap_and_kills_the_least_recently_used() -> None:
     pool = WarmPool()
     k1, k2 = (PoolKey(current_session() or "", "{}", c, "t") for c in (1.0, 0.5))
-    a, b, c, d = (_w("n1", i) for i in range(4))
+    a, b, c, d = (_w("n1") for _ in range(4))
     pool.release(k1, [a, b], {"n1": 3})
     pool.release(k2, [c], {"n1": 3})  # another key: k1's stay beside it
     assert pool.holds(k1, "n1") and pool.holds(k2, "n1") and len(pool.pids()) == 3
