@@ -29,6 +29,21 @@ def test_reset_drops_every_snapshot_and_the_budget():
     assert state.put(take_snapshot({"w": torch.zeros(4)}, rank=0, step=3, generation=0)).accepted
 
 
+
+def test_a_late_put_of_the_run_before_is_refused_after_the_next_run_took_the_keeper():
+    """Every put carries its run's lease: a snapshot of run A still on its way when run B has taken the
+    keeper (reset to B's budget and lease) is refused, although its (generation, rank, step) key is one B
+    uses too; B's own is kept. A keeper started without a lease takes any put."""
+    snap = lambda v, step: take_snapshot({"w": torch.ones(4) * v}, rank=0, step=step, generation=0)  # noqa: E731
+    state = KeeperState(1 << 20, lease="A")
+    assert state.put(snap(1, 3), "A").accepted
+    assert state.reset(1, "idle")["entries"] == 0  # given back to the pool
+    assert state.reset(1 << 20, "B")["entries"] == 0  # taken by run B
+    late = state.put(snap(1, 6), "A")
+    assert not late.accepted and "no longer serves" in late.reason and state.stats()["entries"] == 0
+    assert state.put(snap(2, 6), "B").accepted and [m.step for m in state.catalog()] == [6]
+    assert KeeperState(1 << 20).put(snap(1, 3), "anything").accepted
+
 def _spec(seed: int) -> dict:
     # one worker killed at step 7: nothing survives, the keeper's snapshot (step 6, or 3) restores the run
     return job(train={"steps": 9, "seed": seed}, workers={"min": 1, "max": 1},

@@ -82,12 +82,15 @@ def drops_of(result: PutResult) -> list[Dropped]:
 class KeeperState:
     """The keeper's bookkeeping, separate from Ray so it can be tested directly."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, lease: str | None = None) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"ShardKeeper budget must be > 0 bytes, got {budget_bytes}")
         self.budget = budget_bytes
         self._snaps: dict[tuple[int, int, int], tuple[Snapshot, int]] = {}  # (gen, rank, step) -> (snap, seq)
         self._seq = 0
+        # the run this keeper serves (SourceGatherer.lease; None: any sender): a pooled keeper (workers.reuse)
+        # refuses a put of a run it no longer serves, however late it arrives (snapshot keys repeat across runs)
+        self.lease: str | None = lease
 
     def set_budget(self, budget_bytes: int) -> None:
         """A new budget (sized once the job's state bytes are known); the next put keeps within it."""
@@ -95,10 +98,13 @@ class KeeperState:
             raise ValueError(f"ShardKeeper budget must be > 0 bytes, got {budget_bytes}")
         self.budget = budget_bytes
 
-    def put(self, snap: Snapshot) -> PutResult:
+    def put(self, snap: Snapshot, lease: str | None = None) -> PutResult:
         m = snap.meta
         key, size = (m.generation, m.rank, m.step), m.nbytes
         where = f"rank {m.rank} step {m.step} (generation {m.generation})"
+        if self.lease is not None and lease != self.lease:
+            return PutResult(False, f"{where}: sent for a run this keeper no longer serves; ignored",
+                             step=m.step, rank=m.rank)
         mine = sorted(k for k in self._snaps if k[:2] == key[:2])
         if key in self._snaps or (len(mine) >= KEEP_PER_RANK and m.step < mine[0][2]):
             return PutResult(False, f"{where}: not newer than the kept steps {[k[2] for k in mine]}; ignored",
@@ -134,12 +140,14 @@ class KeeperState:
     def stats(self) -> dict[str, int]:
         return {"bytes": sum(s.meta.nbytes for s, _ in self._snaps.values()), "entries": len(self._snaps)}
 
-    def reset(self, budget_bytes: int) -> dict[str, int]:
-        """Empty, as a new keeper of ``budget_bytes``: every snapshot dropped, the budget and the put order
-        reset (a pooled keeper serving another run, ``workers.reuse``). Returns :meth:`stats` after."""
+    def reset(self, budget_bytes: int, lease: str | None = None) -> dict[str, int]:
+        """Empty, as a new keeper of ``budget_bytes`` serving ``lease``: every snapshot dropped, the budget
+        and the put order reset (a pooled keeper serving another run, ``workers.reuse``). Returns
+        :meth:`stats` after."""
         self.set_budget(budget_bytes)
         self._snaps.clear()
         self._seq = 0
+        self.lease = lease
         return self.stats()
 
 
@@ -147,11 +155,11 @@ class KeeperState:
 class ShardKeeper:
     """Per-node Ray actor holding other nodes' rank snapshots (see module doc)."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        self._state = KeeperState(budget_bytes)
+    def __init__(self, budget_bytes: int, lease: str | None = None) -> None:
+        self._state = KeeperState(budget_bytes, lease)
 
-    def put(self, snap: Snapshot) -> PutResult:
-        return self._state.put(snap)
+    def put(self, snap: Snapshot, lease: str | None = None) -> PutResult:
+        return self._state.put(snap, lease)
 
     def set_budget(self, budget_bytes: int) -> None:
         self._state.set_budget(budget_bytes)
@@ -171,10 +179,11 @@ class ShardKeeper:
     def stats(self) -> dict[str, int]:
         return self._state.stats()
 
-    def reset(self, budget_bytes: int) -> dict[str, int]:
-        """Drop every snapshot and take ``budget_bytes``: the keeper is given back to the driver's pool or
-        taken from it (controller/keeper_pool.py). Returns ``stats()`` after: 0 bytes, 0 entries."""
-        return self._state.reset(budget_bytes)
+    def reset(self, budget_bytes: int, lease: str | None = None) -> dict[str, int]:
+        """Drop every snapshot, take ``budget_bytes`` and serve ``lease`` only: the keeper is given back to
+        the driver's pool or taken from it (controller/keeper_pool.py). Returns ``stats()`` after: 0 bytes,
+        0 entries."""
+        return self._state.reset(budget_bytes, lease)
 
 
 class KeeperSource:
@@ -251,8 +260,9 @@ class MemoryReplicator:
 
     def __init__(self, keeper: Any, rank: int, generation: int = 0, timeout_s: float = 60.0,
                  keep_own: bool = True, coord: dict[str, int] | None = None,
-                 sizes: dict[str, int] | None = None) -> None:
+                 sizes: dict[str, int] | None = None, lease: str | None = None) -> None:
         self._keeper, self._rank, self._generation, self._timeout_s = keeper, rank, generation, timeout_s
+        self._lease = lease  # the run's lease on its keepers (KeeperState.lease)
         # recorded in every snapshot (coverage)
         self._stage = {"coord": dict(coord or {}), "sizes": dict(sizes or {})}
         self._keep = 2 if keep_own else 1
@@ -308,7 +318,7 @@ class MemoryReplicator:
                     return
                 snap, self._next, self._sending = self._next, None, self._next
             try:
-                result = ray.get(self._keeper.put.remote(snap), timeout=self._timeout_s)
+                result = ray.get(self._keeper.put.remote(snap, self._lease), timeout=self._timeout_s)
             except Exception as e:  # noqa: BLE001 - keeper died or timed out: a lost replica, not a failed step
                 result = PutResult(False, f"sending rank {snap.meta.rank} step {snap.meta.step} to its keeper "
                                           f"failed: {type(e).__name__}: {e}", step=snap.meta.step,

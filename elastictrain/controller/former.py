@@ -167,7 +167,8 @@ class GenerationFormer:
             self.sources.size_keepers(chosen, layout)
             keepers = self.sources.keepers_for(chosen, layout)
             try:
-                self.rt.get([s.actor.attach_keeper.remote(k, elsewhere) for s, (k, elsewhere) in zip(chosen, keepers)],
+                self.rt.get([s.actor.attach_keeper.remote(k, elsewhere, self.sources.lease)
+                             for s, (k, elsewhere) in zip(chosen, keepers)],
                             timeout=self.config.timeouts.poll_s)
             except Exception as e:  # noqa: BLE001 - a member that died just now is found by its run ref below
                 self.events.emit("warning", source="peer_tier", reason=f"attaching the peer memory tier in "

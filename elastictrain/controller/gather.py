@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,9 @@ class SourceGatherer:
         self.config, self.events, self.store, self.committer, self.rt = config, events, store, committer, rt
         self.lineage, self.branch_point, self.layout = lineage, branch_point, layout
         self.keepers: dict[str, Any] = {}
+        # this run's lease on its keepers: a keeper takes only puts sent under it (KeeperState.lease), so a
+        # pooled keeper (workers.reuse) never keeps a late snapshot of the run that had it before
+        self.lease = uuid.uuid4().hex
         self._budget: int | None = None  # sized from the job at the first generation (size_keepers)
         self._short_said = False
         # (generation, node -> catalog ref) asked at failure detection (ask_peer_tier), taken by peer_tier
@@ -172,7 +176,7 @@ class SourceGatherer:
         budget = self._budget or max(1, int((self.config.checkpoint.memory_budget_gib or 4.0) * (1 << 30)))
         reuse, t = self.config.workers.reuse, self.config.timeouts.poll_s
         for node in sorted(alive - set(self.keepers)):  # workers.reuse: a pooled one (controller/keeper_pool.py)
-            self.keepers[node] = self.rt.start_keeper(node, budget, reuse=reuse, timeout=t)
+            self.keepers[node] = self.rt.start_keeper(node, budget, reuse=reuse, timeout=t, lease=self.lease)
 
     def size_keepers(self, chosen: list[Slot], layout: Layout) -> None:
         """Size every keeper's budget from the job (checkpoint/tier_budget.py): the state bytes the workers

@@ -11,10 +11,12 @@ Why the rules are what they are:
 - Nothing of one run is served to another. Snapshots are keyed by (generation, rank, step), and every run
   counts generations and steps from the same numbers, so a leftover would be restored silently as the
   next run's state. A keeper is given back only after its ``reset`` (every snapshot dropped, the put
-  order reset) answered, within ``timeouts.poll_s``, that it holds 0 bytes and 0 entries; while pooled its
-  budget is one byte, so a put of the ended run still on its way is refused, not kept; and the run that
+  order reset) answered, within ``timeouts.poll_s``, that it holds 0 bytes and 0 entries; the run that
   takes it resets it again to its own budget and checks the answer again. A keeper that does not answer
-  so is killed.
+  so is killed. A put of the ended run still on its way (a sender thread whose flush timed out) is refused
+  whenever it arrives: every put carries its run's lease (a uuid per run, ``SourceGatherer.lease``), a
+  keeper serves the lease of its last reset only, and a pooled keeper's is :data:`IDLE_LEASE` (with a
+  one-byte budget besides).
 - Which keepers: those of nodes still alive when the run ends (a keeper on a removed node is gone with
   it), that answer ``reset`` (a keeper that died or hangs is the thing that failed: it is killed). The
   run's end does not matter: the keeper holds no state of the run once reset, unlike a worker process.
@@ -35,6 +37,7 @@ from typing import Any
 import ray
 
 IDLE_BUDGET = 1  # bytes: a pooled keeper refuses every put (a late one of the run that gave it back)
+IDLE_LEASE = "idle"  # the lease of a pooled keeper: no run's (SourceGatherer.lease is a uuid)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,12 @@ class Runtime(Protocol):
         """Watch a generation's in-flight ``run`` calls: how a death (the call fails) or the end of the
         loop is learned without looking at each call every poll interval."""
 
-    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> Any:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None,
+                     lease: str | None = None) -> Any:
         """A peer-tier keeper (``ShardKeeper``'s calls: ``set_budget``, ``catalog``...) bound to ``node``
-        (it dies with its node), keeping up to ``budget`` bytes. ``reuse``: an idle keeper of this driver on
-        ``node`` is taken if it answers ``reset`` empty within ``timeout`` (controller/keeper_pool.py)."""
+        (it dies with its node), keeping up to ``budget`` bytes of puts sent under ``lease`` (the run's).
+        ``reuse``: an idle keeper of this driver on ``node`` is taken if it answers ``reset`` empty within
+        ``timeout`` (controller/keeper_pool.py)."""
 
     def stop_keeper(self, keeper: Any, *, node: str | None = None, reuse: bool = False,
                     timeout: float | None = None) -> None:
@@ -108,7 +110,8 @@ class RayRuntime:
     def watch(self, refs: Sequence[Any]) -> RayRunWatch:
         return RayRunWatch(refs)
 
-    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> Any:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None,
+                     lease: str | None = None) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from elastictrain.checkpoint import ShardKeeper
@@ -116,20 +119,20 @@ class RayRuntime:
         from elastictrain.controller.warm_pool import current_session
 
         while reuse and (keeper := KEEPERS.take(current_session(), node)) is not None:
-            if _empty_after_reset(keeper, budget, timeout):
+            if _empty_after_reset(keeper, budget, timeout, lease):
                 KEEPERS.reused += 1
                 return keeper
             kill_keeper(keeper)
         KEEPERS.started += 1
         return ShardKeeper.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(budget, lease)
 
     def stop_keeper(self, keeper: Any, *, node: str | None = None, reuse: bool = False,
                     timeout: float | None = None) -> None:
-        from elastictrain.controller.keeper_pool import IDLE_BUDGET, KEEPERS
+        from elastictrain.controller.keeper_pool import IDLE_BUDGET, IDLE_LEASE, KEEPERS
         from elastictrain.controller.warm_pool import current_session
 
-        if reuse and node is not None and _empty_after_reset(keeper, IDLE_BUDGET, timeout):
+        if reuse and node is not None and _empty_after_reset(keeper, IDLE_BUDGET, timeout, IDLE_LEASE):
             KEEPERS.give(current_session(), node, keeper)
             return
         ray.kill(keeper, no_restart=True)
@@ -139,10 +142,10 @@ class RayRuntime:
                 if n.get("Alive") and n["NodeID"] in nodes and n["Resources"].get("memory")]
 
 
-def _empty_after_reset(keeper: Any, budget: int, timeout: float | None) -> bool:
-    """True if ``keeper`` answered ``reset(budget)`` within ``timeout`` holding nothing."""
+def _empty_after_reset(keeper: Any, budget: int, timeout: float | None, lease: str | None) -> bool:
+    """True if ``keeper`` answered ``reset(budget, lease)`` within ``timeout`` holding nothing."""
     try:
-        stats = ray.get(keeper.reset.remote(budget), timeout=timeout)
+        stats = ray.get(keeper.reset.remote(budget, lease), timeout=timeout)
     except Exception:  # noqa: BLE001 - dead or hung: not reusable
         return False
     return stats.get("bytes") == 0 and stats.get("entries") == 0

@@ -231,7 +231,7 @@ class SimWorker:
     def _own_snapshots(self) -> SimRef:
         return self._now([])
 
-    def _attach_keeper(self, keeper: Any, elsewhere: bool = False) -> SimRef:
+    def _attach_keeper(self, keeper: Any, elsewhere: bool = False, lease: str | None = None) -> SimRef:
         return self._now(None)
 
     def _finish(self, final_root: str | None = None, storage_options: Any = None) -> SimRef:
@@ -465,7 +465,8 @@ class SimWorld:
     def watch(self, refs: Sequence[Any]) -> SimRunWatch:
         return SimRunWatch(self, refs)
 
-    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None) -> SimKeeper:
+    def start_keeper(self, node: str, budget: int, *, reuse: bool = False, timeout: float | None = None,
+                     lease: str | None = None) -> SimKeeper:
         keeper = SimKeeper(self, node, budget)
         self.keepers.append(keeper)
         return keeper

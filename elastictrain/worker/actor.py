@@ -625,11 +625,12 @@ class Worker:
             return {"coord": {}, "sizes": {}}
         return {"coord": r.layout.dims.snapshot_coord(r.rank), "sizes": r.layout.dims.snapshot_sizes()}
 
-    def attach_keeper(self, keeper: Any, elsewhere: bool = True) -> None:
+    def attach_keeper(self, keeper: Any, elsewhere: bool = True, lease: str | None = None) -> None:
         """Send this rank's peer-tier snapshots to ``keeper`` (a ShardKeeper on another node) from now on;
         ``None`` turns the tier off. ``elsewhere``: the keeper is on another node, so this rank keeps its
         own newest two snapshots too (``MemoryReplicator``'s ``keep_own``). Call after ``join`` (snapshots
-        carry this generation and rank)."""
+        carry this generation and rank). ``lease``: the run's lease on its keepers (``KeeperState.lease``), sent
+        with every snapshot."""
         from elastictrain.checkpoint import MemoryReplicator
 
         self._close_replicator(timeout=0)
@@ -638,7 +639,7 @@ class Worker:
             r = self.runner
             self._replicator = MemoryReplicator(keeper, rank=r.rank, generation=r.generation,
                                                 timeout_s=self.config.timeouts.poll_s, keep_own=elsewhere,
-                                                **self._stage())
+                                                lease=lease, **self._stage())
 
     def _close_replicator(self, timeout: float | None) -> None:
         if self._replicator is not None:
