@@ -22,37 +22,18 @@ generation it names):
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from elastictrain.controller.warm_pool import POOL
 from tests.conftest import _ensure_local_ray, job, run_job
+from tests.procs import wait_gone
 
 W2 = {"min": 2, "max": 2, "reuse": True}
 W3 = {"min": 3, "max": 3, "reuse": True}
 Y = job(name="y", train={"steps": 8}, workers=W2)
 KILL3 = {"rank": 1, "step": 3, "point": "mid_step", "kind": "kill", "generation": 0}
 RAISE6 = {"rank": 1, "step": 6, "point": "backward", "kind": "raise", "generation": 1}
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
-def _gone(pids: list[int], timeout: float = 120.0) -> list[int]:
-    """Wait (bounded, generous: a loaded machine) until none of ``pids`` runs; the ones still running."""
-    deadline = time.time() + timeout
-    alive = list(pids)
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if _state(p) not in (None, "Z", "X")]
-        if alive:
-            time.sleep(0.2)  # polling a condition (the kernel's process table), not a timing window
-    return alive
 
 
 def _resources(pid: int) -> tuple[int, int]:
@@ -113,7 +94,7 @@ def test_a_faulted_run_pools_its_survivors_and_replacement_never_the_process_a_f
     assert len(hit) == 2 and len(live) == 3
     # both survivors (trained through both failures) and the last replacement are pooled
     assert sorted(seq["pool"]["K"]) == live and _survivor(seq) in live
-    assert _gone(hit) == []  # the killed process and the raiser: killed by the run, never pooled
+    assert wait_gone(hit) == []  # the killed process and the raiser: killed by the run, never pooled
 
 
 @pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)
@@ -181,7 +162,7 @@ def test_a_run_that_did_not_finish_pools_nothing(seq) -> None:
     assert [e["reused"] for e in x.of("worker_started")] == [True, True]  # G's processes
     assert seq["pool"]["X"] == []
     survivors = [e["pid"] for e in x.of("worker_started") if e["pid"] not in _failed_pids(x)]
-    assert survivors and _gone(survivors) == []
+    assert survivors and wait_gone(survivors) == []
 
 
 def test_a_fault_that_fires_marks_its_process_and_slow_or_nan_do_not() -> None:

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,29 +22,11 @@ import ray
 
 from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, WarmPool, current_session
 from tests.conftest import _ensure_local_ray, job, run_job
+from tests.procs import running, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 W2 = {"min": 2, "max": 2, "reuse": True}
 Y = job(name="y", train={"steps": 8}, workers=W2)
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
-def _all_gone(pids: list[int], timeout: float = 120.0) -> list[int]:
-    """Wait (bounded, generous: a loaded machine) until none of ``pids`` runs; the ones still running."""
-    deadline = time.time() + timeout
-    alive = list(pids)
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if _state(p) not in (None, "Z", "X")]
-        if alive:
-            time.sleep(0.2)  # polling a condition (the kernel's process table), not a timing window
-    return alive
 
 
 def _started(run) -> list[dict]:
@@ -99,7 +80,7 @@ def test_a_faulted_runs_failed_process_is_never_reused(seq) -> None:
     # ... and gave back those that trained to its end (the raiser's peer and the replacement), never the raiser
     assert hit and set(seq["pool_after_F"]) == f_pids - hit
     assert f_pids.isdisjoint(e["pid"] for e in g.of("worker_started"))  # G: fresh (the pool emptied)
-    assert _all_gone(sorted(hit)) == []
+    assert wait_gone(sorted(hit)) == []
 
 
 def test_the_pool_keeps_other_keys_processes_beside_a_run_of_another_key(seq) -> None:
@@ -120,9 +101,9 @@ def test_a_run_with_reuse_off_neither_takes_from_the_pool_nor_empties_it(seq, tm
     assert run.result.exit_code == 0
     (started,) = _started(run)
     assert started["reused"] is False and started["pid"] not in held
-    assert sorted(POOL.pids()) == held and all(_state(p) not in (None, "Z", "X") for p in held)
+    assert sorted(POOL.pids()) == held and all(running(p) for p in held)
     assert POOL.clear() == len(held)  # the explicit way to empty it
-    assert _all_gone(held) == [] and POOL.pids() == []
+    assert wait_gone(held) == [] and POOL.pids() == []
 
 
 def _w(node: str) -> Warm:
@@ -219,10 +200,10 @@ def test_an_edited_task_file_is_not_served_by_an_old_process_and_the_pool_dies_w
         # the edited file's code ran: the first step's loss (before any update) exactly doubled
         assert v2["losses"]["1"] == 2 * v1["losses"]["1"] and v1b["losses"] == v1["losses"]
         if end == "shutdown":  # the driver lives on: ray.shutdown alone ended its pooled process
-            assert _all_gone(pool) == []
+            assert wait_gone(pool) == []
         proc.stdin.close()
         assert proc.wait(timeout=120) == 0
-        assert _all_gone(pool) == []
+        assert wait_gone(pool) == []
     finally:
         if proc.poll() is None:
             proc.kill()
