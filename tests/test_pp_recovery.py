@@ -202,8 +202,10 @@ def test_pp2_sigterm_then_resumed_under_ddp_and_fsdp_ends_with_the_clean_loss(tm
     # the same job under ddp on one worker (resume: auto), then a branch of it under fsdp on two
     for name, parallel, workers, extra in (("ddp1", {"plan": "ddp"}, 1, {}),
                                            ("fsdp2", {"plan": "fsdp"}, 2, {"run_id": "ppterm-fsdp"})):
-        again = {**copy.deepcopy(spec), "parallel": parallel, "workers": {"min": workers, "max": workers},
-                 "faults": [], **extra}
+        # the job's own workers section with the size changed (a bare {"min", "max"} would drop BASE_JOB's
+        # reuse and standby switches: processes started afresh, and a standby beside them)
+        again = {**copy.deepcopy(spec), "parallel": parallel,
+                 "workers": {**spec["workers"], "min": workers, "max": workers}, "faults": [], **extra}
         if extra:
             again["checkpoint"] = {**ckpt, "resume": committed}
         run = run_job(tmp_path, again, name=name)
@@ -225,7 +227,7 @@ def test_a_pp4_checkpoint_resumes_under_pp2_each_rank_loading_its_new_stage_by_n
               parallel={"plan": "ddp", "pp": 4}, checkpoint=ckpt, timeouts=dict(TIMEOUTS))
     whole = run_job(tmp_path, pp4, name="pp4")
     assert whole.result.exit_code == 0 and whole.summary["checkpoints_committed"] == [8, STEPS], whole.summary
-    branch = {**copy.deepcopy(pp4), "run_id": "pp4-to-pp2", "workers": {"min": 2, "max": 2},
+    branch = {**copy.deepcopy(pp4), "run_id": "pp4-to-pp2", "workers": {**pp4["workers"], "min": 2, "max": 2},
               "parallel": {"plan": "ddp", "pp": 2},
               "checkpoint": {**ckpt, "resume": str(tmp_path / "ckpt" / "pp4" / "step_000000008")}}
     run = run_job(tmp_path, branch, name="pp2")
