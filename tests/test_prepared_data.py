@@ -6,6 +6,7 @@ size."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,8 +106,26 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def _in_process(*args: str) -> subprocess.CompletedProcess:
+    """`elastictrain data prepare ARGS` through click in this process (from the repository root, as
+    :func:`_cli`): the same argv, exit code and stderr, without a subprocess's imports (~2 CPU-s each)."""
+    from click.testing import CliRunner
+
+    from elastictrain.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        r = CliRunner().invoke(main, ["data", "prepare", *args], catch_exceptions=False)
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 def test_bad_input_is_one_line_and_exit_2(prepared, tmp_path):
-    """Every case fails before Ray starts: one line naming the problem and the fix, exit 2."""
+    """Every case fails before Ray starts: one line naming the problem and the fix, exit 2. The first case
+    runs as a user types it (a process of its own: nothing else reaches its stderr, no traceback); the others
+    run the same argv through click in this process."""
     tok, corpus = str(prepared / "tokenizer.json"), str(prepared / "corpus")
     (tmp_path / "bad.json").write_text("{not a tokenizer")
     (tmp_path / "empty").mkdir()
@@ -118,8 +137,8 @@ def test_bad_input_is_one_line_and_exit_2(prepared, tmp_path):
         "column 'body' not found": (corpus, tok, "--text-column", "body"),
         "empty corpus": (str(tmp_path / "empty"), tok),
     }
-    for needle, (source, tokenizer, *rest) in cases.items():
-        r = _cli(source, "--tokenizer", tokenizer, "--out", str(tmp_path / "out"), *rest)
+    for i, (needle, (source, tokenizer, *rest)) in enumerate(cases.items()):
+        r = (_cli if i == 0 else _in_process)(source, "--tokenizer", tokenizer, "--out", str(tmp_path / "out"), *rest)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (needle, r.stderr)
         assert "Traceback" not in r.stderr and not (tmp_path / "out" / "manifest.json").exists()
@@ -202,7 +221,7 @@ def test_ddp_on_prepared_data_survives_a_sigkill_then_resumes_at_another_size(pr
     for d in (tmp_path / "ckpt").rglob("step_*8"):
         shutil.rmtree(d)
     one = run_job(tmp_path, _spec(source) | {"checkpoint": {**job()["checkpoint"], **ck},
-                                             "workers": {"min": 1, "max": 1, "standby": False}}, name="one")
+                                             "workers": {**job()["workers"], "min": 1, "max": 1}}, name="one")
     (resumed,) = one.of("resumed")
     assert resumed["step"] == 4 and resumed["world_size"] == 1, resumed
     _audit_from(one, 5, 8, n)
