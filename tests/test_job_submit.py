@@ -226,7 +226,11 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
     # step 1, not from step 6: the hang bound follows the median step time, and steps that turned slow
     # mid-run would look hung under it
     slow = "[{rank: 0, step: 1, kind: slow, seconds: 0.5, generation: null}]"
-    args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0"]
+    # no standby process and no peer-tier keeper (the default job's, each a process importing torch beside
+    # both submissions): the stop's promise is the driver's (a step boundary, a just-in-time checkpoint, exit
+    # 75) and neither changes a number; the default job's own submission keeps both
+    args = [*DEFAULT_30, "--set", f"checkpoint.uri={ckpt}", "--set", "checkpoint.every_steps=0",
+            "--set", "checkpoint.memory_every_steps=0", "--set", "workers.standby=false"]
     slow_steps = ["--set", f"faults={slow}"]  # only the first submission: the stop lands mid-run
     # The stable run id comes from the environment, as the k8s manifests set it; the job file has none.
     runtime_env = {"env_vars": {"ELASTICTRAIN_RUN_ID": "lifecycle-1"}}
@@ -259,7 +263,8 @@ def test_ray_job_stop_then_resubmit_resumes_the_same_run(cluster: LocalCluster, 
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["final_step"] == 30
 
-    # The same job, uninterrupted (no stop, no slow step, no checkpoint: none changes a number), submitted to the
+    # The same job, uninterrupted (no stop, no slow step, no checkpoint, with the standby and the keeper: none
+    # changes a number), submitted to the
     # same cluster once for the module: same final loss and weights.
     clean_proc, clean_dir = default_job
     assert clean_proc.returncode == 0, clean_proc.stdout[-3000:] + clean_proc.stderr[-3000:]
