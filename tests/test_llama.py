@@ -241,8 +241,9 @@ def test_the_llama_job_file_runs_on_local_ray(tmp_path, ray_local):
     from tests.conftest import run_job
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "jobs" / "llama_debug.yaml",
-                      ["train.steps=3", "checkpoint.uri=null", "workers.standby=false",
-                       "checkpoint.memory_every_steps=0"])  # as tests/conftest.py's BASE_JOB: no extra processes
+                      ["train.steps=3", "checkpoint.uri=null", "workers.standby=false", "workers.reuse=true",
+                       "checkpoint.memory_every_steps=0"])  # as tests/conftest.py's BASE_JOB: no extra processes,
+    # warm ones taken and left for the session's later runs of the same task
     run = run_job(tmp_path, cfg.model_dump(mode="json"))
     assert run.summary["state"] == "finished", run.summary.get("error")
     losses = run.losses()

@@ -124,11 +124,14 @@ def task_identity(config: JobConfig, task: Any) -> str:
     """The task's code, as a warm process would have it imported: a digest of the path and content of every
     file defining one of the task's callables (and, for ``task.kind: python``, the entry's module). A file
     edited between two runs changes it. Modules those files import in turn are not read: edit one of them
-    and restart the driver (or set ``workers.reuse: false``)."""
+    and restart the driver (or set ``workers.reuse: false``). ``task.kind`` itself is not part of it: the
+    built-in kinds' callables are defined in the same files (the model each builds is imported in turn,
+    from disk, at the next set-up, as a fresh process imports it), so a process that trained one built-in
+    kind serves a run of another (tests/test_pool_kinds.py)."""
     modules = {getattr(inspect.getmodule(fn), "__name__", None) for fn in _callables(task)}
     if config.task.kind == "python" and config.task.entry:
         modules.add(config.task.entry.partition(":")[0])
-    digest = hashlib.sha256(f"kind={config.task.kind}".encode())
+    digest = hashlib.sha256(b"task")
     for name in sorted(m for m in modules if m):
         path = getattr(sys.modules.get(name), "__file__", None)
         digest.update(f"\0{name}\0{path}\0".encode())
