@@ -31,8 +31,24 @@ def local_ray_system_config() -> dict[str, Any]:
     (as many as the node's CPUs, the same ones as with it on) but starts no extra ones when requests for
     workers queue up. On a small machine those extra ones were waste: each imports the preload (seconds of
     CPU beside the training processes) and most are killed unused a second later as over Ray's idle limit
-    (tests/test_controller_paths.py: 11 processes that never ran anything with it on, 5 with it off)."""
-    return {"preload_python_modules": list(WORKER_PRELOAD_MODULES), "enable_worker_prestart": False}
+    (tests/test_controller_paths.py: 11 processes that never ran anything with it on, 5 with it off).
+
+    The rest cut the raylet's idle CPU (timers that run whether or not anything happens) and touch nothing
+    elastictrain relies on: actor and worker death notices, node health checks (``health_check_*``),
+    placement groups, the object store and its transfers (``object_manager_timer_freq_ms``), the memory
+    monitor (``memory_monitor_refresh_ms``), metrics export: all left as Ray sets them.
+
+    * ``raylet_check_gc_period_milliseconds`` 100 -> 1000: the check whether the object store's pressure
+      asks for a global Python GC.
+    * ``kill_idle_workers_interval_ms`` 200 -> 1000: idle worker processes over Ray's soft limit are ended
+      up to a second later.
+    * ``local_fs_monitor_interval_ms`` 100 -> 1000: the spill directory's free-space check.
+    * ``debug_dump_period_milliseconds`` 0: no ``debug_state.txt`` dump every 10 s.
+    * ``event_stats`` off: no per-handler statistics of Ray's event loops (every process: Ray's own
+      debugging figures, unused here)."""
+    return {"preload_python_modules": list(WORKER_PRELOAD_MODULES), "enable_worker_prestart": False,
+            "raylet_check_gc_period_milliseconds": 1000, "kill_idle_workers_interval_ms": 1000,
+            "local_fs_monitor_interval_ms": 1000, "debug_dump_period_milliseconds": 0, "event_stats": False}
 
 
 def local_ray_env() -> dict[str, str]:
