@@ -14,8 +14,8 @@ loaded machine (within the noise of cache and core sharing). A process that star
 is counted from its first or to its last reading, and named in the output.
 
 ``base`` is Ray as elastictrain started it before docs/perf/2026-11-28-idle-ray.md; ``current`` is
-``local_ray_system_config()`` and ``local_ray_env()`` (elastictrain/local_ray.py) as they are now; the other variants each change one
-setting over ``base`` (see VARIANTS).
+``local_ray_system_config()`` and ``local_ray_env()`` (elastictrain/local_ray.py) as they are now; the other
+variants each change one setting, or one group of settings, over ``base`` (see VARIANTS).
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def test_steps_are_set_at_most_every_interval_and_the_last_values_always() -> No
         assert any(at <= t <= at + EXPORT_EVERY_S + dt and g["elastictrain_step"] >= n for t, g, _ in m.exports), n
     # the failure's counter went out at once, and the last step's values are the ones set at the end
     failures = [(t, p) for t, _, p in m.exports if p]
-    assert failures and failures[0][1][0][0] == "elastictrain_failures_total" and failures[0][0] == pytest.approx(200 * dt)
+    assert failures and failures[0][1][0][0] == "elastictrain_failures_total"
+    assert failures[0][0] == pytest.approx(200 * dt)
     final = m.exports[-1][1]
     assert final["elastictrain_step"] == float(total) and final["elastictrain_loss"] == 5.0 - total / 1000
     assert final["elastictrain_samples_per_second"] == 100.0 + total
