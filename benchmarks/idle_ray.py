@@ -6,12 +6,12 @@ Run: ``python benchmarks/idle_ray.py [--variants base,tuned,...] [--actors 0,2] 
 Each variant starts, in a fresh process, a private local Ray the way ``elastictrain run`` does
 (``ray.init(address="local", include_dashboard=False, _system_config=local_ray_system_config())``), with the
 variant's extra ``_system_config`` entries and ``RAY_*`` environment, optionally places N idle actors
-(``num_cpus=1``, the way a worker holds its CPU), lets start-up settle, then reads utime + stime of every
-process of that Ray (its descendants: GCS, raylet, the autoscaler monitor, the API server, the log monitor,
-the dashboard and runtime-env agents, idle worker processes, the actors, and the driver itself) from
-``/proc`` at the start and the end of the window. CPU time, not wall time: figures stay comparable on a
-loaded machine (within the noise of cache and core sharing). A process that starts or ends inside the window
-is counted from its first or to its last reading, and named in the output.
+(``num_cpus=1``, the way a worker holds its CPU), waits until start-up is over (:func:`_settle`), then reads
+utime + stime of every process of that Ray (its descendants: GCS, raylet, the autoscaler monitor, the API
+server, the log monitor, the dashboard and runtime-env agents, idle worker processes, the actors, and the
+driver itself) from ``/proc`` at the start and the end of the window. CPU time, not wall time: figures stay
+comparable on a loaded machine (within the noise of cache and core sharing). A process that starts inside
+the window is counted from zero, one that ends from its last reading, and a start is named in the output.
 
 ``base`` is Ray as elastictrain started it before docs/perf/2026-11-28-idle-ray.md; ``current`` is
 ``local_ray_system_config()`` and ``local_ray_env()`` (elastictrain/local_ray.py) as they are now; the other
@@ -113,6 +113,20 @@ def _cpu(pid: int) -> float | None:
     return (int(f[11]) + int(f[12])) / TICK
 
 
+def _settle(me: int, at_least: float, quiet_cpu_s: float = 0.3, bound: float = 180.0) -> None:
+    """Start-up is not idle CPU (agents registering, idle worker processes importing the preload, which
+    takes longer than any fixed wait on a loaded machine): wait ``at_least`` seconds, then until the Ray's
+    processes together used less than ``quiet_cpu_s`` in 2 s (at most ``bound`` seconds)."""
+    time.sleep(at_least)
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        procs = [me, *_descendants(me)]
+        before = sum(c for p in procs if (c := _cpu(p)) is not None)
+        time.sleep(2.0)
+        if sum(c for p in procs if (c := _cpu(p)) is not None) - before < quiet_cpu_s:
+            return
+
+
 def measure(variant: str, actors: int, settle: float, window: float) -> dict:
     """In this process: start the variant's Ray, wait, measure; {label: CPU-s per minute, ...}."""
     import ray
@@ -135,8 +149,8 @@ def measure(variant: str, actors: int, settle: float, window: float) -> dict:
 
     held = [Idle.remote() for _ in range(actors)]
     ray.get([a.ready.remote() for a in held], timeout=300)
-    time.sleep(settle)  # start-up (agents registering, idle workers importing the preload) is not idle CPU
     me = os.getpid()
+    _settle(me, settle)
     procs = {me: "driver (idle)", **_descendants(me)}
     first = {p: c for p in procs if (c := _cpu(p)) is not None}
     last = dict(first)
