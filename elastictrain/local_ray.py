@@ -33,7 +33,7 @@ def local_ray_system_config() -> dict[str, Any]:
     CPU beside the training processes) and most are killed unused a second later as over Ray's idle limit
     (tests/test_controller_paths.py: 11 processes that never ran anything with it on, 5 with it off).
 
-    The rest cut the raylet's idle CPU (timers that run whether or not anything happens) and touch nothing
+    The rest (Ray's defaults first) cut the raylet's idle CPU (timers that run whether or not anything happens) and touch nothing
     elastictrain relies on: actor and worker death notices, node health checks (``health_check_*``),
     placement groups, the object store and its transfers (``object_manager_timer_freq_ms``), the memory
     monitor (``memory_monitor_refresh_ms``), metrics export: all left as Ray sets them.
@@ -42,7 +42,8 @@ def local_ray_system_config() -> dict[str, Any]:
       asks for a global Python GC.
     * ``kill_idle_workers_interval_ms`` 200 -> 1000: idle worker processes over Ray's soft limit are ended
       up to a second later.
-    * ``local_fs_monitor_interval_ms`` 100 -> 1000: the spill directory's free-space check.
+    * ``local_fs_monitor_interval_ms`` 100 -> 1000: the local disk's usage check (past 95% full Ray refuses
+      new objects), a second behind at most.
     * ``debug_dump_period_milliseconds`` 0: no ``debug_state.txt`` dump every 10 s.
     * ``event_stats`` off: no per-handler statistics of Ray's event loops (every process: Ray's own
       debugging figures, unused here)."""
