@@ -258,9 +258,10 @@ def main() -> int:
     a = p.parse_args()
     import ray
 
+    from elastictrain.local_ray import init_local_ray
+
     os.environ["RAY_worker_niceness"] = "0"
-    ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    init_local_ray(WORLD, logging_level=logging.WARNING, log_to_driver=False)  # the Ray `elastictrain run` starts
     rows: dict[str, list[tuple[float, float]]] = {"elastictrain": [], "plain": []}
     try:
         for _ in range(a.rounds):

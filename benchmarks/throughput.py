@@ -8,7 +8,8 @@ grad clip, LR schedule, dataset and one intra-op thread per worker, on 2 CPU wor
 Both sides' training processes run at nice 0 (Ray's workers would otherwise start at nice 15, below Ray's
 own daemons and the driver), and neither side checkpoints (durable or peer memory tier).
 
-* elastictrain: ``Trainer(...).fit()`` on a local Ray started once by this script and reused by every
+* elastictrain: ``Trainer(...).fit()`` on a local Ray started once by this script as ``elastictrain run``
+  starts its own (``elastictrain/local_ray.py``: system config, daemon settings) and reused by every
   round. Throughput comes from the ``step`` events of ``events.jsonl``.
 * plain: ``benchmarks/plain_ddp.py`` under ``python -m torch.distributed.run --nproc_per_node=2``; rank 0
   records ``time.time()`` after each optimizer step.
@@ -228,15 +229,17 @@ def main() -> int:
 
     import ray
 
+    from elastictrain.local_ray import init_local_ray
+
     # Started once and reused: Trainer only initialises Ray when it is not yet initialised. Ray's daemons
     # stay up during the plain rounds too, so both sides share the same background load.
     # address="local": always a private instance, never a Ray cluster someone else started on this machine.
     # Same priority for both sides' training processes: Ray starts its worker processes at nice 15 (its
     # RAY_worker_niceness default), torchrun's ranks run at nice 0. Left as is, Ray's own daemons and the
     # driver (nice 0) would preempt elastictrain's workers but not plain DDP's ranks.
+    # The Ray `elastictrain run` starts (elastictrain/local_ray.py: its system config and daemon settings).
     os.environ["RAY_worker_niceness"] = "0"
-    ray.init(address="local", num_cpus=WORLD, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    init_local_ray(WORLD, logging_level=logging.WARNING, log_to_driver=False)
     print(f"steps={a.steps} warmup={a.warmup} global_batch={a.global_batch} micro_batch={a.micro_batch} "
           f"seq_len={MODEL['seq_len']} world={WORLD} threads/worker=1 cores={os.cpu_count()} "
           f"load avg={os.getloadavg()[0]:.2f}", flush=True)

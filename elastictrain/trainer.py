@@ -15,30 +15,11 @@ from elastictrain import __version__, ray_console
 from elastictrain.config import ConfigError, JobConfig, build_config, load_config
 from elastictrain.events import EventLog, write_summary
 from elastictrain.exit_codes import EXIT_OK
+from elastictrain.local_ray import (  # noqa: F401 - re-exported: the tests and benchmarks import them here
+    WORKER_PRELOAD_MODULES, init_local_ray, local_ray_system_config)
 from elastictrain.metrics import RunMetrics
 from elastictrain.task import Task
 from elastictrain.task_loader import task_from_config
-
-
-# What a Ray worker process imports before it takes work (Ray's ``preload_python_modules``): the worker
-# actor's module, i.e. torch, DTensor and FSDP, most of a worker's start (docs/perf/2026-11-23-code-figures.md).
-# Ray pre-starts idle worker processes (as many as the node's CPUs, for its first driver), and an actor
-# placed on one of them then starts in well under a second. Ray 2.60 does not start new idle workers to
-# replace used ones, so this speeds up the workers that find a pre-started process (the first ones), not
-# every replacement.
-WORKER_PRELOAD_MODULES = ("elastictrain.worker.actor",)
-
-
-def local_ray_system_config() -> dict[str, Any]:
-    """Ray system config of the private local Ray ``elastictrain run`` starts (the k8s manifests set the
-    preload through ``RAY_preload_python_modules``).
-
-    ``enable_worker_prestart`` off: Ray then pre-starts its idle processes when the first driver connects
-    (as many as the node's CPUs, the same ones as with it on) but starts no extra ones when requests for
-    workers queue up. On a small machine those extra ones were waste: each imports the preload (seconds of
-    CPU beside the training processes) and most are killed unused a second later as over Ray's idle limit
-    (tests/test_controller_paths.py: 11 processes that never ran anything with it on, 5 with it off)."""
-    return {"preload_python_modules": list(WORKER_PRELOAD_MODULES), "enable_worker_prestart": False}
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -229,8 +210,7 @@ class Trainer:
             cpus = max(os.cpu_count() or 1, int(w.max * w.cpus_per_worker + 0.999))
             # A private local Ray: never attach by accident to another instance on this machine
             # (`--ray-address auto` does that on purpose).
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, _system_config=local_ray_system_config(),
-                     **kwargs)
+            init_local_ray(cpus, **kwargs)  # tuned for a small machine: elastictrain/local_ray.py
 
 
 def _tensorboard(run_dir: Path, events: EventLog) -> Any:

@@ -14,14 +14,15 @@ import ray
 
 from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
-from elastictrain.trainer import local_ray_system_config
+from elastictrain.local_ray import init_local_ray, local_ray_env
 from tests import durations
 
-# Ray's log monitor globs its session's log directory every 0.1 s while it watches fewer files than this, and
-# every 0.5 s past it (ray/_private/log_monitor.py). A session's Ray gathers hundreds of worker logs, which no
-# test reads as they come (log_to_driver is off): the slower scan halves the monitor's CPU (1.5 s -> 0.8 s a
-# minute with 150 logs). Every Ray a test starts inherits it, those of `elastictrain run` subprocesses too.
-os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# The daemon settings of the private local Ray `elastictrain run` starts (elastictrain/local_ray.py: the log
+# monitor's scan for new logs once a second, the dashboard agent's node report once a minute; what each saves:
+# docs/perf/2026-11-28-idle-ray.md), for every Ray a test starts: the session's, the multi-node fixture's,
+# those of `elastictrain run` subprocesses. Idle daemons take CPU the tests need.
+for _key, _value in local_ray_env().items():
+    os.environ.setdefault(_key, _value)
 
 # The multi-node fixture (``cluster``), registered once for the session (see the module).
 pytest_plugins = ("tests.cluster_fixtures",)
@@ -60,11 +61,11 @@ def job(**sections: Any) -> dict[str, Any]:
 
 
 def _ensure_local_ray() -> None:
-    # The system config of the private local Ray `elastictrain run` starts (workers preload the worker actor's
-    # module): tests run on the Ray the CLI runs on, and tests/test_worker_preload.py checks it on this one.
+    # The private local Ray `elastictrain run` starts (its system config: workers preload the worker actor's
+    # module; its daemons' settings): tests run on the Ray the CLI runs on, and tests/test_worker_preload.py
+    # and tests/test_local_ray.py check it on this one.
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _system_config=local_ray_system_config())
+        init_local_ray(4, log_to_driver=False)
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_config_names_the_worker_actor_module() -> None:
-    assert local_ray_system_config() == {"preload_python_modules": ["elastictrain.worker.actor"],
-                                         "enable_worker_prestart": False}
+    config = local_ray_system_config()
+    assert config["preload_python_modules"] == ["elastictrain.worker.actor"]
+    assert config["enable_worker_prestart"] is False
 
 
 def test_trainer_starts_its_private_local_ray_with_that_config(tmp_path: Path,
