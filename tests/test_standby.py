@@ -94,6 +94,7 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         standby_pid = _pid_of(standby)
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, on which node, its pid
         ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
+        assert group.standby_prebuilt(0)  # a recovery takes it at detection (controller._take_prebuilt)
         # untaken, it lives at the lowest priority, every thread (worker/import_priority.py), after its set-up
         # too; only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else at the training one
         cold, ahead = _priority(group.slots[0].actor), _priority(standby)

@@ -391,6 +391,24 @@ class WorkerGroup:
             return
         self._start_standby(min(s.index for s in slots), Phase.START)
 
+    def standby_prebuilt(self, index: int) -> bool:
+        """True when the standby process would serve slot ``index`` (it runs on that slot's node) and its set-up
+        ahead has finished (imports done, model and data built): taking it then only names the slot, no CPU
+        of a start, so a replacement in it can join the recovery generation itself (the controller's
+        ``_take_prebuilt``). Never waits."""
+        if self._standby is None or self._standby_setup is None:
+            return False
+        refs = [self._standby_probe, self._standby_setup]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(done) < len(refs):
+            return False
+        try:
+            node = ray.get(self._standby_probe)
+            ray.get(self._standby_setup)
+        except Exception:  # noqa: BLE001 - its set-up ahead failed or it died: spawn decides as before
+            return False
+        return node is not None and node == self._bundle_node(index)
+
     def _take_standby(self, index: int) -> Any:
         """The standby process for slot ``index``, if one is on that slot's node. One still importing is
         taken too: it started earlier than a new process would, and a second process importing beside it
