@@ -238,6 +238,8 @@ class Controller:
 
     def _running(self) -> Transition:
         self._observe()
+        if self.ledger.last_step > self.monitor.start_step:  # back to speed: the next standby may start
+            self.group.start_due_standby()
         if self.monitor.pending_failures:
             return State.RECOVERING, self.monitor.pending_failures[0].reason
         results = self.monitor.finished_runs()
