@@ -347,7 +347,8 @@ class Controller:
 
     def _account_failures(self, killed: list[Killed]) -> None:
         """The killed workers' failures: reported (events), charged to the budget (:class:`RunEnded` when
-        it is spent), their replacements queued (started by ``monitor.start_replacements``)."""
+        it is spent), their replacements queued (started by ``monitor.start_replacements``, or by
+        :meth:`_take_prebuilt` where the standby serves one prebuilt)."""
         records = self.monitor.report_failures(killed)
         if killed and self.recovery.failure is None:
             self.recovery.failure = killed[0][0]

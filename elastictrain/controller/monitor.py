@@ -521,7 +521,8 @@ class WorkerMonitor:
         return [policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node) for f, kind, node in killed]
 
     def queue_replacements(self, killed: list[Killed]) -> None:
-        """The budget let the run go on: the killed workers' replacements start at :meth:`start_replacements`."""
+        """The budget let the run go on: the killed workers' replacements start at :meth:`start_replacements`
+        (one the standby serves prebuilt at :meth:`start_prebuilt_replacements`, at detection)."""
         for f, kind, _ in killed:
             if kind is FailureKind.NODE_LOST:  # before the actor: it goes into the slot's new group
                 self.group.replace_lost_placement(f.slot)
