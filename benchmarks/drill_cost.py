@@ -258,6 +258,24 @@ def report(events: list[dict[str, Any]], kills: list[float], sampler: Sampler, b
     return out
 
 
+def _run(config: Any, run_dir: Path, killer: Any) -> list[dict[str, Any]]:
+    """``recovery.run_elastictrain`` that reports a failed run too: the killer does not know the run is
+    ending, and a kill while the final model is written fails the run (a failure at the end is not
+    recovered); the kills before it are measured all the same."""
+    from elastictrain import Trainer
+    from elastictrain.events import read_events
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with recovery.EventTail(run_dir) as tail:
+        thread = threading.Thread(target=killer, args=(tail,), daemon=True)
+        thread.start()
+        result = Trainer(config, run_dir=run_dir, console=None).fit()
+    thread.join(timeout=10)
+    if not result.ok:
+        print(f"the run failed (exit {result.exit_code}): {result.summary.get('error')}")
+    return read_events(run_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spares", type=int, default=0)
@@ -287,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         kills: list[float] = []
         config = recovery.job_config(plan, n_steps, spares=args.spares, ckpt_dir=out / name / "ckpt")
         load0 = os.getloadavg()
-        events = recovery.run_elastictrain(config, out / name,
-                                           lambda tail: recovery._chaos_killer(tail, args.interval, kills))
+        events = _run(config, out / name, lambda tail: recovery._chaos_killer(tail, args.interval, kills))
         sampler.stop()
         print(f"{n_steps} steps, {len(kills)} kills; load average {load0} -> {os.getloadavg()}")
         result = report(events, kills, sampler, args.baseline_s)
