@@ -247,7 +247,7 @@ def report(events: list[dict[str, Any]], kills: list[float], sampler: Sampler, b
         out["kills"].append(k)
         print(f"\nkill {i + 1}: window {w:.1f} s, {n} steps (baseline rate: {k['baseline_steps']})")
         for e in timeline:
-            print(f"    +{e.pop('t'):7.3f} s  {json.dumps(e)}")
+            print(f"    +{e['t']:7.3f} s  {json.dumps({k: v for k, v in e.items() if k != 't'})}")
         print(f"    {'role':<40} {'CPU-s':>7} {'idle':>7} {'base':>7} {'extra':>7}")
         for pid, p in sorted(per.items(), key=lambda kv: -kv[1]["extra_s"]):
             print(f"    {p['role'][:32]:<32} {pid:<7} {p['cpu_s']:7.2f} {p['idle_class_s']:7.2f} "
