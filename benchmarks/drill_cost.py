@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -205,9 +206,9 @@ def report(events: list[dict[str, Any]], kills: list[float], sampler: Sampler, b
     base = {pid: sampler.cpu(pid, t_b0, t_b1) for pid in sampler.samples}
     base_steps = sum(1 for e in steps if t_b0 <= recovery._t(e) < t_b1)
     base_s = t_b1 - t_b0
+    per_step_all = round(sum(c for c, _ in base.values()) / max(1, base_steps), 4)
     out: dict[str, Any] = {"baseline": {"from": t_b0, "to": t_b1, "s": round(base_s, 2), "steps": base_steps,
-                                        "cpu_s_per_step_all": round(sum(c for c, _ in base.values()) / max(1, base_steps), 4)},
-                           "kills": []}
+                                        "cpu_s_per_step_all": per_step_all}, "kills": []}
     print(f"\nbaseline: {base_s:.1f} s before the first kill, {base_steps} steps, "
           f"{out['baseline']['cpu_s_per_step_all'] * 1e3:.1f} CPU-ms per step (every process)")
     for pid in sorted(base, key=lambda p: -base[p][0]):
@@ -242,7 +243,8 @@ def report(events: list[dict[str, Any]], kills: list[float], sampler: Sampler, b
             cls = _role_class(pp["role"])
             for j, key in enumerate(("cpu_s", "idle_class_s", "baseline_s")):
                 classes[cls][j] += pp[key]
-        k = {"kill": i + 1, "by_role": {c: [round(x, 3) for x in v] for c, v in classes.items()}, "window_s": round(w, 2), "steps": n, "baseline_steps": round(base_steps * w / base_s, 1),
+        k = {"kill": i + 1, "by_role": {c: [round(x, 3) for x in v] for c, v in classes.items()},
+             "window_s": round(w, 2), "steps": n, "baseline_steps": round(base_steps * w / base_s, 1),
              "timeline": timeline, "per_process": per, "extra_cpu_s": round(total_extra, 3)}
         out["kills"].append(k)
         print(f"\nkill {i + 1}: window {w:.1f} s, {n} steps (baseline rate: {k['baseline_steps']})")
@@ -274,6 +276,40 @@ def _run(config: Any, run_dir: Path, killer: Any) -> list[dict[str, Any]]:
     if not result.ok:
         print(f"the run failed (exit {result.exit_code}): {result.summary.get('error')}")
     return read_events(run_dir)
+
+
+def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per kill (the last left out: the run's end cuts its window): how it recovered (the
+    ``recover`` generation's size, steps at world 1 before the grow), the replacement's ``setup_s``, and
+    CPU-s: the training processes' beyond their steps (the survivor's and the rank-1 slot's CPU minus the
+    window's steps times their baseline CPU per step: rendezvous, state copy, a set-up finished after the
+    take), the next standby's (at the workers' priority / in the idle class), the driver's and Ray's
+    daemons' beyond their baseline rate. Printed as a table with the medians."""
+    rows = []
+    for k in result["kills"][:-1]:
+        br, tl = k["by_role"], k["timeline"]
+        zero = [0.0, 0.0, 0.0]
+        surv, slot1 = br.get("survivor", zero), br.get("rank-1 slot (killed + replacement)", zero)
+        per_step = (surv[2] + slot1[2]) / max(1e-9, k["baseline_steps"])
+        nxt, drv, dmn = br.get("next standby", zero), br.get("driver", zero), br.get("ray daemons", zero)
+        gens = [e for e in tl if e["event"] == "generation_started"]
+        rec = next((e for e in gens if e.get("reason") == "recover"), {})
+        grow = next((e for e in gens if e.get("reason") == "grow"), None)
+        started = next((e for e in tl if e["event"] == "worker_started"), {})
+        at_1 = 0 if rec.get("world_size") == 2 else (grow["step"] - rec["step"] if grow and rec else None)
+        rows.append({"kill": k["kill"], "recover_world": rec.get("world_size"), "steps_at_world_1": at_1,
+                     "setup_s": started.get("setup_s"),
+                     "training_beyond_steps": surv[0] + slot1[0] - k["steps"] * per_step,
+                     "standby_training_prio": nxt[0] - nxt[1], "standby_idle": nxt[1],
+                     "driver": drv[0] - drv[2], "daemons": dmn[0] - dmn[2]})
+    keys = list(rows[0]) if rows else []
+    print("\n" + " | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()))
+    for key in keys[4:]:
+        vals = [r[key] for r in rows]
+        print(f"  median {key}: {statistics.median(vals):.2f} (range {min(vals):.2f} .. {max(vals):.2f})")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n_steps} steps, {len(kills)} kills; load average {load0} -> {os.getloadavg()}")
         result = report(events, kills, sampler, args.baseline_s)
         result["load"] = [load0, os.getloadavg()]
+        result["summary"] = summary(result)
         (out / "drill_cost.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"\n{out / 'drill_cost.json'}")
     finally:

@@ -11,10 +11,12 @@ through to its end back to that pool (:meth:`WorkerGroup.keep_warm`; :mod:`elast
 says why it is built so). An idle pooled process on a node stands in for the standby there.
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
-workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up, once
-the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them
-(:mod:`elastictrain.worker.import_priority`), so their start takes from training only the CPU the training
-processes leave idle.
+workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up,
+once the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`),
+so their start takes from training only the CPU the training processes leave idle. A replacement the standby
+serves with its set-up ahead done is taken at detection and joins the recovery generation itself
+(:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
 
 Mechanism only: who joins which generation is the controller's decision.
 """
