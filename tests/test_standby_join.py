@@ -2,7 +2,8 @@
 joins the recovery generation itself: the run does not shrink, as with a spare (no generation of the survivors
 alone, no second rendezvous to grow back). One the standby cannot serve prebuilt starts once the survivors
 train again and joins by growing, as before. The real controller against the simulated group
-(elastictrain/sim): no timing is asserted."""
+(elastictrain/sim), and against scripted workers on the session's Ray (the order of the take and the
+formation); no timing is asserted."""
 
 from __future__ import annotations
 
