@@ -89,11 +89,14 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         group.spawn(0)  # the first replacement starts cold ...
         cold_info = _ready(group, 0)
         assert cold_info["standby"] is False and cold_info["prebuilt"] is False
-        standby = group._standby  # ... and once it is up, a standby is started
+        assert group._standby is None  # once it is up a standby is due, started when the run is back to speed
+        group.start_due_standby()  # (the controller's call after the replacement's generation's first step)
+        standby = group._standby
         assert standby is not None
         standby_pid = _pid_of(standby)
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, on which node, its pid
         ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
+        assert group.standby_prebuilt(0)  # a recovery takes it at detection (controller._take_prebuilt)
         # untaken, it lives at the lowest priority, every thread (worker/import_priority.py), after its set-up
         # too; only where the process may go back (CAP_SYS_NICE or RLIMIT_NICE): else at the training one
         cold, ahead = _priority(group.slots[0].actor), _priority(standby)
@@ -119,6 +122,7 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         taken = _priority(group.slots[0].actor)
         assert taken == {"lowered": lowered, "restored_by": "take" if lowered else None, "low_threads": 0,
                          "nice": cold["nice"]}
+        group.start_due_standby()
         assert group._standby is not None and group._standby is not standby  # the next one is on its way
         next_pid = _pid_of(group._standby)
         assert next_pid != standby_pid

@@ -55,6 +55,9 @@ _RANK, _INDEX = operator.attrgetter("rank"), operator.attrgetter("index")  # sor
 Transition = tuple[State, str]  # (next state, why): the current state to stay
 EXIT_CHECKPOINT = 3  # a checkpoint error (elastictrain/exit_codes.py), not a worker failure
 EXIT_CODES = {State.FINISHED: 0, State.FAILED: 1, State.PREEMPTED: 75}
+# how long a recovery waits for a prebuilt standby's take (its set-up only names the slot); past it the
+# recovery forms without the replacement, which joins by growing as a cold one does
+PREBUILT_TAKE_WAIT_S = 5.0
 
 
 class RunEnded(Exception):
@@ -235,6 +238,8 @@ class Controller:
 
     def _running(self) -> Transition:
         self._observe()
+        if self.ledger.last_step > self.monitor.start_step:  # back to speed: the next standby may start
+            self.group.start_due_standby()
         if self.monitor.pending_failures:
             return State.RECOVERING, self.monitor.pending_failures[0].reason
         results = self.monitor.finished_runs()
@@ -279,6 +284,7 @@ class Controller:
         self._account_failures(killed)
         nxt: Transition = (State.RECOVERING, "")  # a survivor failed as well: handled in the next iteration
         if not self.monitor.pending_failures:
+            self._take_prebuilt()
             for slot in self.group.collect_ready(timeout=0):
                 self._on_setup_done(slot)
             drain = self.monitor.check_drains()  # a drain notice while recovering (or waiting) preempts too
@@ -288,6 +294,16 @@ class Controller:
         # the survivors train again (or wait, or regroup once more): now the replacements start
         self.monitor.start_replacements()
         return nxt
+
+    def _take_prebuilt(self) -> None:
+        """A replacement the standby serves with its set-up ahead done starts now, at detection, and the
+        recovery waits for its take (it only names the slot: milliseconds, bounded by
+        :data:`PREBUILT_TAKE_WAIT_S`), so the recovery generation forms at full size with it, as with a spare:
+        no generation of the survivors alone, no step at the smaller size, no second rendezvous to grow back
+        (docs/perf/2026-11-28-drill-cost.md). Past the bound it joins later by growing, as a cold one does."""
+        refs = self.monitor.start_prebuilt_replacements()
+        if refs:
+            self.rt.wait(refs, num_returns=len(refs), timeout=PREBUILT_TAKE_WAIT_S)
 
     def _checkpointing(self) -> Transition:
         """Preempted: the members stopped at a step boundary; write a just-in-time checkpoint and exit.
@@ -331,7 +347,8 @@ class Controller:
 
     def _account_failures(self, killed: list[Killed]) -> None:
         """The killed workers' failures: reported (events), charged to the budget (:class:`RunEnded` when
-        it is spent), their replacements queued (started by ``monitor.start_replacements``)."""
+        it is spent), their replacements queued (started by ``monitor.start_replacements``, or by
+        :meth:`_take_prebuilt` where the standby serves one prebuilt)."""
         records = self.monitor.report_failures(killed)
         if killed and self.recovery.failure is None:
             self.recovery.failure = killed[0][0]

@@ -11,10 +11,12 @@ through to its end back to that pool (:meth:`WorkerGroup.keep_warm`; :mod:`elast
 says why it is built so). An idle pooled process on a node stands in for the standby there.
 With ``workers.standby`` the group keeps one worker process started ahead (imports done, model and data built,
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
-workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement that took
-one is up. Those later ones run in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them
-(:mod:`elastictrain.worker.import_priority`), so their start takes from training only the CPU the training
-processes leave idle.
+workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up,
+once the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`),
+so their start takes from training only the CPU the training processes leave idle. A replacement the standby
+serves with its set-up ahead done is taken at detection and joins the recovery generation itself
+(:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -174,6 +176,7 @@ class WorkerGroup:
     _standby_node: str | None = None  # the node of the bundle it was started in (where Ray placed it)
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
     _standby_file: str | None = None  # where it writes its priorities before lowering them (same node only)
+    _standby_due: int | None = None  # a replacement came up: the next standby starts on its node (start_due_standby)
     _marks: list[str] = []  # files of standbys taken: removed at shutdown (a mark must outlive the take)
     rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
     _reuse: bool = False  # workers.reuse (CPU workers): placed slots' processes are pooled (warm_pool.py)
@@ -377,8 +380,8 @@ class WorkerGroup:
 
     def start_first_standby(self) -> None:
         """Start the run's first standby, on the node of the lowest member slot (or, before the first
-        generation, of the lowest starting one); once per run (after that a replacement that took the standby
-        starts the next, :meth:`collect_ready`). The controller calls it right after it spawned the first
+        generation, of the lowest starting one); once per run (after that each replacement that came up makes
+        the next due, :meth:`start_due_standby`). The controller calls it right after it spawned the first
         generation's workers, and it starts at their priority (``Phase.START``): its start then falls in the
         run's start-up, which the cores spend importing anyway, is done in seconds and shows in the run's wall
         time, not in its steps (in the idle class it was smeared over the whole run:
@@ -390,6 +393,34 @@ class WorkerGroup:
         if not slots:
             return
         self._start_standby(min(s.index for s in slots), Phase.START)
+
+    def standby_prebuilt(self, index: int) -> bool:
+        """True when the standby process would serve slot ``index`` (it runs on that slot's node) and its set-up
+        ahead has finished (imports done, model and data built): taking it then only names the slot, no CPU
+        of a start, so a replacement in it can join the recovery generation itself (the controller's
+        ``_take_prebuilt``). Never waits."""
+        if self._standby is None or self._standby_setup is None:
+            return False
+        refs = [self._standby_probe, self._standby_setup]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(done) < len(refs):
+            return False
+        try:
+            node = ray.get(self._standby_probe)
+            ray.get(self._standby_setup)
+        except Exception:  # noqa: BLE001 - its set-up ahead failed or it died: spawn decides as before
+            return False
+        return node is not None and node == self._bundle_node(index)
+
+    def start_due_standby(self) -> None:
+        """Start the next standby that a replacement which came up made due (:meth:`collect_ready`), on that
+        slot's node; nothing when none is due. The controller calls it once the generation the replacement
+        joined has completed a step: Ray's start of the process (about a CPU second at the workers' priority,
+        before it can lower itself) and the driver's actor creation then fall outside the recovery's
+        rendezvous, state copy and first step (docs/perf/2026-11-28-drill-cost.md)."""
+        index, self._standby_due = self._standby_due, None
+        if index is not None:
+            self._start_standby(index)
 
     def _take_standby(self, index: int) -> Any:
         """The standby process for slot ``index``, if one is on that slot's node. One still importing is
@@ -456,8 +487,8 @@ class WorkerGroup:
                 slot.info["standby"] = slot.from_standby
                 slot.info["reused"] = slot.reused
                 slot.state = SlotState.READY
-                if slot.incarnation > 1:  # a replacement is up: have a process ready for the next one
-                    self._start_standby(slot.index)
+                if slot.incarnation > 1:  # a replacement is up: a process for the next one, once the run is
+                    self._standby_due = slot.index  # back to speed (start_due_standby)
             except Exception as e:  # noqa: BLE001 - set-up error becomes a slot failure
                 slot.info = {"error": describe_remote_error(e)}
                 self.kill(slot)

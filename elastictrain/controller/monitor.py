@@ -521,18 +521,32 @@ class WorkerMonitor:
         return [policy.FailureRecord(f.detected_at, f.slot, kind, f.reason, f.progress, node) for f, kind, node in killed]
 
     def queue_replacements(self, killed: list[Killed]) -> None:
-        """The budget let the run go on: the killed workers' replacements start at :meth:`start_replacements`."""
+        """The budget let the run go on: the killed workers' replacements start at :meth:`start_replacements`
+        (one the standby serves prebuilt at :meth:`start_prebuilt_replacements`, at detection)."""
         for f, kind, _ in killed:
             if kind is FailureKind.NODE_LOST:  # before the actor: it goes into the slot's new group
                 self.group.replace_lost_placement(f.slot)
             self.replacements_due.append(f.slot)
+
+    def start_prebuilt_replacements(self) -> list[Any]:
+        """Start now, of the queued replacements, those the standby serves with its set-up ahead done
+        (:meth:`WorkerGroup.standby_prebuilt`): taking it only names the slot, so it costs the recovery no
+        CPU and the replacement can join the recovery generation itself (the run does not shrink), as a
+        spare does. Returns their set-up calls' refs (the controller waits for them, bounded)."""
+        refs = []
+        for index in list(self.replacements_due):
+            if self.group.standby_prebuilt(index):
+                self.replacements_due.remove(index)
+                refs.append(self.group.spawn(index).setup_ref)
+        return refs
 
     def start_replacements(self) -> None:
         """Start the queued replacements of failed workers. The controller calls this once the survivors
         train again (or must wait for workers), not at detection: a starting worker (imports, model build,
         dataset) takes a whole core for seconds, and where it shares a node with the survivors it slowed the
         recovery it could not join anyway (it joins later by growing). Measured on 2 cores, fsdp on 4 ranks,
-        one killed: the survivors' rebuild and load ran at half speed beside the starting replacement."""
+        one killed: the survivors' rebuild and load ran at half speed beside the starting replacement. (One
+        the standby serves prebuilt started at detection: :meth:`start_prebuilt_replacements`.)"""
         due, self.replacements_due = self.replacements_due, []
         for index in due:
             self.group.spawn(index)

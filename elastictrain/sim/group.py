@@ -10,13 +10,26 @@ from elastictrain.sim.world import SimWorld
 
 
 class SimGroup(WorkerGroup):
-    def __init__(self, world: SimWorld, slots: int) -> None:  # noqa: D107 - no placement groups to make
+    """``prebuilt_standby``: the group holds one standby with its set-up ahead done (``workers.standby`` on a
+    machine where it is up before the next failure): the next replacement takes it
+    (:meth:`WorkerGroup.standby_prebuilt` says so; its set-up still takes the world's ``setup_s``), and once
+    that one is set up the next standby is there, prebuilt."""
+
+    def __init__(self, world: SimWorld, slots: int, prebuilt_standby: bool = False) -> None:  # noqa: D107
         self.world = world
         self.rt = world
         self.slots = [Slot(i) for i in range(slots)]
+        self._sim_standby = prebuilt_standby  # a prebuilt standby is there now
+        self._sim_taken: set[int] = set()
+
+    def standby_prebuilt(self, index: int) -> bool:
+        return self._sim_standby and self.slots[index].incarnation > 0
 
     def spawn(self, index: int) -> Slot:
         slot = self.slots[index]
+        if self.standby_prebuilt(index):
+            self._sim_standby = False
+            self._sim_taken.add(index)
         slot.actor = self.world.spawn(index)
         slot.setup_ref = slot.actor.setup.remote(index)
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
@@ -34,6 +47,10 @@ class SimGroup(WorkerGroup):
             slot.setup_ref = None
             try:
                 slot.info, slot.state = self.world.get(ref), SlotState.READY
+                slot.info["standby"] = slot.index in self._sim_taken
+                if slot.index in self._sim_taken:  # it is up: the next standby is there (prebuilt)
+                    self._sim_taken.discard(slot.index)
+                    self._sim_standby = True
             except Exception as e:  # noqa: BLE001 - its node went while it set up
                 slot.info = {"error": describe_remote_error(e)}
                 self.kill(slot)

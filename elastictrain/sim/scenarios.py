@@ -112,8 +112,9 @@ def _faults(scenario: str, ranks: int, world: SimWorld, rng: random.Random) -> l
 
 
 def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float = 0.05, memory: bool = False,
-                 seed: int = 0) -> Result:
-    """Run one scenario to the controller's end and measure it (see the module docstring)."""
+                 seed: int = 0, prebuilt_standby: bool = False) -> Result:
+    """Run one scenario to the controller's end and measure it (see the module docstring).
+    ``prebuilt_standby``: every replacement runs in a standby whose set-up ahead is done (``SimGroup``)."""
     config = sim_config(ranks, steps, step_s)
     world = SimWorld(step_s=step_s, setup_s=5 * step_s)
     world.faults = _faults(scenario, ranks, world, random.Random(seed))
@@ -121,7 +122,7 @@ def run_scenario(scenario: str, ranks: int, *, steps: int = 100, step_s: float =
         events = EventLog(Path(tmp), console=None)
         seen: list[tuple[str, float, dict[str, Any]]] = []
         events.listeners.append(lambda r: seen.append((r["event"], time.time(), r)))
-        group = SimGroup(world, config.workers.max + config.workers.spares)
+        group = SimGroup(world, config.workers.max + config.workers.spares, prebuilt_standby=prebuilt_standby)
         c = Controller(config, builtin_task(config), events, group=group)
         marks: list[tuple[float, float, int, int]] = []  # cpu, wall, events bytes, step
 
