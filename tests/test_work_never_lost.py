@@ -215,8 +215,9 @@ def test_sigterm_while_recovering_under_fsdp_commits_the_regrouped_shards(tmp_pa
     checkpoint of the newest complete snapshot the tier held (the regroup's ``recovered`` event names it),
     that a resumed run loads. How far that snapshot lags the failure is the tier's sending speed (a loaded
     machine drops snapshots it cannot send in time), not a bound this test can hold: the events say which
-    step the tier held, and the checkpoint must be that one. Against a build that saved the step before the
-    restored one (``endings.save_now(members, step - 2)``): the checkpoint of step 6 against the tier's 8."""
+    step the tier held, and the checkpoint must be that one. Against a build that labelled the save two steps
+    stale (``Controller._checkpointing``'s ``step - 2``): the checkpoint of step 10 against the tier's 12 fails
+    here (the window it replaces, at most 3 behind the failure at step 12, passed it)."""
     from elastictrain.events import read_events
 
     ck = _ck(tmp_path, every_steps=0, memory_every_steps=2)
