@@ -272,7 +272,9 @@ def test_drain_notice_while_waiting_for_a_replacement_commits_what_the_survivor_
 
 def test_a_snapshot_replaced_before_it_was_sent_is_reported(ray_local):
     """The keeper holds every put (a slow network): of three pushes at most one is in flight and one
-    waits, so one is replaced unsent. It is reported as a drop that breaks the bound, none goes unnamed."""
+    waits, so one is replaced unsent. It is reported as a drop that breaks the bound, none goes unnamed.
+    (The keeper's ``put`` takes the run's lease as the replicator sends it: without it every put failed at
+    once, and a loaded run where that failure came back between two pushes sent all three: seen once.)"""
     import asyncio
 
     import ray
@@ -286,9 +288,9 @@ def test_a_snapshot_replaced_before_it_was_sent_is_reported(ray_local):
         def __init__(self) -> None:
             self.gate, self.state = asyncio.Event(), KeeperState(10_000_000)
 
-        async def put(self, snap):
+        async def put(self, snap, lease=None):  # the replicator's call: a put without the lease failed at once
             await self.gate.wait()
-            return self.state.put(snap)
+            return self.state.put(snap, lease)
 
         async def open(self) -> None:
             self.gate.set()
@@ -301,6 +303,7 @@ def test_a_snapshot_replaced_before_it_was_sent_is_reported(ray_local):
     assert rep.flush(timeout=30)
     out = rep.reports()
     sent = {r.step for r in out["results"]}
+    assert all(r.accepted for r in out["results"]), out["results"]  # each one held at the gate, then kept
     dropped = {d.step: d for d in out["dropped"]}
     assert dropped and sent | set(dropped) == {1, 2, 3} and not sent & set(dropped), (sent, dropped)
     assert all(d.cause == "replaced_unsent" and not d.bound_holds for d in dropped.values())
