@@ -179,8 +179,10 @@ def same_state(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: tuple[torch.
     return all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in ("exp_avg", "exp_avg_sq", "step"))
 
 
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 10.0) -> Any:
-    """Default gloo group on 127.0.0.1 plus a dedicated checkpoint group (both with a timeout)."""
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Any:
+    """Default gloo group on 127.0.0.1 plus a dedicated checkpoint group (both with a timeout: a bound on a
+    hang, not a window; the rendezvous waits for peers whose imports may take many seconds more on a loaded
+    machine, and a dead peer's closed sockets fail a collective at once)."""
     import datetime
 
     import torch.distributed as dist
