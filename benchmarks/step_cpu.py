@@ -244,13 +244,19 @@ def run_plain(steps: int, warmup: int, global_batch: int, micro_batch: int, drop
     return _report("plain DDP (torchrun)", sampler, times[warmup - 1], times[steps - 1], steps - warmup)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description="CPU seconds per step: elastictrain DDP vs plain torchrun DDP")
+def step_parser(description: str, warmup: int) -> argparse.ArgumentParser:
+    """The arguments of throughput.py's tiny job (``_job``) that this benchmark and step_profile.py share."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--dropout", type=float, default=0.1)
+    return p
+
+
+def main() -> int:
+    p = step_parser("CPU seconds per step: elastictrain DDP vs plain torchrun DDP", warmup=40)
     p.add_argument("--profile-driver", type=int, default=0, metavar="K",
                    help="cProfile the driver's main thread (thread CPU clock) and print its top K functions")
     p.add_argument("--side", choices=("both", "elastictrain", "plain"), default="both")

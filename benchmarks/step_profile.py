@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from step_cpu import step_parser  # noqa: E402
 from throughput import WORLD, _job  # noqa: E402
 
 
@@ -72,12 +73,7 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="cProfile (CPU clock) of elastictrain's worker step at world 2")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p = step_parser("cProfile (CPU clock) of elastictrain's worker step at world 2", warmup=30)
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--callers", action="append", default=[], metavar="REGEX",
                    help="also print who calls the functions matching REGEX (pstats.print_callers)")

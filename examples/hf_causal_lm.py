@@ -50,10 +50,13 @@ class HFModel:
 def per_sample_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], sample_seeds: torch.Tensor,
                     ) -> torch.Tensor:
     """Mean next-token cross entropy of each sample: shape ``[B]`` (``sample_seeds`` unused: no dropout)."""
-    logits = model(input_ids=batch["input"]).logits
-    tokens = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(),
-                                               reduction="none")
-    return tokens.view(batch["target"].shape).mean(dim=1)
+    return sample_losses(model(input_ids=batch["input"]).logits, batch["target"])
+
+
+def sample_losses(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of each sample of ``logits`` ``[B, T, V]`` against ``target`` ``[B, T]``."""
+    tokens = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none")
+    return tokens.view(target.shape).mean(dim=1)
 
 
 @dataclass(frozen=True)

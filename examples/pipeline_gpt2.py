@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain import PipelineHooks, Task
-from examples.hf_causal_lm import AdamW, ByteWindows, HFModel, Schedule, per_sample_loss
+from elastictrain import Task
+from examples.hf_pipeline import causal_mask, pipeline_hooks, pipelined_task, positions
 
 
 class GPT2Stage(nn.Module):
@@ -53,40 +53,22 @@ class GPT2Stage(nn.Module):
             self.lm_head = model.lm_head  # on the last stage: its weight is the tied wte (parallel/tied.py)
         self.transformer = inner
 
+    @staticmethod
+    def n_blocks(model: nn.Module) -> int:
+        return len(model.transformer.h)
+
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ARG002
-        t = x.shape[1]
-        positions = torch.arange(t, device=x.device).unsqueeze(0)
+        pos = positions(x)
         if self.first:
-            x = self.transformer.wte(x) + self.transformer.wpe(positions)
-        causal = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
+            x = self.transformer.wte(x) + self.transformer.wpe(pos)
+        causal = causal_mask(x)
         for block in self.transformer.h.values():
-            x = block(x, None, causal, position_ids=positions)
+            x = block(x, None, causal, position_ids=pos)
             x = x[0] if isinstance(x, tuple) else x
         return self.lm_head(self.transformer.ln_f(x)) if self.last else x
 
 
-@dataclass(frozen=True)
-class GPT2Stages:
-    """``PipelineHooks.stage_fn``: the blocks balanced over the stages."""
-
-    def __call__(self, model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-        from elastictrain.parallel.stages import block_ranges
-
-        blocks = block_ranges(len(model.transformer.h), n_stages)[stage]
-        return GPT2Stage(model, blocks, first=stage == 0, last=stage == n_stages - 1)
-
-
-def stage_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return (batch["input"],)
-
-
-def stage_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The per-sample losses of ``examples.hf_causal_lm.per_sample_loss``, from the last stage's logits."""
-    tokens = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(), reduction="none")
-    return tokens.view(batch["target"].shape).mean(dim=1)
-
-
-GPT2_PIPELINE = PipelineHooks(stage_fn=GPT2Stages(), inputs_fn=stage_inputs, loss_fn=stage_loss)
+GPT2_PIPELINE = pipeline_hooks(GPT2Stage)  # the blocks balanced over the stages (examples/hf_pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -102,7 +84,5 @@ def make_task(seq_len: int = 32, lr: float = 3e-3, warmup_steps: int = 10, total
     ``transformers`` is not installed."""
     import transformers  # noqa: F401 - fail here, on the driver, not later inside every worker
 
-    cfg = {**_Defaults().model, **model}
-    return Task(model_fn=HFModel("gpt2", cfg, seq_len), loss_fn=per_sample_loss, optimizer_fn=AdamW(lr),
-                dataset_fn=ByteWindows(source, seq_len), lr_fn=Schedule(warmup_steps, total_steps),
-                grad_clip=grad_clip, name="hf_gpt2_pp", pipeline=GPT2_PIPELINE)
+    return pipelined_task("gpt2", {**_Defaults().model, **model}, GPT2_PIPELINE, "hf_gpt2_pp", seq_len, lr,
+                          warmup_steps, total_steps, source, grad_clip)

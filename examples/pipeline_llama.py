@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain import PipelineHooks, Task
-from examples.hf_causal_lm import AdamW, ByteWindows, HFModel, Schedule, per_sample_loss
+from elastictrain import Task
+from examples.hf_pipeline import causal_mask, pipeline_hooks, pipelined_task, positions
 
 
 class LlamaStage(nn.Module):
@@ -44,40 +44,23 @@ class LlamaStage(nn.Module):
             self.lm_head = model.lm_head
         self.model = inner
 
+    @staticmethod
+    def n_blocks(model: nn.Module) -> int:
+        return len(model.model.layers)
+
     def forward(self, x: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ARG002
         if self.first:
             x = self.model.embed_tokens(x)
-        t = x.shape[1]
-        positions = torch.arange(t, device=x.device).unsqueeze(0)
-        rope = self.model.rotary_emb(x, position_ids=positions)
-        causal = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
+        pos = positions(x)
+        rope = self.model.rotary_emb(x, position_ids=pos)
+        causal = causal_mask(x)
         for layer in self.model.layers.values():
-            x = layer(x, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+            x = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=rope)
             x = x[0] if isinstance(x, tuple) else x
         return self.lm_head(self.model.norm(x)) if self.last else x
 
 
-@dataclass(frozen=True)
-class LlamaStages:
-    """``PipelineHooks.stage_fn``: the layers balanced over the stages."""
-
-    def __call__(self, model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-        from elastictrain.parallel.stages import block_ranges
-
-        layers = block_ranges(len(model.model.layers), n_stages)[stage]
-        return LlamaStage(model, layers, first=stage == 0, last=stage == n_stages - 1)
-
-
-def stage_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return (batch["input"],)
-
-
-def stage_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    tokens = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(), reduction="none")
-    return tokens.view(batch["target"].shape).mean(dim=1)
-
-
-LLAMA_PIPELINE = PipelineHooks(stage_fn=LlamaStages(), inputs_fn=stage_inputs, loss_fn=stage_loss)
+LLAMA_PIPELINE = pipeline_hooks(LlamaStage)  # the layers balanced over the stages (examples/hf_pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -93,7 +76,5 @@ def make_task(seq_len: int = 32, lr: float = 3e-3, warmup_steps: int = 10, total
     Raises ImportError (a config error at the CLI, exit 2) when ``transformers`` is not installed."""
     import transformers  # noqa: F401 - fail here, on the driver, not later inside every worker
 
-    cfg = {**_Defaults().model, **model}
-    return Task(model_fn=HFModel("llama", cfg, seq_len), loss_fn=per_sample_loss, optimizer_fn=AdamW(lr),
-                dataset_fn=ByteWindows(source, seq_len), lr_fn=Schedule(warmup_steps, total_steps),
-                grad_clip=grad_clip, name="hf_llama_pp", pipeline=LLAMA_PIPELINE)
+    return pipelined_task("llama", {**_Defaults().model, **model}, LLAMA_PIPELINE, "hf_llama_pp", seq_len, lr,
+                          warmup_steps, total_steps, source, grad_clip)

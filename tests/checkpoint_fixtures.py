@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.tcp_relay import TcpRelay
+
 DUMMY_KEY, DUMMY_SECRET = "testing-key", "testing-secret"
 
 
@@ -107,7 +109,7 @@ def s3_bucket(s3_server: S3Server) -> str:
     return f"s3://{name}"
 
 
-class CuttingProxy:
+class CuttingProxy(TcpRelay):
     """A TCP proxy on 127.0.0.1 in front of a real endpoint that cuts the connection in the middle of the
     first request whose head matches ``cut_on`` (e.g. the PUT of a ``.distcp`` data file): it forwards the
     request head and at most ``body_bytes`` of what follows, then calls ``on_cut`` (stop the server) and closes
@@ -116,63 +118,30 @@ class CuttingProxy:
 
     def __init__(self, target_port: int, cut_on: bytes, on_cut: Any, body_bytes: int = 1024) -> None:
         import re
-        import threading
 
-        self._target, self._pattern, self._on_cut, self._body_bytes = target_port, re.compile(cut_on), on_cut, body_bytes
+        self._pattern, self._on_cut, self._body_bytes = re.compile(cut_on), on_cut, body_bytes
         self.cut_head: bytes | None = None
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self._listener.close()
-
-    def _accept(self) -> None:
-        import threading
-
-        while True:
-            try:
-                client, _ = self._listener.accept()
+    def request(self, data: bytes, conn: dict[str, Any], src: socket.socket, dst: socket.socket) -> bytes | None:
+        match = self._pattern.search(data)
+        if match is None:
+            return data
+        with self._lock:
+            armed, self.cut_head = self.cut_head is None, self.cut_head or data[match.start():].split(b"\r\n")[0]
+        if not armed:
+            return data
+        head_end = data.find(b"\r\n\r\n", match.start())
+        end = len(data) if head_end < 0 else min(len(data), head_end + 4 + self._body_bytes)
+        dst.sendall(data[:end])
+        for s in (src, dst):  # the request is cut short (a shutdown: a close alone leaves the other side's
+            try:              # recv holding the connection open), then the server goes away
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self._target), timeout=5)
-            except OSError:  # the server is down: the client sees its connection closed
-                client.close()
-                continue
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
-        try:
-            while chunk := src.recv(65536):
-                match = self._pattern.search(chunk) if requests else None
-                if match is not None:
-                    with self._lock:
-                        armed, self.cut_head = self.cut_head is None, self.cut_head or chunk[match.start():].split(b"\r\n")[0]
-                    if armed:
-                        head_end = chunk.find(b"\r\n\r\n", match.start())
-                        end = len(chunk) if head_end < 0 else min(len(chunk), head_end + 4 + self._body_bytes)
-                        dst.sendall(chunk[:end])
-                        for s in (src, dst):  # the request is cut short, then the server goes away
-                            s.close()
-                        self._on_cut()
-                        return
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+                pass
+            s.close()
+        self._on_cut()
+        return None
 
 
 # ------------------------------------------------------------------------------------------ tiny models
@@ -210,8 +179,10 @@ def same_state(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: tuple[torch.
     return all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in ("exp_avg", "exp_avg_sq", "step"))
 
 
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 10.0) -> Any:
-    """Default gloo group on 127.0.0.1 plus a dedicated checkpoint group (both with a timeout)."""
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Any:
+    """Default gloo group on 127.0.0.1 plus a dedicated checkpoint group (both with a timeout: a bound on a
+    hang, not a window; the rendezvous waits for peers whose imports may take many seconds more on a loaded
+    machine, and a dead peer's closed sockets fail a collective at once)."""
     import datetime
 
     import torch.distributed as dist

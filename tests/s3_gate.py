@@ -10,12 +10,15 @@ from __future__ import annotations
 import re
 import socket
 import threading
+from typing import Any
+
+from tests.tcp_relay import TcpRelay
 
 _SHARD_GET = re.compile(rb"get /[^ ]*\.bin[^ ]* http/1\.1\r\n")
 _TAIL = 512  # bytes kept from the previous chunk: a request line split over two chunks
 
 
-class S3Gate:
+class S3Gate(TcpRelay):
     """Listens on a free local port (:attr:`endpoint`) and relays each connection to ``port`` on 127.0.0.1.
     Call :meth:`close` when done: it releases what is held and closes every socket and thread it opened."""
 
@@ -24,62 +27,26 @@ class S3Gate:
         self.reads = 0  # shard GETs seen (held ones included)
         self.held = threading.Event()  # a ranged read is held
         self._release = threading.Event()
-        self._lock = threading.Lock()
-        self._port = port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._sockets: list[socket.socket] = [self._listener]
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name="s3-gate-accept")]
-        self._threads[0].start()
+        super().__init__(port)
 
     def release(self) -> None:
         """Forward what is held, and every request from now on."""
         self._release.set()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            server = socket.create_connection(("127.0.0.1", self._port))
-            with self._lock:
-                self._sockets += [client, server]
-                for args in ((client, server, True), (server, client, False)):
-                    t = threading.Thread(target=self._pipe, args=args, daemon=True, name="s3-gate-pipe")
-                    self._threads.append(t)
-                    t.start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
-        tail = b""
-        try:
-            while data := src.recv(65536):
-                if requests:
-                    both = (tail + data).lower()
-                    # a request line wholly inside the tail was counted with the previous chunk
-                    seen = sum(1 for m in _SHARD_GET.finditer(both) if m.end() > len(tail))
-                    tail = data[-_TAIL:]
-                    with self._lock:
-                        self.reads += seen
-                        hold = seen and self.reads > self.after
-                    if hold and not self._release.is_set():
-                        self.held.set()
-                        self._release.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def request(self, data: bytes, conn: dict[str, Any], src: socket.socket, dst: socket.socket) -> bytes:
+        tail = conn.get("tail", b"")
+        both = (tail + data).lower()
+        # a request line wholly inside the tail was counted with the previous chunk
+        seen = sum(1 for m in _SHARD_GET.finditer(both) if m.end() > len(tail))
+        conn["tail"] = data[-_TAIL:]
+        with self._lock:
+            self.reads += seen
+            hold = seen and self.reads > self.after
+        if hold and not self._release.is_set():
+            self.held.set()
+            self._release.wait()
+        return data
 
     def close(self) -> None:
         self._release.set()
-        with self._lock:
-            for s in self._sockets:
-                s.close()
-            threads = list(self._threads)
-        for t in threads:
-            t.join(10)
+        super().close()

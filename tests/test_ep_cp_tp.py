@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_ep_tp import MOE as _MOE, _same_load
-from tests.test_tensor_parallel import _matches, _run
+from tests.test_ep_tp import MOE as _MOE, assert_match_one_process, llama_of, one_process_runs
+from tests.test_tensor_parallel import _run
 
 MOE = {"model": {**_MOE["model"], "moe": {**_MOE["model"]["moe"], "aux_coef": 0.5}}}
 
@@ -54,21 +54,16 @@ def test_ep_groups_and_replicas_span_cp_and_tp() -> None:
     assert not ok and "parallel.ep=8 does not divide dp x cp x tp = 1 x 2 x 2" in why and "[1, 2, 4]" in why, why
 
 
-LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
+LLAMA_MOE = llama_of(MOE)
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    """The GPT's and the Llama's one-process runs (one process start for both)."""
-    gpt, llama = _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}, {"_task": LLAMA_MOE}])
-    return {"gpt": gpt, "llama": llama}
+    return one_process_runs(tmp_path_factory.mktemp("ref"), MOE)
 
 
 def test_cp2_tp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) -> None:
     layouts = [{"cp": 2, "tp": 2, "ep": 2, "_task": MOE, "_digest": True},
                {"cp": 2, "tp": 2, "ep": 4, "plan": "fsdp", "sequence_parallel": False, "_task": MOE},
                {"cp": 2, "tp": 2, "ep": 2, "_task": LLAMA_MOE}]
-    for got, ref in zip(_run(tmp_path, 4, layouts), ["gpt", "gpt", "llama"], strict=True):
-        assert got["tp_sharded"], "no parameter is tensor-parallel"
-        _matches(got, one_process[ref])
-        _same_load(got, one_process[ref])
+    assert_match_one_process(_run(tmp_path, 4, layouts), ["gpt", "gpt", "llama"], one_process)

@@ -131,14 +131,33 @@ def test_planner_keeps_the_experts_whole_under_tp() -> None:
 # ------------------------------------------------------------------------------------------ gloo ranks
 
 
-LLAMA_MOE = {"kind": "llama", "llama": {"size": "debug"}, **MOE}
+def llama_of(moe: dict[str, Any]) -> dict[str, Any]:
+    """The debug Llama (SwiGLU experts, no dropout) with the MoE task section ``moe``."""
+    return {"kind": "llama", "llama": {"size": "debug"}, **moe}
+
+
+LLAMA_MOE = llama_of(MOE)
+
+
+def one_process_runs(tmp: Any, moe: dict[str, Any]) -> dict[str, Any]:
+    """The GPT's and the Llama's one-process runs of ``moe`` (one process start for both); also
+    tests/test_ep_cp_tp.py's, with its own ``aux_coef``."""
+    gpt, llama = _run(tmp, 1, [{"_task": moe}, {"_task": llama_of(moe)}])
+    return {"gpt": gpt, "llama": llama}
+
+
+def assert_match_one_process(runs: list[dict[str, Any]], refs: list[str], one_process: dict[str, Any]) -> None:
+    """Each tensor-parallel run equals its one-process reference (``refs``: "gpt" or "llama"): every step's
+    loss and clip norm, the audit, the final parameters (``_matches``) and the token counts (``_same_load``)."""
+    for got, ref in zip(runs, refs, strict=True):
+        assert got["tp_sharded"], "no parameter is tensor-parallel"
+        _matches(got, one_process[ref])
+        _same_load(got, one_process[ref])
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict[str, Any]:
-    """The GPT's and the Llama's one-process runs (one process start for both)."""
-    gpt, llama = _run(tmp_path_factory.mktemp("ref"), 1, [{"_task": MOE}, {"_task": LLAMA_MOE}])
-    return {"gpt": gpt, "llama": llama}
+    return one_process_runs(tmp_path_factory.mktemp("ref"), MOE)
 
 
 def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, one_process) -> None:
@@ -152,10 +171,7 @@ def test_tp2_ep2_with_and_without_sequence_parallel_match_one_process(tmp_path, 
                               {"_task": MOE, "_load": ckpt, "_steps": 1},
                               {"tp": 2, "ep": 2, "_task": LLAMA_MOE},
                               {"tp": 2, "ep": 2, "sequence_parallel": False, "_task": LLAMA_MOE}])
-    for got, ref in zip(runs[:2] + runs[4:], ["gpt", "gpt", "llama", "llama"], strict=True):
-        assert got["tp_sharded"], "no parameter is tensor-parallel"
-        _matches(got, one_process[ref])
-        _same_load(got, one_process[ref])
+    assert_match_one_process(runs[:2] + runs[4:], ["gpt", "gpt", "llama", "llama"], one_process)
     _resumed_matches(runs[3], one_process["gpt"], 2)
 
 
@@ -164,9 +180,7 @@ def test_tp2_by_dp2_with_ep2_and_ep4_match_one_process(tmp_path, one_process) ->
                {"tp": 2, "ep": 4, "sequence_parallel": False, "_task": MOE},
                {"tp": 2, "ep": 2, "plan": "fsdp", "_task": MOE},
                {"tp": 2, "ep": 2, "plan": "fsdp", "sequence_parallel": False, "_task": MOE}]
-    for got in _run(tmp_path, 4, layouts):
-        _matches(got, one_process["gpt"])
-        _same_load(got, one_process["gpt"])
+    assert_match_one_process(_run(tmp_path, 4, layouts), ["gpt"] * len(layouts), one_process)
 
 
 def _same_load(got: dict[str, Any], ref: dict[str, Any]) -> None:

@@ -24,8 +24,10 @@ from elastictrain.controller.gather import CheckpointLoadFailed, PeerRestore, So
 from elastictrain.controller.group import (MemberCallFailed, Slot, SlotState, WorkerGroup, call_members,
                                            call_outcomes, describe_remote_error)
 from elastictrain.controller.ledger import Ledger
+from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.monitor import WorkerMonitor
 from elastictrain.controller.recovery import Recovery
+from elastictrain.controller.runtime import get_each
 from elastictrain.events import EventLog
 from elastictrain.parallel.placement import arrange
 from elastictrain.parallel.layout import Layout
@@ -61,6 +63,9 @@ class GenerationFormer:
         self.monitor, self.sources, self.store, self.lineage = monitor, sources, store, lineage
         self.ckpt_root = getattr(store, "root_uri", None)
         self.layout = layout
+        # the state-thread calls (join, load, sync) of the formation in progress, as (slot, actor, ref,
+        # generation); those of a formation that failed stay here until taken (_await_stray)
+        self._calls: list[tuple[Slot, Any, Any, int]] = []
 
     def form(self, chosen: list[Slot], generation: int, reason: str, recovery: Recovery, resume: Any = None,
              start: bool = True) -> Formed:
@@ -78,8 +83,9 @@ class GenerationFormer:
         it is loaded, so ``sync`` is a round of its own and ``run`` follows it (:meth:`start`); with the peer
         memory tier on, ``run`` follows the keepers' attachment (``attach_keeper`` reads the joined rank)."""
         chosen = self._place(chosen)
-        asked = self.monitor.ask_members(self.monitor.last_poll_targets())  # taken while the members join
         gen, world = generation, len(chosen)
+        self._await_stray(chosen, gen)
+        asked = self.monitor.ask_members(self.monitor.last_poll_targets())  # taken while the members join
         self.committer.new_generation(gen, world)
         taken = {s.index for s in chosen}  # by slot index: `in` on a list of Slots is O(N^2)
         for s in self.group.members():
@@ -94,8 +100,8 @@ class GenerationFormer:
             # a peer restore: every member reads (resharding) from the keepers or survivors as it joins
             peer = resume.sources if isinstance(resume, PeerRestore) else None
             src = None if resume is not None else self._sync_source(chosen)
-            joins = [(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
-                     for r, s in enumerate(chosen)]
+            joins = self._sent([(s, s.actor.join.remote(gen, r, world, host, port, layout, peer, sync_src=src))
+                                for r, s in enumerate(chosen)], gen)
             asked = self._take_last_polls(asked)  # (before any run goes out: their records are the old generation's)
             # the state source known and no peer tier to attach in between: each member's `run` goes right
             # behind its `join` (one round of calls, not two), the join's answer its argument (_run_after)
@@ -116,7 +122,7 @@ class GenerationFormer:
                 else:  # the tier's snapshot may be older than the last step reported: those are redone
                     self.ledger.rewind(resume.step)
             else:
-                resume = self._load_checkpoint(chosen, resume, explicit=reason == "start" and
+                resume = self._load_checkpoint(chosen, gen, resume, explicit=reason == "start" and
                                                self.config.checkpoint.resume not in ("auto", "never"))
                 for s in chosen:
                     s.has_state = True
@@ -127,8 +133,8 @@ class GenerationFormer:
                                  from_world_size=getattr(resume, "world_size", None), uri=self.ckpt_root)
             if src is None:
                 src = self._sync_source(chosen)
-                steps = call_members([(s, s.actor.sync.remote(src)) for s in chosen], t.restart_grace_s,
-                                     "state sync", self.rt)
+                steps = call_members(self._sent([(s, s.actor.sync.remote(src)) for s in chosen], gen),
+                                     t.restart_grace_s, "state sync", self.rt)
         except CheckpointLoadFailed:  # the checkpoint's fault, not the workers': exit 3, no crash loop
             self._take_last_polls(asked)
             raise
@@ -142,6 +148,7 @@ class GenerationFormer:
             else:
                 self.monitor.detect_dead(chosen, f"failed during rendezvous of generation {gen}: {e}")
             raise FormationFailed(f"a member failed during the rendezvous of generation {gen}") from e
+        self._calls = [c for c in self._calls if c[3] != gen]  # this formation's calls all returned
         for r, s in enumerate(chosen):
             first_time = s.rank is None and not s.has_state
             s.state, s.rank, s.has_state = SlotState.MEMBER, r, True
@@ -189,6 +196,39 @@ class GenerationFormer:
         broken group (a dead peer's closed sockets), and its next join waits on its state thread for it."""
         return [(s, s.actor.run.remote(self.config.train.steps, ref)) for s, ref in joins]
 
+    def _sent(self, calls: list[tuple[Slot, Any]], gen: int) -> list[tuple[Slot, Any]]:
+        """Record ``calls`` (state-thread calls of generation ``gen``'s formation, ``(slot, ref)``); returns them."""
+        self._calls.extend((s, s.actor, ref, gen) for s, ref in calls)
+        return calls
+
+    def _await_stray(self, chosen: list[Slot], gen: int) -> None:
+        """Before the members of generation ``gen`` are sent its calls: wait until their calls of a formation
+        that failed have returned, and take them. Such a call holds the member's one state thread (a join
+        whose peer died before connecting waits in the rendezvous until ``timeouts.collective_s``), so the
+        new join would start only after it while its peers' rendezvous clock already ran: under load they
+        timed out first and the run charged a second failure to a healthy member. Bounded by
+        ``timeouts.restart_grace_s`` (a formation call's own bound); a member whose call is still running
+        then is charged as hung and :class:`FormationFailed` raised. Calls of killed members are dropped; those
+        of members not chosen wait for a later formation."""
+        live = [c for c in self._calls if c[0].actor is c[1] and c[1] is not None]
+        ours = {s.index for s in chosen}
+        waiting = [c for c in live if c[0].index in ours]
+        self._calls = [c for c in live if c[0].index not in ours]
+        if not waiting:
+            return
+        refs = [ref for _, _, ref, _ in waiting]
+        done, _ = self.rt.wait(refs, num_returns=len(refs), timeout=self.config.timeouts.restart_grace_s)
+        get_each(self.rt, done)  # their errors were the failed formation's: taken, not judged again
+        returned = set(done)
+        stuck = {s.index: g for s, _, ref, g in waiting if ref not in returned}
+        if stuck:  # charged as hangs (detect.blame: those that did not return while the others did)
+            grace = self.config.timeouts.restart_grace_s
+            outcomes = [CallOutcome(s.index, "pending", f"still in the failed formation of generation "
+                                    f"{stuck[s.index]} after timeouts.restart_grace_s={grace:g}")
+                        if s.index in stuck else CallOutcome(s.index, "ok") for s in chosen]
+            self.monitor.detect_dead(chosen, f"could not form generation {gen}", outcomes)
+            raise FormationFailed(f"a member of generation {gen} was still in an earlier formation")
+
     def _take_last_polls(self, asked: list[tuple[Slot, Any]]) -> list[tuple[Slot, Any]]:
         """Take the previous members' last polls (``monitor.ask_members``) and keep the steps only some
         survivor completed (``Ledger.flush_partial``); returns the empty list of polls still to take."""
@@ -228,7 +268,7 @@ class GenerationFormer:
             return
         self.ledger.replay(records, int(manifest.step))
 
-    def _load_checkpoint(self, chosen: list[Slot], manifest: Any, explicit: bool) -> Any:
+    def _load_checkpoint(self, chosen: list[Slot], gen: int, manifest: Any, explicit: bool) -> Any:
         """Load ``manifest`` on every member (collective). A load error is the checkpoint's (corrupt bytes
         found by a rank's SHA-256 check, a layout that does not fit): unless the checkpoint was named
         explicitly, fall back to the next older checkpoint of this run's lineage. Returns the manifest
@@ -236,7 +276,7 @@ class GenerationFormer:
         from elastictrain.checkpoint import CheckpointError
 
         while True:
-            calls = [(s, s.actor.load.remote(manifest, self.ckpt_root)) for s in chosen]
+            calls = self._sent([(s, s.actor.load.remote(manifest, self.ckpt_root)) for s in chosen], gen)
             try:
                 self.rt.get([ref for _, ref in calls], timeout=self.config.timeouts.restart_grace_s)
                 return manifest
