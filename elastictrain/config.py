@@ -250,8 +250,9 @@ class WorkersConfig(_Section):
     min: int = Field(1, ge=1)
     max: int = Field(2, ge=1)
     spares: int = Field(0, ge=0, description="pre-started standby workers that replace a failed one at once")
-    standby: bool = Field(True, description="after a first replacement, keep one worker process started ahead "
-                                            "(imports done, no resources) for the next one (CPU workers)")
+    standby: bool = Field(True, description="from the run's start, keep one worker process started ahead "
+                                            "(imports done, model built, no resources) for the next replacement "
+                                            "(CPU workers; see docs/config.md)")
     reuse: bool = Field(False, description="keep a cleanly finished run's worker processes for the next run of "
                                            "this driver process (CPU workers; see docs/config.md)")
     use_gpu: bool = False
