@@ -328,10 +328,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from elastictrain.trainer import local_ray_system_config
+    from elastictrain.local_ray import init_local_ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=args.verbose, _system_config=local_ray_system_config())
+    init_local_ray(4, logging_level=logging.WARNING, log_to_driver=args.verbose)
     try:
         sampler = Sampler(_daemons())
         time.sleep(5.0)  # recovery.py's fresh_ray: the pre-started workers import before the run

@@ -748,12 +748,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     # address="local": always a private instance, never a cluster another process started on this machine
-    from elastictrain.trainer import local_ray_system_config
+    from elastictrain.local_ray import init_local_ray
 
-    # the system config `elastictrain run` gives its own local Ray (worker processes preload their imports)
+    # the Ray `elastictrain run` starts for itself (worker processes preload their imports; its daemons tuned)
     def start_ray() -> None:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=args.verbose, _system_config=local_ray_system_config())
+        init_local_ray(4, logging_level=logging.WARNING, log_to_driver=args.verbose)
 
     def fresh_ray() -> None:
         ray.shutdown()
