@@ -16,6 +16,7 @@ from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.trainer import local_ray_system_config
 from tests import durations
+from tests.ray_leaks import check_all_cpus_free
 
 # Ray's log monitor globs its session's log directory every 0.1 s while it watches fewer files than this, and
 # every 0.5 s past it (ray/_private/log_monitor.py). A session's Ray gathers hundreds of worker logs, which no
@@ -69,9 +70,16 @@ def _ensure_local_ray() -> None:
 
 @pytest.fixture
 def ray_local():
-    """A local Ray shared by the session (re-created if a multi-node test shut it down)."""
+    """A local Ray shared by the session (re-created if a multi-node test shut it down). Its teardown fails
+    the test that leaves the Ray's CPUs held (a placement group or a CPU-holding actor outliving its run),
+    naming what holds them, instead of a later test waiting for workers that cannot be placed
+    (tests/ray_leaks.py); one check when nothing is held."""
     _ensure_local_ray()
     yield
+    if ray.is_initialized():
+        leak = check_all_cpus_free()
+        if leak is not None:
+            pytest.fail(leak, pytrace=False)
 
 
 def pytest_configure(config):
