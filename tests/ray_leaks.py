@@ -43,6 +43,7 @@ def holders() -> str:
 
     accessor = state._connect_and_get_accessor()
     parts: list[str] = []
+    own_job = ray.get_runtime_context().get_job_id()
     removed = gcs_pb2.PlacementGroupTableData.REMOVED
     for raw in accessor.get_placement_group_table():
         pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
@@ -50,10 +51,14 @@ def holders() -> str:
             continue
         state_name = gcs_pb2.PlacementGroupTableData.PlacementGroupState.Name(pg.state)
         bundles = [dict(b.unit_resources) for b in pg.bundles]
-        creator = f"job {pg.creator_job_id.hex()}" + (
+        job = pg.creator_job_id.hex()
+        creator = f"job {job}" + (" (this driver)" if job == own_job else " (another driver)") + (
             f" actor {pg.creator_actor_id.hex()}" if pg.creator_actor_id.strip(b"\x00\xff") else "")
+        created_ms = pg.placement_group_creation_timestamp_ms
+        age = time.time() - created_ms / 1000 if created_ms else None
         parts.append(f"placement group {pg.placement_group_id.hex()[:12]} {state_name} "
-                     f"name={pg.name or '-'} bundles={bundles} creator={creator}")
+                     f"name={pg.name or '-'} bundles={bundles} creator={creator}"
+                     + (f" created {age:.0f} s ago" if age is not None else ""))
     for raw in accessor.get_actor_table(None, "ALIVE"):
         actor = gcs_pb2.ActorTableData.FromString(raw)
         cpu = dict(actor.required_resources).get("CPU", 0.0)

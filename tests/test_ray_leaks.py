@@ -28,6 +28,7 @@ def test_a_left_placement_group_and_actor_are_named_then_released(ray_local):
     line = check_all_cpus_free(bound_s=0)
     assert line is not None and line.startswith("3 of the session Ray's "), line
     assert "name=left-behind" in line and "{'CPU': 1.0}" in line and "CREATED" in line, line
+    assert "(this driver)" in line and " s ago" in line, line
     assert f"actor _Holder pid {pid} CPU 1" in line, line
     # released: the tests after a leaking one start on a free Ray (the fixture's own teardown checks it too)
     assert check_all_cpus_free() is None, cpus_held()
