@@ -30,3 +30,14 @@ def test_a_controller_that_fails_to_start_gives_back_its_placement_groups(tmp_pa
     finally:
         events.close()
     assert check_all_cpus_free() is None  # (before: all 4 CPUs held by its three placement groups)
+
+
+def test_a_calibration_file_that_is_not_an_object_is_a_cluster_error(tmp_path) -> None:
+    """The path that found it: ``parallel.calibration`` naming a JSON list raised AttributeError inside the
+    controller's construction, after its group was made (now the file's own error, which the MFU figure skips)."""
+    from elastictrain.planner.cluster import ClusterError, read_calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text("[1]")
+    with pytest.raises(ClusterError, match="content not positive numbers; write it again with --calibrate"):
+        read_calibration(path)
