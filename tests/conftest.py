@@ -72,8 +72,8 @@ def _ensure_local_ray() -> None:
 def ray_local():
     """A local Ray shared by the session (re-created if a multi-node test shut it down). Its teardown fails
     the test that leaves the Ray's CPUs held (a placement group or a CPU-holding actor outliving its run),
-    naming what holds them, instead of a later test waiting for workers that cannot be placed
-    (tests/ray_leaks.py); one check when nothing is held."""
+    naming what holds them (then frees them), instead of a later test waiting for workers that cannot be
+    placed (tests/ray_leaks.py); one check when nothing is held."""
     _ensure_local_ray()
     yield
     if ray.is_initialized():

@@ -2,7 +2,8 @@
 
 A test whose run leaves a placement group or a CPU-holding actor behind makes a later test on the same
 session Ray wait for workers that cannot be placed, and fail there (issue #40: 4-worker runs waited 120 s for
-CPUs a test minutes earlier had kept). The guard makes the leaking test fail instead, naming what holds them.
+CPUs a test minutes earlier had kept). The guard makes the leaking test fail instead, naming what holds them, and then frees them so the
+tests after it are not its victims too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+
 import ray
 
 # Generous: a run's workers killed at shutdown give their CPUs back within a second or two on a quiet machine
