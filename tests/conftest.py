@@ -16,6 +16,7 @@ from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.local_ray import init_local_ray, local_ray_env
 from tests import durations
+from tests.ray_leaks import check_all_cpus_free
 
 # The daemon settings of the private local Ray `elastictrain run` starts (elastictrain/local_ray.py: the log
 # monitor's scan for new logs once a second, the dashboard agent's node report once a minute; what each saves:
@@ -70,9 +71,16 @@ def _ensure_local_ray() -> None:
 
 @pytest.fixture
 def ray_local():
-    """A local Ray shared by the session (re-created if a multi-node test shut it down)."""
+    """A local Ray shared by the session (re-created if a multi-node test shut it down). Its teardown fails
+    the test that leaves the Ray's CPUs held (a placement group or a CPU-holding actor outliving its run),
+    naming what holds them (then frees them), instead of a later test waiting for workers that cannot be
+    placed (tests/ray_leaks.py); one check when nothing is held."""
     _ensure_local_ray()
     yield
+    if ray.is_initialized():
+        leak = check_all_cpus_free()
+        if leak is not None:
+            pytest.fail(leak, pytrace=False)
 
 
 def pytest_configure(config):

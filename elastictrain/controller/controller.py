@@ -77,7 +77,28 @@ class Controller:
         one with the same interface to step the state machine through its paths). ``resume_plan``: the driver's
         :class:`~elastictrain.checkpoint.resume.ResumeDecision` (lineage, fingerprint). ``planned``: the start-time
         choice of ``parallel.plan: auto`` (:class:`~elastictrain.planner.job.Choice`): each generation formed
-        at another world size is then re-planned (:meth:`_replan`)."""
+        at another world size is then re-planned (:meth:`_replan`). Raising, it leaves nothing behind: the
+        group it made (its placement groups hold the cluster's CPUs), the keepers and the commit thread."""
+        try:
+            self._build(config, task, events, store, resume_manifest, group, resume_plan, planned)
+        except BaseException:
+            self._close_partial(own_group=group is None)
+            raise
+
+    def _close_partial(self, own_group: bool) -> None:
+        """What a construction that raised had made so far, closed (never raises over its cause)."""
+        built = self.__dict__
+        for name, close in (("group", "shutdown"), ("sources", "close"), ("committer", "close")):
+            part = built.get(name)
+            if part is None or (name == "group" and not own_group):
+                continue
+            try:
+                getattr(part, close)()
+            except Exception:  # noqa: BLE001 - the construction's own error is the one to raise
+                log.debug("closing %s after a failed start", name, exc_info=True)
+
+    def _build(self, config: JobConfig, task: Task, events: EventLog, store: Any, resume_manifest: Any,
+               group: WorkerGroup | None, resume_plan: Any, planned: Any) -> None:
         self.config = config
         self.task = task
         self.events = events

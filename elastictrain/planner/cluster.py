@@ -189,7 +189,8 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ClusterError(f"calibration file {p} is not JSON ({e}); write it again with --calibrate") from None
     bad = [k for k in CALIBRATED if data.get(k) is not None
-           and (not isinstance(data[k], (int, float)) or isinstance(data[k], bool) or data[k] <= 0)]
+           and (not isinstance(data[k], (int, float)) or isinstance(data[k], bool) or data[k] <= 0)] \
+        if isinstance(data, dict) else []
     if not isinstance(data, dict) or bad:
         raise ClusterError(f"calibration file {p}: {bad or 'content'} not positive numbers; write it again "
                            "with --calibrate")
