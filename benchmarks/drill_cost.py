@@ -38,41 +38,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import recovery  # noqa: E402  (sets RAY_TRAIN_V2_ENABLED; its job, killer and event tail)
-
-TICK = os.sysconf("SC_CLK_TCK")
-SCHED_IDLE = 5
-
-
-def _threads(pid: int) -> dict[int, tuple[str, float, bool]]:
-    """{tid: (name, CPU seconds, in SCHED_IDLE)} of a live process; {} once gone."""
-    out: dict[int, tuple[str, float, bool]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return {}
-    for tid in tids:
-        try:
-            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        f = raw[raw.rindex(")") + 2:].split()
-        out[int(tid)] = (name, (int(f[11]) + int(f[12])) / TICK, int(f[38]) == SCHED_IDLE)
-    return out
-
-
-def _ppid_table() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                out[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
+import recovery  # noqa: E402
+from proc_cpu import parents, thread_stats  # noqa: E402  (sets RAY_TRAIN_V2_ENABLED; its job, killer and event tail)
 
 class Sampler:
     """Every ``period`` s: each watched process's threads (CPU, class). The set of processes is the driver,
@@ -93,7 +60,7 @@ class Sampler:
         now = time.time()
         if now - self._scanned >= 1.0:
             raylets = {p for p, label in self.daemons.items() if label == "ray raylet"}
-            self._children = [p for p, pp in _ppid_table().items() if pp in raylets]
+            self._children = [p for p, pp in parents().items() if pp in raylets]
             self._scanned = now
         return [os.getpid(), *self.daemons, *self._children]
 
@@ -101,7 +68,7 @@ class Sampler:
         self.own_tid = threading.get_native_id()
         while not self._stop.is_set():
             for pid in self._pids():
-                cpu = _threads(pid)
+                cpu = thread_stats(pid)
                 if cpu:
                     now = time.time()
                     self.first_seen.setdefault(pid, now)

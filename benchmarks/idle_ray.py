@@ -31,7 +31,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-TICK = os.sysconf("SC_CLK_TCK")
+from proc_cpu import parents, process_cpu
+
 BASE_SYSTEM_CONFIG = {"preload_python_modules": ["elastictrain.worker.actor"], "enable_worker_prestart": False}
 
 # name: (extra _system_config, extra environment); each over ``base``.
@@ -68,14 +69,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 
 def _descendants(root: int) -> dict[int, str]:
     """{pid: short command} of every process below ``root`` (one /proc scan)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    parent = parents()
     out, frontier = {}, [root]
     while frontier:
         p = frontier.pop()
@@ -104,15 +98,6 @@ def _label(pid: int) -> str:
     return text[:60]
 
 
-def _cpu(pid: int) -> float | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    f = stat[stat.rindex(")") + 2:].split()
-    return (int(f[11]) + int(f[12])) / TICK
-
-
 def _settle(me: int, at_least: float, quiet_cpu_s: float = 0.3, bound: float = 180.0) -> None:
     """Start-up is not idle CPU (agents registering, idle worker processes importing the preload, which
     takes longer than any fixed wait on a loaded machine): wait ``at_least`` seconds, then until the Ray's
@@ -121,9 +106,9 @@ def _settle(me: int, at_least: float, quiet_cpu_s: float = 0.3, bound: float = 1
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         procs = [me, *_descendants(me)]
-        before = sum(c for p in procs if (c := _cpu(p)) is not None)
+        before = sum(c for p in procs if (c := process_cpu(p)) is not None)
         time.sleep(2.0)
-        if sum(c for p in procs if (c := _cpu(p)) is not None) - before < quiet_cpu_s:
+        if sum(c for p in procs if (c := process_cpu(p)) is not None) - before < quiet_cpu_s:
             return
 
 
@@ -152,7 +137,7 @@ def measure(variant: str, actors: int, settle: float, window: float) -> dict:
     me = os.getpid()
     _settle(me, settle)
     procs = {me: "driver (idle)", **_descendants(me)}
-    first = {p: c for p in procs if (c := _cpu(p)) is not None}
+    first = {p: c for p in procs if (c := process_cpu(p)) is not None}
     last = dict(first)
     born: list[str] = []
     t0 = time.monotonic()
@@ -164,7 +149,7 @@ def measure(variant: str, actors: int, settle: float, window: float) -> dict:
                 first[p] = 0.0
                 born.append(f"{label} (pid {p}) started in the window")
         for p in first:
-            if (c := _cpu(p)) is not None:
+            if (c := process_cpu(p)) is not None:
                 last[p] = c
         time.sleep(min(1.0, max(0.0, deadline - now)))
     span = time.monotonic() - t0

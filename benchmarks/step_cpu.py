@@ -41,28 +41,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from proc_cpu import parents, thread_stats  # noqa: E402
 from throughput import MODEL, OPTIM, PLAIN_SCRIPT, RESULT_PREFIX, SEED, WORLD, _job  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """{thread id: (its name now, CPU seconds)} of a live process; {} once it is gone. Keyed by id: Ray
-    renames an actor's threads after the task they run."""
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return {}
-    for tid in tids:
-        try:
-            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2:].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / TICK)  # utime, stime
-    return out
+    """{thread id: (its name now, CPU seconds)} of a live process; {} once it is gone."""
+    return {tid: (name, cpu) for tid, (name, cpu, _) in thread_stats(pid).items()}
 
 
 class Sampler:
@@ -124,15 +108,7 @@ def _children(pid: int) -> list[int]:
     last = _scanned.get(pid)
     if last is not None and time.time() - last[0] < 1.0:
         return last[1]
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                out.append(int(entry))
+    out = [child for child, parent in parents().items() if parent == pid]
     _scanned[pid] = (time.time(), out)
     return out
 
