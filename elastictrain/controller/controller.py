@@ -110,6 +110,7 @@ class Controller:
                              cpu_peak_flops=_calibrated_flops(config))
         self.store = store
         self.resume_manifest = resume_manifest
+        self._setup_respawns: list[int] = []  # slots whose set-up failed, respawned once the others' are known
         self.lineage = getattr(resume_plan, "lineage", None)  # retention and fallback touch only this trajectory
         self.driver_fingerprint = dict(getattr(resume_plan, "fingerprint", {}) or {})
         self.reference_fingerprint: dict[str, Any] | None = None  # model/optimizer/data of the first worker
@@ -397,6 +398,7 @@ class Controller:
             self._admit(slot)  # may refuse it (fingerprint differs) or end the run (exit 3)
         if slot.state is not SlotState.DEAD or "error" not in slot.info:
             self.budget.any_setup_ok = True
+            self._respawn_failed_setups()
             return
         self.ledger.failures += 1
         self.events.emit("failure", kind=FailureKind.SETUP_FAILED, rank=None, slot=slot.index, node_id=None,
@@ -405,7 +407,22 @@ class Controller:
                                                          slot.info["error"], 0))
         if verdict:
             raise RunEnded(verdict)
-        self.group.spawn(slot.index)
+        self._setup_respawns.append(slot.index)
+        self._respawn_failed_setups()
+
+    def _respawn_failed_setups(self) -> None:
+        """Respawn the slots whose set-up failed, but while no set-up has succeeded yet, only once no other
+        slot's set-up is in flight: the others' outcomes decide whether the failure is deterministic (every
+        slot alike ends the run, ``policy.setup_verdict``), and a slot respawned meanwhile (a warm process
+        fails in a fraction of a second, a fresh one's set-up takes seconds) would fail again and be charged
+        twice for one cause."""
+        if not self._setup_respawns:
+            return
+        if not self.budget.any_setup_ok and self.group.by_state(SlotState.STARTING):
+            return
+        due, self._setup_respawns = self._setup_respawns, []
+        for index in due:
+            self.group.spawn(index)
 
     def _check_nonfinite(self) -> None:
         """``recovery.max_nonfinite_steps`` steps in a row had their update skipped (non-finite loss or
