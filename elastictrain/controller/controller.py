@@ -234,8 +234,8 @@ class Controller:
         self.group.start_first_standby()  # after the workers: Ray starts their processes first
         deadline = time.time() + t.restart_grace_s
         while time.time() < deadline:
-            for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
-                self._on_setup_done(slot)  # a deterministic set-up failure, or a checkpoint that does not fit
+            # a deterministic set-up failure, or a checkpoint that does not fit
+            self._setups_done(self.group.collect_ready(timeout=POLL_INTERVAL_S))
             ready = self.group.by_state(SlotState.READY)
             if len(ready) == len(self.group.slots):
                 break
@@ -307,8 +307,7 @@ class Controller:
         nxt: Transition = (State.RECOVERING, "")  # a survivor failed as well: handled in the next iteration
         if not self.monitor.pending_failures:
             self._take_prebuilt()
-            for slot in self.group.collect_ready(timeout=0):
-                self._on_setup_done(slot)
+            self._setups_done(self.group.collect_ready(timeout=0))
             drain = self.monitor.check_drains()  # a drain notice while recovering (or waiting) preempts too
             if drain:
                 self.request_preemption(drain)
@@ -361,8 +360,7 @@ class Controller:
         """One poll interval of the monitor; act on what it saw (set-ups ended, a drain notice,
         non-finite steps)."""
         seen = self.monitor.pump(POLL_INTERVAL_S)
-        for slot in seen.ready:
-            self._on_setup_done(slot)
+        self._setups_done(seen.ready)
         if seen.drain:
             self.request_preemption(seen.drain)
         self._check_nonfinite()
@@ -391,14 +389,22 @@ class Controller:
         for s in survivors if sharded else ():
             s.has_state = False
 
+    def _setups_done(self, slots: list[Slot]) -> None:
+        """The set-ups that ended since the last look (``collect_ready``), each judged
+        (:meth:`_on_setup_done`), then the failed ones respawned (:meth:`_respawn_failed_setups`): after the
+        whole batch, so a failure is judged beside the others that ended with it."""
+        for slot in slots:
+            self._on_setup_done(slot)
+        self._respawn_failed_setups()
+
     def _on_setup_done(self, slot: Slot) -> None:
         """A worker's set-up ended: admitted (or refused), or its failure charged (a set-up failure every
-        slot repeats alike ends the run: :class:`RunEnded`) and the slot respawned."""
+        slot repeats alike ends the run: :class:`RunEnded`) and the slot queued for its respawn
+        (:meth:`_respawn_failed_setups`)."""
         if slot.state is SlotState.READY:
             self._admit(slot)  # may refuse it (fingerprint differs) or end the run (exit 3)
         if slot.state is not SlotState.DEAD or "error" not in slot.info:
             self.budget.any_setup_ok = True
-            self._respawn_failed_setups()
             return
         self.ledger.failures += 1
         self.events.emit("failure", kind=FailureKind.SETUP_FAILED, rank=None, slot=slot.index, node_id=None,
@@ -407,8 +413,7 @@ class Controller:
                                                          slot.info["error"], 0))
         if verdict:
             raise RunEnded(verdict)
-        self._setup_respawns.append(slot.index)
-        self._respawn_failed_setups()
+        self._setup_respawns.append(slot.index)  # respawned by _setups_done
 
     def _respawn_failed_setups(self) -> None:
         """Respawn the slots whose set-up failed, but while no set-up has succeeded yet, only once no other
@@ -482,8 +487,7 @@ class Controller:
         caller then saves it. Nothing to do when the best source is a committed checkpoint or step 0: a save
         would hold nothing newer. On any failure the preemption goes on without a checkpoint (said in a
         ``warning``): it must end within the grace period. True if the members can save."""
-        for slot in self.group.collect_ready(timeout=0):
-            self._on_setup_done(slot)
+        self._setups_done(self.group.collect_ready(timeout=0))
         survivors = sorted((s for s in self.group.slots if s.state is SlotState.MEMBER), key=lambda s: s.rank)
         ready = sorted(self.group.by_state(SlotState.READY), key=lambda s: s.index)
         decision = policy.save_membership(available=len(survivors) + len(ready), spec=self.plan_spec)
@@ -545,8 +549,7 @@ class Controller:
     def _regroup(self, reason: str) -> Transition:
         """Form the next generation from survivors and ready joiners (RUNNING), or wait (the current
         state), or fail."""
-        for slot in self.group.collect_ready(timeout=0):
-            self._on_setup_done(slot)
+        self._setups_done(self.group.collect_ready(timeout=0))
         survivors = [s for s in self.group.slots if s.state is SlotState.MEMBER]
         ready = self.group.by_state(SlotState.READY)
         # before any generation formed (the first rendezvous failed) the run's size is the one it starts at;
@@ -559,8 +562,7 @@ class Controller:
             if self.recovery.waiting_since is None:
                 self.recovery.waiting_since = time.time()
                 self.events.emit("worker_lost", world_size=len(survivors), reason=decision.reason)
-            for slot in self.group.collect_ready(timeout=POLL_INTERVAL_S):
-                self._on_setup_done(slot)
+            self._setups_done(self.group.collect_ready(timeout=POLL_INTERVAL_S))
             return self.sm.state, decision.reason
         self.recovery.waiting_since = None
         chosen = self._choose_members(survivors, ready, decision.world_size)
