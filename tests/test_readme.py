@@ -1,21 +1,23 @@
 """The README's quickstart commands, run as written and in order (issue 8 item 2):
 the quickstart, its rerun ("already finished"), the extension to 80 steps, `ckpt ls/verify/export`, and a
-fresh start under a new run id (started right after the quickstart, beside the commands in between: they
-do not touch its run). The first two run exactly as a new user types them (no ``RAY_ADDRESS``): the
-quickstart starts a private local Ray, the rerun none ("already finished" is decided before Ray); the later
-runs connect to the session's (``RAY_ADDRESS``), the commands unchanged, and `ckpt ls/verify/export` (no Ray,
-no worker) run through click in the test's process. The "Your own corpus" block: the prepare on its private
-Ray, the two runs on the session's."""
+fresh start under a new run id. The first two run exactly as a new user types them (processes of their own,
+no ``RAY_ADDRESS``): the quickstart starts a private local Ray, the rerun none ("already finished" is decided
+before Ray). The later commands run their argv through click in the test's process (:func:`in_process`,
+in the commands' directory): the runs on the session's local Ray, each a driver process's start cheaper (its
+imports: ~5 CPU-s) and a private Ray's. The "Your own corpus" block: the prepare as typed (a process of its
+own, its private Ray), the two runs through click on the session's Ray."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,71 +40,52 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
-def _on_the_sessions_ray() -> dict[str, str]:
-    """The environment of a command that runs on the session's local Ray (``RAY_ADDRESS``) instead of starting
-    a private one: the README's commands as written, each a private Ray's start (its GCS, raylet and agents,
-    ~3.5 s of CPU) cheaper. The quickstart itself still starts its own, as a user's first run does."""
-    import os
+def _as_typed(args: list[str], cwd: Path) -> str:
+    """``elastictrain ARGS`` as a user types it: a process of its own in ``cwd``, without ``RAY_ADDRESS`` (a run
+    starts its private local Ray, as a first run does). Exit 0, no traceback; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=cwd, text=True, capture_output=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, (args, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+    return r.stdout
 
-    import ray
 
-    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+def in_process(args: list[str], cwd: Path, monkeypatch: Any) -> str:
+    """``elastictrain ARGS`` through click's runner in this process, in ``cwd``: the same argv, exit code and
+    output, without a process's imports (torch, Ray: ~5 CPU-s). A run connects to the Ray this process has
+    (the session's: ``ray_local``), as with ``RAY_ADDRESS``; a relative path (``./checkpoints``,
+    ``./prepared``, ``--run-dir``) is resolved on the driver against ``cwd``, as in a process of its own.
+    Exit 0 (an exception is raised: no traceback is swallowed); its stdout."""
+    from click.testing import CliRunner
+
+    from elastictrain.cli import main
+
+    monkeypatch.chdir(cwd)
+    try:
+        r = CliRunner().invoke(main, args, catch_exceptions=False)
+    finally:
+        monkeypatch.undo()
+    assert r.exit_code == 0, (args, r.output[-2000:])
+    return r.stdout
 
 
-@pytest.mark.slow  # the quickstart starts a private local Ray; the later runs use the session's
+@pytest.mark.slow  # the quickstart and its rerun as typed (the quickstart on a private local Ray)
 def test_readme_commands_are_true(tmp_path, ray_local, monkeypatch):
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["run", "jobs/tiny_gpt.yaml"]] * 3 + [
         ["ckpt", "ls"], ["ckpt", "verify"], ["ckpt", "export"], ["run", "jobs/tiny_gpt.yaml"]], commands
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
-    session = _on_the_sessions_ray()
-
-    def start(args: list[str], env: dict[str, str] | None = session) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-
-    def finish(args: list[str], proc: subprocess.Popen) -> str:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, (args, out[-2000:], err[-2000:])
-        assert "Traceback" not in err, (args, err[-2000:])
-        return out
-
-    def in_process(args: list[str]) -> str:
-        """A command that starts no Ray nor worker, run by click's runner in this process (in the commands'
-        directory): the same argv and exit code, without a subprocess's imports (torch: seconds of CPU)."""
-        from click.testing import CliRunner
-
-        from elastictrain.cli import main
-
-        monkeypatch.chdir(tmp_path)
-        try:
-            r = CliRunner().invoke(main, args, catch_exceptions=False)
-        finally:
-            monkeypatch.undo()
-        assert r.exit_code == 0, (args, r.output[-2000:])
-        return r.stdout
-
-    private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
-    outputs = [finish(commands[0], start(commands[0], private))]  # the quickstart: a private local Ray
-    # The fresh start (a new run id, its own run directory) touches nothing the commands between it and the
-    # quickstart read or write: it runs beside them instead of after them (on the session's Ray, whose 4 CPUs
-    # hold its 2 workers and the extension's).
-    fresh_start = start(commands[-1])
-    try:
-        outputs.append(finish(commands[1], start(commands[1], private)))  # the rerun, as typed: no Ray at all
-        outputs.append(finish(commands[2], start(commands[2])))  # the extension, on the session's Ray
-        for args in commands[3:-1]:  # `ckpt ls/verify/export`: the same argv through click, in this process
-            outputs.append(in_process(args))
-    except BaseException:
-        fresh_start.kill()
-        fresh_start.communicate()
-        raise
-    outputs.append(finish(commands[-1], fresh_start))
+    outputs = [_as_typed(commands[0], tmp_path)]  # the quickstart: a private local Ray
+    outputs.append(_as_typed(commands[1], tmp_path))  # the rerun, as typed: no Ray at all
+    for args in commands[2:]:  # the extension, `ckpt ls/verify/export`, the fresh start: in order, in process
+        outputs.append(in_process(args, tmp_path, monkeypatch))
     assert "run tiny_gpt already finished at step 60 from checkpoint" in outputs[1]
     demo = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
     assert demo["final_step"] == 80 and demo["run_id"] == "tiny_gpt"
     assert [ln.split()[0] for ln in outputs[3].splitlines()[1:]] == ["40", "60", "80"]
     assert outputs[4].startswith("OK") and (tmp_path / "model.pt").is_file()
+    assert "elastictrain: finished step 60" in outputs[-1], outputs[-1]
     fresh = sorted((tmp_path / "checkpoints").iterdir())
     assert [p.name for p in fresh][0] == "tiny_gpt" and len(fresh) == 2 and fresh[1].name.startswith("tiny_gpt-")
 
@@ -163,16 +146,16 @@ def prepare_commands() -> list[list[str]]:
             if shlex.split(line, comments=True)[:1] == ["elastictrain"]]
 
 
-@pytest.mark.slow  # a prepare on Ray Data (a private local Ray), then two `elastictrain run`s (the session's)
-def test_readme_prepare_then_run(tmp_path, ray_local):
+@pytest.mark.slow  # a prepare on Ray Data (a private local Ray), then two runs (the session's)
+def test_readme_prepare_then_run(tmp_path, ray_local, monkeypatch):
     """The README's prepare -> run block as written: one prepare with a tokenizer trained here, then the tiny
     GPT's and the built-in Llama's jobs on it, each to its last step (on the manifest's 300 ids: a model of the
-    byte vocabulary would fail at its first id past 255). The runs on the session's Ray (``RAY_ADDRESS``),
-    whose workers run in the pytest process's directory, not the commands': the jobs' relative
-    ``task.data.source: ./prepared`` is made absolute on the driver (elastictrain/jobenv.py), a private Ray's
-    start cheaper each. The prepare starts its private local Ray, as typed: on the session's,
-    each of its 4 tasks would start a worker process that preloads torch (the session's Ray preloads the
-    worker actor's module), dearer than a Ray start."""
+    byte vocabulary would fail at its first id past 255). The prepare as typed, a process of its own that
+    starts its private local Ray: on the session's, each of its 4 tasks would start a worker process that
+    preloads torch (the session's Ray preloads the worker actor's module), dearer than a Ray start. The runs
+    through click in this process (:func:`in_process`), on the session's Ray, whose workers run in the pytest
+    process's directory, not the commands': the jobs' relative ``task.data.source: ./prepared`` is made
+    absolute on the driver (elastictrain/jobenv.py)."""
     from tests.test_prepared_data import _corpus, _tokenizer
 
     commands = prepare_commands()
@@ -181,14 +164,8 @@ def test_readme_prepare_then_run(tmp_path, ray_local):
     shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
     _corpus(tmp_path / "corpus")
     _tokenizer(tmp_path / "tokenizer.json")
-    session = _on_the_sessions_ray()
-    private = {k: v for k, v in session.items() if k != "RAY_ADDRESS"}
-    outputs = []
-    for args in commands:
-        r = subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=tmp_path, text=True,
-                           capture_output=True, timeout=600, env=private if args[0] == "data" else session)
-        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout[-2000:], r.stderr[-2000:])
-        outputs.append(r.stdout)
+    outputs = [_as_typed(commands[0], tmp_path)]
+    outputs += [in_process(args, tmp_path, monkeypatch) for args in commands[1:]]
     assert "elastictrain: prepared prepared/: train" in outputs[0] and "vocab 300" in outputs[0]
     assert "elastictrain: finished step 40" in outputs[1] and "elastictrain: finished step 20" in outputs[2]
     for name, last in (("prepared_gpt", 40), ("prepared_llama", 20)):
