@@ -6,6 +6,12 @@ for ``cluster`` by name and imports only ``SLOW`` / ``node_of``. (Imported into 
 is defined once per module, and a session-scoped one would start a cluster per module and keep them all.)
 tests/conftest.py runs every test on the cluster after the others, so it is started once (the placement
 tests, tests/test_placement_nodes.py, and the simulator's actors, tests/test_sim_ray.py, share it too).
+
+The test process stays connected to the cluster from one ``cluster`` test to the next (one Ray job): a run
+that finished leaves its worker processes and keepers in the pool (``workers.reuse``, the suite's
+``BASE_JOB``; elastictrain/controller/warm_pool.py), and the next test's run takes those on the nodes it
+kept instead of starting and importing new ones (~4 CPU-s each). A test that failed, or a test that is not a
+``cluster`` test, disconnects first (:func:`pytest_runtest_setup`): its Ray job, with whatever it left, goes.
 """
 
 from __future__ import annotations
@@ -42,8 +48,7 @@ def _session_cluster() -> Iterator[Cluster]:
     try:
         yield c
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        _disconnect()
         c.shutdown()
 
 
@@ -76,21 +81,50 @@ def _top_up(c: Cluster, timeout: float = 90.0) -> None:
         time.sleep(0.1)
 
 
+_DRIVER: dict[str, str | None] = {"address": None}  # the cluster this process's driver is connected to, if any
+
+
+def _disconnect() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    _DRIVER["address"] = None
+
+
+def _uses_cluster(item: Any) -> bool:
+    """True if ``item`` runs on this module's ``cluster`` (not a module's own fixture of the same name)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: Any) -> None:
+    """Before any fixture of a test that is not a ``cluster`` test: the driver's connection to the cluster
+    goes (``ray_local`` then starts the session's local Ray, and a test that starts its own Ray finds none)."""
+    if _DRIVER["address"] is not None and not _uses_cluster(item):
+        _disconnect()
+
+
 @pytest.fixture
-def cluster(_session_cluster: Cluster) -> Iterator[tuple[Cluster, list[Any]]]:
+def cluster(_session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, list[Any]]]:
     """A head with no CPUs and two 1-CPU worker nodes: each worker lives on its own node. The session's
     local Ray is shut down first (``ray_local`` brings it back for the next test that asks).
 
-    The Ray processes are shared by the session's cluster tests, each its own Ray job (the driver reconnects, so what a
-    test's job left -- actors, placement groups -- goes with it) on a cluster topped back up to two fresh,
-    free worker nodes: nodes a test removed or drained are replaced."""
+    The Ray processes are shared by the session's cluster tests, and so is the driver's Ray job while they
+    pass (see the module): each test gets the cluster topped back up to two live, undrained, free worker
+    nodes (nodes a test removed or drained are replaced; processes pooled on the nodes kept stay). A test
+    that fails ends the job (``ray.shutdown``): what it left (actors, placement groups, a run still going)
+    goes with it, and the next test connects anew."""
     c = _session_cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address=c.address, log_to_driver=False)
+    if _DRIVER["address"] != c.address:
+        _disconnect()
+        ray.init(address=c.address, log_to_driver=False)
+        _DRIVER["address"] = c.address
+    failed = request.session.testsfailed
     _top_up(c)
     yield c, list(c.worker_nodes)
-    ray.shutdown()
+    if request.session.testsfailed != failed:
+        _disconnect()
 
 
 def node_of(nodes: list[Any], node_id: str) -> Any:
