@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
-from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, node_caps, pool_key
+from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, node_cpus, pool_key
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, Phase, put_back, sweep
@@ -565,15 +565,15 @@ class WorkerGroup:
             except Exception:
                 pass
         if self._reuse:  # this run's retired workers stay, with what the pool held and this run did not take,
-            # bounded per node by what its CPUs hold (warm_pool.py); the rest goes
-            POOL.release(self._pool_key, self._warm, self._pool_caps())
+            # bounded per node and key by what its CPUs hold (warm_pool.py); the rest goes
+            POOL.release(self._pool_key, self._warm, self._pool_cpus())
             self._warm = []
 
-    def _pool_caps(self) -> dict[str, int] | None:
-        """Per alive node, how many idle processes of this run's key the pool may keep (None: unknown, the
-        pool keeps this run's workers only)."""
+    def _pool_cpus(self) -> dict[str, float] | None:
+        """The CPUs of each alive node, which bound what the pool keeps there (None: unknown, the pool keeps
+        this run's workers only)."""
         try:
             nodes = ray.nodes()
         except Exception:  # noqa: BLE001 - Ray going away
             return None
-        return node_caps(self.config.workers.cpus_per_worker, nodes)
+        return node_cpus(nodes)
