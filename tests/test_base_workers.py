@@ -4,10 +4,13 @@ did (last stop: test_pp_recovery, test_prepared_data), and their runs started ev
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from elastictrain import Trainer, build_config
-from tests.base_workers import dropped_workers_settings
+from elastictrain.config import ConfigError
+from tests.base_workers import dropped_workers_settings, guarded_fit
 from tests.conftest import job
 
 
@@ -24,8 +27,18 @@ def test_a_replaced_workers_section_is_named_and_a_merged_one_passes() -> None:
     assert dropped_workers_settings(gpu) is None
 
 
-def test_a_run_of_a_replaced_section_fails_its_test_before_anything_starts(tmp_path) -> None:
-    spec = {**job(), "workers": {"min": 2, "max": 2}}
+def test_every_fit_of_the_suite_is_guarded_and_a_run_of_a_replaced_section_fails_its_test() -> None:
+    assert getattr(Trainer.fit, "base_workers_guard", False)  # conftest's fixture is on for every test
+    replaced = SimpleNamespace(config=build_config({**job(), "workers": {"min": 2, "max": 2}}))
+    merged = SimpleNamespace(config=build_config(job(workers={"min": 2, "max": 2})))
+    ran: list = []
+    fit = guarded_fit(lambda trainer: ran.append(trainer) or "result")  # a run that returned
     with pytest.raises(pytest.fail.Exception, match=r"does not set workers.reuse and workers.standby"):
-        Trainer(build_config(spec), run_dir=tmp_path / "run", console=None).fit()
-    assert not (tmp_path / "run").exists()  # refused before the run started (no Ray, no run directory)
+        fit(replaced)
+    assert fit(merged) == "result" and ran == [replaced, merged]
+
+    def refused(trainer):  # a preflight's error, which a test may expect: left as it is
+        raise ConfigError("train.steps=0: must be > 0")
+
+    with pytest.raises(ConfigError, match="train.steps=0"):
+        guarded_fit(refused)(replaced)
