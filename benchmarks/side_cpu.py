@@ -7,8 +7,9 @@ its training processes' threads.
   processes; plain: torchrun's agent and its ranks), whoever else runs on the machine. Where the hierarchy
   is missing or read-only the column is left out and :func:`cgroup_unavailable` says why.
 * By role (``/proc/PID/stat``, as ``step_cpu.py``): the two training processes, the launcher (elastictrain:
-  this script's process, i.e. the driver; plain: torchrun's agent), elastictrain's other Ray worker
-  processes (the standby, Ray's idle pre-started ones), Ray's daemons, and the rest (whole side less those).
+  this script's process, i.e. the driver; plain: torchrun's agent), elastictrain's standby process (found
+  by its runtime environment), other Ray worker processes (Ray's idle pre-started ones), Ray's daemons, and
+  the rest (whole side less those).
 * Wake-ups: ``voluntary_ctxt_switches`` of every thread of the training processes
   (``/proc/PID/task/TID/status``), per second of the window. A thread that sleeps on a timer (a heartbeat,
   a poll, Ray's 10 ms signal check) wakes once per period; on two cores each wake-up can preempt a rank.
@@ -99,8 +100,9 @@ def children(pid: int) -> list[int]:
 
 
 class RayRoles:
-    """{pid: role} of this driver's private Ray: its daemons, and the raylet's worker processes that are not
-    training ones (rescanned at most once a second: a scan of /proc costs the sampler)."""
+    """{pid: role} of this driver's private Ray: its daemons with their helper processes (the raylet's agents,
+    the dashboard's modules), the standby, and the raylet's other worker processes (the training ones are
+    named by the caller). Rescanned at most once a second: a scan of /proc costs the sampler."""
 
     def __init__(self) -> None:
         import ray
@@ -108,16 +110,34 @@ class RayRoles:
         node = ray._private.worker._global_node
         self.daemons = {i.process.pid: "ray daemon" for infos in node.all_processes.values() for i in infos
                         if i.process is not None}
-        self.raylets = [i.process.pid for i in node.all_processes.get("raylet", []) if i.process is not None]
-        self._workers: dict[int, str] = {}
+        self._found: dict[int, str] = {}
         self._at = 0.0
 
     def __call__(self) -> dict[int, str]:
         if time.time() - self._at >= 1.0:
             self._at = time.time()
             table = parents()
-            self._workers.update({c: "ray worker" for c, parent in table.items() if parent in self.raylets})
-        return {**self.daemons, **self._workers}
+            known = {**self.daemons, **self._found}
+            for _ in range(3):  # descendants, a few levels down
+                for c, parent in table.items():
+                    if parent in known and (c not in self._found or self._found[c] == "ray worker"):
+                        self._found[c] = _kind(c)
+                known = {**self.daemons, **self._found}
+        return {**self.daemons, **self._found}
+
+
+def _kind(pid: int) -> str:
+    """A Ray worker process (elastictrain's standby: its runtime env sets the standby variable; it is read
+    again at every scan, as a process just forked still has its parent's environment) or a daemon's helper."""
+    from elastictrain.worker.import_priority import STANDBY_ENV
+
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"default_worker.py" not in cmdline:
+            return "ray daemon"
+        return "standby" if f"{STANDBY_ENV}=".encode() in Path(f"/proc/{pid}/environ").read_bytes() else "ray worker"
+    except OSError:
+        return "ray worker"
 
 
 @dataclass(frozen=True)
@@ -128,7 +148,8 @@ class SideCpu:
     launcher: float                  # elastictrain: the driver process less the sampler; plain: torchrun's agent
     background: float | None = None  # the other side's group over this window (idle Ray beside plain DDP)
     wakeups: dict[str, float] = field(default_factory=dict)  # thread label -> wake-ups/s, per training process
-    ray_workers: float = 0.0         # Ray worker processes other than the training ones (standby, idle ones)
+    ray_workers: float = 0.0         # Ray worker processes other than the training ones and the standby
+    standby: float = 0.0             # elastictrain's standby process
     ray_daemons: float = 0.0         # Ray's daemons (raylet, GCS, log monitor, agents)
     steps_per_s: float = 0.0
 
@@ -136,7 +157,7 @@ class SideCpu:
     def rest(self) -> float | None:
         if self.whole is None:
             return None
-        return self.whole - self.training - self.launcher - self.ray_workers - self.ray_daemons
+        return self.whole - self.training - self.launcher - self.standby - self.ray_workers - self.ray_daemons
 
     @property
     def training_wakeups(self) -> float:
@@ -235,4 +256,14 @@ class Sampler:
                     wake["|".join(names) or "?"] += thread_delta(pid, tid, 2) / (t1 - t0) / n_training
         return SideCpu(group(side), per_role["training"], per_role["launcher"], group(other),
                        {k: v for k, v in sorted(wake.items(), key=lambda kv: -kv[1])},
-                       per_role["ray worker"], per_role["ray daemon"], steps / (t1 - t0))
+                       per_role["ray worker"], per_role["standby"], per_role["ray daemon"], steps / (t1 - t0))
+
+
+def one_line(c: SideCpu) -> str:
+    """One run's figures, CPU-ms per step."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.2f}"
+    return (f"whole {ms(c.whole)} training {ms(c.training)} launcher {ms(c.launcher)} standby {ms(c.standby)} "
+            f"ray workers {ms(c.ray_workers)} daemons {ms(c.ray_daemons)} rest {ms(c.rest)} beside "
+            f"{ms(c.background)} ms/step; training wake-ups {c.training_wakeups:.0f}/s per process ("
+            + ", ".join(f"{k} {v:.0f}" for k, v in c.wakeups.items() if v >= 1) + ")")

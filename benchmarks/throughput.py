@@ -64,7 +64,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from side_cpu import CpuGroup, RayRoles, Sampler, SideCpu, cgroup_unavailable, children, wrap_in_group  # noqa: E402
+from side_cpu import (CpuGroup, RayRoles, Sampler, SideCpu, cgroup_unavailable, children,  # noqa: E402
+                      one_line, wrap_in_group)
 
 PLAIN_SCRIPT = HERE / "plain_ddp.py"
 RESULT_PREFIX = "PLAIN_DDP_RESULT "
@@ -280,7 +281,7 @@ def _cpu_table(rows: list[Round], note: str | None) -> str:
     med = statistics.median
     out = ["CPU-ms per step over the steady-state window, median over the pairs (whole side: cgroup; roles: /proc)"
            + (f"\n  note: {note}" if note else "")]
-    out.append(f"  {'dropout':>7}  {'side':<13} {'whole':>7} {'training':>9} {'launcher':>9} {'ray wkrs':>9} "
+    out.append(f"  {'dropout':>7}  {'side':<13} {'whole':>7} {'training':>9} {'launcher':>9} {'standby':>8} {'ray wkrs':>9} "
                f"{'daemons':>8} {'rest':>7} {'beside':>7} {'wake-ups/s':>11} {'wake-ups/step':>14}")
     for dropout in sorted({r.dropout for r in rows}, reverse=True):
         rs = [r for r in rows if r.dropout == dropout]
@@ -290,12 +291,12 @@ def _cpu_table(rows: list[Round], note: str | None) -> str:
                 return None if any(v is None for v in vals) else med(vals)
             per_step = med(c.training_wakeups / c.steps_per_s for c in sides)
             out.append(f"  {dropout:>7g}  {name:<13} {_ms(m('whole')):>7} {_ms(m('training')):>9} "
-                       f"{_ms(m('launcher')):>9} {_ms(m('ray_workers')):>9} {_ms(m('ray_daemons')):>8} "
+                       f"{_ms(m('launcher')):>9} {_ms(m('standby')):>8} {_ms(m('ray_workers')):>9} {_ms(m('ray_daemons')):>8} "
                        f"{_ms(m('rest')):>7} {_ms(m('background')):>7} {m('training_wakeups'):>11.0f} "
                        f"{per_step:>14.1f}")
     out.append("  whole = the side's cgroup; training = its two ranks; launcher = elastictrain's driver (this "
-               "script, less the sampler) / torchrun's agent; ray wkrs = elastictrain's other Ray worker processes "
-               "(the standby, idle pre-started ones); daemons = Ray's; rest = whole less those; wake-ups = "
+               "script, less the sampler) / torchrun's agent; standby = elastictrain's standby process; ray wkrs "
+               "= other Ray worker processes (Ray's idle pre-started ones); daemons = Ray's; rest = whole less those; wake-ups = "
                "voluntary context switches of a training process, all its threads; beside = the other side's group meanwhile (plain "
                "DDP runs beside the same Ray, idle)")
     out.append("\nwake-ups per second per thread of a training process (median over the pairs, threads >= 1/s)")
@@ -319,10 +320,14 @@ def main() -> int:
                    help="also run plain DDP plus a separate per-step (loss, stop) all-reduce each round")
     p.add_argument("--dropouts", default="0.1,0", help="comma-separated model dropout values, one row set each")
     p.add_argument("--no-cpu", action="store_true", help="leave out the CPU figures (no sampler, no cgroups)")
+    p.add_argument("--only", choices=("elastictrain", "plain"),
+                   help="run one side only and print each run's CPU figures (a before/after of one side's CPU)")
     a = p.parse_args()
     dropouts = [float(x) for x in a.dropouts.split(",") if x.strip()]
     if a.steps <= a.warmup + 1 or a.warmup < 1 or a.rounds < 1:
         p.error("need --rounds >= 1, --warmup >= 1 and --steps > --warmup + 1")
+    if a.only and a.no_cpu:
+        p.error("--only prints CPU figures: drop --no-cpu")
 
     import ray
 
@@ -353,6 +358,11 @@ def main() -> int:
         for i in range(1, a.rounds + 1):
             for dropout in dropouts:
                 et_first = i % 2 == 1  # AB, BA, AB, ...: drift within a pair favours each side equally often
+                if a.only:
+                    m = (run_elastictrain if a.only == "elastictrain" else run_plain)(*shape, dropout, cpu=groups)
+                    print(f"round {i} dropout={dropout:g}: {a.only} {m.samples_per_s:.1f} samples/s, "
+                          + one_line(m.cpu), flush=True)
+                    continue
                 got: dict[str, Measure] = {}
                 for side in (("et", "plain") if et_first else ("plain", "et")):
                     if side == "et":
@@ -371,6 +381,8 @@ def main() -> int:
         for g in (groups or {}).values():
             g.close()
     print(f"\nload avg at the end={os.getloadavg()[0]:.2f}\n")
+    if a.only:
+        return 0
     print(_table(rows))
     if groups is not None:
         print("\n" + _cpu_table(rows, cg_note))
