@@ -152,6 +152,7 @@ class SideCpu:
     standby: float = 0.0             # elastictrain's standby process
     ray_daemons: float = 0.0         # Ray's daemons (raylet, GCS, log monitor, agents)
     steps_per_s: float = 0.0
+    thread_cpu: dict[str, float] = field(default_factory=dict)  # thread label -> CPU-s/step, per training process
 
     @property
     def rest(self) -> float | None:
@@ -242,6 +243,7 @@ class Sampler:
 
         per_role: dict[str, float] = defaultdict(float)
         wake: dict[str, float] = defaultdict(float)
+        thread_cpu: dict[str, float] = defaultdict(float)
         n_training = sum(1 for r in self.role_of.values() if r == "training") or 1
         for pid, role in self.role_of.items():
             tids: dict[int, list[str]] = defaultdict(list)
@@ -251,12 +253,15 @@ class Sampler:
                         tids[tid].append(name)
                     tids.setdefault(tid, [])
             for tid, names in tids.items():
-                per_role[role] += thread_delta(pid, tid, 1) / steps
+                cpu = thread_delta(pid, tid, 1) / steps
+                per_role[role] += cpu
                 if role == "training":
                     wake["|".join(names) or "?"] += thread_delta(pid, tid, 2) / (t1 - t0) / n_training
+                    thread_cpu["|".join(names) or "?"] += cpu / n_training
         return SideCpu(group(side), per_role["training"], per_role["launcher"], group(other),
                        {k: v for k, v in sorted(wake.items(), key=lambda kv: -kv[1])},
-                       per_role["ray worker"], per_role["standby"], per_role["ray daemon"], steps / (t1 - t0))
+                       per_role["ray worker"], per_role["standby"], per_role["ray daemon"], steps / (t1 - t0),
+                       {k: v for k, v in sorted(thread_cpu.items(), key=lambda kv: -kv[1])})
 
 
 def one_line(c: SideCpu) -> str:
@@ -266,4 +271,5 @@ def one_line(c: SideCpu) -> str:
     return (f"whole {ms(c.whole)} training {ms(c.training)} launcher {ms(c.launcher)} standby {ms(c.standby)} "
             f"ray workers {ms(c.ray_workers)} daemons {ms(c.ray_daemons)} rest {ms(c.rest)} beside "
             f"{ms(c.background)} ms/step; training wake-ups {c.training_wakeups:.0f}/s per process ("
-            + ", ".join(f"{k} {v:.0f}" for k, v in c.wakeups.items() if v >= 1) + ")")
+            + ", ".join(f"{k} {v:.0f}" for k, v in c.wakeups.items() if v >= 1) + "); training threads "
+            + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.thread_cpu.items() if v >= 2e-5) + " ms/step per process")
