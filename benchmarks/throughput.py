@@ -120,7 +120,7 @@ def steady_state_robust(times: list[float], warmup: int, global_batch: int) -> f
 # ------------------------------------------------------------------------------------------ elastictrain
 
 
-def _job(steps: int, global_batch: int, micro_batch: int, dropout: float) -> dict[str, Any]:
+def _job(steps: int, global_batch: int, micro_batch: int, dropout: float, standby: bool = True) -> dict[str, Any]:
     opt = {k: OPTIM[k] for k in ("lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")}
     return {
         "name": "throughput",
@@ -128,17 +128,19 @@ def _job(steps: int, global_batch: int, micro_batch: int, dropout: float) -> dic
                  "optimizer": opt},
         "train": {"steps": steps, "seed": SEED, "global_batch": global_batch, "micro_batch": micro_batch,
                   "log_every": steps},
-        "workers": {"min": WORLD, "max": WORLD, "cpus_per_worker": 1.0},
+        "workers": {"min": WORLD, "max": WORLD, "cpus_per_worker": 1.0, "standby": standby},
         "checkpoint": {"uri": None, "every_steps": 0, "memory_every_steps": 0, "resume": "never"},
     }
 
 
 def run_elastictrain(steps: int, global_batch: int, micro_batch: int, warmup: int, dropout: float,
-                     cpu: dict[str, CpuGroup] | None = None) -> Measure:
-    """``cpu``: None for no CPU figures; else the sides' cgroups ({} where there are none)."""
+                     cpu: dict[str, CpuGroup] | None = None, standby: bool = True) -> Measure:
+    """``cpu``: None for no CPU figures; else the sides' cgroups ({} where there are none). ``standby``:
+    ``workers.standby`` (the default, true, unless an ablation asks otherwise)."""
     from elastictrain import Trainer, build_config
 
-    config = build_config(_job(steps, global_batch, micro_batch, dropout), source="benchmarks/throughput.py")
+    config = build_config(_job(steps, global_batch, micro_batch, dropout, standby),
+                          source="benchmarks/throughput.py")
     with tempfile.TemporaryDirectory(prefix="et-bench-") as tmp:
         events_path = Path(tmp) / "events.jsonl"
         workers: dict[int, str] = {}
@@ -339,6 +341,8 @@ def main() -> int:
                    help="also run plain DDP plus a separate per-step (loss, stop) all-reduce each round")
     p.add_argument("--dropouts", default="0.1,0", help="comma-separated model dropout values, one row set each")
     p.add_argument("--no-cpu", action="store_true", help="leave out the CPU figures (no sampler, no cgroups)")
+    p.add_argument("--no-standby", action="store_true",
+                   help="ablation, not the default: elastictrain with workers.standby false (the standby's share)")
     p.add_argument("--only", choices=("elastictrain", "plain"),
                    help="run one side only and print each run's CPU figures (a before/after of one side's CPU)")
     a = p.parse_args()
@@ -378,14 +382,15 @@ def main() -> int:
             for dropout in dropouts:
                 et_first = i % 2 == 1  # AB, BA, AB, ...: drift within a pair favours each side equally often
                 if a.only:
-                    m = (run_elastictrain if a.only == "elastictrain" else run_plain)(*shape, dropout, cpu=groups)
+                    m = (run_elastictrain(*shape, dropout, cpu=groups, standby=not a.no_standby)
+                         if a.only == "elastictrain" else run_plain(*shape, dropout, cpu=groups))
                     print(f"round {i} dropout={dropout:g}: {a.only} {m.samples_per_s:.1f} samples/s, "
                           + one_line(m.cpu), flush=True)
                     continue
                 got: dict[str, Measure] = {}
                 for side in (("et", "plain") if et_first else ("plain", "et")):
                     if side == "et":
-                        got[side] = run_elastictrain(*shape, dropout, cpu=groups)
+                        got[side] = run_elastictrain(*shape, dropout, cpu=groups, standby=not a.no_standby)
                     else:
                         got[side] = run_plain(*shape, dropout, cpu=groups)
                     print(f"round {i} dropout={dropout:g}: {'elastictrain' if side == 'et' else 'plain DDP   '} "
