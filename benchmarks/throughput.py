@@ -10,11 +10,12 @@ runs, one of each side, back to back; the side that goes first alternates from r
 median over the rounds of each pair's own ratio, with its spread (min, quartiles, max): many short pairs
 follow the drift of a VM's CPU better than a few long ones.
 
-The window skips the run's start-up on both sides (the same ``--warmup`` steps): elastictrain's first
-standby process starts with the first workers, at their priority, and its ~5 CPU-s of imports and set-up
-overlap the first seconds of training on a small machine; a training run pays that once, a 200-step window
-would measure mostly it. Where CPU figures are on, a pair whose window still holds the standby's start is
-marked in the table.
+The window skips the run's start-up on both sides (the same ``--warmup`` steps, 300 by default):
+elastictrain's first standby process starts with the first workers, at their priority, and its ~5 CPU-s of
+imports and set-up overlap the first seconds of training on a small machine; a training run pays that
+once, a window that starts 30 steps in would measure mostly it. Where CPU figures are on, a pair whose
+window still holds the standby's start is marked in the table.
+
 Both sides' training processes run at nice 0 (Ray's workers would otherwise start at nice 15, below Ray's
 own daemons and the driver), and neither side checkpoints (durable or peer memory tier).
 
@@ -329,10 +330,10 @@ def _cpu_table(rows: list[Round], note: str | None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description="elastictrain vs plain torchrun DDP: steady-state samples/s")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     p.add_argument("--rounds", type=int, default=8,
                    help="pairs per dropout value; each runs both sides, the first side alternating")
-    p.add_argument("--warmup", type=int, default=200,
+    p.add_argument("--warmup", type=int, default=300,
                    help="steps skipped before the steady-state window (both sides): past the run's start-up, "
                         "the standby's start included")
     p.add_argument("--global-batch", type=int, default=32)
