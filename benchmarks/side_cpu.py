@@ -105,16 +105,18 @@ class RayRoles:
     named by the caller). Rescanned at most once a second: a scan of /proc costs the sampler."""
 
     def __init__(self) -> None:
-        import ray
-
-        node = ray._private.worker._global_node
-        self.daemons = {i.process.pid: "ray daemon" for infos in node.all_processes.values() for i in infos
-                        if i.process is not None}
+        self.daemons: dict[int, str] = {}
         self._found: dict[int, str] = {}
         self._at = 0.0
 
     def __call__(self) -> dict[int, str]:
-        if time.time() - self._at >= 1.0:
+        import ray
+
+        node = ray._private.worker._global_node if ray.is_initialized() else None
+        if not self.daemons and node is not None:  # (the run starts its Ray after the sampler started)
+            self.daemons = {i.process.pid: "ray daemon" for infos in node.all_processes.values() for i in infos
+                            if i.process is not None}
+        if self.daemons and time.time() - self._at >= 1.0:
             self._at = time.time()
             table = parents()
             known = {**self.daemons, **self._found}

@@ -19,9 +19,10 @@ window still holds the standby's start is marked in the table.
 Both sides' training processes run at nice 0 (Ray's workers would otherwise start at nice 15, below Ray's
 own daemons and the driver), and neither side checkpoints (durable or peer memory tier).
 
-* elastictrain: ``Trainer(...).fit()`` on a local Ray started once by this script as ``elastictrain run``
-  starts its own (``elastictrain/local_ray.py``: system config, daemon settings) and reused by every
-  round. Throughput comes from the ``step`` events of ``events.jsonl``.
+* elastictrain: ``Trainer(...).fit()``, which starts its own private Ray as ``elastictrain run`` does
+  (``elastictrain/local_ray.py``: system config, daemon settings; worker output to the driver), stopped
+  after each run: the plain rounds run with no Ray up. Throughput comes from the ``step`` events of
+  ``events.jsonl``.
 * plain: ``benchmarks/plain_ddp.py`` under ``python -m torch.distributed.run --nproc_per_node=2``; rank 0
   records ``time.time()`` after each optimizer step.
 
@@ -57,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -138,6 +138,8 @@ def run_elastictrain(steps: int, global_batch: int, micro_batch: int, warmup: in
                      cpu: dict[str, CpuGroup] | None = None, standby: bool = True) -> Measure:
     """``cpu``: None for no CPU figures; else the sides' cgroups ({} where there are none). ``standby``:
     ``workers.standby`` (the default, true, unless an ablation asks otherwise)."""
+    import ray
+
     from elastictrain import Trainer, build_config
 
     config = build_config(_job(steps, global_batch, micro_batch, dropout, standby),
@@ -156,11 +158,12 @@ def run_elastictrain(steps: int, global_batch: int, micro_batch: int, warmup: in
 
         sampler = Sampler(cpu, roles) if cpu is not None else None
         t0 = time.time()
-        try:
+        try:  # Trainer starts its private Ray as `elastictrain run` does; stopped after: plain runs with none
             result = Trainer(config, run_dir=tmp, console=None).fit()
         finally:
             if sampler is not None:
                 sampler.stop()
+            ray.shutdown()
         wall = time.time() - t0
         events = [json.loads(line) for line in events_path.read_text().splitlines() if line]
     if not result.ok:
@@ -311,8 +314,8 @@ def _cpu_table(rows: list[Round], note: str | None) -> str:
     out.append("  whole = the side's cgroup; training = its two ranks; launcher = elastictrain's driver (this "
                "script, less the sampler) / torchrun's agent; standby = elastictrain's standby process; ray wkrs "
                "= other Ray worker processes (Ray's idle pre-started ones); daemons = Ray's; rest = whole less those; wake-ups = "
-               "voluntary context switches of a training process, all its threads; beside = the other side's group meanwhile (plain "
-               "DDP runs beside the same Ray, idle)")
+               "voluntary context switches of a training process, all its threads; beside = the other side's group meanwhile (this "
+               "script, idle: no Ray runs during plain DDP's rounds)")
     out.append("\nwake-ups per second per thread of a training process (median over the pairs, threads >= 1/s)")
     for name, sides in (("elastictrain", [r.et.cpu for r in rows]), ("plain DDP", [r.plain.cpu for r in rows])):
         labels = {k for c in sides for k in c.wakeups}
@@ -355,8 +358,6 @@ def main() -> int:
 
     import ray
 
-    from elastictrain.local_ray import init_local_ray
-
     groups: dict[str, CpuGroup] | None = None
     cg_note = None if a.no_cpu else cgroup_unavailable()
     if not a.no_cpu:
@@ -364,15 +365,13 @@ def main() -> int:
         if cg_note is None:  # before Ray starts: its daemons and workers are this process's descendants
             groups = {"elastictrain": CpuGroup("elastictrain"), "plain": CpuGroup("plain")}
             groups["elastictrain"].add_process(os.getpid())
-    # Started once and reused: Trainer only initialises Ray when it is not yet initialised. Ray's daemons
-    # stay up during the plain rounds too, so both sides share the same background load.
-    # address="local": always a private instance, never a Ray cluster someone else started on this machine.
-    # Same priority for both sides' training processes: Ray starts its worker processes at nice 15 (its
+    # Each elastictrain run starts its own private Ray (Trainer's start, as `elastictrain run`: the daemon
+    # settings of elastictrain/local_ray.py, worker output forwarded to the driver) and stops it after, so
+    # plain DDP runs with no Ray beside it, as it would for a user; Ray's start is in the run's wall time,
+    # not in its steps. Same priority for both sides' training processes: Ray starts its worker processes at nice 15 (its
     # RAY_worker_niceness default), torchrun's ranks run at nice 0. Left as is, Ray's own daemons and the
     # driver (nice 0) would preempt elastictrain's workers but not plain DDP's ranks.
-    # The Ray `elastictrain run` starts (elastictrain/local_ray.py: its system config and daemon settings).
     os.environ["RAY_worker_niceness"] = "0"
-    init_local_ray(WORLD, logging_level=logging.WARNING, log_to_driver=False)
     print(f"steps={a.steps} warmup={a.warmup} global_batch={a.global_batch} micro_batch={a.micro_batch} "
           f"seq_len={MODEL['seq_len']} world={WORLD} threads/worker=1 cores={os.cpu_count()} "
           f"load avg={os.getloadavg()[0]:.2f}" + (f"\nnote: {cg_note}" if cg_note else ""), flush=True)
@@ -402,7 +401,8 @@ def main() -> int:
                     print(f"round {i} dropout={dropout:g}: plain + AR   {ab.samples_per_s:.1f} samples/s", flush=True)
                 rows.append(Round(i, dropout, got["et"], got["plain"], ab, et_first))
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
         for g in (groups or {}).values():
             g.close()
     print(f"\nload avg at the end={os.getloadavg()[0]:.2f}\n")
