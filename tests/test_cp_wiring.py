@@ -119,7 +119,7 @@ def test_cp2_x_dp2_rank_killed_recovers_shrinks_to_one_cp_group_and_grows_back(t
     (cp2 x dp1: a cp group is never split) and grow back to 4 once the replacement is up (the folded
     generation is held before its first step until then: tests/grow_gate.py); at most one step is lost
     and every step's loss (a redone one too) and the final parameters are the uninterrupted run's."""
-    from tests.grow_gate import hold_until_grown
+    from tests.grow_gate import assert_held_one_step, hold_until_grown
     from tests.test_pp_recovery import TIMEOUTS, _clean, _kept_their_process, _slow
 
     steps = 12  # the kill at 6, the folded generation's one step, then 4 again
@@ -137,6 +137,7 @@ def test_cp2_x_dp2_rank_killed_recovers_shrinks_to_one_cp_group_and_grows_back(t
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole cp groups only: 3 workers run one
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
     assert_cursor_audit(run, steps, TASK["model"]["seq_len"], TRAIN["global_batch"])
     clean = job(task=copy.deepcopy(TASK), train=train, workers={"min": 1, "max": 1})

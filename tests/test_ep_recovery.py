@@ -66,6 +66,7 @@ def _killed_run(tmp_path, name: str, rank: int, kind: str = "kill", **parallel):
 def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str, failure: str = "process_died") -> None:
     """One failure (the kill), served by the survivors, 4 -> 2 -> 4 with the meshes named, the survivors in
     their processes, the audit, the token counts, and every step's numbers of the uninterrupted run."""
+    from tests.grow_gate import assert_held_one_step
     from tests.test_pp_recovery import _kept_their_process
 
     assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
@@ -78,6 +79,7 @@ def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str, fa
     meshes = [e["mesh"] for e in run.of("step") if e.get("mesh")]  # a generation's first step names it (ep aside)
     assert meshes[0] == mesh4 and mesh2 in meshes and meshes[-1] == mesh4, meshes
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [r for r in range(4) if r != killed])
     _audited(run, steps)
     _token_counts(run)

@@ -118,7 +118,7 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     from elastictrain.data.cursor import step_sample_ids
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
     from tests.cluster_fixtures import SLOW
-    from tests.grow_gate import hold_until_grown
+    from tests.grow_gate import assert_held_one_step, hold_until_grown
     from tests.step_checks import assert_checkpoints_carry_their_steps, assert_each_step_counted_once
 
     # late enough that earlier saves were committed (saves in flight at the kill are abandoned, never commit)
@@ -155,6 +155,7 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     # folded, and one process differ by fp32 sum order only (the parameters' tolerance: RECOVERY_PARAM_ATOL)
     assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
+    assert_held_one_step(faulty)
     # each step counts once (issue #40): a step redone after the restore supersedes its first event, marked
     # `redone`; the first attempt's time is goodput's redone_s; every checkpoint carries its steps' records
     redone = assert_each_step_counted_once(faulty)

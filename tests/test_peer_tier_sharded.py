@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.conftest import BackgroundRun, job
-from tests.grow_gate import hold_until_grown
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -153,4 +153,5 @@ def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_l
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # folded, then grew back from the survivors' snapshots
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _finished_like_clean(run, clean)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
-from tests.grow_gate import hold_until_grown
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -90,6 +90,7 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole pipelines only: 3 workers run one pipeline
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
     _like_clean(run, CLEAN)
 

@@ -12,7 +12,7 @@ import pytest
 # math is unchanged.
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
-from tests.grow_gate import hold_until_grown
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_grew_back_from_the_last_step, assert_same_numbers
 from tests.step_checks import assert_each_step_counted_once
 from tests.test_ray_console import assert_paragraph_diverted
@@ -53,6 +53,7 @@ def test_killed_worker_shrinks_then_grows_back_with_same_numbers(tmp_path, ray_l
     # 2-worker run by fp32 sum order only (tests/parallel_fixtures.py)
     assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
+    assert_held_one_step(faulty)
 
 
 def test_strict_mode_replaces_and_is_bitwise_identical_and_all_workers_lost_recover_from_memory_replica(

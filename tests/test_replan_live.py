@@ -16,7 +16,7 @@ from elastictrain.planner.live import Replanner
 
 from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
-from tests.grow_gate import hold_until_grown
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -96,6 +96,7 @@ def killed_auto_run(tmp_path, spec_fn, name: str):
     run = run_job(tmp_path, spec, name=name)
     assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    assert_held_one_step(run)
     return run
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 
 from tests.conftest import BASE_JOB, job, run_job
-from tests.grow_gate import hold_until_grown
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import assert_grew_back_from_the_last_step, assert_same_numbers
 from tests.test_pp_recovery import TIMEOUTS, _audit, _clean, _kept_their_process, _slow
 
@@ -56,6 +56,7 @@ def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_a
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole TP groups only: 3 workers run one
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
     _like_clean(run, CLEAN)
 
