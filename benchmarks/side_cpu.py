@@ -29,45 +29,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cgroup_cpu
+from cgroup_cpu import CpuGroup
 from proc_cpu import parents, thread_stats
 
-CG_ROOT = Path("/sys/fs/cgroup/cpuacct")
+CG_ROOT = cgroup_cpu.ROOT
 
 
 def cgroup_unavailable() -> str | None:
     """None when per-side cgroups can be made here; otherwise the reason, for the report."""
-    if not (CG_ROOT / "cgroup.procs").exists() or not (CG_ROOT / "cpuacct.usage").exists():
-        return f"no cgroup-v1 cpuacct hierarchy at {CG_ROOT} (whole-side CPU column left out)"
-    if not os.access(CG_ROOT, os.W_OK):
-        return f"{CG_ROOT} is not writable by this user (whole-side CPU column left out; run as root)"
-    return None
-
-
-class CpuGroup:
-    """One cgroup-v1 cpuacct group: processes moved in stay there with every process they start."""
-
-    def __init__(self, name: str) -> None:
-        self.path = CG_ROOT / f"et_bench_{name}_{os.getpid()}"
-        self.path.mkdir(exist_ok=True)
-
-    def add_process(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
-    def usage(self) -> float:
-        """CPU seconds of every task that has been in the group (kept after the task ends)."""
-        return int((self.path / "cpuacct.usage").read_text()) / 1e9
-
-    def close(self) -> None:
-        """Tasks still inside (daemons left running) go back to the root group; the group is removed."""
-        for tid in (self.path / "tasks").read_text().split():
-            try:
-                (CG_ROOT / "tasks").write_text(tid)
-            except OSError:
-                pass  # gone meanwhile
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass  # a task still exiting: the kernel keeps the empty group; harmless
+    if cgroup_cpu.available() and (CG_ROOT / "cpuacct.usage").exists():
+        return None
+    return (f"{CG_ROOT} is not a writable cgroup-v1 cpuacct hierarchy here (needs root and cgroup v1): "
+            f"the whole-side CPU column is left out")
 
 
 def wrap_in_group(group: CpuGroup | None, cmd: list[str]) -> list[str]:
@@ -212,7 +186,7 @@ class Sampler:
                              if tid != self.own_tid}
             s = self._series
             s.times.append(time.time())
-            s.groups.append({name: g.usage() for name, g in self._groups.items()})
+            s.groups.append({name: g.cpu_s() for name, g in self._groups.items()})
             s.threads.append(snap)
             if self._stop.is_set():
                 return

@@ -363,8 +363,8 @@ def main() -> int:
     if not a.no_cpu:
         groups = {}
         if cg_note is None:  # before Ray starts: its daemons and workers are this process's descendants
-            groups = {"elastictrain": CpuGroup("elastictrain"), "plain": CpuGroup("plain")}
-            groups["elastictrain"].add_process(os.getpid())
+            groups = {"elastictrain": CpuGroup(), "plain": CpuGroup()}
+            groups["elastictrain"].join(os.getpid())
     # Each elastictrain run starts its own private Ray (Trainer's start, as `elastictrain run`: the daemon
     # settings of elastictrain/local_ray.py, worker output forwarded to the driver) and stops it after, so
     # plain DDP runs with no Ray beside it, as it would for a user; Ray's start is in the run's wall time,
