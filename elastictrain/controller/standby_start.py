@@ -214,22 +214,23 @@ class StartWatch:
             if set_idle(pid, True):
                 self.lowered.set()
 
-    def close(self) -> None:
-        """End the watch (joined); what it lowered stays lowered."""
+    def close(self, outcome: str = "closed") -> None:
+        """End the watch (joined); what it lowered stays lowered. ``outcome`` goes into :attr:`record` if the
+        watch had not ended by itself."""
         with self._lock:
             self._stop.set()
         self._thread.join(timeout=10)
+        if self.record["outcome"] is None:
+            self.record.update(outcome=outcome, reason=f"{outcome} before it ended by itself")
 
     def put_back(self) -> int:
         """The take (or a drop): end the watch, then take every thread of the process it lowered out of
         ``SCHED_IDLE`` at the nice value it has. Call it after ``import_priority.put_back`` of the standby's
         file: a standby that lowered itself at its preload is put back from that file, one taken before its
         preload finds the mark there and never lowers itself. Returns how many threads it moved."""
-        self.close()
+        self.close("taken")
         if not self.lowered.is_set() or self.pid is None:
             return 0
-        if self.record["outcome"] is None:
-            self.record.update(outcome="taken", reason="put back at the take")
         return set_idle(self.pid, False)
 
 
