@@ -155,7 +155,7 @@ class StartWatch:
         self.lowered = threading.Event()  # set once the process is in SCHED_IDLE (tests wait on it)
         self.finished = threading.Event()  # set when the watch has nothing more to do
         self.record: dict[str, object] = {"pid": None, "found_s": None, "cpu_s_at_lowering": None,
-                                          "outcome": None, "reason": None}
+                                          "outcome": None, "reason": None, "own_cpu_s": None}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t0 = time.monotonic()
@@ -194,6 +194,7 @@ class StartWatch:
                 self.record.update(outcome=act.value, reason=why)
                 return
         finally:
+            self.record["own_cpu_s"] = round(time.thread_time(), 4)  # this thread's CPU: the watch's cost
             self.finished.set()
 
     def _lower(self, pid: int) -> None:
