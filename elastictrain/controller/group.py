@@ -13,7 +13,8 @@ With ``workers.standby`` the group keeps one worker process started ahead (impor
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
 workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up,
 once the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run
-in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`),
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`;
+Ray's start of the process too, lowered from outside on the driver's node: :mod:`elastictrain.controller.standby_start`),
 so their start takes from training only the CPU the training processes leave idle. A replacement the standby
 serves with its set-up ahead done is taken at detection and joins the recovery generation itself
 (:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
@@ -454,9 +455,9 @@ class WorkerGroup:
     def start_due_standby(self) -> None:
         """Start the next standby that a replacement which came up made due (:meth:`collect_ready`), on that
         slot's node; nothing when none is due. The controller calls it once the generation the replacement
-        joined has completed a step: Ray's start of the process (about a CPU second at the workers' priority,
-        before it can lower itself) and the driver's actor creation then fall outside the recovery's
-        rendezvous, state copy and first step (docs/perf/2026-11-28-drill-cost.md)."""
+        joined has completed a step: Ray's start of the process (about a CPU second, in the idle class where
+        :meth:`_watch_start` applies, else at the raylet's nice) and the driver's actor creation then fall
+        outside the recovery's rendezvous, state copy and first step (docs/perf/2026-11-28-drill-cost.md)."""
         index, self._standby_due = self._standby_due, None
         if index is not None:
             self._start_standby(index)
