@@ -14,10 +14,10 @@ no resources of its own) that the next replacement on its node runs in: the firs
 workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up,
 once the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run
 in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`;
-Ray's start of the process too, lowered from outside on the driver's node: :mod:`elastictrain.controller.standby_start`),
-so their start takes from training only the CPU the training processes leave idle. A replacement the standby
-serves with its set-up ahead done is taken at detection and joins the recovery generation itself
-(:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
+Ray's start of the process too, lowered from outside on the driver's node:
+:mod:`elastictrain.controller.standby_start`), so their start takes from training only the CPU the training
+processes leave idle. A replacement the standby serves with its set-up ahead done is taken at detection and
+joins the recovery generation itself (:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
 
 Mechanism only: who joins which generation is the controller's decision.
 """

@@ -150,7 +150,8 @@ class StartWatch:
     ``registered_file``: the path whose existence says the process registered (its priorities file)."""
 
     def __init__(self, raylet_pid: int, token: str, registered_file: str, bound_s: float) -> None:
-        self.raylet_pid, self.token, self.registered_file, self.bound_s = raylet_pid, token.encode(), registered_file, bound_s
+        self.raylet_pid, self.token = raylet_pid, token.encode()
+        self.registered_file, self.bound_s = registered_file, bound_s
         self.pid: int | None = None
         self.lowered = threading.Event()  # set once the process is in SCHED_IDLE (tests wait on it)
         self.finished = threading.Event()  # set when the watch has nothing more to do
