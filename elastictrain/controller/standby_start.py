@@ -32,6 +32,7 @@ the worker pool's matching and the registration are Ray's as before).
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ from elastictrain.worker.import_priority import can_go_back
 
 RAY_REGISTER_TIMEOUT_ENV = "RAY_worker_register_timeout_seconds"  # Ray's own setting, read only to stay below it
 RAY_REGISTER_TIMEOUT_S = 60.0  # its default in Ray 2.60
+log = logging.getLogger("elastictrain.controller")
 FIND_PERIOD_S = 0.02  # how often the raylet's children are looked through until the process shows
 WAIT_PERIOD_S = 0.1  # how often, once lowered, the watch looks for the sign that it registered
 
@@ -192,6 +194,7 @@ class StartWatch:
                 if act is Verdict.PUT_BACK:
                     with self._lock:
                         set_idle(pid, False)
+                    log.info("standby process %s: %s", pid, why)
                 self.record.update(outcome=act.value, reason=why)
                 return
         finally:
