@@ -12,12 +12,12 @@ pre-started ones) every 0.2 s, with each thread's scheduling class (``SCHED_IDLE
 
 Per kill, over the window from the kill to the next one (or as long, for the last), each process's CPU
 seconds by role: the survivor, the killed rank's replacement (and whether it ran in the standby, prebuilt),
-the next standby (started after the replacement: its CPU at the training priority and in the idle class),
-the driver, Ray's daemons, other Ray processes. Beside it the same processes' rate over the ``--baseline-s``
-seconds before the first kill (steady training, no failure), scaled to the window: the kill's extra CPU is
-the difference. The events give the timeline (failure, recovered ``downtime_s``, the generations, the
-replacement's ``worker_started`` flags). Steps in each window are counted too, but their time is the
-machine's: read the CPU columns.
+the next standby (started after the replacement: its CPU outside the idle class, where Ray's start runs at
+the raylet's nice 0 unless lowered, and in it), the driver, Ray's daemons, other Ray processes. Beside it
+the same processes' rate over the ``--baseline-s`` seconds before the first kill (steady training, no
+failure), scaled to the window: the kill's extra CPU is the difference. The events give the timeline
+(failure, recovered ``downtime_s``, the generations, the replacement's ``worker_started`` flags). Steps in
+each window are counted too, but their time is the machine's: read the CPU columns.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     ``recover`` generation's size, steps at world 1 before the grow), the replacement's ``setup_s``, and
     CPU-s: the training processes' beyond their steps (the survivor's and the rank-1 slot's CPU minus the
     window's steps times their baseline CPU per step: rendezvous, state copy, a set-up finished after the
-    take), the next standby's (at the workers' priority / in the idle class), the driver's and Ray's
+    take), the next standby's (outside the idle class / in it), the driver's and Ray's
     daemons' beyond their baseline rate. Printed as a table with the medians."""
     rows = []
     for k in result["kills"][:-1]:

@@ -433,16 +433,30 @@ def _order_message(chain: list[tuple[str, float]]) -> str:
     return f"timeouts must be strictly increasing in this order: {shown}; adjust them so that each is larger"
 
 
+HOLD_POINTS = ("before_step", "mid_step", "after_step")  # where a ``hold`` fault may sit (FaultConfig)
+
+
 class FaultConfig(_Section):
     """One injected fault, addressed by (rank, step, point). For tests and chaos drills."""
 
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
     point: Literal["before_step", "mid_step", "after_step", "backward", "commit", "finish", "join"] = "mid_step"
-    kind: Literal["kill", "hang", "raise", "slow", "nan", "abort", "stall"] = "kill"
-    seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step (a hang lasts until killed)")
+    kind: Literal["kill", "hang", "raise", "slow", "nan", "abort", "stall", "hold"] = "kill"
+    seconds: float = Field(1.0, ge=0, description="for slow: extra seconds per step; for hold: the longest it "
+                                                   "holds (a hang lasts until killed)")
     repeat: bool = Field(False, description="fire again whenever that rank reaches that step (crash loops)")
     generation: int | None = Field(0, description="only in this membership generation; null = any")
+
+    @model_validator(mode="after")
+    def _hold_points(self) -> FaultConfig:
+        # a hold ends when the controller stops the generation at a step boundary: only where a step's stop
+        # word is still to come (worker/faults.py)
+        if self.kind == "hold" and self.point not in HOLD_POINTS:
+            raise ValueError(f"faults: point={self.point!r} with kind='hold': a hold waits for the controller's "
+                             f"stop at a step boundary, so it must be one of {', '.join(HOLD_POINTS)}; "
+                             "use point: before_step")
+        return self
 
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

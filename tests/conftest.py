@@ -16,6 +16,7 @@ from elastictrain import Trainer, build_config
 from elastictrain.events import read_events
 from elastictrain.local_ray import init_local_ray, local_ray_env
 from tests import durations
+from tests.base_workers import guarded_fit
 from tests.ray_leaks import check_all_cpus_free
 
 # The daemon settings of the private local Ray `elastictrain run` starts (elastictrain/local_ray.py: the log
@@ -81,6 +82,16 @@ def ray_local():
         leak = check_all_cpus_free()
         if leak is not None:
             pytest.fail(leak, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _base_workers_kept(monkeypatch):
+    """Every run trained in the test's process states ``workers.reuse`` and ``workers.standby``: a spec that
+    replaced BASE_JOB's whole ``workers`` section fails its test once its run returned
+    (tests/base_workers.py; tests/test_base_workers.py)."""
+    from elastictrain.trainer import Trainer as _Trainer
+
+    monkeypatch.setattr(_Trainer, "fit", guarded_fit(_Trainer.fit))
 
 
 def pytest_configure(config):

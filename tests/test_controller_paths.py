@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import ray
 
 from elastictrain import build_config, worker_reply
@@ -21,13 +22,23 @@ from elastictrain.task import builtin_task
 from tests.conftest import job
 
 
-@ray.remote(max_concurrency=4)
+@ray.remote(max_concurrency=4, concurrency_groups={"reset": 1})
 class ScriptedWorker:
     """Answers the controller's calls like a worker; ``script`` says how set-up and ``run`` go."""
 
     def __init__(self, slot: int, script: dict[str, Any]) -> None:
+        self._start(slot, script)
+
+    def _start(self, slot: int, script: dict[str, Any]) -> None:
         self.slot, self.script, self.step = slot, script, 0
         self.released = threading.Event()  # ``script["hold_run"]``: ``run`` answers once released
+
+    @ray.method(concurrency_group="reset")  # its own thread: the default ones may be held in ``run``
+    def reset(self, slot: int, script: dict[str, Any]) -> None:
+        """Serve another slot and script, as a new actor would (tests/test_controller_paths.py parks them)."""
+        held = self.released
+        self._start(slot, script)
+        held.set()  # a ``run`` an earlier controller left held answers now, to nobody
 
     def setup(self) -> dict[str, Any]:
         # a fresh process's set-up takes seconds, a warm (pooled) one's a fraction of one: the order in which
@@ -97,6 +108,40 @@ class ScriptedWorker:
         pass
 
 
+# ScriptedWorker actors a FakeGroup killed, served to the next spawn of this module's tests (:func:`_scripted`):
+# each Ray actor is a process of its own, and the session Ray's processes import what it preloads (torch and
+# the worker module, elastictrain/local_ray.py: seconds of CPU each), which a scripted fake never uses. Reused,
+# the file starts a few processes instead of one per spawn (two or more per test). None (another module
+# importing these helpers, tests/test_standby_join.py): a killed actor is killed.
+_PARKED: list[Any] | None = None
+
+
+def _scripted(index: int, script: dict[str, Any]) -> Any:
+    """A ScriptedWorker for slot ``index`` following ``script``: a parked one reset, else a new one."""
+    while _PARKED:
+        actor = _PARKED.pop()
+        try:
+            ray.get(actor.reset.remote(index, script), timeout=120)  # a bound on a hang, not a timing
+            return actor
+        except Exception:  # noqa: BLE001 - it died (a script's "exit"), or its Ray went away
+            continue
+    return ScriptedWorker.options(num_cpus=0).remote(index, script)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _parked_actors():
+    """Parking on for this module's tests; the parked actors killed after its last."""
+    global _PARKED
+    _PARKED = []
+    yield
+    parked, _PARKED = _PARKED, None
+    for actor in parked:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
 class FakeGroup(WorkerGroup):
     """WorkerGroup's interface over ScriptedWorker actors; no placement groups, no processes to kill."""
 
@@ -107,7 +152,7 @@ class FakeGroup(WorkerGroup):
 
     def spawn(self, index: int) -> Slot:
         slot = self.slots[index]
-        slot.actor = ScriptedWorker.options(num_cpus=0).remote(index, self.scripts.get(index, {}))
+        slot.actor = _scripted(index, self.scripts.get(index, {}))
         slot.setup_ref = slot.actor.setup.remote()
         slot.state, slot.has_state, slot.rank, slot.info = SlotState.STARTING, False, None, {}
         self.spawned.append(index)
@@ -126,7 +171,9 @@ class FakeGroup(WorkerGroup):
         return [pending[r] for r in done]
 
     def kill(self, slot: Slot) -> None:
-        if slot.actor is not None:
+        if slot.actor is not None and _PARKED is not None:  # parked for the next spawn: a fake holds nothing
+            _PARKED.append(slot.actor)                       # of its slot's run
+        elif slot.actor is not None:
             ray.kill(slot.actor, no_restart=True)
         slot.actor, slot.setup_ref, slot.state, slot.rank, slot.has_state = None, None, SlotState.DEAD, None, False
 

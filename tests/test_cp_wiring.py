@@ -117,26 +117,29 @@ def test_cp2_x_dp2_rank_killed_recovers_shrinks_to_one_cp_group_and_grows_back(t
     """cp2 x dp2 on 4 (data rank 0 = ranks 0,1 on cp coordinates 0,1; data rank 1 = ranks 2,3), the peer
     tier every step: rank 1 is SIGKILLed mid-step with no spare. The 3 left fold to one whole cp group
     (cp2 x dp1: a cp group is never split) and grow back to 4 once the replacement is up (the folded
-    generation runs slowly so that happens, as tests/test_tp_recovery.py does); at most one step is lost
+    generation is held before its first step until then: tests/grow_gate.py); at most one step is lost
     and every step's loss (a redone one too) and the final parameters are the uninterrupted run's."""
-    from tests.test_pp_recovery import GROW_STEPS, TIMEOUTS, _clean, _kept_their_process, _slow
+    from tests.grow_gate import assert_held_one_step, hold_until_grown
+    from tests.test_pp_recovery import TIMEOUTS, _clean, _kept_their_process, _slow
 
-    train = {**TRAIN, "steps": GROW_STEPS, "micro_batch": 2}
+    steps = 12  # the kill at 6, the folded generation's one step, then 4 again
+    train = {**TRAIN, "steps": steps, "micro_batch": 2}
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
     spec = job(task=copy.deepcopy(TASK), train={**train, "audit_samples": True}, workers={"min": 2, "max": 4},
-               parallel={"plan": "ddp", "cp": 2}, faults=_slow(4) + [kill, *_slow(2, 0.25, generation=1)],
+               parallel={"plan": "ddp", "cp": 2}, faults=_slow(4) + [kill, *hold_until_grown(2)],
                checkpoint={"memory_every_steps": 1}, recovery={"min_workers_wait_s": 240},
                timeouts=dict(TIMEOUTS))
     run = run_job(tmp_path, spec, name="cp2dp2kill")
-    assert run.result.exit_code == 0 and run.summary["final_step"] == GROW_STEPS, run.summary
+    assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["lost_steps"] <= 1, rec
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole cp groups only: 3 workers run one
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
-    assert_cursor_audit(run, GROW_STEPS, TASK["model"]["seq_len"], TRAIN["global_batch"])
+    assert_cursor_audit(run, steps, TASK["model"]["seq_len"], TRAIN["global_batch"])
     clean = job(task=copy.deepcopy(TASK), train=train, workers={"min": 1, "max": 1})
     assert_same_numbers(run, _clean(clean), param_atol=RECOVERY_PARAM_ATOL)
 

@@ -5,8 +5,8 @@ In both layouts an ep group is a group of the other axis ({0, 1} and {2, 3}: the
 samples, or the two tp shards of the same rows), so the two ep groups are replicas of each other: a lost rank's
 state (its cp or tp coordinate's dense part, its ep coordinate's experts) is served by the survivors (source
 ``peer``, no keeper, no storage), the 3 left fold to one whole group (cp2 x ep2 or tp2 x ep2 on 2 workers: a
-group of cp, tp or ep is never split) and grow back to 4 once the replacement is up (the folded generation runs
-slowly so that happens: tests/test_pp_recovery.py's GROW_STEPS). The survivors keep their processes, at most
+group of cp, tp or ep is never split) and grow back to 4 once the replacement is up (the folded generation is
+held before its first step until then: tests/grow_gate.py). The survivors keep their processes, at most
 one step is lost, every step saw exactly its samples (the audit) and every step's loss (a redone one too) and
 the final parameters are those of the uninterrupted one-process run (ep1, no cp, no tp).
 
@@ -44,27 +44,29 @@ def _clean(steps: int) -> InProcessRun:
     return _CLEAN[steps]
 
 
+STEPS = 12  # the kill at 6, the folded generation's one step, then 4 again
+
+
 def _killed_run(tmp_path, name: str, rank: int, kind: str = "kill", **parallel):
-    """``parallel`` on 4 workers (min 2), GROW_STEPS steps, the peer tier every step, ``rank`` SIGKILLed
+    """``parallel`` on 4 workers (min 2), STEPS steps, the peer tier every step, ``rank`` SIGKILLed
     (``kind`` "kill") or stopped dead (SIGSTOP: "hang") mid-step 6 with no spare; the folded generation (1)
-    slow enough for the replacement to join it."""
+    held before its first step until the replacement is ready (tests/grow_gate.py)."""
     from tests.conftest import run_job
-    from tests.test_pp_recovery import GROW_STEPS, TIMEOUTS, _slow
+    from tests.grow_gate import hold_until_grown
+    from tests.test_pp_recovery import TIMEOUTS, _slow
 
     kill = {"rank": rank, "step": 6, "point": "mid_step", "kind": kind}
-    spec = _spec(4, GROW_STEPS, name, ep=2, plan="ddp", **parallel)
-    # the folded generation: 0.5 s a micro-batch (4 of them on one data rank: 2 s a step, under the
-    # watchdog's floor) for up to 26 steps, the window test_tp_recovery gives a cold replacement on a loaded
-    # machine; the grow-back cuts it short
-    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill, *_slow(2, 0.5, generation=1)],
+    spec = _spec(4, STEPS, name, ep=2, plan="ddp", **parallel)
+    spec.update(workers={**spec["workers"], "min": 2}, faults=_slow(4) + [kill, *hold_until_grown(2)],
                 timeouts=dict(TIMEOUTS), recovery={"min_workers_wait_s": 240},
                 checkpoint={**spec["checkpoint"], "memory_every_steps": 1})
-    return run_job(tmp_path, spec, name=name), GROW_STEPS
+    return run_job(tmp_path, spec, name=name), STEPS
 
 
 def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str, failure: str = "process_died") -> None:
     """One failure (the kill), served by the survivors, 4 -> 2 -> 4 with the meshes named, the survivors in
     their processes, the audit, the token counts, and every step's numbers of the uninterrupted run."""
+    from tests.grow_gate import assert_held_one_step
     from tests.test_pp_recovery import _kept_their_process
 
     assert run.result.exit_code == 0 and run.summary["final_step"] == steps, run.summary
@@ -77,6 +79,7 @@ def _recovered_in_place(run, steps: int, killed: int, mesh4: str, mesh2: str, fa
     meshes = [e["mesh"] for e in run.of("step") if e.get("mesh")]  # a generation's first step names it (ep aside)
     assert meshes[0] == mesh4 and mesh2 in meshes and meshes[-1] == mesh4, meshes
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [r for r in range(4) if r != killed])
     _audited(run, steps)
     _token_counts(run)

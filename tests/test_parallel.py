@@ -113,20 +113,23 @@ def test_checkpoint_resumes_across_plans_and_world_sizes(ray_local, sharded_run)
 def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     """Under fsdp a dead rank's shard exists nowhere else (no in-memory tier here): the survivor restores
     the last committed checkpoint through the same DCP reader path, resharded to 1 worker; when the
-    replacement is ready the group stops at a boundary and re-meshes on 2 from the survivor's snapshot."""
+    replacement is ready the group stops at a boundary and re-meshes on 2 from the survivor's snapshot (the
+    survivor is held before its first folded step until then: tests/grow_gate.py)."""
     from elastictrain.data.cursor import step_sample_ids
     from elastictrain.data.datasets import TokenWindows, load_text_tokens
     from tests.cluster_fixtures import SLOW
+    from tests.grow_gate import assert_held_one_step, hold_until_grown
     from tests.step_checks import assert_checkpoints_carry_their_steps, assert_each_step_counted_once
 
     # late enough that earlier saves were committed (saves in flight at the kill are abandoned, never commit)
     kill = {"rank": 1, "step": 17, "point": "mid_step", "kind": "kill"}
-    base = dict(train={"steps": 60, "audit_samples": True, "global_batch": 16, "micro_batch": 4},
+    steps = 24  # the kill at 17, the folded step, then 2 again
+    base = dict(train={"steps": steps, "audit_samples": True, "global_batch": 16, "micro_batch": 4},
                 workers={"min": 1, "max": 2}, parallel={"plan": "fsdp"})
     ckpt = {"every_steps": 2, "memory_every_steps": 0}  # the durable path only (the tier is on by default)
-    faulty = run_job(tmp_path, job(**base, checkpoint={**ckpt, "uri": str(tmp_path / "f")}, faults=SLOW + [kill]),
-                     name="f")
-    # the uninterrupted 60 steps in one process (this one): fsdp on 2 differs from it by fp32 sum order only
+    faulty = run_job(tmp_path, job(**base, checkpoint={**ckpt, "uri": str(tmp_path / "f")},
+                                   faults=SLOW + [kill, *hold_until_grown(1)]), name="f")
+    # the uninterrupted steps in one process (this one): fsdp on 2 differs from it by fp32 sum order only
     clean = InProcessRun(job(**{**base, "workers": {"min": 1, "max": 1}, "parallel": {"plan": "ddp"}}))
     assert faulty.result.exit_code == 0, faulty.summary
     (failure,) = faulty.of("failure")
@@ -145,13 +148,14 @@ def test_fsdp_worker_killed_restores_shards_and_grows_back(tmp_path, ray_local):
     # exactly its global-cursor samples.
     n = len(TokenWindows(load_text_tokens("builtin:pydoc"), 32))
     last = {e["step"]: e for e in faulty.of("step")}
-    assert sorted(last) == list(range(1, 61))
+    assert sorted(last) == list(range(1, steps + 1))
     for step, e in last.items():
         assert sorted(e["sample_ids"]) == sorted(step_sample_ids(step - 1, 16, 0, n).tolist())
     # every step's loss (those redone after the restore too) and the final parameters: fsdp on 2, on 1 while
     # folded, and one process differ by fp32 sum order only (the parameters' tolerance: RECOVERY_PARAM_ATOL)
     assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
+    assert_held_one_step(faulty)
     # each step counts once (issue #40): a step redone after the restore supersedes its first event, marked
     # `redone`; the first attempt's time is goodput's redone_s; every checkpoint carries its steps' records
     redone = assert_each_step_counted_once(faulty)

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from tests.conftest import BackgroundRun, job
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -122,11 +123,9 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
     """Elastic: fold 4 -> 2 from the keeper, then grow back 2 -> 4 from the two survivors' snapshots. The
     survivor that was rank 3 of the first 4-rank mesh is rank 1 of the regrown one; with DTensor's
     per-thread caches still holding the first, equal-looking mesh it loaded rank 3's rows (seen: loss 5.09
-    instead of 3.78 at the end). The folded generation runs slowly so the grow-back happens (3 s a step: its
-    ~20 steps leave a replacement about a minute to come up on a loaded machine; they last only until it
-    does, so the passing run pays a step or two)."""
-    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 3.0, "generation": 1} for r in (0, 1))
-    spec = _spec("fsdp", 4, extra_faults=folded_slow, checkpoint={"memory_every_steps": 2})
+    instead of 3.78 at the end). The folded generation is held before its first step until the replacements
+    are ready (tests/grow_gate.py): it trains one step at 2, then grows back."""
+    spec = _spec("fsdp", 4, extra_faults=hold_until_grown(2), checkpoint={"memory_every_steps": 2})
     run = _kill_rank_1(tmp_path, spec, "fsdp", ranks=(1, 2), world=4)
     rec = run.of("recovered")[0]
     assert rec["source"] == "memory" and 0 <= rec["lost_steps"] <= 4, rec
@@ -140,10 +139,10 @@ def test_fsdp_two_ranks_killed_fold_to_two_and_grow_back_to_four(tmp_path, ray_l
 def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_local, clean):
     """HSDP on 4 (2 replica groups x 2 shards): rank 1 dies; ranks 0 and 3 hold shards 0 and 1 at the
     newest step and serve them; the group folds to 2 and grows back. No storage, no keeper."""
-    # the folded generation (1) runs slowly (3 s a step, until the replacement is up), so the replacement is
-    # ready before the run ends even on a loaded machine: the grow-back must happen
-    folded_slow = tuple({"rank": r, "step": 1, "kind": "slow", "seconds": 3.0, "generation": 1} for r in (0, 1))
-    run = _kill_rank_1(tmp_path, _spec("hsdp", 4, min_workers=2, extra_faults=folded_slow), "hsdp", tier=False)
+    # the folded generation (1) is held before its first step until the replacement is ready, so the
+    # grow-back happens however slow the machine (tests/grow_gate.py)
+    run = _kill_rank_1(tmp_path, _spec("hsdp", 4, min_workers=2, extra_faults=hold_until_grown(2)), "hsdp",
+                       tier=False)
     # only the killed rank fails: rank 2, blocked in a replica all-reduce with rank 0 when rank 0 left the
     # failed step, is released at once by rank 0 letting go of its groups (not declared hung)
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
@@ -154,4 +153,5 @@ def test_hsdp_broken_shard_group_recovers_from_the_other_replica(tmp_path, ray_l
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # folded, then grew back from the survivors' snapshots
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _finished_like_clean(run, clean)

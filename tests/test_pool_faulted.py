@@ -104,7 +104,7 @@ def test_the_pool_keeps_what_a_smaller_run_left_idle(seq) -> None:
     taken = [e["pid"] for e in c.of("worker_started")]
     assert [e["reused"] for e in c.of("worker_started")] == [True, True]
     (idle,) = set(seq["pool"]["K"]) - set(taken)
-    assert set(seq["pool"]["C"]) == set(taken) | {idle}  # within the node's CPUs' worth (4 on the session's Ray)
+    assert set(seq["pool"]["C"]) == set(taken) | {idle}  # within its key's cap (4 of 1 CPU on the session's Ray)
 
 
 @pytest.mark.slow  # the module\'s sequence: seven runs on the session\'s Ray (~1-2 min on 2 cores)

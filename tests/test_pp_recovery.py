@@ -12,6 +12,7 @@ import pytest
 
 from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -23,12 +24,6 @@ TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
 # the uninterrupted reference: one process (the worker's step loop in the test's own process), the same math
 # (pipelined layouts differ by fp32 sum order only)
 CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
-# A run that folds and grows back: 32 steps, the folded generation slow (_FOLDED). The replacement is a cold
-# process (torch imported on a loaded machine: seen at 10-30 s); the grow-back cuts the folded generation's
-# slow steps short, so a long window costs nothing when it comes fast (issue 40: 10 steps of 1 s were not
-# enough under load).
-GROW_STEPS = 32
-GROW_CLEAN = job(task=TASK, train={**TRAIN, "steps": GROW_STEPS}, workers={"min": 1, "max": 1})
 # timeouts for a loaded 2-core machine: a survivor leaving a failed step can take longer than 15 s to be
 # scheduled there (seen: two tp2 x dp2 survivors "did not leave the failed step within 15s", the run then
 # restarted from scratch); the order collective < watchdog cap < poll < restart grace is kept
@@ -84,11 +79,10 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     """pp2 x dp2 on 4 (stage 0 = ranks 0,1; stage 1 = ranks 2,3): rank 1 is SIGKILLed mid-step. Rank 0
     holds stage 0 and ranks 2,3 stage 1: the survivors serve their snapshots (no keeper, no storage), the
     3 left fold to one whole pipeline (pp2 x dp1) and grow back to 4 once the replacement is up (the folded
-    generation runs slowly so that happens). Every survivor keeps its process."""
+    generation is held before its first step until then: tests/grow_gate.py). Every survivor keeps its
+    process."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    spec = _spec(4, 2, [kill, *_slow(2, 1.0, generation=1)])  # pp: one delay a step, 26 folded steps
-    spec["train"]["steps"] = GROW_STEPS
-    run = run_job(tmp_path, spec, name="pp2dp2")
+    run = run_job(tmp_path, _spec(4, 2, [kill, *hold_until_grown(2)]), name="pp2dp2")
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
     rec = run.of("recovered")[0]
     assert rec["source"] == "peer" and rec["lost_steps"] <= 1, rec
@@ -96,8 +90,9 @@ def test_pp2_dp2_stage_rank_killed_recovers_from_its_stage_replica_shrinks_and_g
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole pipelines only: 3 workers run one pipeline
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
-    _like_clean(run, GROW_CLEAN)
+    _like_clean(run, CLEAN)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])

@@ -12,6 +12,7 @@ import pytest
 # math is unchanged.
 from tests.cluster_fixtures import SLOW
 from tests.conftest import CLEAN_40, BackgroundRun, job, run_job
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import RECOVERY_PARAM_ATOL, assert_grew_back_from_the_last_step, assert_same_numbers
 from tests.step_checks import assert_each_step_counted_once
 from tests.test_ray_console import assert_paragraph_diverted
@@ -31,11 +32,10 @@ def _audit(run, global_batch=16, seq_len=32):
 
 def test_killed_worker_shrinks_then_grows_back_with_same_numbers(tmp_path, ray_local, clean_run):
     kill = {"rank": 1, "step": 10, "point": "mid_step", "kind": "kill"}
-    # the survivor's steps while the group is folded (generation 1) take a second: the replacement is up and
-    # the group grows back long before the run ends, however slow the machine (no number changes)
-    folded = {"rank": 0, "step": 1, "kind": "slow", "seconds": 1.0, "generation": 1}
-    faulty = run_job(tmp_path, job(train={"steps": 40, "audit_samples": True}, faults=SLOW + [kill, folded]),
-                     name="f")
+    # the survivor, alone while the group is folded (generation 1), is held before its first step until the
+    # replacement is ready: the group grows back however slow the machine (tests/grow_gate.py)
+    faulty = run_job(tmp_path, job(train={"steps": 40, "audit_samples": True},
+                                   faults=SLOW + [kill, *hold_until_grown(1)]), name="f")
     clean = clean_run(CLEAN_40)  # slow steps and the audit change no number: none needed here
     assert faulty.result.exit_code == 0
     (failure,) = faulty.of("failure")
@@ -53,6 +53,7 @@ def test_killed_worker_shrinks_then_grows_back_with_same_numbers(tmp_path, ray_l
     # 2-worker run by fp32 sum order only (tests/parallel_fixtures.py)
     assert_same_numbers(faulty, clean, param_atol=RECOVERY_PARAM_ATOL)
     assert_grew_back_from_the_last_step(faulty)
+    assert_held_one_step(faulty)
 
 
 def test_strict_mode_replaces_and_is_bitwise_identical_and_all_workers_lost_recover_from_memory_replica(

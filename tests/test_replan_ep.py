@@ -70,7 +70,7 @@ def test_auto_moe_run_replans_ep_at_each_resize_and_moves_the_experts_through_me
                                          assert_same_numbers)
     from tests.test_replan_live import killed_auto_run
 
-    run = killed_auto_run(tmp_path, _spec, "auto-moe")  # (the fsdp 3 generation is slow: the grow-back ends it)
+    run = killed_auto_run(tmp_path, _spec, "auto-moe")  # (the fsdp 3 generation is held until the grow-back)
     planned = run.of("run_started")[0]["planned"]
     assert (planned["layout"]["plan"], planned["layout"]["ep"], planned["world_size"]) == ("ddp", 2, 4), planned
     replans = run.of("replanned")

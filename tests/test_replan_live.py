@@ -16,6 +16,7 @@ from elastictrain.planner.live import Replanner
 
 from tests.audit import assert_cursor_audit
 from tests.conftest import BASE_JOB, job, run_job
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import (RECOVERY_PARAM_ATOL, InProcessRun, assert_grew_back_from_the_last_step,
                                      assert_same_numbers)
 
@@ -80,13 +81,14 @@ def _audit(run) -> None:
 def killed_auto_run(tmp_path, spec_fn, name: str):
     """A ``plan: auto`` run of ``spec_fn(calibration_path, **sections)`` (the calibration: :data:`FIGURES`) on 4
     workers, checkpoints every 2 steps, the sample audit on: rank 1 SIGKILLed mid-step 4 with no spare, the
-    generation after it (the 3 survivors) slow, so that the replacement is up before the run ends (the
-    grow-back cuts it short). Returns the run, checked to have trained every step with that one failure."""
+    generation after it (the 3 survivors) held before its first step until the replacement is ready and the
+    run grows back (tests/grow_gate.py). Returns the run, checked to have trained every step with that one
+    failure."""
     calibration = tmp_path / "figures.json"
     calibration.write_text(json.dumps(FIGURES))
     kill = {"rank": 1, "step": 4, "point": "mid_step", "kind": "kill"}
     t = job()["timeouts"]
-    spec = spec_fn(str(calibration), faults=_slow(4, 0.03) + [kill] + _slow(3, 1.0, generation=1),
+    spec = spec_fn(str(calibration), faults=_slow(4, 0.03) + [kill] + hold_until_grown(3),
                    train={**TRAIN, "audit_samples": True},
                    checkpoint={"uri": str(tmp_path / "ckpt"), "every_steps": 2},
                    recovery={"min_workers_wait_s": 240},
@@ -94,6 +96,7 @@ def killed_auto_run(tmp_path, spec_fn, name: str):
     run = run_job(tmp_path, spec, name=name)
     assert run.result.exit_code == 0 and run.summary["final_step"] == STEPS, run.summary
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
+    assert_held_one_step(run)
     return run
 
 

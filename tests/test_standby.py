@@ -91,9 +91,11 @@ def test_second_replacement_runs_in_the_standby_process(ray_local) -> None:
         assert cold_info["standby"] is False and cold_info["prebuilt"] is False
         assert group._standby is None  # once it is up a standby is due, started when the run is back to speed
         group.start_due_standby()  # (the controller's call after the replacement's generation's first step)
-        standby = group._standby
+        standby, watch = group._standby, group._standby_watch
         assert standby is not None
         standby_pid = _pid_of(standby)
+        if _may_go_back(0):  # Ray's start of it (at the raylet's nice 0) was lowered from outside too
+            assert watch is not None and watch.lowered.wait(60) and watch.record["pid"] == standby_pid
         ray.get(group._standby_probe, timeout=180)  # what spawn looks at: up, on which node, its pid
         ray.get(group._standby_setup, timeout=180)  # it built the model and data ahead, with no slot
         assert group.standby_prebuilt(0)  # a recovery takes it at detection (controller._take_prebuilt)

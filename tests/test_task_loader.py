@@ -83,7 +83,8 @@ def test_hf_causal_lm_job_trains(ray_local, tmp_path: Path, monkeypatch: pytest.
     config = load_config(REPO / "jobs" / "hf_causal_lm.yaml", [
         "train.steps=8", "train.global_batch=16", "train.micro_batch=4", "checkpoint.uri=null",
         "task.args.seq_len=32", "task.args.model={n_embd: 32, n_layer: 1, n_head: 2}", "task.args.warmup_steps=2",
-        "task.args.total_steps=8"])
+        "task.args.total_steps=8",
+        "workers.reuse=true", "workers.standby=false", "checkpoint.memory_every_steps=0"])  # as BASE_JOB
     run = Run(Trainer(config, run_dir=tmp_path / "hf", console=None).fit())
     assert run.result.ok, run.summary
     losses = run.losses()

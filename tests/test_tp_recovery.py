@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 
 from tests.conftest import BASE_JOB, job, run_job
+from tests.grow_gate import assert_held_one_step, hold_until_grown
 from tests.parallel_fixtures import assert_grew_back_from_the_last_step, assert_same_numbers
-from tests.test_pp_recovery import GROW_STEPS, TIMEOUTS, _audit, _clean, _kept_their_process, _slow
+from tests.test_pp_recovery import TIMEOUTS, _audit, _clean, _kept_their_process, _slow
 
 STEPS = 16
 TASK = copy.deepcopy(BASE_JOB["task"])  # 2 heads, d_model 32: every TP dimension divides by 2
@@ -17,7 +18,6 @@ TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2}
 # the uninterrupted reference: one process (the worker's step loop in the test's own process), the same math (tp2 differs by fp32 sum order only; dropout masks
 # are a function of (seed, step, sample, position), never of the shard)
 CLEAN = job(task=TASK, train=TRAIN, workers={"min": 1, "max": 1})
-GROW_CLEAN = job(task=TASK, train={**TRAIN, "steps": GROW_STEPS}, workers={"min": 1, "max": 1})
 
 
 def _spec(world: int, min_workers: int, faults: list[dict], **sections) -> dict:
@@ -43,13 +43,10 @@ def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_a
     """tp2 x dp2 on 4 (replica 0 = ranks 0,1 on tp coordinates 0,1; replica 1 = ranks 2,3): rank 1 is
     SIGKILLed mid-step with no spare. Rank 3 holds tp coordinate 1 and rank 0 coordinate 0: the survivors
     serve their shards (no keeper, no storage), the 3 left fold to whole TP groups (tp2 x dp1) and grow
-    back to 4 once the replacement is up (the folded generation runs slowly so that happens)."""
+    back to 4 once the replacement is up (the folded generation is held before its first step until then:
+    tests/grow_gate.py)."""
     kill = {"rank": 1, "step": 6, "point": "mid_step", "kind": "kill"}
-    # the folded generation: 0.25 s a micro-batch (8 of them: 2 s a step, under the watchdog's floor), 26
-    # steps (test_pp_recovery.GROW_STEPS: why)
-    spec = _spec(4, 2, [kill, *_slow(2, 0.25, generation=1)])
-    spec["train"]["steps"] = GROW_STEPS
-    run = run_job(tmp_path, spec, name="tp2dp2")
+    run = run_job(tmp_path, _spec(4, 2, [kill, *hold_until_grown(2)]), name="tp2dp2")
     # rank 2, blocked in the data-parallel gradient all-reduce with rank 0, fails at once when rank 0 releases
     # its groups (DTensor's caches no longer keep them: parallel/mesh.py), not after timeouts.collective_s
     assert [(f["kind"], f["rank"]) for f in run.of("failure")] == [("process_died", 1)], run.of("failure")
@@ -59,8 +56,9 @@ def test_tp2_dp2_rank_killed_recovers_from_its_replica_shrinks_to_one_tp_group_a
     sizes = [(e["old_world_size"], e["new_world_size"]) for e in run.of("resized")]
     assert sizes[:2] == [(4, 2), (2, 4)], sizes  # whole TP groups only: 3 workers run one
     assert_grew_back_from_the_last_step(run)
+    assert_held_one_step(run)
     _kept_their_process(run, [0, 2, 3])
-    _like_clean(run, GROW_CLEAN)
+    _like_clean(run, CLEAN)
 
 
 def test_tp2_rank_killed_recovers_from_the_peer_memory_tier(tmp_path, ray_local):

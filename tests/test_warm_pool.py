@@ -37,7 +37,7 @@ def _started(run) -> list[dict]:
 def seq(tmp_path_factory):
     _ensure_local_ray()
     tmp = tmp_path_factory.mktemp("warm")
-    POOL.clear()  # what earlier files left idle (the pool keeps up to a node's CPUs' worth)
+    POOL.clear()  # what earlier files left idle (the pool keeps up to a node's CPUs' worth per key)
     out = {"A": run_job(tmp, job(name="a", train={"steps": 5, "seed": 7}, workers=W2,
                                  task={"optimizer": {"lr": 1e-2, "warmup_steps": 1}}), name="A")}
     out["pool_after_A"] = sorted(POOL.pids())
@@ -111,19 +111,43 @@ def _w(node: str) -> Warm:
     return Warm(actor=None, pid=0, ip="nowhere", node_id=node, session=current_session())
 
 
-def test_release_keeps_every_key_within_the_node_cap_and_kills_the_least_recently_used() -> None:
+def test_release_keeps_every_key_within_its_own_cap_and_the_node_total_least_recently_used_killed() -> None:
     pool = WarmPool()
     k1, k2 = (PoolKey(current_session() or "", "{}", c, "t") for c in (1.0, 0.5))
     a, b, c, d = (_w("n1") for _ in range(4))
-    pool.release(k1, [a, b], {"n1": 3})
-    pool.release(k2, [c], {"n1": 3})  # another key: k1's stay beside it
+    pool.release(k1, [a, b], {"n1": 3.0})
+    pool.release(k2, [c], {"n1": 3.0})  # another key: k1's stay beside it
     assert pool.holds(k1, "n1") and pool.holds(k2, "n1") and len(pool.pids()) == 3
     assert pool.take(k2, "n2") is None and pool.take(k1, "n1") in (a, b)  # own key, own node only
-    pool.release(k1, [], {"n1": 3})
-    pool.release(k2, [d], {"n1": 2})  # over the cap: the least recently used (k1's, given back first) goes
+    pool.release(k1, [], {"n1": 3.0})
+    pool.release(k2, [d], {"n1": 1.0})  # 1 CPU: two idle in all; the least recently used (k1's) goes
     assert pool.holds(k2, "n1") and not pool.holds(k1, "n1") and len(pool.pids()) == 2
     assert pool.take(k2, "n1") is d and pool.take(k2, "n1") is c  # most recently used first
+    e, f, g = (_w("n1") for _ in range(3))
+    pool.release(k1, [e, f, g], {"n1": 2.0})  # a key's own cap: 2 CPUs hold two 1-CPU workers
+    assert pool.take(k1, "n1") is e and pool.take(k1, "n1") is f and pool.take(k1, "n1") is None
     assert pool.clear() == 0
+
+
+def test_a_run_of_another_cpus_per_worker_keeps_the_other_keys_processes_the_node_has_room_for() -> None:
+    """The cap is per key: a run of 1.5-CPU workers on 4 CPUs (two fit) ending beside four idle 1-CPU
+    processes keeps them all (6 of the node's total of 8). With one cap for all keys (that of the ending
+    run's key: 2) it killed all four, and the next 1-CPU run of the suite started its workers again."""
+    pool = WarmPool()
+    one, big = (PoolKey(current_session() or "", "{}", c, "t") for c in (1.0, 1.5))
+    ones = [_w("n1") for _ in range(4)]
+    pool.release(one, ones, {"n1": 4.0})
+    bigs = [_w("n1") for _ in range(3)]  # three given back: 4 CPUs hold two of 1.5, the third goes
+    pool.release(big, bigs, {"n1": 4.0})
+    assert [pool.take(big, "n1") for _ in range(3)] == [bigs[0], bigs[1], None]
+    assert [pool.take(one, "n1") for _ in range(5)] == [*ones, None]
+    many = [_w("n1") for _ in range(9)]  # a key of 0.5 CPU: 4 CPUs hold 8, and the node keeps 8 in all
+    pool.release(PoolKey(current_session() or "", "{}", 0.5, "t"), many[:4], {"n1": 4.0})
+    pool.release(one, ones, {"n1": 4.0})
+    pool.release(big, bigs[:2], {"n1": 4.0})  # 2 + 4 + 4 = 10 over 8: the 0.5 key's two oldest go
+    assert len(pool.pids()) == 8 and pool.holds(one, "n1") and pool.holds(big, "n1")
+    assert len(pool.pids(PoolKey(current_session() or "", "{}", 0.5, "t"))) == 2
+    assert pool.clear() == 8
 
 
 TASK_V1 = '''

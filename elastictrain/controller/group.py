@@ -13,10 +13,11 @@ With ``workers.standby`` the group keeps one worker process started ahead (impor
 no resources of its own) that the next replacement on its node runs in: the first with the first generation's
 workers (:meth:`WorkerGroup.start_first_standby`), at their priority, the next each time a replacement is up,
 once the generation it joined has completed a step (:meth:`WorkerGroup.start_due_standby`). Those later ones run
-in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`),
-so their start takes from training only the CPU the training processes leave idle. A replacement the standby
-serves with its set-up ahead done is taken at detection and joins the recovery generation itself
-(:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
+in ``SCHED_IDLE`` (imports, set-up ahead) until a replacement takes them (:mod:`elastictrain.worker.import_priority`;
+Ray's start of the process too, lowered from outside on the driver's node:
+:mod:`elastictrain.controller.standby_start`), so their start takes from training only the CPU the training
+processes leave idle. A replacement the standby serves with its set-up ahead done is taken at detection and
+joins the recovery generation itself (:meth:`WorkerGroup.standby_prebuilt`, the controller's ``_take_prebuilt``).
 
 Mechanism only: who joins which generation is the controller's decision.
 """
@@ -40,7 +41,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from elastictrain.config import JobConfig
 from elastictrain.controller.detect import CallOutcome
 from elastictrain.controller.runtime import RAY, Runtime
-from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, node_caps, pool_key
+from elastictrain.controller.standby_start import (RAY_REGISTER_TIMEOUT_ENV, RAY_REGISTER_TIMEOUT_S, StartWatch,
+                                                   register_bound_s, supported)
+from elastictrain.controller.warm_pool import POOL, PoolKey, Warm, node_cpus, pool_key
 from elastictrain.task import Task
 from elastictrain.worker.actor import worker_actor_class
 from elastictrain.worker.import_priority import PRIORITIES_ENV, STANDBY_ENV, Phase, put_back, sweep
@@ -177,6 +180,7 @@ class WorkerGroup:
     _standby_started: bool = False  # one was started in this run (the first by start_first_standby)
     _standby_file: str | None = None  # where it writes its priorities before lowering them (same node only)
     _standby_due: int | None = None  # a replacement came up: the next standby starts on its node (start_due_standby)
+    _standby_watch: StartWatch | None = None  # lowers Ray's start of a standby started ahead (standby_start.py)
     _marks: list[str] = []  # files of standbys taken: removed at shutdown (a mark must outlive the take)
     rt: Runtime = RAY  # how the controller waits for and takes the results of calls on this group's actors
     _reuse: bool = False  # workers.reuse (CPU workers): placed slots' processes are pooled (warm_pool.py)
@@ -373,10 +377,46 @@ class WorkerGroup:
             # taken (worker/import_priority.py)
             runtime_env={"env_vars": {STANDBY_ENV: phase.value, PRIORITIES_ENV: self._standby_file}},
         ).remote(self.config, self.task, -1)
+        if phase is Phase.AHEAD:  # Ray's start of it too, from outside (it runs at the raylet's nice until connected)
+            self._standby_watch = self._watch_start()
         self._standby_probe = self._standby.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
         # and builds what a fresh worker builds (model, data) ahead, so taking it only names the slot
         # (Worker.setup; measured 0.4-0.6 s of a replacement's start on 2 busy cores, now paid before a death)
         self._standby_setup = self._standby.setup.remote(None)
+
+    def _watch_start(self) -> StartWatch | None:
+        """A :class:`~elastictrain.controller.standby_start.StartWatch` for the standby just created, where it
+        starts on this process's node (its process is found among the raylet's children, whose pid is the
+        parent of a member on this node); None elsewhere (nothing is lowered before its preload there)."""
+        if not supported() or self._standby_file is None:
+            return None
+        here = ray.get_runtime_context().get_node_id()
+        if self._standby_node != here:
+            return None
+        slots = self.by_state(SlotState.MEMBER, SlotState.READY, SlotState.STARTING)
+        raylet = next((r for r in (self._raylet_of(s, here) for s in slots) if r is not None), None)
+        if raylet is None:
+            return None
+        try:
+            ray_timeout = float(os.environ.get(RAY_REGISTER_TIMEOUT_ENV, RAY_REGISTER_TIMEOUT_S))
+        except ValueError:
+            ray_timeout = RAY_REGISTER_TIMEOUT_S
+        return StartWatch(raylet, self._standby_file, self._standby_file, register_bound_s(ray_timeout))
+
+    @staticmethod
+    def _raylet_of(slot: Slot, node: str) -> int | None:
+        """The pid of the raylet that started ``slot``'s process, where that process lives on ``node`` (this
+        process's)."""
+        pid = slot.info.get("pid")
+        if not pid or slot.info.get("node_id") != node:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/comm") as f:
+                return parent if f.read().strip() == "raylet" else None
+        except (OSError, IndexError, ValueError):
+            return None
 
     def start_first_standby(self) -> None:
         """Start the run's first standby, on the node of the lowest member slot (or, before the first
@@ -415,9 +455,9 @@ class WorkerGroup:
     def start_due_standby(self) -> None:
         """Start the next standby that a replacement which came up made due (:meth:`collect_ready`), on that
         slot's node; nothing when none is due. The controller calls it once the generation the replacement
-        joined has completed a step: Ray's start of the process (about a CPU second at the workers' priority,
-        before it can lower itself) and the driver's actor creation then fall outside the recovery's
-        rendezvous, state copy and first step (docs/perf/2026-11-28-drill-cost.md)."""
+        joined has completed a step: Ray's start of the process (about a CPU second, in the idle class where
+        :meth:`_watch_start` applies, else at the raylet's nice) and the driver's actor creation then fall
+        outside the recovery's rendezvous, state copy and first step (docs/perf/2026-11-28-drill-cost.md)."""
         index, self._standby_due = self._standby_due, None
         if index is not None:
             self._start_standby(index)
@@ -449,6 +489,9 @@ class WorkerGroup:
             put_back(self._standby_file)  # a mark left there is removed at shutdown
             self._marks = [*self._marks, self._standby_file]
         self._standby_file = None
+        if self._standby_watch is not None:  # last: what it lowered before the preload (or is lowering now)
+            self._standby_watch.put_back()
+            self._standby_watch = None
         return actor
 
     def _forget_standby_files(self) -> None:
@@ -461,6 +504,9 @@ class WorkerGroup:
         self._standby_file, self._marks = None, []
 
     def _drop_standby(self) -> None:
+        if self._standby_watch is not None:
+            self._standby_watch.close()
+            self._standby_watch = None
         if self._standby is not None:
             try:
                 ray.kill(self._standby, no_restart=True)
@@ -565,15 +611,15 @@ class WorkerGroup:
             except Exception:
                 pass
         if self._reuse:  # this run's retired workers stay, with what the pool held and this run did not take,
-            # bounded per node by what its CPUs hold (warm_pool.py); the rest goes
-            POOL.release(self._pool_key, self._warm, self._pool_caps())
+            # bounded per node and key by what its CPUs hold (warm_pool.py); the rest goes
+            POOL.release(self._pool_key, self._warm, self._pool_cpus())
             self._warm = []
 
-    def _pool_caps(self) -> dict[str, int] | None:
-        """Per alive node, how many idle processes of this run's key the pool may keep (None: unknown, the
-        pool keeps this run's workers only)."""
+    def _pool_cpus(self) -> dict[str, float] | None:
+        """The CPUs of each alive node, which bound what the pool keeps there (None: unknown, the pool keeps
+        this run's workers only)."""
         try:
             nodes = ray.nodes()
         except Exception:  # noqa: BLE001 - Ray going away
             return None
-        return node_caps(self.config.workers.cpus_per_worker, nodes)
+        return node_cpus(nodes)

@@ -37,12 +37,17 @@ Why the rules are what they are:
   same replacement).
 - How many it holds: a run that ends gives back its retired workers, and what the pool held that the run
   did not take stays beside them (a 2-worker run after a 4-worker one leaves 2 idle; other keys' idle
-  processes), at most as many per node, all keys together, as that node's CPUs hold workers of the ending
-  run's ``workers.cpus_per_worker`` (:func:`node_caps`), the most recently used first (the run's own,
-  then the pool's in the order they were given back): a node cannot run more workers of one key at once
-  than its CPUs hold (each bundle takes ``cpus_per_worker``), so a process beyond that could never be
-  taken by one run, and every idle process holds its interpreter's memory (torch imported: hundreds of
-  MiB). The extras, the least recently used, are killed.
+  processes), within two bounds per node (:func:`bounded`), the most recently used kept first (the run's
+  own, then the pool's in the order they were given back), the extras, the least recently used, killed:
+  of each key, as many as the node's CPUs hold workers of that key's ``workers.cpus_per_worker``
+  (:func:`key_cap`: one run of the key cannot place more there at once, each bundle taking
+  ``cpus_per_worker``, so a process beyond that could never be taken by one run); and of all keys
+  together, two per CPU of the node (:func:`node_total`; at least two): every idle process holds its
+  interpreter's memory (torch imported: hundreds of MiB), so a driver's pool holds at most two processes
+  per CPU of each node. The bound is per key so that a run of one key does not evict another key's
+  processes while the node has room: with one cap for all keys, a run of 1.5-CPU workers on 4 CPUs
+  (2 fit) killed every idle 1-CPU process beyond 2, which the next 1-CPU run then started again
+  (tests/test_warm_pool.py).
 - What is pooled: only CPU workers (a GPU process's CUDA context is not given back), only processes
   created for reuse (outside the placement group, never a standby), only from a run that ended
   ``finished``, only members or ready spares (a worker killed, hung, timed out or failed was killed
@@ -182,33 +187,44 @@ def kill_warm(warm: Warm) -> None:
         pass
 
 
-def bounded(idle: list[Warm], caps: dict[str, int] | None) -> tuple[list[Warm], list[Warm]]:
-    """PURE. ``(keep, kill)``: the first ``caps[node]`` processes of ``idle`` on each node are kept (a node
-    absent from ``caps`` keeps none: it is gone); ``caps`` None keeps all."""
-    if caps is None:
-        return list(idle), []
+def key_cap(cpus: float, cpus_per_worker: float) -> int:
+    """PURE. How many idle processes of a key with ``cpus_per_worker`` a node of ``cpus`` CPUs may keep: as
+    many workers as its CPUs hold, at least one."""
+    return max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
+
+
+def node_total(cpus: float) -> int:
+    """PURE. How many idle processes of all keys together a node of ``cpus`` CPUs may keep: two per CPU, at
+    least two (the memory bound: each holds an interpreter with torch imported)."""
+    return max(2, 2 * int(cpus))
+
+
+def bounded(idle: list[tuple[PoolKey, Warm]], cpus: dict[str, float] | None) -> tuple[list[Warm], list[Warm]]:
+    """PURE. ``(keep, kill)`` of ``idle`` (most recently used first): on each node, the first
+    :func:`key_cap` processes of each key, and of those the first :func:`node_total` of all keys together,
+    are kept; a node absent from ``cpus`` keeps none (it is gone); ``cpus`` None keeps all."""
+    if cpus is None:
+        return [w for _, w in idle], []
     keep: list[Warm] = []
     kill: list[Warm] = []
+    per_key: dict[tuple[PoolKey, str], int] = {}
     per_node: dict[str, int] = {}
-    for w in idle:
-        n = per_node.get(w.node_id, 0)
-        if n < caps.get(w.node_id, 0):
-            per_node[w.node_id] = n + 1
+    for key, w in idle:
+        node = cpus.get(w.node_id)
+        n_key, n_node = per_key.get((key, w.node_id), 0), per_node.get(w.node_id, 0)
+        if node is not None and n_key < key_cap(node, key.cpus_per_worker) and n_node < node_total(node):
+            per_key[(key, w.node_id)] = n_key + 1
+            per_node[w.node_id] = n_node + 1
             keep.append(w)
         else:
             kill.append(w)
     return keep, kill
 
 
-def node_caps(cpus_per_worker: float, nodes: list[dict[str, Any]]) -> dict[str, int]:
-    """PURE. How many idle processes of one key each alive node may keep: as many workers of
-    ``cpus_per_worker`` as its CPUs hold (``nodes`` as ``ray.nodes()`` reports them), at least one."""
-    caps = {}
-    for node in nodes:
-        if node.get("Alive") and node.get("NodeID"):
-            cpus = float((node.get("Resources") or {}).get("CPU", 0.0))
-            caps[node["NodeID"]] = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
-    return caps
+def node_cpus(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """PURE. The CPUs of each alive node (``nodes`` as ``ray.nodes()`` reports them)."""
+    return {node["NodeID"]: float((node.get("Resources") or {}).get("CPU", 0.0))
+            for node in nodes if node.get("Alive") and node.get("NodeID")}
 
 
 class WarmPool:
@@ -232,21 +248,21 @@ class WarmPool:
         with self._lock:
             return key is not None and any(k == key and w.node_id == node_id for k, w in self._idle)
 
-    def release(self, key: PoolKey | None, warm: list[Warm], caps: dict[str, int] | None = None) -> None:
+    def release(self, key: PoolKey | None, warm: list[Warm], cpus: dict[str, float] | None = None) -> None:
         """A run ended: keep ``warm`` (that run's retired workers, of ``key``) first, then what the pool still
-        holds, of every key, least recently used last, at most ``caps[node]`` processes per node, all keys
-        together (:func:`bounded`: the least recently used are killed first); no cap given (Ray going
-        away): that run's workers only. ``key`` None: kill everything."""
+        holds, of every key, least recently used last, within the bounds of each node of ``cpus`` (its CPUs:
+        :func:`bounded`, per key and for all keys together; the least recently used are killed first); no
+        ``cpus`` given (Ray going away): that run's workers only. ``key`` None: kill everything."""
         with self._lock:
             held = [(k, w) for k, w in self._idle if w.session == current_session()]  # others died with their job
             given = [(key, w) for w in warm] if key is not None else []
             if key is None:
                 keep, extra = [], [w for w in warm] + [w for _, w in held]
-            elif caps is None:
+            elif cpus is None:
                 keep, extra = given, [w for _, w in held]
             else:
                 ordered = given + held
-                kept, extra = bounded([w for _, w in ordered], caps)
+                kept, extra = bounded(ordered, cpus)
                 ids = {id(w) for w in kept}
                 keep = [(k, w) for k, w in ordered if id(w) in ids]
             self._idle = keep

@@ -210,7 +210,7 @@ class Worker:
                 _nccl_environment(self.config.stable_id, self.slot)
             self.runner = StepRunner(self.task, self.config.train, faults,
                                      audit=self.config.train.audit_samples, parallel=self.config.parallel,
-                                     device=worker_device(self.config.workers.use_gpu))
+                                     device=worker_device(self.config.workers.use_gpu), stop=self._stop)
             if slot is None and self.slot < 0:  # a standby ahead: parallel.compile's work too, off the recovery
                 self.runner.compile_ahead()
         self._status = "ready"

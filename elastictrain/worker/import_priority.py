@@ -25,11 +25,11 @@ there; taking it puts every thread back (:func:`restore`): the group calls ``Wor
 standby a slot, and the set-up with a slot calls it too. At that moment a core is free (the one the dead
 worker held), so even an idle-class process runs at once.
 
-Not covered: Ray's own start of the process (``setup_worker.py``, the interpreter, ``import ray``, the
-connect to the raylet), which runs at the worker's priority before the preload. Lowering it too (a
-``py_executable`` runtime env wrapping the interpreter) was rejected: the raylet kills a worker that has not
-registered within ``RAY_worker_register_timeout_seconds`` (60 s by default), and an idle-class process on a
-node whose cores the training keeps busy may not get there in time; the standby would then never exist.
+Not covered here: Ray's own start of the process (``setup_worker.py``, the interpreter, ``import ray``, the
+connect to the raylet), which runs before the preload, at the raylet's nice value (Ray's ``worker_niceness``
+comes with the connect, main thread only). The group lowers that from outside, bounded by Ray's
+registration timeout (:mod:`elastictrain.controller.standby_start`); it leaves each thread's nice value as it
+is, so what this module records and puts back is the same with or without it.
 
 The GIL hazard of ``SCHED_IDLE``: an idle-class thread that holds Python's GIL while the cores are busy
 stops every other thread of its process, the one that would run ``wake`` included. Two bounds: the take

@@ -96,7 +96,8 @@ class StepRunner:
     (:attr:`state`'s ``load_from`` over any DCP reader, or a replicated peer's broadcast)."""
 
     def __init__(self, task: Task, train: TrainConfig, faults: FaultInjector, audit: bool = False,
-                 parallel: ParallelConfig | None = None, device: torch.device | None = None) -> None:
+                 parallel: ParallelConfig | None = None, device: torch.device | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.task = task
         self.train = train
         self.parallel = parallel or ParallelConfig()
@@ -138,7 +139,10 @@ class StepRunner:
         # set by abort() (the controller's abort_group, from another thread) for the generation it names:
         # no step of an aborted generation commits (``_commit_gate``)
         self.aborted = threading.Event()
-        faults.bind(abort=lambda: self.abort(self.generation), stall=self._stall)
+        # the host's request to stop the generation at the next step boundary (``Worker.request_stop``; the
+        # caller of run_step reads it too): a ``hold`` fault waits for it
+        self.stop = stop if stop is not None else threading.Event()
+        faults.bind(abort=lambda: self.abort(self.generation), stall=self._stall, hold=self._hold)
         self._speed_setup()
 
     def _speed_setup(self) -> None:
@@ -363,7 +367,9 @@ class StepRunner:
         dp_rank = self.layout.dims.dp_rank(self.rank)
         micro = rank_micro_batches(s, dp_rank, d, m, g, self.train.seed, self.dataset_len)
         self._read_ahead(s, micro, dp_rank, d)
-        self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation)
+        # a hold here ended by the stop makes this step the generation's last (its word carries the stop)
+        if self.faults.fire(rank=self.rank, step=number, point="before_step", generation=self.generation):
+            stop_requested = True
         if not self.pm.module.training:  # (evaluation leaves it in eval mode; train() walks every module)
             self.pm.module.train()
         hooks = _LoopHooks(self, s, number, micro, dp_rank, d, stop_requested)
@@ -556,6 +562,21 @@ class StepRunner:
         raise StepAborted(f"generation {self.generation}'s group was aborted while rank {self.rank} waited in a "
                           "stalled collective")
 
+    def _hold(self, seconds: float) -> bool:
+        """The ``hold`` fault (worker/faults.py): wait until the stop is asked (:attr:`stop`) or this
+        generation's group is aborted, at most ``seconds``, in phase "compute" (a slow step to the watchdog);
+        both flags are set from other threads and looked at every 50 ms. Returns whether the stop was asked."""
+        before = self.phase
+        self._set_phase("compute")
+        deadline = time.monotonic() + seconds
+        while not (self.stop.is_set() or self.aborted.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.stop.wait(min(left, 0.05))
+        self._set_phase(before)
+        return self.stop.is_set()
+
     def discard_partial_step(self) -> None:
         """Drop gradients of a step that failed mid-way (no optimizer step was applied)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -618,8 +639,8 @@ class _LoopHooks:
         delay = r.faults.extra_delay(rank=r.rank, step=self.number, generation=r.generation)
         if delay:
             time.sleep(delay)
-        if k == 0:
-            r.faults.fire(rank=r.rank, step=self.number, point="mid_step", generation=r.generation)
+        if k == 0 and r.faults.fire(rank=r.rank, step=self.number, point="mid_step", generation=r.generation):
+            self.stop_requested = True  # a hold ended by the stop: sent in this step's word (``send``)
 
     def last_loss(self, loss: torch.Tensor) -> None:
         r = self.r
