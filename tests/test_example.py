@@ -21,7 +21,7 @@ def _load_example():
 
 def test_custom_task_example_learns(ray_local, tmp_path: Path) -> None:
     example = _load_example()
-    result = example.main(steps=20, run_dir=tmp_path / "run", console=None, workers={"standby": False},
+    result = example.main(steps=20, run_dir=tmp_path / "run", console=None, workers={"standby": False, "reuse": True},
                           checkpoint={"memory_every_steps": 0})
     assert result.ok, result.summary
     assert result.summary["final_step"] == 20
